@@ -1,0 +1,34 @@
+# make demo: set everything up, run the main job on the embedded defaults (no external service needed).
+# make test: set everything up, run the test suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test proto bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and deliberately: the CPU wheel, not a multi-GB CUDA build pulled by a bare requirement.
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[dev,plot]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -m fthsdp demo
+
+test: setup
+	$(PY) -m pytest -q
+
+proto: setup
+	$(PY) scripts/gen_protos.py
+
+bench: setup
+	$(PY) -m fthsdp bench lighthouse
+
+clean:
+	rm -rf $(VENV) .pytest_cache

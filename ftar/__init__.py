@@ -1,0 +1,1 @@
+"""FTAR: fault-tolerant all-reduce across replicas (see DESIGN §5)."""

@@ -1,0 +1,3 @@
+from fthsdp.cli import main
+
+main()

@@ -1,0 +1,175 @@
+"""The ``fthsdp`` command line: lighthouse, status, emulate, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import pathlib
+import signal
+import sys
+from typing import Any, Callable
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, stream=sys.stderr)
+
+
+def _run_until_signal(coro_factory: Callable[[asyncio.Event], Any]) -> None:
+    """Run ``coro_factory(stop)`` until SIGTERM/SIGINT sets ``stop``."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await coro_factory(stop)
+
+    asyncio.run(main())
+
+
+# --- lighthouse ------------------------------------------------------------------------------------------------
+
+
+def cmd_lighthouse(a: argparse.Namespace) -> None:
+    from fthsdp.procutil import write_atomic
+    from lighthouse.membership import Policy
+    from lighthouse.server import LighthouseConfig, serve
+    from lighthouse.store import open_store
+
+    interval = a.heartbeat_interval if a.heartbeat_interval else min(0.5, a.heartbeat_timeout / 4)
+    policy = Policy(min_replicas=a.min_replicas, heartbeat_interval_s=interval,
+                    heartbeat_timeout_s=a.heartbeat_timeout,
+                    confirm_age_s=a.confirm_age if a.confirm_age else min(a.heartbeat_timeout, 2 * interval),
+                    join_window_s=a.join_window, expected_replicas=a.expected_replicas)
+    config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job), policy=policy,
+                              rendezvous=not a.no_rendezvous)
+
+    def ready(lh: Any) -> None:
+        if a.port_file:
+            write_atomic(pathlib.Path(a.port_file),
+                         f"grpc={lh.port} http={lh.http_port} rendezvous={lh.rendezvous_addr}")
+
+    _run_until_signal(lambda stop: serve(config, open_store(a.store), stop=stop, ready=ready))
+    logging.getLogger("fthsdp.lighthouse").info("lighthouse stopped")
+
+
+def cmd_status(a: argparse.Namespace) -> None:
+    import urllib.error
+    import urllib.request
+
+    url = f"http://{a.http}/status"
+    try:
+        with urllib.request.urlopen(url, timeout=a.timeout) as r:
+            status = json.load(r)
+    except (urllib.error.URLError, OSError) as e:
+        sys.exit(f"fthsdp status: cannot reach {url}: {e}")
+    if a.json:
+        print(json.dumps(status, indent=2))
+        return
+    print(f"job {status['job']}  epoch {status['epoch']}  leader {'yes' if status['leader'] else 'no'}  "
+          f"members {len(status['members'])}  min_replicas {status['min_replicas']}")
+    print(f"{'REPLICA':<24} {'ROLE':<8} {'IN EPOCH':<8} {'STEP':>8} {'HB AGE (s)':>10}")
+    for x in status["members"]:
+        print(f"{x['replica_id']:<24} {x['role']:<8} {'yes' if x['in_epoch'] else 'no':<8} {x['step']:>8} "
+              f"{x['last_heartbeat_age_s']:>10.2f}")
+    if status["history"]:
+        print("\nrecent epochs:")
+        for e in status["history"][-a.history:]:
+            print(f"  {e['epoch']:>5}  {len(e['members'])} members  {e['reason'][:100]}")
+
+
+def cmd_emulate(a: argparse.Namespace) -> None:
+    from lighthouse.emulate import run_emulate
+
+    _run_until_signal(lambda stop: run_emulate(a.lighthouse, a.replicas, a.job, a.prefix, stop))
+
+
+# --- bench -----------------------------------------------------------------------------------------------------
+
+
+def _emit(result: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], None]) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        table(result)
+
+
+def cmd_bench_lighthouse(a: argparse.Namespace) -> None:
+    from lighthouse.bench import bench_lighthouse
+
+    result = bench_lighthouse(a.replicas, deaths=a.deaths, window_s=a.window, interval=a.heartbeat_interval)
+
+    def table(r: dict[str, Any]) -> None:
+        print(f"{'replicas':>8} {'hb/s':>9} {'hb ratio':>8} {'lh cpu%':>7} {'detect p50':>10} {'push p50':>9} "
+              f"{'push p99':>9} {'death->all p99':>14}")
+        for x in r["results"]:
+            print(f"{x['replicas']:>8} {x['heartbeats_per_s']:>9} {x['heartbeat_ratio']:>8} {x['lighthouse_cpu_pct']:>7} "
+                  f"{x['detect_p50_s']:>10} {x['push_p50_s']:>9} {x['push_p99_s']:>9} {x['death_to_all_p99_s']:>14}")
+
+    _emit(result, a.json, table)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fthsdp", description="Fault-tolerant HSDP training runtime.")
+    p.add_argument("--log-level", default="INFO")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    lh = sub.add_parser("lighthouse", help="run the membership coordinator")
+    lh.add_argument("--bind", default="127.0.0.1:29510", help="gRPC HOST:PORT (port 0: any free port)")
+    lh.add_argument("--http", default="127.0.0.1:29511", help="HTTP HOST:PORT for /status, /metrics, / ('' = off)")
+    lh.add_argument("--job", action="append", default=None, help="job id served (repeatable; default 'default')")
+    lh.add_argument("--min-replicas", type=int, default=1, help="no epoch with fewer live replicas")
+    lh.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds without heartbeat = dead")
+    lh.add_argument("--heartbeat-interval", type=float, default=0.0,
+                    help="interval advertised to clients (default: min(0.5, timeout/4))")
+    lh.add_argument("--confirm-age", type=float, default=0.0,
+                    help="a reported peer with no heartbeat for this long is confirmed dead (default 2 intervals)")
+    lh.add_argument("--join-window", type=float, default=0.0,
+                    help="bootstrap: after min-replicas registered, wait this long for more")
+    lh.add_argument("--expected-replicas", type=int, default=0,
+                    help="bootstrap: form the first epoch as soon as this many registered")
+    lh.add_argument("--store", default="memory://", help="durable store URL (memory:// is the default)")
+    lh.add_argument("--no-rendezvous", action="store_true", help="do not host the data-plane TCPStore")
+    lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=H:P' here once serving")
+    lh.set_defaults(fn=cmd_lighthouse)
+
+    st = sub.add_parser("status", help="print a lighthouse's members and epochs")
+    st.add_argument("--http", default="127.0.0.1:29511", help="the lighthouse's HTTP HOST:PORT")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--history", type=int, default=10, help="how many recent epochs to show")
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.set_defaults(fn=cmd_status)
+
+    em = sub.add_parser("emulate", help="run N emulated replicas (control plane only) until interrupted")
+    em.add_argument("--lighthouse", default="127.0.0.1:29510", help="HOST:PORT[,HOST:PORT...]")
+    em.add_argument("--replicas", type=int, required=True)
+    em.add_argument("--prefix", default="emu", help="replica ids are PREFIX-00000, ...")
+    em.add_argument("--job", default="default")
+    em.set_defaults(fn=cmd_emulate)
+
+    bench = sub.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    bl = bsub.add_parser("lighthouse", help="heartbeat throughput and epoch push latency with N emulated replicas")
+    bl.add_argument("--replicas", type=int, nargs="+", default=[100, 1000])
+    bl.add_argument("--deaths", type=int, default=5)
+    bl.add_argument("--window", type=float, default=5.0, help="seconds of heartbeat measurement")
+    bl.add_argument("--heartbeat-interval", type=float, default=1.0)
+    bl.add_argument("--json", action="store_true")
+    bl.set_defaults(fn=cmd_bench_lighthouse)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "lighthouse" and not args.job:
+        args.job = ["default"]
+    _setup_logging(args.log_level)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

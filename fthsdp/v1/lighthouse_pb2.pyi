@@ -1,0 +1,221 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_JOINING: _ClassVar[Role]
+    ROLE_ACTIVE: _ClassVar[Role]
+ROLE_UNSPECIFIED: Role
+ROLE_JOINING: Role
+ROLE_ACTIVE: Role
+
+class Endpoints(_message.Message):
+    __slots__ = ("data_plane", "catchup", "http")
+    DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    CATCHUP_FIELD_NUMBER: _ClassVar[int]
+    HTTP_FIELD_NUMBER: _ClassVar[int]
+    data_plane: str
+    catchup: str
+    http: str
+    def __init__(self, data_plane: _Optional[str] = ..., catchup: _Optional[str] = ..., http: _Optional[str] = ...) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("replica_id", "incarnation", "role", "shard_count", "endpoints")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    incarnation: str
+    role: Role
+    shard_count: int
+    endpoints: Endpoints
+    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ...) -> None: ...
+
+class Epoch(_message.Message):
+    __slots__ = ("job_id", "number", "members", "rendezvous", "created_unix", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    number: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    rendezvous: str
+    created_unix: float
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("job_id", "replica_id", "shard_count", "endpoints", "incarnation")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replica_id: str
+    shard_count: int
+    endpoints: Endpoints
+    incarnation: str
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("incarnation", "role", "epoch", "heartbeat_interval_s", "heartbeat_timeout_s")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    role: Role
+    epoch: Epoch
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    def __init__(self, incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., epoch: _Optional[_Union[Epoch, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("job_id", "replica_id", "incarnation", "step", "epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replica_id: str
+    incarnation: str
+    step: int
+    epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("job_id", "after_epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    after_epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., after_epoch: _Optional[int] = ...) -> None: ...
+
+class FailureReport(_message.Message):
+    __slots__ = ("job_id", "reporter_replica_id", "reporter_incarnation", "suspect_replica_id", "epoch", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORTER_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REPORTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SUSPECT_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reporter_replica_id: str
+    reporter_incarnation: str
+    suspect_replica_id: str
+    epoch: int
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., reporter_replica_id: _Optional[str] = ..., reporter_incarnation: _Optional[str] = ..., suspect_replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class FailureReportResponse(_message.Message):
+    __slots__ = ("confirmed", "detail", "epoch")
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    confirmed: bool
+    detail: str
+    epoch: int
+    def __init__(self, confirmed: _Optional[bool] = ..., detail: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ReadyRequest(_message.Message):
+    __slots__ = ("job_id", "replica_id", "incarnation", "role")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replica_id: str
+    incarnation: str
+    role: Role
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ...) -> None: ...
+
+class ReadyResponse(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("job_id", "replica_id", "incarnation", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    replica_id: str
+    incarnation: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class MemberStatus(_message.Message):
+    __slots__ = ("replica_id", "incarnation", "role", "in_epoch", "last_heartbeat_age_s", "step")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    IN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    incarnation: str
+    role: Role
+    in_epoch: bool
+    last_heartbeat_age_s: float
+    step: int
+    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., in_epoch: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
+
+class HistoryEntry(_message.Message):
+    __slots__ = ("epoch", "created_unix", "reason", "members")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    created_unix: float
+    reason: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("epoch", "members", "history", "leader")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    epoch: Epoch
+    members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
+    history: _containers.RepeatedCompositeFieldContainer[HistoryEntry]
+    leader: bool
+    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ...) -> None: ...

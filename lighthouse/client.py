@@ -1,0 +1,401 @@
+"""Lighthouse clients: an asyncio core (``AsyncLighthouseClient``, used directly by the emulator to drive
+thousands of replicas from one process) and a thread-backed wrapper (``LighthouseClient``) for the runtime,
+whose training loop must never block on the lighthouse.
+
+Every call has a deadline. The background session heartbeats, keeps a watch stream open (reconnecting with
+jittered exponential backoff, rotating through the given lighthouse addresses), and re-registers if the
+lighthouse lost or dropped it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import random
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Coroutine, Sequence, TypeVar
+
+import grpc
+
+from fthsdp.v1 import lighthouse_pb2 as pb
+from fthsdp.v1 import lighthouse_pb2_grpc as pb_grpc
+from lighthouse import membership as m
+from lighthouse import wire
+from lighthouse.errors import (FencedOut, InvalidRequest, LighthouseError, LighthouseUnavailable, Unauthenticated,
+                               UnknownTarget)
+from lighthouse.wire import EpochView
+
+log = logging.getLogger("fthsdp.lighthouse.client")
+T = TypeVar("T")
+
+_ERRORS: dict[grpc.StatusCode, type[LighthouseError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: UnknownTarget,
+    grpc.StatusCode.FAILED_PRECONDITION: FencedOut,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: Unauthenticated,
+}
+
+
+def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
+    """``"h1:p1,h2:p2"`` or a list -> list; refuses an empty one."""
+    items = addresses.split(",") if isinstance(addresses, str) else list(addresses)
+    items = [a.strip() for a in items if a.strip()]
+    if not items:
+        raise ValueError("no lighthouse address given")
+    return items
+
+
+def _translate(e: grpc.aio.AioRpcError | grpc.RpcError, what: str) -> LighthouseError:
+    code = e.code()
+    cls = _ERRORS.get(code, LighthouseUnavailable)
+    return cls(f"{what}: {code.name}: {e.details()}")
+
+
+@dataclass(frozen=True)
+class Registration:
+    incarnation: str
+    role: str
+    epoch: EpochView
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    confirmed: bool
+    detail: str
+    epoch: int
+
+
+class AsyncLighthouseClient:
+    """One replica's view of the lighthouse, on the caller's event loop."""
+
+    def __init__(self, addresses: str | Sequence[str], job_id: str, replica_id: str, *, shard_count: int = 1,
+                 endpoints: m.Endpoints = m.Endpoints(), incarnation: str | None = None,
+                 rpc_timeout_s: float = 2.0) -> None:
+        self.addresses = parse_addresses(addresses)
+        self.job_id = job_id
+        self.replica_id = replica_id
+        self.shard_count = shard_count
+        self.endpoints = endpoints
+        self.incarnation = incarnation or uuid.uuid4().hex[:16]
+        self.rpc_timeout_s = rpc_timeout_s
+        self.heartbeat_interval_s = 0.5
+        self.role = ""
+        self.heartbeats = 0
+        """Heartbeats the lighthouse accepted."""
+        self._index = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.LighthouseStub | None = None
+
+    # --- connection -------------------------------------------------------------------------------------
+
+    def _stub_now(self) -> pb_grpc.LighthouseStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.addresses[self._index % len(self.addresses)])
+            self._stub = pb_grpc.LighthouseStub(self._channel)
+        return self._stub
+
+    async def _rotate(self) -> None:
+        """Drop the channel and move to the next address (after an UNAVAILABLE)."""
+        channel, self._channel, self._stub = self._channel, None, None
+        self._index += 1
+        if channel is not None:
+            await channel.close(grace=None)
+
+    async def _call(self, method: str, request: object, timeout: float | None = None) -> object:
+        stub = self._stub_now()
+        try:
+            return await getattr(stub, method)(request, timeout=timeout or self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            err = _translate(e, f"{method} for replica {self.replica_id}")
+            if isinstance(err, LighthouseUnavailable):
+                await self._rotate()
+            raise err from None
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+        self._channel = self._stub = None
+
+    # --- calls --------------------------------------------------------------------------------------------
+
+    async def register(self) -> Registration:
+        resp = await self._call("Register", pb.RegisterRequest(
+            job_id=self.job_id, replica_id=self.replica_id, shard_count=self.shard_count,
+            incarnation=self.incarnation,
+            endpoints=pb.Endpoints(data_plane=self.endpoints.data_plane, catchup=self.endpoints.catchup,
+                                   http=self.endpoints.http)))
+        assert isinstance(resp, pb.RegisterResponse)
+        self.role = wire.ROLE_FROM_PB.get(resp.role, m.JOINING)
+        self.heartbeat_interval_s = resp.heartbeat_interval_s or self.heartbeat_interval_s
+        return Registration(resp.incarnation, self.role, wire.epoch_from_pb(resp.epoch),
+                            resp.heartbeat_interval_s, resp.heartbeat_timeout_s)
+
+    async def heartbeat(self, step: int = 0, epoch: int = 0) -> int:
+        resp = await self._call("Heartbeat", pb.HeartbeatRequest(
+            job_id=self.job_id, replica_id=self.replica_id, incarnation=self.incarnation, step=step, epoch=epoch))
+        assert isinstance(resp, pb.HeartbeatResponse)
+        self.heartbeats += 1
+        return resp.epoch
+
+    async def report_failure(self, suspect: str, epoch: int, reason: str) -> ReportResult:
+        resp = await self._call("ReportFailure", pb.FailureReport(
+            job_id=self.job_id, reporter_replica_id=self.replica_id, reporter_incarnation=self.incarnation,
+            suspect_replica_id=suspect, epoch=epoch, reason=reason[: wire.REASON_MAX]))
+        assert isinstance(resp, pb.FailureReportResponse)
+        return ReportResult(resp.confirmed, resp.detail, resp.epoch)
+
+    async def ready(self, role: str) -> int:
+        resp = await self._call("Ready", pb.ReadyRequest(job_id=self.job_id, replica_id=self.replica_id,
+                                                         incarnation=self.incarnation, role=wire.ROLE_TO_PB[role]))
+        assert isinstance(resp, pb.ReadyResponse)
+        if role == m.ACTIVE:
+            self.role = m.ACTIVE
+        return resp.epoch
+
+    async def leave(self, reason: str = "") -> int:
+        resp = await self._call("Leave", pb.LeaveRequest(job_id=self.job_id, replica_id=self.replica_id,
+                                                         incarnation=self.incarnation, reason=reason))
+        assert isinstance(resp, pb.LeaveResponse)
+        return resp.epoch
+
+    async def status(self) -> pb.StatusResponse:
+        resp = await self._call("Status", pb.StatusRequest(job_id=self.job_id))
+        assert isinstance(resp, pb.StatusResponse)
+        return resp
+
+    async def watch(self, after_epoch: int = 0) -> AsyncIterator[EpochView]:
+        """Yield every epoch newer than ``after_epoch`` as it is pushed; raises when the stream breaks."""
+        call = self._stub_now().Watch(pb.WatchRequest(job_id=self.job_id, after_epoch=after_epoch))
+        try:
+            async for e in call:
+                yield wire.epoch_from_pb(e)
+        except grpc.aio.AioRpcError as e:
+            err = _translate(e, f"Watch for replica {self.replica_id}")
+            if isinstance(err, LighthouseUnavailable):
+                await self._rotate()
+            raise err from None
+        finally:
+            call.cancel()
+
+    # --- the background session -----------------------------------------------------------------------------
+
+    async def run(self, on_epoch: Callable[[EpochView], None], stop: asyncio.Event, *,
+                  register: bool = True, step: Callable[[], int] = lambda: 0,
+                  on_lost: Callable[[str], None] | None = None, known_epoch: int = 0) -> None:
+        """Heartbeat and watch until ``stop`` is set. ``register=False`` only watches (non-leader ranks).
+
+        ``on_lost`` is told when the lighthouse no longer knows this incarnation (declared dead); the session
+        then registers again as a new member.
+        """
+        latest = {"n": known_epoch}
+
+        def deliver(e: EpochView) -> None:
+            if e.number > latest["n"]:
+                latest["n"] = e.number
+                on_epoch(e)
+
+        tasks = [asyncio.create_task(self._watch_loop(deliver, latest, stop))]
+        if register:
+            tasks.append(asyncio.create_task(self._heartbeat_loop(step, latest, stop, on_lost, deliver)))
+        try:
+            await stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _watch_loop(self, deliver: Callable[[EpochView], None], latest: dict[str, int],
+                          stop: asyncio.Event) -> None:
+        backoff = Backoff()
+        while not stop.is_set():
+            try:
+                async for e in self.watch(after_epoch=latest["n"]):
+                    backoff.reset()
+                    deliver(e)
+            except LighthouseError as e:
+                log.debug("watch replica=%s broke: %s", self.replica_id, e)
+            await backoff.wait(stop)
+
+    async def _heartbeat_loop(self, step: Callable[[], int], latest: dict[str, int], stop: asyncio.Event,
+                              on_lost: Callable[[str], None] | None, deliver: Callable[[EpochView], None]) -> None:
+        backoff = Backoff()
+        while not stop.is_set():
+            try:
+                await self.heartbeat(step(), latest["n"])
+                backoff.reset()
+                wait = self.heartbeat_interval_s
+            except (UnknownTarget, FencedOut) as e:
+                log.warning("replica=%s lost its registration (%s); registering again", self.replica_id, e)
+                if on_lost is not None:
+                    on_lost(str(e))
+                try:
+                    reg = await self.register()
+                    deliver(reg.epoch)
+                    wait = self.heartbeat_interval_s
+                except LighthouseError as e2:
+                    log.warning("replica=%s re-register failed: %s", self.replica_id, e2)
+                    wait = backoff.next()
+            except LighthouseError as e:
+                log.debug("heartbeat replica=%s failed: %s", self.replica_id, e)
+                wait = backoff.next()
+            try:
+                await asyncio.wait_for(stop.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+
+
+class Backoff:
+    """Jittered exponential backoff, 50 ms to 2 s."""
+
+    def __init__(self, first: float = 0.05, cap: float = 2.0) -> None:
+        self.first, self.cap, self.current = first, cap, first
+
+    def reset(self) -> None:
+        self.current = self.first
+
+    def next(self) -> float:
+        delay = self.current * random.uniform(0.5, 1.0)
+        self.current = min(self.cap, self.current * 2)
+        return delay
+
+    async def wait(self, stop: asyncio.Event) -> None:
+        try:
+            await asyncio.wait_for(stop.wait(), self.next())
+        except asyncio.TimeoutError:
+            pass
+
+
+class LighthouseClient:
+    """Thread-backed client for the training process: calls block the caller at most ``timeout`` seconds;
+    heartbeats and the epoch watch run on a private event-loop thread.
+
+    Pushed epochs reach ``on_epoch`` (called on that thread: keep it short) and ``wait_epoch``.
+    """
+
+    def __init__(self, addresses: str | Sequence[str], job_id: str, replica_id: str, *, shard_count: int = 1,
+                 endpoints: m.Endpoints = m.Endpoints(), rpc_timeout_s: float = 2.0,
+                 on_epoch: Callable[[EpochView], None] | None = None,
+                 on_lost: Callable[[str], None] | None = None) -> None:
+        self._on_epoch = on_epoch
+        self._on_lost = on_lost
+        self._cond = threading.Condition()
+        self._latest: EpochView | None = None
+        self._step = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"lighthouse-{replica_id}", daemon=True)
+        self._thread.start()
+        self._stop: asyncio.Event | None = None
+        self._session: concurrent.futures.Future[None] | None = None
+        self.rpc_timeout_s = rpc_timeout_s
+        # The channel is made lazily, on the loop thread, by the first call.
+        self.aio = AsyncLighthouseClient(addresses, job_id, replica_id, shard_count=shard_count,
+                                         endpoints=endpoints, rpc_timeout_s=rpc_timeout_s)
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout if timeout is not None else self.rpc_timeout_s + 1.0)
+        except TimeoutError:
+            fut.cancel()
+            raise LighthouseUnavailable("lighthouse call did not finish within its deadline") from None
+
+    @property
+    def replica_id(self) -> str:
+        return self.aio.replica_id
+
+    @property
+    def incarnation(self) -> str:
+        return self.aio.incarnation
+
+    def _deliver(self, e: EpochView) -> None:
+        with self._cond:
+            if self._latest is not None and e.number <= self._latest.number:
+                return
+            self._latest = e
+            self._cond.notify_all()
+        if self._on_epoch is not None:
+            self._on_epoch(e)
+
+    def start(self, register: bool = True, deadline_s: float = 30.0) -> Registration | None:
+        """Register (retrying until ``deadline_s``) and start heartbeats and the watch.
+
+        With ``register=False`` only the watch runs (ranks other than the replica's leader).
+        """
+        reg: Registration | None = None
+        if register:
+            reg = self._run(self._register_until(deadline_s), timeout=deadline_s + 1.0)
+            if reg.epoch.number:
+                self._deliver(reg.epoch)
+
+        async def session() -> None:
+            self._stop = asyncio.Event()
+            await self.aio.run(self._deliver, self._stop, register=register,
+                               step=lambda: self._step, on_lost=self._on_lost,
+                               known_epoch=self._latest.number if self._latest else 0)
+
+        self._session = asyncio.run_coroutine_threadsafe(session(), self._loop)
+        return reg
+
+    async def _register_until(self, deadline_s: float) -> Registration:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        backoff = Backoff()
+        while True:
+            try:
+                return await self.aio.register()
+            except LighthouseUnavailable:
+                if loop.time() + backoff.current > end:
+                    raise
+                await asyncio.sleep(backoff.next())  # retry pacing, bounded by the deadline
+
+    def set_step(self, step: int) -> None:
+        """Reported with the next heartbeat (informational)."""
+        self._step = step
+
+    @property
+    def epoch(self) -> EpochView | None:
+        with self._cond:
+            return self._latest
+
+    def wait_epoch(self, after: int, timeout: float) -> EpochView | None:
+        """Wait until an epoch numbered above ``after`` is known; None at the deadline."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._latest is not None and self._latest.number > after, timeout)
+            return self._latest if self._latest is not None and self._latest.number > after else None
+
+    def report_failure(self, suspect: str, epoch: int, reason: str) -> ReportResult:
+        return self._run(self.aio.report_failure(suspect, epoch, reason))
+
+    def ready(self, role: str) -> int:
+        return self._run(self.aio.ready(role))
+
+    def leave(self, reason: str = "") -> int:
+        return self._run(self.aio.leave(reason))
+
+    def status(self) -> pb.StatusResponse:
+        return self._run(self.aio.status())
+
+    def close(self) -> None:
+        """Stop the session and the loop thread (idempotent)."""
+        if not self._thread.is_alive():
+            return
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._session is not None:
+            try:
+                self._session.result(timeout=5)
+            except Exception:
+                pass
+        try:
+            self._run(self.aio.close(), timeout=5)
+        except LighthouseError:
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)

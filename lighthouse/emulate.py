@@ -1,0 +1,140 @@
+"""Emulated replicas: the control plane of N replicas (register, heartbeat, watch) with no compute, in one
+process on one event loop. Users smoke-test a deployment with it; the benchmark loads the lighthouse with it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from lighthouse import membership as m
+from lighthouse.client import AsyncLighthouseClient, ReportResult
+from lighthouse.errors import LighthouseError
+from lighthouse.wire import EpochView
+
+log = logging.getLogger("fthsdp.emulate")
+
+
+@dataclass
+class EmulatedReplica:
+    client: AsyncLighthouseClient
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    epoch: EpochView | None = None
+    received: dict[int, float] = field(default_factory=dict)
+    """epoch number -> time.time() it reached this replica."""
+
+    @property
+    def replica_id(self) -> str:
+        return self.client.replica_id
+
+
+class Emulator:
+    """N emulated replicas of one job against one lighthouse (address list allowed)."""
+
+    def __init__(self, lighthouse: str, replicas: int, *, job_id: str = "default", prefix: str = "emu",
+                 shard_count: int = 1, on_epoch: Callable[[EmulatedReplica, EpochView], None] | None = None,
+                 rpc_timeout_s: float = 5.0) -> None:
+        self.on_epoch = on_epoch
+        self.replicas = [
+            EmulatedReplica(AsyncLighthouseClient(lighthouse, job_id, f"{prefix}-{i:05d}", shard_count=shard_count,
+                                                  rpc_timeout_s=rpc_timeout_s))
+            for i in range(replicas)
+        ]
+
+    def _deliver(self, r: EmulatedReplica) -> Callable[[EpochView], None]:
+        def deliver(e: EpochView) -> None:
+            r.received.setdefault(e.number, time.time())
+            r.epoch = e
+            me = e.member(r.replica_id)
+            if me is not None and me.role == m.JOINING:
+                # Nothing to fetch: an emulated joiner is caught up as soon as it is in the data plane.
+                asyncio.get_running_loop().create_task(self._ready(r, m.ACTIVE))
+            if self.on_epoch is not None:
+                self.on_epoch(r, e)
+        return deliver
+
+    async def _ready(self, r: EmulatedReplica, role: str) -> None:
+        try:
+            await r.client.ready(role)
+        except LighthouseError as e:
+            log.info("ready(%s) for %s: %s", role, r.replica_id, e)
+
+    async def start(self, concurrency: int = 64) -> None:
+        """Register everyone (bounded concurrency), then start their sessions. Joiners declare themselves
+        ready at once, and active once they are in an epoch."""
+        sem = asyncio.Semaphore(concurrency)
+
+        async def reg(r: EmulatedReplica) -> None:
+            async with sem:
+                if (await r.client.register()).role == m.JOINING:
+                    await self._ready(r, m.JOINING)
+
+        await asyncio.gather(*(reg(r) for r in self.replicas))
+        for r in self.replicas:
+            self._start_session(r)
+
+    def _start_session(self, r: EmulatedReplica) -> None:
+        r.task = asyncio.create_task(r.client.run(self._deliver(r), r.stop))
+
+    async def kill(self, r: EmulatedReplica) -> None:
+        """Stop heartbeating and watching, as a SIGKILLed replica would."""
+        r.stop.set()
+        if r.task is not None:
+            await asyncio.gather(r.task, return_exceptions=True)
+        await r.client.close()
+
+    async def report(self, reporter: EmulatedReplica, suspect: EmulatedReplica) -> ReportResult | None:
+        epoch = reporter.epoch.number if reporter.epoch else 0
+        try:
+            return await reporter.client.report_failure(suspect.replica_id, epoch, "emulated collective failure")
+        except LighthouseError as e:
+            log.info("report by %s about %s: %s", reporter.replica_id, suspect.replica_id, e)
+            return None
+
+    def alive(self) -> list[EmulatedReplica]:
+        return [r for r in self.replicas if not r.stop.is_set()]
+
+    async def wait_all_have(self, predicate: Callable[[EpochView], bool], timeout: float) -> bool:
+        """Wait until every live emulated replica holds an epoch matching ``predicate``."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            if all(r.epoch is not None and predicate(r.epoch) for r in self.alive()):
+                return True
+            await asyncio.sleep(0.01)  # polling a condition with a deadline
+        return False
+
+    async def close(self) -> None:
+        for r in self.replicas:
+            r.stop.set()
+        await asyncio.gather(*(r.task for r in self.replicas if r.task), return_exceptions=True)
+        await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
+
+
+async def run_emulate(lighthouse: str, replicas: int, job_id: str, prefix: str, stop: asyncio.Event) -> None:
+    """``fthsdp emulate``: keep N replicas alive, print each epoch change once, until ``stop``."""
+    printed: set[int] = set()
+
+    def on_epoch(r: EmulatedReplica, e: EpochView) -> None:
+        if e.number not in printed:
+            printed.add(e.number)
+            mine = sum(1 for x in e.members if x.replica_id.startswith(prefix + "-"))
+            active = sum(1 for x in e.members if x.role == m.ACTIVE)
+            print(f"epoch {e.number}: {len(e.members)} members ({active} active, {mine} emulated here) "
+                  f"reason: {e.reason[:160]}", flush=True)
+
+    emu = Emulator(lighthouse, replicas, job_id=job_id, prefix=prefix, on_epoch=on_epoch)
+    await emu.start()
+    print(f"{replicas} emulated replicas registered with {lighthouse} (job {job_id}); Ctrl-C to stop", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        for r in emu.alive():
+            try:
+                await r.client.leave("emulator stopped")
+            except LighthouseError:
+                pass
+        await emu.close()

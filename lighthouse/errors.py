@@ -1,0 +1,31 @@
+"""Typed errors of the lighthouse and its clients."""
+
+from __future__ import annotations
+
+
+class LighthouseError(Exception):
+    """Base of every error the lighthouse client raises."""
+
+
+class InvalidRequest(LighthouseError):
+    """The lighthouse refused the request as malformed (INVALID_ARGUMENT, RESOURCE_EXHAUSTED)."""
+
+
+class UnknownTarget(LighthouseError):
+    """Unknown job, or a replica that is not (or no longer) registered (NOT_FOUND)."""
+
+
+class FencedOut(LighthouseError):
+    """The request was made under a stale epoch or incarnation (FAILED_PRECONDITION)."""
+
+
+class Unauthenticated(LighthouseError):
+    """Wrong or missing credentials (UNAUTHENTICATED, PERMISSION_DENIED)."""
+
+
+class LighthouseUnavailable(LighthouseError):
+    """No lighthouse answered within the deadline (UNAVAILABLE, DEADLINE_EXCEEDED)."""
+
+
+class EpochFenced(LighthouseError):
+    """A store write was fenced: another writer advanced the job's epoch first."""

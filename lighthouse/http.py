@@ -1,0 +1,92 @@
+"""The lighthouse's HTTP side port: ``/status`` (JSON), ``/metrics`` (Prometheus), ``/`` (a page for people).
+
+Runs a stdlib threading HTTP server; each request asks the server's event loop for a consistent snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lighthouse.server import Lighthouse
+
+SNAPSHOT_TIMEOUT_S = 5.0
+
+
+def render_page(status: dict[str, Any]) -> str:
+    """The human page: members with roles and heartbeat ages, and the epoch timeline."""
+    rows = "".join(
+        f"<tr><td>{html.escape(x['replica_id'])}</td><td class='{x['role']}'>{x['role']}</td>"
+        f"<td>{'yes' if x['in_epoch'] else 'no'}</td><td>{x['step']}</td><td>{x['last_heartbeat_age_s']:.2f}</td></tr>"
+        for x in status["members"])
+    hist = "".join(
+        f"<tr><td>{e['epoch']}</td><td>{time.strftime('%H:%M:%S', time.localtime(e['time']))}</td>"
+        f"<td>{html.escape(', '.join(e['members']))}</td><td>{html.escape(e['reason'])}</td></tr>"
+        for e in reversed(status["history"]))
+    return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="2">
+<title>fthsdp lighthouse: {html.escape(status['job'])}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;margin-bottom:2em}}
+td,th{{border:1px solid #ccc;padding:4px 10px}}.active{{color:#070}}.joining{{color:#a60}}</style></head>
+<body><h1>fthsdp lighthouse</h1>
+<p>job <b>{html.escape(status['job'])}</b> · epoch <b id="epoch">{status['epoch']}</b> ·
+{len(status['members'])} live replica(s) · min replicas {status['min_replicas']} ·
+leader: {'yes' if status['leader'] else 'no'}</p>
+<h2>Replicas</h2><table id="members"><tr><th>replica</th><th>role</th><th>in epoch</th><th>step</th>
+<th>heartbeat age (s)</th></tr>{rows}</table>
+<h2>Epochs</h2><table id="history"><tr><th>epoch</th><th>time</th><th>members</th><th>reason</th></tr>{hist}</table>
+</body></html>"""
+
+
+class StatusHTTPServer:
+    def __init__(self, lighthouse: "Lighthouse", address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        lh = lighthouse
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:  # quiet: no per-request lines
+                pass
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, lh.metrics.render(), "text/plain; version=0.0.4")
+                    return
+                if path not in ("/", "/status"):
+                    self._send(404, b'{"error": "not found"}', "application/json")
+                    return
+                assert lh.loop is not None
+                fut = asyncio.run_coroutine_threadsafe(lh.status_dict(), lh.loop)
+                try:
+                    status = fut.result(SNAPSHOT_TIMEOUT_S)
+                except Exception as e:
+                    fut.cancel()
+                    self._send(503, json.dumps({"error": f"no snapshot: {e!r}"}).encode(), "application/json")
+                    return
+                if path == "/status":
+                    self._send(200, json.dumps(status).encode(), "application/json")
+                else:
+                    self._send(200, render_page(status).encode(), "text/html; charset=utf-8")
+
+        self._httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="lighthouse-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,35 @@
+"""Prometheus metrics of a lighthouse (its own registry, so several can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from lighthouse import membership as m
+
+
+class LighthouseMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.epoch = Gauge("fthsdp_lighthouse_epoch", "Current epoch number", ["job"], registry=r)
+        self.members = Gauge("fthsdp_lighthouse_members", "Live registered replicas", ["job", "role"], registry=r)
+        self.epoch_changes = Counter("fthsdp_lighthouse_epoch_changes", "Epochs formed", ["job"], registry=r)
+        self.heartbeats = Counter("fthsdp_lighthouse_heartbeats", "Heartbeats accepted", registry=r)
+        self.reports = Counter("fthsdp_lighthouse_failure_reports", "Failure reports by outcome", ["result"],
+                               registry=r)
+        self.rpc_errors = Counter("fthsdp_lighthouse_rpc_errors", "Refused requests", ["method", "code"],
+                                  registry=r)
+        self.watchers = Gauge("fthsdp_lighthouse_watchers", "Open epoch watch streams", registry=r)
+
+    def observe_epoch(self, job: str, number: int, state: m.State) -> None:
+        self.epoch.labels(job).set(number)
+        if number:
+            self.epoch_changes.labels(job).inc()
+        for role in m.ROLES:
+            self.members.labels(job, role).set(sum(1 for x in state.members.values() if x.role == role))
+
+    def rpc_error(self, method: str, code: str) -> None:
+        self.rpc_errors.labels(method, code).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,408 @@
+"""The lighthouse gRPC server (grpc.aio): validates requests, feeds the membership decision, persists, and
+pushes every new epoch to the watchers.
+
+All job state is touched only on the server's event loop, so handlers need no locks except around the
+(possibly slow) store write. Heartbeats take a fast path: they only stamp ``last_seen``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_reflection.v1alpha import reflection
+
+from fthsdp.v1 import lighthouse_pb2 as pb
+from lighthouse import membership as m
+from lighthouse import wire
+from lighthouse.errors import EpochFenced
+from lighthouse.metrics import LighthouseMetrics
+from lighthouse.store import InMemoryStore, Store
+
+log = logging.getLogger("fthsdp.lighthouse")
+
+SERVICE = "fthsdp.v1.Lighthouse"
+_CLOCK_OFFSET = time.time() - time.monotonic()
+
+
+def clock() -> float:
+    """Seconds since the Unix epoch, advancing monotonically (wall-clock jumps do not kill anyone)."""
+    return time.monotonic() + _CLOCK_OFFSET
+
+
+@dataclass(frozen=True)
+class LighthouseConfig:
+    """How to run a lighthouse. Addresses are ``host:port``; port 0 picks a free one."""
+
+    bind: str = "127.0.0.1:29510"
+    http: str | None = "127.0.0.1:29511"
+    """HTTP side port for /status, /metrics and the page at /; None: off."""
+    jobs: tuple[str, ...] = ("default",)
+    """Jobs this lighthouse serves; a request for any other job is NOT_FOUND."""
+    policy: m.Policy = field(default_factory=m.Policy)
+    rendezvous: bool = True
+    """Host a TCPStore for the epochs' data-plane rendezvous (so no replica holds it)."""
+    tick_s: float = 0.05
+    """How often liveness is checked."""
+
+
+class _Malformed:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _parser(cls: Any) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return cls.FromString(raw)
+        except (DecodeError, ValueError) as e:  # surfaced as INVALID_ARGUMENT by the handler
+            return _Malformed(e)
+    return parse
+
+
+def _passthrough(x: bytes | Any) -> bytes:
+    return x if isinstance(x, bytes) else x.SerializeToString()
+
+
+class _Job:
+    """One job's state on the server."""
+
+    def __init__(self, job_id: str, state: m.State, rendezvous: str) -> None:
+        self.job_id = job_id
+        self.state = state
+        self.rendezvous = rendezvous
+        self.last_seen: dict[str, float] = {}
+        self.steps: dict[str, int] = {}
+        self.write_lock = asyncio.Lock()
+        self.changed = asyncio.Condition()
+        self.epoch_pb = wire.epoch_to_pb(job_id, state.epoch, rendezvous)
+        self.epoch_bytes = self.epoch_pb.SerializeToString()
+
+    @property
+    def number(self) -> int:
+        return self.state.epoch.number if self.state.epoch is not None else 0
+
+
+class Lighthouse:
+    """The servicer plus its background tasks. Use ``start()``/``stop()`` inside a running event loop."""
+
+    def __init__(self, config: LighthouseConfig, store: Store | None = None) -> None:
+        self.config = config
+        self.policy = config.policy
+        self.store = store if store is not None else InMemoryStore()
+        self.metrics = LighthouseMetrics()
+        self.jobs: dict[str, _Job] = {}
+        self.port = 0
+        self.http_port = 0
+        self.rendezvous_addr = ""
+        self._server: grpc.aio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._tcp_store: Any = None
+        self._http: Any = None
+        self._stopping = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        host = self.config.bind.rsplit(":", 1)[0]
+        if self.config.rendezvous:
+            from torch.distributed import TCPStore  # imported here: the lighthouse can run without it
+
+            self._tcp_store = TCPStore(host.strip("[]"), 0, is_master=True, wait_for_workers=False)
+            self.rendezvous_addr = f"{host}:{self._tcp_store.port}"
+        for job_id in self.config.jobs:
+            wire.check_id("job", job_id)
+            doc = await asyncio.to_thread(self.store.load, job_id)
+            state = wire.state_from_doc(doc, clock()) if doc else m.State()
+            job = _Job(job_id, state, self.rendezvous_addr)
+            now = clock()
+            job.last_seen = {rid: now for rid in state.members}
+            self.jobs[job_id] = job
+            self.metrics.observe_epoch(job_id, job.number, state)
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ])
+        self._server.add_generic_rpc_handlers((self._handlers(),))
+        reflection.enable_server_reflection((SERVICE, reflection.SERVICE_NAME), self._server)
+        self.port = self._server.add_insecure_port(self.config.bind)
+        if self.port == 0:
+            raise OSError(f"cannot bind lighthouse to {self.config.bind}")
+        await self._server.start()
+        self._tasks.append(asyncio.create_task(self._tick_loop(), name="lighthouse-tick"))
+        if self.config.http:
+            from lighthouse.http import StatusHTTPServer
+
+            self._http = StatusHTTPServer(self, self.config.http)
+            self.http_port = self._http.port
+        log.info("lighthouse serving jobs=%s grpc=%s:%d http=%s rendezvous=%s min_replicas=%d "
+                 "heartbeat_timeout_s=%.2f", ",".join(self.jobs), host, self.port,
+                 f"{self.config.http.rsplit(':', 1)[0]}:{self.http_port}" if self._http else "off",
+                 self.rendezvous_addr or "off", self.policy.min_replicas, self.policy.heartbeat_timeout_s)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        self._stopping = True
+        for job in self.jobs.values():
+            async with job.changed:
+                job.changed.notify_all()
+        for t in self._tasks:
+            t.cancel()
+        if self._http is not None:
+            self._http.close()
+        if self._server is not None:
+            await self._server.stop(grace)
+        self.store.close()
+        self._tcp_store = None
+
+    async def wait_closed(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # --- the decision at the edge ---------------------------------------------------------------------------
+
+    async def _apply(self, job: _Job, event: m.Event) -> m.Outcome:
+        async with job.write_lock:
+            before = job.state
+            out = m.decide(before, event, self.policy)
+            if out.rejection is not None or out.state is before:
+                return out
+            new_epoch = out.new_epoch(before)
+            if new_epoch is not None:
+                try:
+                    await self._save(job, before, out.state)
+                except EpochFenced as e:
+                    log.error("lighthouse job=%s store write fenced, change dropped: %s", job.job_id, e)
+                    return m.Outcome(before, rejection=m.Rejection("UNAVAILABLE", f"store write fenced: {e}"))
+            job.state = out.state
+            for rid in out.state.members.keys() - before.members.keys():
+                job.last_seen.setdefault(rid, clock())
+            for rid in before.members.keys() - out.state.members.keys():
+                job.last_seen.pop(rid, None)
+                job.steps.pop(rid, None)
+        if new_epoch is not None:
+            await self._publish(job, new_epoch)
+        elif out.reason:
+            log.info("lighthouse job=%s epoch=%d %s", job.job_id, job.number, out.reason)
+        return out
+
+    async def _save(self, job: _Job, before: m.State, after: m.State) -> None:
+        doc = wire.state_to_doc(after)
+        if isinstance(self.store, InMemoryStore):
+            self.store.save(job.job_id, before.last_number, doc)
+        else:
+            await asyncio.to_thread(self.store.save, job.job_id, before.last_number, doc)
+
+    async def _publish(self, job: _Job, epoch: m.Epoch) -> None:
+        job.epoch_pb = wire.epoch_to_pb(job.job_id, epoch, job.rendezvous)
+        job.epoch_bytes = job.epoch_pb.SerializeToString()
+        self.metrics.observe_epoch(job.job_id, epoch.number, job.state)
+        log.info("lighthouse job=%s epoch=%d members=%s reason=%s", job.job_id, epoch.number,
+                 ",".join(f"{x.replica_id}:{x.role}" for x in epoch.members), epoch.reason)
+        async with job.changed:
+            job.changed.notify_all()
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)  # a period, not synchronisation
+            for job in self.jobs.values():
+                try:
+                    await self._apply(job, m.Tick(now=clock(), last_seen=job.last_seen))
+                except Exception:  # a bug here must not stop failure detection for good
+                    log.exception("lighthouse job=%s tick failed", job.job_id)
+
+    # --- handlers -------------------------------------------------------------------------------------------
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(
+                self._guard(fn.__name__, fn), request_deserializer=_parser(req),
+                response_serializer=resp.SerializeToString)
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Register": unary(self.Register, pb.RegisterRequest, pb.RegisterResponse),
+            "Heartbeat": unary(self.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatResponse),
+            "ReportFailure": unary(self.ReportFailure, pb.FailureReport, pb.FailureReportResponse),
+            "Ready": unary(self.Ready, pb.ReadyRequest, pb.ReadyResponse),
+            "Leave": unary(self.Leave, pb.LeaveRequest, pb.LeaveResponse),
+            "Status": unary(self.Status, pb.StatusRequest, pb.StatusResponse),
+            "Watch": grpc.unary_stream_rpc_method_handler(
+                self.Watch, request_deserializer=_parser(pb.WatchRequest), response_serializer=_passthrough),
+        })
+
+    def _guard(self, name: str, fn: Callable[[Any, grpc.aio.ServicerContext], Any]) -> Callable[..., Any]:
+        """Turn malformed input and validation errors into INVALID_ARGUMENT; count errors."""
+
+        async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                self.metrics.rpc_error(name, "INVALID_ARGUMENT")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
+            try:
+                return await fn(request, context)
+            except wire.ValidationError as e:
+                self.metrics.rpc_error(name, "INVALID_ARGUMENT")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+        return handler
+
+    async def _job(self, job_id: str, context: grpc.aio.ServicerContext, method: str) -> _Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            self.metrics.rpc_error(method, "NOT_FOUND")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"unknown job {job_id[:64]!r}: this lighthouse serves {sorted(self.jobs)}")
+        return job  # type: ignore[return-value]
+
+    async def _refuse(self, rej: m.Rejection, context: grpc.aio.ServicerContext, method: str) -> None:
+        self.metrics.rpc_error(method, rej.code)
+        await context.abort(getattr(grpc.StatusCode, rej.code), rej.message)
+
+    async def Register(self, req: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        job = await self._job(req.job_id, context, "Register")
+        wire.check_id("replica_id", req.replica_id)
+        wire.check_id("incarnation", req.incarnation)
+        if not 1 <= req.shard_count <= wire.SHARD_MAX:
+            raise wire.ValidationError(f"shard_count must be in 1..{wire.SHARD_MAX}, got {req.shard_count}")
+        endpoints = wire.endpoints_from_pb(req.endpoints)
+        out = await self._apply(job, m.Register(req.replica_id, req.incarnation, req.shard_count, endpoints,
+                                                clock()))
+        if out.rejection is not None:
+            await self._refuse(out.rejection, context, "Register")
+        job.last_seen[req.replica_id] = clock()
+        member = job.state.members[req.replica_id]
+        return pb.RegisterResponse(incarnation=member.incarnation, role=wire.ROLE_TO_PB[member.role],
+                                   epoch=job.epoch_pb, heartbeat_interval_s=self.policy.heartbeat_interval_s,
+                                   heartbeat_timeout_s=self.policy.heartbeat_timeout_s)
+
+    async def Heartbeat(self, req: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        job = await self._job(req.job_id, context, "Heartbeat")
+        member = job.state.members.get(req.replica_id)
+        if member is None:
+            wire.check_id("replica_id", req.replica_id)
+            await self._refuse(m.Rejection("NOT_FOUND", f"replica {req.replica_id!r} is not registered "
+                                           "(or was declared dead): register again"), context, "Heartbeat")
+        elif member.incarnation != req.incarnation:
+            await self._refuse(m.Rejection("FAILED_PRECONDITION", f"incarnation {req.incarnation[:64]!r} of "
+                                           f"replica {req.replica_id!r} was replaced"), context, "Heartbeat")
+        job.last_seen[req.replica_id] = clock()
+        job.steps[req.replica_id] = req.step
+        self.metrics.heartbeats.inc()
+        return pb.HeartbeatResponse(epoch=job.number)
+
+    async def Watch(self, req: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        if isinstance(req, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {req.error}")
+        job = await self._job(req.job_id, context, "Watch")
+        sent = req.after_epoch
+        self.metrics.watchers.inc()
+        try:
+            while not self._stopping:
+                if job.number > sent:
+                    sent = job.number
+                    yield job.epoch_bytes
+                    continue
+                async with job.changed:
+                    await job.changed.wait_for(lambda: job.number > sent or self._stopping)
+        finally:
+            self.metrics.watchers.dec()
+
+    async def ReportFailure(self, req: pb.FailureReport,
+                            context: grpc.aio.ServicerContext) -> pb.FailureReportResponse:
+        job = await self._job(req.job_id, context, "ReportFailure")
+        wire.check_id("reporter_replica_id", req.reporter_replica_id)
+        wire.check_id("suspect_replica_id", req.suspect_replica_id)
+        wire.check_text("reason", req.reason)
+        out = await self._apply(job, m.Report(req.reporter_replica_id, req.reporter_incarnation,
+                                              req.suspect_replica_id, req.epoch, req.reason, clock(),
+                                              job.last_seen))
+        if out.rejection is not None:
+            self.metrics.reports.labels("refused").inc()
+            await self._refuse(out.rejection, context, "ReportFailure")
+        self.metrics.reports.labels("confirmed" if out.confirmed else "pending").inc()
+        detail = out.reason or ("suspect already declared dead" if out.confirmed else
+                                "recorded; not confirmed yet (suspect still heartbeating)")
+        return pb.FailureReportResponse(confirmed=out.confirmed, detail=detail, epoch=job.number)
+
+    async def Ready(self, req: pb.ReadyRequest, context: grpc.aio.ServicerContext) -> pb.ReadyResponse:
+        job = await self._job(req.job_id, context, "Ready")
+        wire.check_id("replica_id", req.replica_id)
+        out = await self._apply(job, m.Ready(req.replica_id, req.incarnation, wire.role_from_pb(req.role), clock()))
+        if out.rejection is not None:
+            await self._refuse(out.rejection, context, "Ready")
+        return pb.ReadyResponse(epoch=job.number)
+
+    async def Leave(self, req: pb.LeaveRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        job = await self._job(req.job_id, context, "Leave")
+        wire.check_id("replica_id", req.replica_id)
+        wire.check_text("reason", req.reason)
+        out = await self._apply(job, m.Leave(req.replica_id, req.incarnation, req.reason, clock()))
+        if out.rejection is not None:
+            await self._refuse(out.rejection, context, "Leave")
+        return pb.LeaveResponse(epoch=job.number)
+
+    async def Status(self, req: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        job = await self._job(req.job_id, context, "Status")
+        now = clock()
+        st = job.state
+        in_epoch = set(st.epoch.replica_ids() if st.epoch else ())
+        return pb.StatusResponse(
+            epoch=job.epoch_pb,
+            members=[pb.MemberStatus(replica_id=x.replica_id, incarnation=x.incarnation,
+                                     role=wire.ROLE_TO_PB[x.role], in_epoch=x.replica_id in in_epoch,
+                                     last_heartbeat_age_s=now - job.last_seen.get(x.replica_id, x.registered_at),
+                                     step=job.steps.get(x.replica_id, 0))
+                     for x in sorted(st.members.values(), key=lambda x: x.replica_id)],
+            history=[pb.HistoryEntry(epoch=e.number, created_unix=e.created_at, reason=e.reason,
+                                     members=list(e.replica_ids())) for e in st.history],
+            leader=True,
+        )
+
+    # --- for the HTTP side port -------------------------------------------------------------------------------
+
+    async def status_dict(self, job_id: str | None = None) -> dict[str, Any]:
+        """The JSON of ``GET /status``."""
+        job = self.jobs[job_id] if job_id else next(iter(self.jobs.values()))
+        now = clock()
+        st = job.state
+        in_epoch = set(st.epoch.replica_ids() if st.epoch else ())
+        return {
+            "job": job.job_id,
+            "leader": True,
+            "epoch": job.number,
+            "rendezvous": job.epoch_pb.rendezvous,
+            "min_replicas": self.policy.min_replicas,
+            "heartbeat_timeout_s": self.policy.heartbeat_timeout_s,
+            "members": [
+                {"replica_id": x.replica_id, "incarnation": x.incarnation, "role": x.role,
+                 "in_epoch": x.replica_id in in_epoch,
+                 "last_heartbeat_age_s": round(now - job.last_seen.get(x.replica_id, x.registered_at), 3),
+                 "step": job.steps.get(x.replica_id, 0)}
+                for x in sorted(st.members.values(), key=lambda x: x.replica_id)
+            ],
+            "history": [
+                {"epoch": e.number, "time": e.created_at, "reason": e.reason, "members": list(e.replica_ids())}
+                for e in st.history
+            ],
+        }
+
+
+async def serve(config: LighthouseConfig, store: Store | None = None,
+                stop: asyncio.Event | None = None, ready: Callable[[Lighthouse], None] | None = None) -> None:
+    """Run a lighthouse until ``stop`` is set (or forever)."""
+    lh = Lighthouse(config, store)
+    await lh.start()
+    if ready is not None:
+        ready(lh)
+    try:
+        if stop is None:
+            await lh.wait_closed()
+        else:
+            await stop.wait()
+    finally:
+        await lh.stop()
