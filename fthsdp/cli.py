@@ -113,6 +113,20 @@ def cmd_bench_lighthouse(a: argparse.Namespace) -> None:
     _emit(result, a.json, table)
 
 
+def cmd_bench_ftar(a: argparse.Namespace) -> None:
+    from ftar.bench import bench_ftar
+
+    result = bench_ftar(members=a.members, mb=a.mb, iters=a.iters, timeout_s=a.timeout)
+
+    def table(r: dict[str, Any]) -> None:
+        print(f"FTAR vs torch.distributed.all_reduce, {r['members']} members, {r['mb']} MB, {r['backend']}")
+        print(f"  all_reduce {r['baseline_allreduce_s']}s  FTAR {r['ftar_allreduce_s']}s  "
+              f"throughput ratio {r['throughput_ratio']}")
+        print(f"  rebuild for a new epoch {r['rebuild_s']}s  stall on SIGKILL mid-exchange {r['kill_stall_s']}s")
+
+    _emit(result, a.json, table)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fthsdp", description="Fault-tolerant HSDP training runtime.")
     p.add_argument("--log-level", default="INFO")
@@ -160,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--heartbeat-interval", type=float, default=1.0)
     bl.add_argument("--json", action="store_true")
     bl.set_defaults(fn=cmd_bench_lighthouse)
+    bf = bsub.add_parser("ftar", help="FTAR vs plain all_reduce; rebuild time; stall on a SIGKILL mid-exchange")
+    bf.add_argument("--members", type=int, default=4)
+    bf.add_argument("--mb", type=float, default=64.0, help="tensor size in MiB (float32)")
+    bf.add_argument("--iters", type=int, default=3, help="timed exchanges per round (3 rounds)")
+    bf.add_argument("--timeout", type=float, default=5.0, help="collective deadline (s)")
+    bf.add_argument("--json", action="store_true")
+    bf.set_defaults(fn=cmd_bench_ftar)
     return p
 
 
