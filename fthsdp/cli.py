@@ -127,6 +127,12 @@ def cmd_bench_ftar(a: argparse.Namespace) -> None:
     _emit(result, a.json, table)
 
 
+def cmd_demo(a: argparse.Namespace) -> None:
+    from fthsdp.demo import run_demo
+
+    run_demo(a.replicas)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fthsdp", description="Fault-tolerant HSDP training runtime.")
     p.add_argument("--log-level", default="INFO")
@@ -164,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     em.add_argument("--prefix", default="emu", help="replica ids are PREFIX-00000, ...")
     em.add_argument("--job", default="default")
     em.set_defaults(fn=cmd_emulate)
+
+    dm = sub.add_parser("demo", help="control-plane demo: lighthouse + emulated replicas, one killed and restarted")
+    dm.add_argument("--replicas", type=int, default=4)
+    dm.set_defaults(fn=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
     bsub = bench.add_subparsers(dest="bench", required=True)
