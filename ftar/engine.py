@@ -6,7 +6,9 @@ order; ``allreduce`` returns a handle at once, so the caller can overlap.
 
 An exchange, under epoch E:
 1. (first exchange of E) rendezvous on the lighthouse-hosted store under ``<E's rendezvous>/lane<s>`` and
-   check that every member calls with the same tag (step); a member behind raises ``Misaligned``.
+   check that every member calls with the same tag (step); a member behind raises ``Misaligned``. A joiner
+   calls with ``tag=None`` and learns the step; if E has joiners, the ``state_sync`` hook then runs (the
+   runtime broadcasts the current state from one active member to them).
 2. copy the local tensors into one flat buffer (plus a contributor-count element), all-reduce it, divide.
 3. on a peer error, a deadline, or a newer epoch pushed while in flight: abandon the collective (its buffer is
    private; the originals are untouched), blame the members that did not check in on the epoch's store, report
@@ -22,7 +24,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_sto
 from ftar.errors import (AttemptsExhausted, EngineClosed, Excluded, FTARError, InputsConsumed, Misaligned,
                          NoEpoch)
 from ftar.membership import Membership
+from lighthouse import membership as m
 from lighthouse.wire import EpochView
 
 log = logging.getLogger("fthsdp.ftar")
@@ -63,6 +66,8 @@ class ExchangeResult:
     contributors: int
     """How many replicas contributed (zero-gradient joiners are not counted): the divisor of ``avg``."""
     attempts: int
+    tag: int
+    """The tag (step) the members agreed on: a joiner that called with ``tag=None`` learns it here."""
 
 
 class Handle:
@@ -84,7 +89,7 @@ class _Request:
     tensors: list[torch.Tensor]
     contribute: bool
     op: str
-    tag: int
+    tag: int | None
     inplace: bool
     keep_inputs: bool
     future: "Future[ExchangeResult]"
@@ -99,6 +104,7 @@ class _PeerFailure(Exception):
 
 
 _STOP = object()
+_NO_TAG = -(2**62)
 
 
 def _reap(pg: Any) -> None:
@@ -111,8 +117,10 @@ def _reap(pg: Any) -> None:
 class LaneEngine:
     """Fault-tolerant all-reduce for one lane. Thread-safe ``allreduce``; ``close`` when done."""
 
-    def __init__(self, membership: Membership, lane: int = 0, config: FTARConfig | None = None) -> None:
+    def __init__(self, membership: Membership, lane: int = 0, config: FTARConfig | None = None,
+                 state_sync: Callable[["SyncContext"], None] | None = None) -> None:
         self.membership = membership
+        self.state_sync = state_sync
         self.replica_id = membership.replica_id
         self.lane = lane
         self.config = config or FTARConfig()
@@ -129,6 +137,7 @@ class LaneEngine:
         self._staging: dict[torch.dtype, torch.Tensor] = {}
         self._reapers: list[threading.Thread] = []
         self._direct = False
+        self._tag = 0
         self._closed = False
         self.rebuilds = 0
         self.last_rebuild_s = 0.0
@@ -140,11 +149,12 @@ class LaneEngine:
     # --- public -----------------------------------------------------------------------------------------------
 
     def allreduce(self, tensors: Sequence[torch.Tensor], *, contribute: bool = True, op: str = "avg",
-                  tag: int = 0, inplace: bool = False, keep_inputs: bool = True) -> Handle:
+                  tag: int | None = 0, inplace: bool = False, keep_inputs: bool = True) -> Handle:
         """Start an exchange of ``tensors``; don't change them until it is done.
 
         ``contribute=False`` joins with zeros and is not counted in the divisor. ``op`` is ``avg`` (sum divided
-        by the number of contributors) or ``sum``. ``tag`` (the step) must be the same on every member.
+        by the number of contributors) or ``sum``. ``tag`` (the step) must be the same on every member that
+        knows it; a joiner passes ``None`` and learns it (``ExchangeResult.tag``).
         With ``inplace`` the result is written into ``tensors`` once it is complete (never half way: the
         collective runs on a private buffer, so a failed attempt leaves them intact); otherwise the result is
         in new tensors.
@@ -205,16 +215,16 @@ class LaneEngine:
             if isinstance(item, _Request):
                 item.future.set_exception(EngineClosed("engine closed"))
 
-    def _log(self, level: int, epoch: int, tag: int, msg: str, *args: Any) -> None:
-        log.log(level, "ftar replica=%s lane=%d epoch=%d step=%d " + msg, self.replica_id, self.lane, epoch, tag,
-                *args)
+    def _log(self, level: int, epoch: int, tag: int | None, msg: str, *args: Any) -> None:
+        log.log(level, "ftar replica=%s lane=%d epoch=%d step=%s " + msg, self.replica_id, self.lane, epoch,
+                "?" if tag is None else tag, *args)
 
     def _exchange(self, req: _Request) -> ExchangeResult:
         failed_epoch = 0
         for attempt in range(1, self.config.max_attempts + 1):
             if self._closed:
                 raise EngineClosed("engine closed")
-            epoch = self._usable_epoch(after=failed_epoch, tag=req.tag)
+            epoch = self._usable_epoch(after=failed_epoch)
             try:
                 self._ensure_group(epoch, req.tag)
                 return self._run_collective(req, epoch, attempt)
@@ -241,11 +251,11 @@ class LaneEngine:
     def _inputs_lost(self, req: _Request, epoch: EpochView) -> None:
         if req.keep_inputs or not self._direct:
             return
-        nxt = self._usable_epoch(after=epoch.number, tag=req.tag)
+        nxt = self._usable_epoch(after=epoch.number)
         raise InputsConsumed(f"lane {self.lane}: exchange failed in epoch {epoch.number}; the inputs were "
                              f"reduced in place and must be recomputed (next epoch {nxt.number})", nxt.number)
 
-    def _usable_epoch(self, after: int, tag: int) -> EpochView:
+    def _usable_epoch(self, after: int) -> EpochView:
         """The newest epoch above ``after`` that has this replica as a member (waiting up to epoch_wait_s)."""
         deadline = time.monotonic() + self.config.epoch_wait_s
         current = self.membership.current()
@@ -277,8 +287,10 @@ class LaneEngine:
             reaper.start()
             self._reapers.append(reaper)
 
-    def _ensure_group(self, epoch: EpochView, tag: int) -> None:
+    def _ensure_group(self, epoch: EpochView, tag: int | None) -> None:
         if self._pg is not None and self._pg_epoch == epoch.number:
+            if tag is None:
+                raise FTARError("tag=None (joiner) is only valid for the first exchange of an epoch")
             return
         self._drop_pg()
         if not epoch.rendezvous:
@@ -303,11 +315,18 @@ class LaneEngine:
             missing = self._missing("arrived", epoch)
             self._store = None
             raise _PeerFailure(f"rendezvous of epoch {epoch.number} failed ({e}); not arrived: {missing}") from e
-        self._check_alignment(epoch, tag)
+        self._tag = self._check_alignment(epoch, tag)
         self.rebuilds += 1
         self.last_rebuild_s = time.perf_counter() - t0
-        self._log(logging.INFO, epoch.number, tag, "data plane rebuilt: rank %d of %d in %.3fs", self._rank,
+        self._log(logging.INFO, epoch.number, self._tag, "data plane rebuilt: rank %d of %d in %.3fs", self._rank,
                   self._world, self.last_rebuild_s)
+        joiners = tuple(i for i, x in enumerate(epoch.members) if x.role == m.JOINING)
+        if joiners and self.state_sync is not None:
+            source = next(i for i, x in enumerate(epoch.members) if x.role == m.ACTIVE)
+            t1 = time.perf_counter()
+            self.state_sync(SyncContext(self, epoch, self._rank, source, joiners, self._tag))
+            self._log(logging.INFO, epoch.number, self._tag, "state sync from rank %d to %s in %.3fs", source,
+                      joiners, time.perf_counter() - t1)
 
     def _device(self) -> torch.device:
         return torch.device("cpu") if self.config.backend == "gloo" else torch.device("cuda",
@@ -319,12 +338,18 @@ class LaneEngine:
         opts.timeout = timedelta(seconds=self.config.timeout_s)
         return opts
 
-    def _check_alignment(self, epoch: EpochView, tag: int) -> None:
-        ctrl = torch.tensor([tag, -tag], dtype=torch.int64, device=self._device())
+    def _check_alignment(self, epoch: EpochView, tag: int | None) -> int:
+        """All-reduce (MAX) of [tag, -tag]; joiners send the minimum so they count in neither. Returns the agreed
+        tag."""
+        mine = [tag, -tag] if tag is not None else [_NO_TAG, _NO_TAG]
+        ctrl = torch.tensor(mine, dtype=torch.int64, device=self._device())
         self._wait(self._pg.allreduce([ctrl], self._opts(dist.ReduceOp.MAX)), epoch)
         highest, lowest = int(ctrl[0]), -int(ctrl[1])
-        if highest != lowest:
+        if highest == _NO_TAG:
+            raise FTARError(f"epoch {epoch.number}: every member of lane {self.lane} is a joiner; nobody knows the step")
+        if tag is not None and highest != lowest:
             raise Misaligned(tag, lowest, highest)
+        return highest
 
     def _wait(self, work: Any, epoch: EpochView) -> None:
         """Wait for ``work`` until done, its deadline, or a newer epoch; never longer than the deadline."""
@@ -413,7 +438,7 @@ class LaneEngine:
                 else:
                     torch.div(src, contributors, rounding_mode="floor", out=dst)
                 out[i] = dst
-        return ExchangeResult(out, epoch.number, contributors, attempt)
+        return ExchangeResult(out, epoch.number, contributors, attempt, req.tag if req.tag is not None else self._tag)
 
     # --- blame --------------------------------------------------------------------------------------------------
 
@@ -456,3 +481,41 @@ class LaneEngine:
             self.membership.report(suspect, epoch.number, f"lane {self.lane}: {reason}"[:1000])
         if not suspects:
             self._log(logging.WARNING, epoch.number, 0, "failure with every member checked in; nobody blamed")
+
+
+class SyncContext:
+    """Handed to the ``state_sync`` hook when an epoch has joiners: broadcast state from ``source`` (the first
+    active member) to the whole lane group, on the epoch's own data plane, before its first exchange."""
+
+    def __init__(self, engine: LaneEngine, epoch: EpochView, rank: int, source: int, joiners: tuple[int, ...],
+                 tag: int) -> None:
+        self._engine = engine
+        self.epoch = epoch
+        self.rank = rank
+        self.source = source
+        self.joiners = joiners
+        self.tag = tag
+
+    @property
+    def sending(self) -> bool:
+        return self.rank == self.source
+
+    @property
+    def receiving(self) -> bool:
+        return self.rank in self.joiners
+
+    def publish(self, key: str, value: bytes) -> None:
+        """Source only: put a small blob (a manifest) on the epoch-lane store."""
+        self._engine._store.set(f"sync/{key}", value)
+
+    def fetch(self, key: str) -> bytes:
+        """Wait (up to the connect timeout) for a blob the source published."""
+        return bytes(self._engine._store.get(f"sync/{key}"))
+
+    def broadcast(self, flat: torch.Tensor) -> None:
+        """Broadcast one flat tensor from the source into ``flat`` on every member, with the usual deadline."""
+        eng = self._engine
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.source
+        opts.timeout = timedelta(seconds=eng.config.timeout_s)
+        eng._wait(eng._pg.broadcast([flat], opts), self.epoch)

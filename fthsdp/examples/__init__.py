@@ -1,0 +1,1 @@
+"""The example trainer: a small GPT-style model on synthetic data it can visibly learn."""

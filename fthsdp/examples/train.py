@@ -1,0 +1,136 @@
+"""The example trainer, run by torchrun (one torchrun per replica group):
+
+    torchrun --standalone --nproc-per-node 2 -m fthsdp.examples.train --steps 60
+
+With ``FTHSDP_*`` set (the launcher does it) it trains under fthsdp; with ``--plain`` it is the same training
+with plain FSDP2 (``--hsdp-replicas R``: plain FSDP2-HSDP over R×S ranks, torch's replicate dimension), the
+baseline of the benchmarks and of the bitwise tests. Rank 0 of each replica appends JSON lines to
+``--progress``: one per committed step, and a final one with the state hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fthsdp.examples.data import batch
+from fthsdp.examples.gpt import GPT, GPTConfig
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="fthsdp.examples.train")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--model", default="reference", help="reference (the benchmark workload) or tiny")
+    p.add_argument("--batch", type=int, default=8, help="sequences per replica per step (split over its ranks)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", default=os.environ.get("FTHSDP_PROGRESS", ""))
+    p.add_argument("--plain", action="store_true", help="plain FSDP2 (no fault tolerance): the baseline")
+    p.add_argument("--hsdp-replicas", type=int, default=1, help="with --plain: replicas of an HSDP mesh")
+    return p.parse_args(argv)
+
+
+class Progress:
+    def __init__(self, path: str, enabled: bool, **common: Any) -> None:
+        self.file = open(path, "a", buffering=1) if path and enabled else None
+        self.common = common
+
+    def write(self, **kv: Any) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({**self.common, **kv, "t": time.time()}) + "\n")
+
+
+def _model(cfg: GPTConfig, seed: int) -> GPT:
+    torch.manual_seed(seed)  # every replica starts from the same weights
+    return GPT(cfg)
+
+
+def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    replicas = a.hsdp_replicas
+    if world % replicas:
+        sys.exit(f"world size {world} is not a multiple of --hsdp-replicas {replicas}")
+    shards = world // replicas
+    slot, srank = rank // shards, rank % shards
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (shards,))
+    model = _model(cfg, a.seed)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    progress = Progress(a.progress, srank == 0, replica=slot, mode="plain")
+    per_rank = a.batch // shards
+    for step in range(a.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(batch(a.seed, step, slot, srank, per_rank, cfg.seq_len, cfg.vocab))
+        loss.backward()
+        opt.step()
+        progress.write(event="step", step=step, loss=float(loss.item()), step_s=time.perf_counter() - t0)
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().to_local().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    progress.write(event="final", step=a.steps, local_param_hash=h.hexdigest())
+    dist.destroy_process_group()
+
+
+def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig) -> None:
+    from fthsdp.runtime import EXIT_REJOIN, RejoinRequired, Replica
+
+    ft = Replica()
+    model = _model(cfg, a.seed)
+    ft.shard(model, blocks=model.blocks)
+    ft.optimizer(torch.optim.AdamW(model.parameters(), lr=a.lr))
+    slot, rank = ft.config.replica_index, ft.rank
+    progress = Progress(a.progress, rank == 0, replica=slot, incarnation=ft.incarnation, mode="fthsdp")
+    progress.write(event="start", joining=ft.joining)
+    per_rank = a.batch // ft.world_size
+    try:
+        while ft.step < a.steps:
+            t0 = time.perf_counter()
+            r = ft.train_step(lambda: model.loss(batch(a.seed, ft.step, slot, rank, per_rank, cfg.seq_len,
+                                                       cfg.vocab)))
+            progress.write(event="step", step=r.step, loss=r.loss, epoch=r.epoch, contributors=r.contributors,
+                           joined=r.joined, attempts=r.attempts, step_s=time.perf_counter() - t0,
+                           exchange_s=r.exchange_s)
+        progress.write(event="final", step=ft.step, param_hash=ft.state_hash())
+    except RejoinRequired as e:
+        logging.getLogger("fthsdp").error("fthsdp replica=%s rank=%d: %s; exiting to rejoin", ft.config.replica_id,
+                                          rank, e)
+        sys.exit(EXIT_REJOIN)
+    ft.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=os.environ.get("FTHSDP_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    # FSDP2 warns that the root returns a view (the logits); nothing here changes it in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    a = _args(argv)
+    cfg = GPTConfig.named(a.model)
+    if a.plain:
+        run_plain(a, cfg)
+    else:
+        run_fthsdp(a, cfg)
+
+
+if __name__ == "__main__":
+    main()
