@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -m fthsdp demo
+	mkdir -p out
+	$(PY) -m fthsdp --log-level WARNING demo --report out/demo-report.json --plot out/demo-timeline.png
 
 test: setup
 	$(PY) -m pytest -q
@@ -29,6 +30,8 @@ proto: setup
 
 bench: setup
 	$(PY) -m fthsdp bench lighthouse
+	$(PY) -m fthsdp bench ftar
+	$(PY) -m fthsdp bench overhead
 
 clean:
 	rm -rf $(VENV) .pytest_cache

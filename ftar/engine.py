@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
 
-from ftar.errors import (AttemptsExhausted, EngineClosed, Excluded, FTARError, InputsConsumed, Misaligned,
-                         NoEpoch)
+from ftar.errors import (AttemptsExhausted, EngineClosed, Excluded, FTARError, InputsConsumed, Interrupted,
+                         Misaligned, NoEpoch)
 from ftar.membership import Membership
 from lighthouse import membership as m
 from lighthouse.wire import EpochView
@@ -92,6 +92,8 @@ class _Request:
     tag: int | None
     inplace: bool
     keep_inputs: bool
+    redo: bool
+    new_epoch_ok: bool
     future: "Future[ExchangeResult]"
 
 
@@ -138,6 +140,9 @@ class LaneEngine:
         self._reapers: list[threading.Thread] = []
         self._direct = False
         self._tag = 0
+        self._failed_epoch = 0
+        """No exchange runs in this epoch or an older one again (it failed there)."""
+        self._interrupted: int | None = None
         self._closed = False
         self.rebuilds = 0
         self.last_rebuild_s = 0.0
@@ -149,7 +154,8 @@ class LaneEngine:
     # --- public -----------------------------------------------------------------------------------------------
 
     def allreduce(self, tensors: Sequence[torch.Tensor], *, contribute: bool = True, op: str = "avg",
-                  tag: int | None = 0, inplace: bool = False, keep_inputs: bool = True) -> Handle:
+                  tag: int | None = 0, inplace: bool = False, keep_inputs: bool = True,
+                  redo: bool = True, new_epoch_ok: bool = True) -> Handle:
         """Start an exchange of ``tensors``; don't change them until it is done.
 
         ``contribute=False`` joins with zeros and is not counted in the divisor. ``op`` is ``avg`` (sum divided
@@ -162,7 +168,12 @@ class LaneEngine:
         ``keep_inputs=False`` (with ``inplace``) skips the private copy: a single contiguous tensor per dtype is
         reduced where it lies, which saves two memory passes. The price: a failed attempt leaves the tensors
         half-reduced, so instead of redoing, the exchange ends with ``InputsConsumed`` once the next epoch is
-        known, and the caller recomputes them (the runtime retries the step's batch anyway).
+        known, and the caller recomputes them.
+
+        ``redo=False`` ends a failed exchange with ``Interrupted`` instead of redoing it, and fails every exchange
+        queued after it the same way until ``reset()``: a caller that exchanges several buckets per step redoes
+        them all, in order, under one epoch. With ``new_epoch_ok=False`` (its later buckets) an exchange that
+        would be the first of a newer epoch is ``Interrupted`` too, before any data moves.
         """
         if not keep_inputs and not inplace:
             raise ValueError("keep_inputs=False needs inplace=True")
@@ -174,7 +185,8 @@ class LaneEngine:
         if self._closed:
             future.set_exception(EngineClosed("engine closed"))
         else:
-            self._queue.put(_Request(list(tensors), contribute, op, tag, inplace, keep_inputs, future))
+            self._queue.put(_Request(list(tensors), contribute, op, tag, inplace, keep_inputs, redo, new_epoch_ok,
+                                     future))
         return Handle(future)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -189,7 +201,7 @@ class LaneEngine:
         self._drop_pg()
         # Abandoned groups end by their own collective timeout: wait for that, so no thread outlives us.
         for reaper in self._reapers:
-            reaper.join(self.config.timeout_s + 1.0)
+            reaper.join(max(self.config.timeout_s, self.config.connect_timeout_s) + 1.0)
 
     # --- worker -----------------------------------------------------------------------------------------------
 
@@ -220,11 +232,16 @@ class LaneEngine:
                 "?" if tag is None else tag, *args)
 
     def _exchange(self, req: _Request) -> ExchangeResult:
-        failed_epoch = 0
+        if self._interrupted is not None:
+            raise Interrupted(f"lane {self.lane}: an earlier exchange was interrupted in epoch "
+                              f"{self._interrupted}; call reset() before exchanging again", self._interrupted)
         for attempt in range(1, self.config.max_attempts + 1):
             if self._closed:
                 raise EngineClosed("engine closed")
-            epoch = self._usable_epoch(after=failed_epoch)
+            epoch = self._usable_epoch(after=self._failed_epoch)
+            if not req.new_epoch_ok and (self._pg is None or self._pg_epoch != epoch.number):
+                self._interrupted = epoch.number
+                raise Interrupted(f"lane {self.lane}: epoch {epoch.number} began mid-sequence", epoch.number)
             try:
                 self._ensure_group(epoch, req.tag)
                 return self._run_collective(req, epoch, attempt)
@@ -233,20 +250,31 @@ class LaneEngine:
                     raise  # this replica is behind: its caller must catch up
                 self._log(logging.WARNING, epoch.number, req.tag, "members behind (%s); waiting for next epoch", e)
                 self._drop_pg()
-                failed_epoch = epoch.number
+                self._failed_epoch = epoch.number
             except _Abandoned:
-                self._log(logging.INFO, epoch.number, req.tag, "newer epoch pushed mid-exchange; redoing")
+                self._log(logging.INFO, epoch.number, req.tag, "newer epoch pushed mid-exchange")
                 self._drop_pg()
-                failed_epoch = epoch.number
-                self._inputs_lost(req, epoch)
+                self._failed_epoch = epoch.number
+                self._after_failure(req, epoch)
             except _PeerFailure as e:
                 self.failures += 1
                 self._log(logging.WARNING, epoch.number, req.tag, "exchange failed: %s", e)
                 self._blame(epoch, str(e))
                 self._drop_pg()
-                failed_epoch = epoch.number
-                self._inputs_lost(req, epoch)
+                self._failed_epoch = epoch.number
+                self._after_failure(req, epoch)
         raise AttemptsExhausted(f"lane {self.lane}: exchange failed in {self.config.max_attempts} epochs")
+
+    def reset(self) -> None:
+        """Accept exchanges again after an ``Interrupted`` one (call once every pending handle is done)."""
+        self._interrupted = None
+
+    def _after_failure(self, req: _Request, epoch: EpochView) -> None:
+        """Redo (return), or end the exchange with ``InputsConsumed`` / ``Interrupted`` as the caller asked."""
+        self._inputs_lost(req, epoch)
+        if not req.redo:
+            self._interrupted = epoch.number
+            raise Interrupted(f"lane {self.lane}: exchange interrupted in epoch {epoch.number}", epoch.number)
 
     def _inputs_lost(self, req: _Request, epoch: EpochView) -> None:
         if req.keep_inputs or not self._direct:
@@ -309,8 +337,11 @@ class LaneEngine:
             pg_cls = ProcessGroupGloo if self.config.backend == "gloo" else ProcessGroupNCCL
             # The group's own timeout bounds its rendezvous; each collective gets timeout_s through its options.
             pg = pg_cls(timeout=timeout)
-            pg.configure(f"{prefix}/pg", self.replica_id, self._rank, self._world)
+            self._configure(pg, f"{prefix}/pg", epoch)
             self._pg = pg
+        except _Abandoned:
+            self._store = None
+            raise
         except Exception as e:
             missing = self._missing("arrived", epoch)
             self._store = None
@@ -327,6 +358,32 @@ class LaneEngine:
             self.state_sync(SyncContext(self, epoch, self._rank, source, joiners, self._tag))
             self._log(logging.INFO, epoch.number, self._tag, "state sync from rank %d to %s in %.3fs", source,
                       joiners, time.perf_counter() - t1)
+
+    def _configure(self, pg: Any, prefix: str, epoch: EpochView) -> None:
+        """Rendezvous of the epoch's group, abandoned as soon as a newer epoch is pushed (a member that never
+        arrives would otherwise hold everyone for the whole connect timeout)."""
+        error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                pg.configure(prefix, self.replica_id, self._rank, self._world)
+            except BaseException as e:  # handed to the waiting thread
+                error.append(e)
+
+        t = threading.Thread(target=run, name=f"ftar-connect-lane{self.lane}", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.02)
+            current = self.membership.current()
+            if t.is_alive() and (self._closed or (current is not None and current.number > epoch.number)):
+                # Let it finish (or time out) on its own, then release the group.
+                reaper = threading.Thread(target=lambda: (t.join(), _reap(pg)), name=f"ftar-reap-lane{self.lane}",
+                                          daemon=True)
+                reaper.start()
+                self._reapers.append(reaper)
+                raise _Abandoned()
+        if error:
+            raise error[0]
 
     def _device(self) -> torch.device:
         return torch.device("cpu") if self.config.backend == "gloo" else torch.device("cuda",
@@ -477,10 +534,15 @@ class LaneEngine:
         current = self.membership.current()
         if current is not None and current.number > epoch.number:
             return  # the lighthouse already moved on
+        if not suspects:
+            # Everyone checked in: nobody to blame, but the data plane is broken all the same. Reporting the
+            # others (alive, so not confirmed) makes the lighthouse re-form the epoch, and everyone rebuilds.
+            self._log(logging.WARNING, epoch.number, None, "failure with every member checked in; asking for a "
+                      "re-formed epoch")
+            suspects = [rid for rid in epoch.replica_ids if rid != self.replica_id]
+            reason = f"nobody to blame: {reason}"
         for suspect in suspects:
             self.membership.report(suspect, epoch.number, f"lane {self.lane}: {reason}"[:1000])
-        if not suspects:
-            self._log(logging.WARNING, epoch.number, 0, "failure with every member checked in; nobody blamed")
 
 
 class SyncContext:

@@ -33,6 +33,14 @@ class InputsConsumed(FTARError):
         self.next_epoch = next_epoch
 
 
+class Interrupted(FTARError):
+    """An exchange with ``redo=False`` failed (inputs intact); the engine refuses exchanges until ``reset()``."""
+
+    def __init__(self, message: str, epoch: int) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+
+
 class AttemptsExhausted(FTARError):
     """The exchange failed in every epoch it was tried in, up to the configured number of attempts."""
 

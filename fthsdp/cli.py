@@ -16,6 +16,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 def _setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
 def _run_until_signal(coro_factory: Callable[[asyncio.Event], Any]) -> None:
@@ -129,8 +130,30 @@ def cmd_bench_ftar(a: argparse.Namespace) -> None:
 
 def cmd_demo(a: argparse.Namespace) -> None:
     from fthsdp.demo import run_demo
+    from fthsdp.launcher import ClusterConfig, Kill, ReplicaFailed
 
-    run_demo(a.replicas)
+    try:
+        kills = tuple(Kill.parse(k) for k in a.kill)
+        config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model,
+                               kills=kills, restart_delay_s=a.restart_delay, timeout_s=a.timeout)
+        run_demo(config, pathlib.Path(a.report) if a.report else None, pathlib.Path(a.plot) if a.plot else None,
+                 pathlib.Path(a.keep_logs) if a.keep_logs else None)
+    except (ValueError, ReplicaFailed, TimeoutError) as e:
+        sys.exit(f"fthsdp demo: {e}")
+
+
+def cmd_bench_overhead(a: argparse.Namespace) -> None:
+    from fthsdp.bench_overhead import bench_overhead
+
+    result = bench_overhead(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model, rounds=a.rounds)
+
+    def table(r: dict[str, Any]) -> None:
+        print(f"{r['replicas']} replicas x {r['ranks_per_replica']} ranks, {r['model']} model, median of steps "
+              f">= {r['warmup_steps']}")
+        print(f"  plain FSDP2-HSDP {r['baseline_step_s']}s/step  fthsdp {r['fthsdp_step_s']}s/step  "
+              f"ratio {r['step_time_ratio']}")
+
+    _emit(result, a.json, table)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,8 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     em.add_argument("--job", default="default")
     em.set_defaults(fn=cmd_emulate)
 
-    dm = sub.add_parser("demo", help="control-plane demo: lighthouse + emulated replicas, one killed and restarted")
-    dm.add_argument("--replicas", type=int, default=4)
+    dm = sub.add_parser("demo", help="train the example model on R replica groups with failures injected")
+    dm.add_argument("--replicas", type=int, default=3)
+    dm.add_argument("--ranks", type=int, default=2, help="ranks per replica group (FSDP2 shards)")
+    dm.add_argument("--steps", type=int, default=60)
+    dm.add_argument("--model", default="reference", help="reference (the benchmark workload) or tiny")
+    dm.add_argument("--kill", action="append", default=None,
+                    help="REPLICA@STEP[:PHASE], repeatable: SIGKILL that replica group at that step "
+                         "(phase: forward, backward, exchange, vote, optimizer); default 1@20")
+    dm.add_argument("--no-kill", action="store_true", help="run without failures")
+    dm.add_argument("--restart-delay", type=float, default=2.0, help="seconds before a killed group restarts")
+    dm.add_argument("--report", default="", help="write the JSON report here")
+    dm.add_argument("--plot", default="", help="write the PNG timeline here")
+    dm.add_argument("--keep-logs", default="", help="copy the replicas' logs and progress files here")
+    dm.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     dm.set_defaults(fn=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
@@ -191,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     bf.add_argument("--timeout", type=float, default=5.0, help="collective deadline (s)")
     bf.add_argument("--json", action="store_true")
     bf.set_defaults(fn=cmd_bench_ftar)
+    bo = bsub.add_parser("overhead", help="steady-state step time: fthsdp vs plain FSDP2-HSDP")
+    bo.add_argument("--replicas", type=int, default=3)
+    bo.add_argument("--ranks", type=int, default=2)
+    bo.add_argument("--steps", type=int, default=60)
+    bo.add_argument("--model", default="reference")
+    bo.add_argument("--rounds", type=int, default=1, help="baseline/fthsdp alternations")
+    bo.add_argument("--json", action="store_true")
+    bo.set_defaults(fn=cmd_bench_overhead)
     return p
 
 
@@ -198,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "lighthouse" and not args.job:
         args.job = ["default"]
+    if args.command == "demo":
+        args.kill = [] if args.no_kill else (args.kill or ["1@20"])
     _setup_logging(args.log_level)
     args.fn(args)
 

@@ -1,80 +1,73 @@
-"""``fthsdp demo``: the control plane end to end on loopback, with nothing to install or start by hand.
-
-Starts a real lighthouse process, runs emulated replicas against it, kills one (it stops heartbeating, and a
-peer reports it, as FTAR would), shows the epoch that drops it being pushed to every survivor, then restarts it
-and shows it rejoin (joining, then active). The training demo (FSDP2 replicas under torchrun) replaces this
-once the runtime exists.
-"""
+"""``fthsdp demo``: a lighthouse and R replica groups (torchrun, S ranks each) of the example trainer on
+loopback; injects the failures asked for, shows live progress, and writes a JSON report and a PNG timeline."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import pathlib
+import shutil
 import tempfile
 import time
-import urllib.request
+from typing import Any
 
-from fthsdp.procutil import stop_process
-from lighthouse import membership as m
-from lighthouse.bench import start_lighthouse_process
-from lighthouse.client import AsyncLighthouseClient
-from lighthouse.emulate import EmulatedReplica, Emulator
-from lighthouse.wire import EpochView
+from fthsdp.launcher import Cluster, ClusterConfig, plot_timeline
 
 
-def _table(http: str) -> str:
-    with urllib.request.urlopen(f"http://{http}/status", timeout=5) as r:
-        status = json.load(r)
-    lines = [f"  epoch {status['epoch']}: " + ", ".join(f"{x['replica_id']}({x['role']})"
-                                                     for x in status["members"] if x["in_epoch"])]
-    return "\n".join(lines)
+class LiveView:
+    """Prints one line per replica (step, epoch, role, loss) about once a second."""
+
+    def __init__(self, period_s: float = 1.0) -> None:
+        self.period_s = period_s
+        self.last = 0.0
+        self.t0 = time.time()
+
+    def __call__(self, cluster: Cluster) -> None:
+        now = time.time()
+        if now - self.last < self.period_s:
+            return
+        self.last = now
+        cells = []
+        for g in cluster.groups:
+            rows = [x for x in cluster.progress(g) if x["event"] in ("step", "start")]
+            last = rows[-1] if rows else None
+            alive = g.proc is not None and g.proc.poll() is None
+            if not alive and not g.finished:
+                cells.append(f"r{g.index}: DOWN (restarting)")
+            elif last is None or last["event"] == "start" or last["t"] < g.started_at:
+                cells.append(f"r{g.index}: starting" + (" (joining)" if last and last.get("joining") else ""))
+            else:
+                role = "joined" if last.get("joined") else "active"
+                loss = "-" if last["loss"] is None else f"{last['loss']:.3f}"
+                done = " done" if g.finished else ""
+                cells.append(f"r{g.index}: step {last['step']:>3} epoch {last['epoch']} {role} loss {loss}{done}")
+        print(f"[{now - self.t0:6.1f}s] " + " | ".join(cells), flush=True)
 
 
-async def _demo(replicas: int, workdir: pathlib.Path) -> None:
-    proc, addr, http = start_lighthouse_process(
-        ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "2", "--confirm-age", "0.4",
-         "--expected-replicas", str(replicas), "--no-rendezvous"], workdir)
-    print(f"lighthouse up: gRPC {addr}, status page http://{http}/ (log: {workdir}/lighthouse.log)")
-
-    def on_epoch(r: EmulatedReplica, e: EpochView) -> None:
-        if r is emu.replicas[0]:
-            print(f"  pushed epoch {e.number} to {r.replica_id}: {[x.replica_id + ':' + x.role for x in e.members]}"
-                  f"  ({e.reason})", flush=True)
-
-    emu = Emulator(addr, replicas, prefix="replica", on_epoch=on_epoch)
+def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path: pathlib.Path | None,
+             keep_logs: pathlib.Path | None = None) -> dict[str, Any]:
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="fthsdp-demo-"))
     try:
-        await emu.start()
-        await emu.wait_all_have(lambda e: len(e.members) == replicas, 30)
-        print(f"\n{replicas} replicas training in one epoch:\n{_table(http)}")
-        victim, reporter = emu.replicas[-1], emu.replicas[0]
-        before = reporter.epoch.number if reporter.epoch else 0
-        print(f"\nkilling {victim.replica_id} (SIGKILL stand-in: no more heartbeats; {reporter.replica_id} "
-              "reports it after a failed collective)")
-        t0 = time.time()
-        await emu.kill(victim)
-        await emu.report(reporter, victim)
-        await emu.wait_all_have(lambda e: e.number > before and e.member(victim.replica_id) is None, 10)
-        got = max(r.received[max(r.received)] for r in emu.alive())
-        print(f"every survivor had the new epoch {got - t0:.2f}s after the kill:\n{_table(http)}")
-        print(f"\nrestarting {victim.replica_id} (new incarnation: it rejoins as joining, then turns active)")
-        fresh = EmulatedReplica(AsyncLighthouseClient(addr, "default", victim.replica_id))
-        emu.replicas[-1] = fresh
-        reg = await fresh.client.register()
-        assert reg.role == m.JOINING, reg
-        emu.start_session(fresh)
-        await fresh.client.ready(m.JOINING)
-        await emu.wait_all_have(lambda e: (x := e.member(victim.replica_id)) is not None and x.role == m.ACTIVE, 10)
-        print(f"{victim.replica_id} is back:\n{_table(http)}")
-        print("\nepoch history:")
-        with urllib.request.urlopen(f"http://{http}/status", timeout=5) as r:
-            for e in json.load(r)["history"]:
-                print(f"  {e['epoch']:>3}  {', '.join(e['members'])}  <- {e['reason']}")
+        kills = ", ".join(f"replica {k.replica} at step {k.step} ({k.phase})" for k in config.kills) or "none"
+        print(f"fthsdp demo: {config.replicas} replicas x {config.ranks} ranks, {config.model} model, "
+              f"{config.steps} steps; kills: {kills}; restart after {config.restart_delay_s}s", flush=True)
+        report = Cluster(config, workdir, on_tick=LiveView()).run()
     finally:
-        await emu.close()
-        stop_process(proc)
-
-
-def run_demo(replicas: int = 4) -> None:
-    with tempfile.TemporaryDirectory(prefix="fthsdp-demo-") as tmp:
-        asyncio.run(_demo(replicas, pathlib.Path(tmp)))
+        if keep_logs is not None:
+            shutil.copytree(workdir, keep_logs, dirs_exist_ok=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    hashes = {f["param_hash"] for f in report["final"].values() if f}
+    print(f"\nfinal state hash equal on all {config.replicas} replicas: {len(hashes) == 1} "
+          f"({next(iter(hashes))[:16] if len(hashes) == 1 else hashes})")
+    print(f"survivors' worst stall beyond a median step: {report['survivor_max_stall_s']}s; "
+          f"rejoin (kill to first joined step): {report['rejoin_s']}s; "
+          f"effective training time: {report['effective_training_time']:.0%}")
+    for e in report["events"]:
+        if e["event"] == "epoch":
+            print(f"  epoch {e['epoch']:>2}: {', '.join(e['members'])}  <- {e['reason'][:110]}")
+    if report_path is not None:
+        report_path.write_text(json.dumps(report, indent=1))
+        print(f"report: {report_path}")
+    if plot_path is not None:
+        plot_timeline(report, plot_path)
+        print(f"timeline: {plot_path}")
+    return report

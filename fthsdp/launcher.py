@@ -25,11 +25,10 @@ from fthsdp.procutil import stop_process
 from lighthouse.bench import start_lighthouse_process
 
 log = logging.getLogger("fthsdp.launcher")
-EXIT_REJOIN = 75  # fthsdp.runtime.EXIT_REJOIN (not imported: the launcher does not need torch)
 
 
 class ReplicaFailed(RuntimeError):
-    """A replica group exited for a reason other than a kill or a request to rejoin."""
+    """A replica group cannot go on: it reported a fatal error, or failed more than ``max_restarts`` times."""
 
 
 @dataclass(frozen=True)
@@ -67,9 +66,13 @@ class ClusterConfig:
     restart_delay_s: float = 2.0
     timeout_s: float = 900.0
     heartbeat_interval_s: float = 0.1
-    heartbeat_timeout_s: float = 2.0
-    confirm_age_s: float = 0.3
+    heartbeat_timeout_s: float = 5.0
+    confirm_age_s: float = 0.5
     collective_timeout_s: float = 5.0
+    max_restarts: int = 10
+    """Restarts of one replica group before the job is given up."""
+    min_step_s: float = 0.0
+    """Pace the trainer's steps to at least this long (tests: keeps runs long enough for a rejoin)."""
 
 
 @dataclass
@@ -79,6 +82,7 @@ class Group:
     log_path: pathlib.Path
     proc: subprocess.Popen[bytes] | None = None
     incarnations: int = 0
+    started_at: float = 0.0
     finished: bool = False
     restart_at: float | None = None
     pending_faults: list[Kill] = field(default_factory=list)
@@ -120,11 +124,12 @@ class Cluster:
             env["FTHSDP_FAULT"] = f"{k.step}:{k.phase}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(c.ranks),
                "--max-restarts", "0", "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
-               "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed)]
+               "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s)]
         out = open(g.log_path, "ab")
         g.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
         g.incarnations += 1
+        g.started_at = time.time()
         g.restart_at = None
         self._event("start", replica=g.index, incarnation=g.incarnations, fault=env.get("FTHSDP_FAULT", ""))
 
@@ -182,8 +187,13 @@ class Cluster:
             self._event("finished", replica=g.index)
             return
         self._event("exit", replica=g.index, code=code, killed=code == -signal.SIGKILL)
-        if code not in (-signal.SIGKILL, EXIT_REJOIN):
-            raise ReplicaFailed(f"replica group {g.index} failed with exit status {code}; see {g.log_path}")
+        fatal = [x for x in self.progress(g) if x["event"] == "fatal" and x["t"] >= g.started_at]
+        if fatal:
+            raise ReplicaFailed(f"replica group {g.index} cannot go on: {fatal[-1]['error']} (log: {g.log_path})")
+        if g.incarnations > self.config.max_restarts:
+            raise ReplicaFailed(f"replica group {g.index} failed {g.incarnations} times (last exit status {code}); "
+                                f"see {g.log_path}")
+        # Killed, asked to rejoin (torchrun reports a worker's status 75 as 1), or crashed: restart it.
         g.restart_at = time.monotonic() + self.config.restart_delay_s
 
     # --- the report ---------------------------------------------------------------------------------------------
@@ -228,9 +238,21 @@ class Cluster:
             "effective_training_time": round(ett, 3),
             "loss": {str(i): [[x["step"], x["loss"]] for x in rows if x.get("loss") is not None]
                      for i, rows in steps.items()},
-            "timeline": {str(i): [[round(x["t"] - t_start, 3), x["step"]] for x in rows] for i, rows in steps.items()},
+            "timeline": {str(i): _segments(rows, t_start) for i, rows in steps.items()},
             "t_start": t_start,
         }
+
+
+def _segments(rows: list[dict[str, Any]], t_start: float) -> list[list[list[float]]]:
+    """[time since start, step] points, one list per incarnation of the replica."""
+    out: list[list[list[float]]] = []
+    last = None
+    for x in rows:
+        if x.get("incarnation") != last:
+            out.append([])
+            last = x.get("incarnation")
+        out[-1].append([round(x["t"] - t_start, 3), x["step"]])
+    return out
 
 
 def plot_timeline(report: dict[str, Any], path: pathlib.Path) -> None:
@@ -242,9 +264,10 @@ def plot_timeline(report: dict[str, Any], path: pathlib.Path) -> None:
 
     fig, (ax, lx) = plt.subplots(1, 2, figsize=(12, 4.5))
     t0 = report["t_start"]
-    for replica, points in report["timeline"].items():
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], ".-", ms=3, label=f"replica {replica}")
+    for n, (replica, segments) in enumerate(report["timeline"].items()):
+        for k, points in enumerate(segments):
+            ax.plot([p[0] for p in points], [p[1] for p in points], ".-", ms=3, color=f"C{n}",
+                    label=f"replica {replica}" if k == 0 else None)
     for e in report["events"]:
         if e["event"] == "exit":
             ax.axvline(e["t"] - t0, color="red", ls="--", lw=1)
@@ -255,8 +278,8 @@ def plot_timeline(report: dict[str, Any], path: pathlib.Path) -> None:
     ax.set_ylabel("committed step")
     ax.set_title(f"{report['replicas']} replicas x {report['ranks_per_replica']} ranks")
     ax.legend()
-    for replica, points in report["loss"].items():
-        lx.plot([p[0] for p in points], [p[1] for p in points], lw=1, label=f"replica {replica}")
+    for n, (replica, points) in enumerate(report["loss"].items()):
+        lx.plot([p[0] for p in points], [p[1] for p in points], ".", ms=2, color=f"C{n}", label=f"replica {replica}")
     lx.set_xlabel("step")
     lx.set_ylabel("loss (rank 0 micro-batch)")
     lx.legend()

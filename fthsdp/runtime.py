@@ -42,11 +42,12 @@ from torch.distributed.tensor import DTensor
 
 from fthsdp.config import RuntimeConfig
 from fthsdp.faults import FaultInjector
-from ftar.engine import FTARConfig, LaneEngine, SyncContext
-from ftar.errors import Excluded, FTARError, Misaligned
+from ftar.engine import ExchangeResult, FTARConfig, Handle, LaneEngine, SyncContext
+from ftar.errors import Excluded, FTARError, Interrupted, Misaligned
 from ftar.membership import EpochFeed, LighthouseMembership
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
+from lighthouse.errors import Busy
 
 log = logging.getLogger("fthsdp.runtime")
 
@@ -80,6 +81,7 @@ class StepResult:
     attempts: int
     """Exchanges the step needed (1: no failure)."""
     exchange_s: float
+    """From the start of backward (a joiner: of the step) until every bucket was exchanged."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -141,6 +143,15 @@ class Replica:
         """Committed steps so far (a joiner learns it at its first step)."""
         self.model: nn.Module | None = None
         self.opt: torch.optim.Optimizer | None = None
+        self._sharded: list[nn.Parameter] = []
+        self._buckets: list[list[nn.Parameter]] = []
+        self._bucket_of: dict[int, int] = {}
+        self._pending: list[Handle | None] = []
+        self._filled: list[int] = []
+        self._launched = 0
+        self._armed_tag: int | None = None
+        self._learned = -1
+        """A joiner: the step it learned from the others (-1: not yet)."""
         self._log(logging.INFO, "replica up as %s (incarnation %s)", "joining" if self.joining else "active",
                   self.incarnation)
 
@@ -159,11 +170,28 @@ class Replica:
         return bytes(raw.cpu().tolist()).hex()
 
     def shard(self, model: nn.Module, blocks: Iterable[nn.Module] = ()) -> nn.Module:
-        """Shard ``model`` with FSDP2 over this replica's ranks (each of ``blocks`` as its own unit)."""
+        """Shard ``model`` with FSDP2 over this replica's ranks (each of ``blocks`` as its own unit).
+
+        Each unit's gradient shards form one FTAR bucket, exchanged as soon as FSDP2 has reduce-scattered them
+        (a post-accumulate-grad hook), so the exchange overlaps the rest of the backward pass. Buckets go out in
+        a fixed order (the blocks last to first, then the root's own parameters), the same on every replica.
+        """
+        blocks = list(blocks)
         for block in blocks:
             fully_shard(block, mesh=self.mesh)
         fully_shard(model, mesh=self.mesh)
         self.model = model
+        # The sharded parameters, captured now: FSDP2 registers unsharded ones on the modules during forward and
+        # backward, but these objects (which the optimizer holds) only change in the optimizer step, so a joiner
+        # can be served from them at any time between two commits.
+        self._sharded = list(model.parameters())
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        buckets = [list(b.parameters()) for b in reversed(blocks)]
+        buckets.append([p for p in self._sharded if id(p) not in in_blocks])
+        self._buckets = [b for b in buckets if b]
+        self._bucket_of = {id(p): k for k, b in enumerate(self._buckets) for p in b}
+        for p in self._sharded:
+            p.register_post_accumulate_grad_hook(self._on_grad)
         return model
 
     def optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -175,7 +203,7 @@ class Replica:
     def _params(self) -> list[nn.Parameter]:
         if self.model is None:
             raise RuntimeError("call shard(model) first")
-        return list(self.model.parameters())
+        return self._sharded
 
     # --- the step -----------------------------------------------------------------------------------------------
 
@@ -184,58 +212,54 @@ class Replica:
         joining (it then contributes zeros and skips the closure). Returns once the step is committed."""
         if self.opt is None:
             raise RuntimeError("call optimizer(opt) first")
-        params = self._params
-        loss_value: float | None = None
         joined = self.joining
+        loss_value: float | None = None
         self.faults.at(self.step, "forward")
+        t0 = time.perf_counter()
         if joined:
-            grads = [torch.zeros_like(_local(p)) for p in params]
-            tag: int | None = None
             if self.rank == 0 and not self._announced:
                 # Enter the data plane only now that everything is set up: the others wait for us from here on.
-                self.client.ready(m.JOINING)
-                self._announced = True
+                self._announce()
+            handles = self._exchange_all(tag=None, contribute=False)
         else:
             self.opt.zero_grad(set_to_none=True)
-            loss = closure()
-            self.faults.at(self.step, "backward")
-            loss.backward()
-            loss_value = float(loss.detach().item())
-            grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
-            tag = self.step
-        attempts = 0
-        t0 = time.perf_counter()
-        while True:
-            attempts += 1
-            self.faults.at(self.step, "exchange")
-            failed, epoch, agreed, contributors, avg = 0, 0, -1, 0, None
+            self._pending = [None] * len(self._buckets)
+            self._filled = [0] * len(self._buckets)
+            self._launched = 0
+            self._armed_tag = self.step
             try:
-                res = self.engine.allreduce(grads, contribute=not joined, tag=tag).wait(
-                    self.config.epoch_wait_s * 2 + 60)
-                epoch, agreed, contributors, avg = res.epoch, res.tag, res.contributors, res.tensors
-            except Misaligned as e:
-                if e.tag < e.highest:
-                    raise RejoinRequired(f"this replica is behind the others: {e}") from e
-                failed = 1
-            except Excluded as e:
-                raise RejoinRequired(f"this replica was declared dead: {e}") from e
-            except FTARError as e:
-                self._log(logging.WARNING, "exchange failed: %s", e)
-                failed = 1
+                loss = closure()
+                self.faults.at(self.step, "backward")
+                t0 = time.perf_counter()
+                loss.backward()  # buckets are handed to FTAR as FSDP2 produces them
+            finally:
+                self._armed_tag = None
+            loss_value = float(loss.detach().item())
+            while self._launched < len(self._buckets):  # parameters that got no gradient
+                self._launch(self._launched, self.step, True)
+            handles = list(self._pending)
+        attempts = 1
+        while True:
+            self.faults.at(self.step, "exchange")
+            failed, epochs, agreed, results = self._collect(handles)
             self.faults.at(self.step, "vote")
-            if self._vote(failed, epoch, agreed):
+            if self._vote(failed, epochs, agreed):
                 break
             if attempts >= 20:
                 raise RejoinRequired(f"step {self.step}: no consistent exchange in {attempts} attempts")
-            if joined and agreed >= 0:
-                tag = agreed  # the joiner now knows the step; a redo must say so
-            self._log(logging.INFO, "vote failed (epoch %d, failed=%d); redoing the exchange", epoch, failed)
-        assert avg is not None
+            self._log(logging.INFO, "vote failed (epochs %s, failed=%d); redoing the step's exchange", epochs, failed)
+            attempts += 1
+            self.engine.reset()
+            # A joiner that already learned the step says so (its group may still be the one it learned it in).
+            known = agreed if agreed >= 0 else self._learned
+            handles = self._exchange_all(tag=None if joined and known < 0 else (known if joined else self.step),
+                                         contribute=not joined)
         exchange_s = time.perf_counter() - t0
-        for p, g in zip(params, avg):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            _local(p.grad).copy_(g)
+        for bucket, res in zip(self._buckets, results):
+            for p, g in zip(bucket, res.tensors):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                _local(p.grad).copy_(g)
         self.faults.at(agreed, "optimizer")
         self.opt.step()
         self.step = agreed + 1
@@ -245,14 +269,95 @@ class Replica:
             if self.rank == 0:
                 self.client.ready(m.ACTIVE)
             self._log(logging.INFO, "caught up at step %d, now active", agreed)
-        return StepResult(agreed, loss_value, epoch, contributors, joined, attempts, exchange_s)
+        return StepResult(agreed, loss_value, max(epochs), results[0].contributors, joined, attempts, exchange_s)
 
-    def _vote(self, failed: int, epoch: int, tag: int) -> bool:
-        """Replica-local two-phase vote: commit only if every rank succeeded in the same epoch with the same tag."""
-        ctrl = torch.tensor([failed, epoch, -epoch, tag, -tag], dtype=torch.int64, device=self.device)
+    def _announce(self) -> None:
+        """Ready(JOINING), retried while another replica is joining (one at a time), up to epoch_wait_s."""
+        deadline = time.monotonic() + self.config.epoch_wait_s
+        while True:
+            try:
+                self.client.ready(m.JOINING)
+                self._announced = True
+                return
+            except Busy as e:
+                if time.monotonic() > deadline:
+                    raise RejoinRequired(f"could not enter the data plane: {e}") from e
+                self._log(logging.INFO, "waiting to join: %s", e)
+                time.sleep(0.2)  # retry pacing, bounded by the deadline
+
+    # --- buckets ------------------------------------------------------------------------------------------------
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """FSDP2 finished this parameter's gradient shard: launch every bucket that is now complete, in order."""
+        if self._armed_tag is None:
+            return
+        self._filled[self._bucket_of[id(p)]] += 1
+        while self._launched < len(self._buckets) and \
+                self._filled[self._launched] == len(self._buckets[self._launched]):
+            self._launch(self._launched, self._armed_tag, True)
+
+    def _launch(self, k: int, step: int | None, contribute: bool) -> Handle:
+        bucket = self._buckets[k]
+        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in bucket]
+        tag = None if step is None else step * len(self._buckets) + k
+        handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False, new_epoch_ok=k == 0)
+        self._pending[k] = handle
+        self._launched = k + 1
+        return handle
+
+    def _exchange_all(self, tag: int | None, contribute: bool) -> list[Handle | None]:
+        """Exchange every bucket in order from the kept gradients (a redo, or a joiner's zeros). A joiner's first
+        bucket learns the step; the others then carry it."""
+        self._pending = [None] * len(self._buckets)
+        self._launched = 0
+        first = self._launch(0, tag, contribute)
+        if tag is None:
+            try:
+                tag = self._learned = first.wait(self._wait_s).tag // len(self._buckets)
+            except FTARError:
+                return list(self._pending)  # _collect reports it
+        for k in range(1, len(self._buckets)):
+            self._launch(k, tag, contribute)
+        return list(self._pending)
+
+    @property
+    def _wait_s(self) -> float:
+        return self.config.epoch_wait_s * 2 + 60
+
+    def _collect(self, handles: list[Handle | None]) -> tuple[int, list[int], int, list[ExchangeResult]]:
+        """Wait for every bucket: (failed, epochs, agreed step, results)."""
+        failed, epochs, tags, results = 0, [], [], []
+        for h in handles:
+            if h is None:
+                failed = 1
+                continue
+            try:
+                r = h.wait(self._wait_s)
+            except Misaligned as e:
+                if e.tag < e.highest:
+                    raise RejoinRequired(f"this replica is behind the others: {e}") from e
+                failed = 1
+            except Excluded as e:
+                raise RejoinRequired(f"this replica was declared dead: {e}") from e
+            except FTARError as e:
+                if not isinstance(e, Interrupted):
+                    self._log(logging.WARNING, "exchange failed: %s", e)
+                failed = 1
+            else:
+                results.append(r)
+                epochs.append(r.epoch)
+                tags.append(r.tag // len(self._buckets))
+        agreed = tags[0] if tags and len(set(tags)) == 1 else -1
+        return failed or int(agreed < 0), epochs or [0], agreed, results
+
+    def _vote(self, failed: int, epochs: list[int], step: int) -> bool:
+        """Replica-local two-phase vote: commit only if every rank exchanged every bucket, all in one epoch, for
+        the same step."""
+        hi, lo = max(epochs), min(epochs)
+        ctrl = torch.tensor([failed, hi, -lo, step, -step], dtype=torch.int64, device=self.device)
         dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
-        f, hi, lo, thi, tlo = (int(x) for x in ctrl.tolist())
-        return f == 0 and hi == -lo and thi == -tlo
+        f, ehi, elo, shi, slo = (int(x) for x in ctrl.tolist())
+        return f == 0 and ehi == -elo and shi == -slo
 
     # --- state: sync to joiners, hash -----------------------------------------------------------------------------
 
@@ -300,8 +405,9 @@ class Replica:
         if ctx.receiving:
             got = [[n, list(t.shape), str(t.dtype), d] for n, t, d in state]
             if got != manifest:
-                raise StateMismatch(f"joiner state layout differs from the source's ({len(got)} vs {len(manifest)} "
-                                    "tensors): same model, shard count and optimizer needed")
+                diff = next((f"{g} vs {w}" for g, w in zip(got, manifest) if g != w), f"{len(got)} vs {len(manifest)}")
+                raise StateMismatch(f"joiner state layout differs from the source's (mine vs source: {diff}): "
+                                    "same model, shard count and optimizer needed")
         dtypes = sorted({str(e[2]) for e in manifest})
         for dtype in dtypes:
             entries = [i for i, e in enumerate(manifest) if str(e[2]) == dtype]

@@ -19,23 +19,26 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Coroutine, Sequence, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from fthsdp.v1 import lighthouse_pb2 as pb
 from fthsdp.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse import membership as m
 from lighthouse import wire
-from lighthouse.errors import (FencedOut, InvalidRequest, LighthouseError, LighthouseUnavailable, Unauthenticated,
+from lighthouse.errors import (Busy, FencedOut, InvalidRequest, LighthouseError, LighthouseUnavailable, Unauthenticated,
                                UnknownTarget)
 from lighthouse.wire import EpochView
 
 log = logging.getLogger("fthsdp.lighthouse.client")
 T = TypeVar("T")
+WATCH_METHOD = "/fthsdp.v1.Lighthouse/Watch"
 
 _ERRORS: dict[grpc.StatusCode, type[LighthouseError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidRequest,
     grpc.StatusCode.NOT_FOUND: UnknownTarget,
     grpc.StatusCode.FAILED_PRECONDITION: FencedOut,
+    grpc.StatusCode.ABORTED: Busy,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: Unauthenticated,
 }
@@ -56,6 +59,13 @@ def _translate(e: grpc.aio.AioRpcError | grpc.RpcError, what: str) -> Lighthouse
     return cls(f"{what}: {code.name}: {e.details()}")
 
 
+def _cancelled_by_grpc() -> bool:
+    """Whether a CancelledError being handled came from grpc (a call cancelled because its channel closed)
+    rather than from a cancellation of the running task, which must propagate."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
 @dataclass(frozen=True)
 class Registration:
     incarnation: str
@@ -63,6 +73,8 @@ class Registration:
     epoch: EpochView
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    resume: bool = False
+    """The job trained before and nobody is left to catch up from: resume from a checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -101,22 +113,32 @@ class AsyncLighthouseClient:
             self._stub = pb_grpc.LighthouseStub(self._channel)
         return self._stub
 
-    async def _rotate(self) -> None:
-        """Drop the channel and move to the next address (after an UNAVAILABLE)."""
-        channel, self._channel, self._stub = self._channel, None, None
+    async def _rotate(self, failed: grpc.aio.Channel | None) -> None:
+        """Drop the channel ``failed`` and move to the next address (after an UNAVAILABLE).
+
+        Only if it is still the current one: the heartbeat and the watch share the channel, and both may see
+        the same outage; the second must not throw away the fresh channel the first one made."""
+        if failed is None or failed is not self._channel:
+            return
+        self._channel, self._stub = None, None
         self._index += 1
-        if channel is not None:
-            await channel.close(grace=None)
+        await failed.close(grace=None)
 
     async def _call(self, method: str, request: object, timeout: float | None = None) -> object:
         stub = self._stub_now()
+        channel = self._channel
         try:
             return await getattr(stub, method)(request, timeout=timeout or self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
             err = _translate(e, f"{method} for replica {self.replica_id}")
             if isinstance(err, LighthouseUnavailable):
-                await self._rotate()
+                await self._rotate(channel)
             raise err from None
+        except asyncio.CancelledError:
+            if not _cancelled_by_grpc():
+                raise
+            raise LighthouseUnavailable(f"{method} for replica {self.replica_id}: call cancelled "
+                                        "(its channel was closed)") from None
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -135,7 +157,7 @@ class AsyncLighthouseClient:
         self.role = wire.ROLE_FROM_PB.get(resp.role, m.JOINING)
         self.heartbeat_interval_s = resp.heartbeat_interval_s or self.heartbeat_interval_s
         return Registration(resp.incarnation, self.role, wire.epoch_from_pb(resp.epoch),
-                            resp.heartbeat_interval_s, resp.heartbeat_timeout_s)
+                            resp.heartbeat_interval_s, resp.heartbeat_timeout_s, resp.resume)
 
     async def heartbeat(self, step: int = 0, epoch: int = 0) -> int:
         resp = await self._call("Heartbeat", pb.HeartbeatRequest(
@@ -172,15 +194,30 @@ class AsyncLighthouseClient:
 
     async def watch(self, after_epoch: int = 0) -> AsyncIterator[EpochView]:
         """Yield every epoch newer than ``after_epoch`` as it is pushed; raises when the stream breaks."""
-        call = self._stub_now().Watch(pb.WatchRequest(job_id=self.job_id, after_epoch=after_epoch))
+        self._stub_now()
+        channel = self._channel
+        assert channel is not None
+        # Raw bytes (no response deserializer): the views are memoized by content, see wire.epoch_from_bytes.
+        call = channel.unary_stream(WATCH_METHOD, request_serializer=pb.WatchRequest.SerializeToString)(
+            pb.WatchRequest(job_id=self.job_id, after_epoch=after_epoch))
         try:
-            async for e in call:
-                yield wire.epoch_from_pb(e)
+            async for raw in call:
+                try:
+                    view = wire.epoch_from_bytes(raw)
+                except DecodeError as e:
+                    raise LighthouseUnavailable(f"Watch for replica {self.replica_id}: bad epoch: {e}") from None
+                yield view
         except grpc.aio.AioRpcError as e:
             err = _translate(e, f"Watch for replica {self.replica_id}")
             if isinstance(err, LighthouseUnavailable):
-                await self._rotate()
+                await self._rotate(channel)
             raise err from None
+        except asyncio.CancelledError:
+            # The heartbeat closed the shared channel (rotation): the stream broke, the watch loop goes on.
+            if not _cancelled_by_grpc():
+                raise
+            raise LighthouseUnavailable(f"Watch for replica {self.replica_id}: stream cancelled "
+                                        "(its channel was closed)") from None
         finally:
             call.cancel()
 
@@ -192,7 +229,8 @@ class AsyncLighthouseClient:
         """Heartbeat and watch until ``stop`` is set. ``register=False`` only watches (non-leader ranks).
 
         ``on_lost`` is told when the lighthouse no longer knows this incarnation (declared dead); the session
-        then registers again as a new member.
+        then registers again as a new member. When a newer incarnation of the same replica id replaced this one,
+        ``on_lost`` is told too and heartbeats stop (this process is superseded).
         """
         latest = {"n": known_epoch}
 
@@ -231,7 +269,15 @@ class AsyncLighthouseClient:
                 await self.heartbeat(step(), latest["n"])
                 backoff.reset()
                 wait = self.heartbeat_interval_s
-            except (UnknownTarget, FencedOut) as e:
+            except FencedOut as e:
+                # A newer incarnation of this replica registered: this process is superseded. Registering
+                # again would declare the newer one dead, and the two would evict each other forever.
+                log.warning("replica=%s incarnation %s was replaced (%s); heartbeats stop", self.replica_id,
+                            self.incarnation, e)
+                if on_lost is not None:
+                    on_lost(str(e))
+                return
+            except UnknownTarget as e:
                 log.warning("replica=%s lost its registration (%s); registering again", self.replica_id, e)
                 if on_lost is not None:
                     on_lost(str(e))
@@ -282,7 +328,7 @@ class LighthouseClient:
     def __init__(self, addresses: str | Sequence[str], job_id: str, replica_id: str, *, shard_count: int = 1,
                  endpoints: m.Endpoints = m.Endpoints(), rpc_timeout_s: float = 2.0,
                  on_epoch: Callable[[EpochView], None] | None = None,
-                 on_lost: Callable[[str], None] | None = None) -> None:
+                 on_lost: Callable[[str], None] | None = None, incarnation: str | None = None) -> None:
         self._on_epoch = on_epoch
         self._on_lost = on_lost
         self._cond = threading.Condition()
@@ -296,7 +342,7 @@ class LighthouseClient:
         self.rpc_timeout_s = rpc_timeout_s
         # The channel is made lazily, on the loop thread, by the first call.
         self.aio = AsyncLighthouseClient(addresses, job_id, replica_id, shard_count=shard_count,
-                                         endpoints=endpoints, rpc_timeout_s=rpc_timeout_s)
+                                         endpoints=endpoints, rpc_timeout_s=rpc_timeout_s, incarnation=incarnation)
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -328,15 +374,19 @@ class LighthouseClient:
 
         With ``register=False`` only the watch runs (ranks other than the replica's leader).
         """
+        if self._session is not None:
+            raise RuntimeError("LighthouseClient.start() called twice")
         reg: Registration | None = None
         if register:
             reg = self._run(self._register_until(deadline_s), timeout=deadline_s + 1.0)
             if reg.epoch.number:
                 self._deliver(reg.epoch)
+        # Made here, not inside the session coroutine, so that a close() right after start() always finds it
+        # (an asyncio.Event binds to the loop that first waits on it).
+        stop = self._stop = asyncio.Event()
 
         async def session() -> None:
-            self._stop = asyncio.Event()
-            await self.aio.run(self._deliver, self._stop, register=register,
+            await self.aio.run(self._deliver, stop, register=register,
                                step=lambda: self._step, on_lost=self._on_lost,
                                known_epoch=self._latest.number if self._latest else 0)
 
@@ -382,8 +432,9 @@ class LighthouseClient:
     def status(self) -> pb.StatusResponse:
         return self._run(self.aio.status())
 
-    def close(self) -> None:
-        """Stop the session and the loop thread (idempotent)."""
+    def close(self, leave: str | None = None) -> None:
+        """Stop the session and the loop thread (idempotent). With ``leave``, leave the job gracefully with that
+        reason once heartbeats have stopped (so the session cannot register again behind our back)."""
         if not self._thread.is_alive():
             return
         if self._stop is not None:
@@ -393,9 +444,16 @@ class LighthouseClient:
                 self._session.result(timeout=5)
             except Exception:
                 pass
+        if leave is not None:
+            try:
+                self._run(self.aio.leave(leave))
+            except LighthouseError as e:
+                log.info("replica=%s leave not acknowledged: %s", self.replica_id, e)
         try:
             self._run(self.aio.close(), timeout=5)
         except LighthouseError:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()

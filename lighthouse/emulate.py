@@ -7,11 +7,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 from lighthouse import membership as m
-from lighthouse.client import AsyncLighthouseClient, ReportResult
-from lighthouse.errors import LighthouseError
+from lighthouse.client import AsyncLighthouseClient, Backoff, ReportResult
+from lighthouse.errors import Busy, LighthouseError, LighthouseUnavailable, UnknownTarget
 from lighthouse.wire import EpochView
 
 log = logging.getLogger("fthsdp.emulate")
@@ -38,6 +38,7 @@ class Emulator:
                  shard_count: int = 1, on_epoch: Callable[[EmulatedReplica, EpochView], None] | None = None,
                  rpc_timeout_s: float = 5.0) -> None:
         self.on_epoch = on_epoch
+        self._background: set[asyncio.Task[None]] = set()
         self.replicas = [
             EmulatedReplica(AsyncLighthouseClient(lighthouse, job_id, f"{prefix}-{i:05d}", shard_count=shard_count,
                                                   rpc_timeout_s=rpc_timeout_s))
@@ -51,16 +52,36 @@ class Emulator:
             me = e.member(r.replica_id)
             if me is not None and me.role == m.JOINING:
                 # Nothing to fetch: an emulated joiner is caught up as soon as it is in the data plane.
-                asyncio.get_running_loop().create_task(self._ready(r, m.ACTIVE))
+                self._spawn(self._ready(r, m.ACTIVE))
             if self.on_epoch is not None:
                 self.on_epoch(r, e)
         return deliver
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._background.discard)
 
     async def _ready(self, r: EmulatedReplica, role: str) -> None:
         try:
             await r.client.ready(role)
         except LighthouseError as e:
             log.info("ready(%s) for %s: %s", role, r.replica_id, e)
+
+    async def _join(self, r: EmulatedReplica) -> None:
+        """Enter the data plane as a joiner. The lighthouse lets one joiner sync at a time and answers the others
+        Busy, and a re-registration may not have landed yet (UnknownTarget): retry those until stopped."""
+        backoff = Backoff(first=0.05, cap=1.0)
+        while not r.stop.is_set():
+            try:
+                await r.client.ready(m.JOINING)
+                return
+            except (Busy, UnknownTarget, LighthouseUnavailable) as e:
+                log.debug("ready(joining) for %s: %s; retrying", r.replica_id, e)
+            except LighthouseError as e:
+                log.info("ready(joining) for %s: %s", r.replica_id, e)
+                return
+            await backoff.wait(r.stop)
 
     async def start(self, concurrency: int = 64) -> None:
         """Register everyone (bounded concurrency), then start their sessions. Joiners declare themselves
@@ -69,15 +90,20 @@ class Emulator:
 
         async def reg(r: EmulatedReplica) -> None:
             async with sem:
-                if (await r.client.register()).role == m.JOINING:
-                    await self._ready(r, m.JOINING)
+                role = (await r.client.register()).role
+            # Heartbeat from now on: waiting for everyone else to register first could outlast the timeout.
+            self.start_session(r)
+            if role == m.JOINING:
+                self._spawn(self._join(r))  # in the background: it may wait for other joiners
 
         await asyncio.gather(*(reg(r) for r in self.replicas))
-        for r in self.replicas:
-            self._start_session(r)
 
-    def _start_session(self, r: EmulatedReplica) -> None:
-        r.task = asyncio.create_task(r.client.run(self._deliver(r), r.stop))
+    def start_session(self, r: EmulatedReplica) -> None:
+        def lost(why: str) -> None:
+            # Declared dead: the session registers again, as a joiner unless no one is active; join again.
+            self._spawn(self._join(r))
+
+        r.task = asyncio.create_task(r.client.run(self._deliver(r), r.stop, on_lost=lost))
 
     async def kill(self, r: EmulatedReplica) -> None:
         """Stop heartbeating and watching, as a SIGKILLed replica would."""
@@ -107,10 +133,15 @@ class Emulator:
             await asyncio.sleep(0.01)  # polling a condition with a deadline
         return False
 
-    async def close(self) -> None:
+    async def close(self, leave: str | None = None) -> None:
+        """Stop every session; with ``leave``, the live ones then leave the job (after their heartbeats stopped,
+        so none registers again)."""
+        live = self.alive()
         for r in self.replicas:
             r.stop.set()
         await asyncio.gather(*(r.task for r in self.replicas if r.task), return_exceptions=True)
+        if leave is not None:
+            await asyncio.gather(*(r.client.leave(leave) for r in live), return_exceptions=True)
         await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
 
 
@@ -132,9 +163,4 @@ async def run_emulate(lighthouse: str, replicas: int, job_id: str, prefix: str, 
     try:
         await stop.wait()
     finally:
-        for r in emu.alive():
-            try:
-                await r.client.leave("emulator stopped")
-            except LighthouseError:
-                pass
-        await emu.close()
+        await emu.close(leave="emulator stopped")

@@ -19,6 +19,10 @@ class FencedOut(LighthouseError):
     """The request was made under a stale epoch or incarnation (FAILED_PRECONDITION)."""
 
 
+class Busy(LighthouseError):
+    """The lighthouse cannot do this now; retry later (ABORTED), e.g. another replica is joining."""
+
+
 class Unauthenticated(LighthouseError):
     """Wrong or missing credentials (UNAUTHENTICATED, PERMISSION_DENIED)."""
 

@@ -83,7 +83,9 @@ class StatusHTTPServer:
         self._httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="lighthouse-http", daemon=True)
+        # A short poll interval: close() (shutdown) waits up to one interval, on the lighthouse's event loop.
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="lighthouse-http", daemon=True)
         self._thread.start()
 
     def close(self) -> None:

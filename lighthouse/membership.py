@@ -10,12 +10,16 @@ Rules (DESIGN §4):
   ``last_number + 1``, and ``last_number`` is durable state.
 - A new epoch forms whenever the wanted membership (live members that are in the data plane) differs from the
   current epoch's, *and* the split-brain guard holds: at least ``min_replicas`` members, at least one active.
-- Before the first epoch (bootstrap) registrants are active; the first epoch waits for ``expected_replicas``,
-  or for ``join_window_s`` after ``min_replicas`` registered.
-- After that a registrant is ``joining`` (it must fetch state), unless the job has no live active member left
+- Before the first epoch (bootstrap) registrants are active; the first epoch waits for ``expected_replicas``
+  (at most ``join_window_s`` after ``min_replicas`` registered, when that is set), or without an expected count
+  for ``join_window_s`` after ``min_replicas`` registered.
+- After that a registrant is ``joining`` (it must fetch state; one joiner enters the data plane at a time),
+  unless the job has no live active member left
   (everyone died: it restarts from a checkpoint as active).
 - Death: no heartbeat for ``heartbeat_timeout_s``; or a failure report the lighthouse confirms, because the
-  suspect's last heartbeat is older than ``confirm_age_s`` or a majority of the other members blame it.
+  suspect's last heartbeat is older than ``confirm_age_s`` (at the report, or at a later tick).
+- A reported suspect that keeps heartbeating for ``confirm_age_s`` is alive: the epoch is re-formed with the
+  same members (a new number), so that every member rebuilds its data plane instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ class Policy:
     confirm_age_s: float = 1.0
     """A reported suspect whose last heartbeat is at least this old is confirmed dead."""
     join_window_s: float = 0.0
-    """Bootstrap: after ``min_replicas`` registered, wait this long for more before forming the first epoch."""
+    """Bootstrap: after ``min_replicas`` registered, wait this long for more before forming the first epoch
+    (with ``expected_replicas`` set: at most this long for the expected count; 0 then waits for all of them)."""
     expected_replicas: int = 0
     """Bootstrap: form the first epoch as soon as this many registered (0: unknown)."""
 
@@ -117,6 +122,8 @@ class State:
     history: tuple[Epoch, ...] = ()
     suspicions: Mapping[str, frozenset[str]] = field(default_factory=dict)
     """suspect replica id -> reporters, within the current epoch."""
+    suspected_at: Mapping[str, float] = field(default_factory=dict)
+    """suspect replica id -> time of its first report in the current epoch."""
     min_reached_at: float | None = None
     """Bootstrap: when ``min_replicas`` registrations were first reached."""
 
@@ -173,7 +180,7 @@ Event = Register | Ready | Leave | Report | Tick
 class Rejection:
     """Why an event was refused; ``code`` names the gRPC status the edge answers with."""
 
-    code: str  # INVALID_ARGUMENT | NOT_FOUND | FAILED_PRECONDITION
+    code: str  # INVALID_ARGUMENT | NOT_FOUND | FAILED_PRECONDITION | ABORTED (retry later)
     message: str
 
 
@@ -194,6 +201,16 @@ class Outcome:
 
 
 HISTORY_LIMIT = 256
+REASON_LIMIT = 1024
+"""An epoch's reason is clipped to this many characters (a burst of deaths would make it grow with the job,
+and it is pushed to every member and kept in the history)."""
+
+
+def _clip(reason: str) -> str:
+    if len(reason) <= REASON_LIMIT:
+        return reason
+    rest = reason.count("; ", REASON_LIMIT - 40) + 1
+    return f"{reason[: REASON_LIMIT - 40]}… (+{rest} more)"
 
 
 def decide(state: State, event: Event, policy: Policy) -> Outcome:
@@ -245,7 +262,8 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
                                     in_epoch=(role == ACTIVE), registered_at=ev.now)
     reasons.append(f"replica {ev.replica_id} registered as {role}")
     suspicions = {k: v for k, v in state.suspicions.items() if k != ev.replica_id}
-    new = dataclasses.replace(state, members=members, suspicions=suspicions)
+    suspected_at = {k: v for k, v in state.suspected_at.items() if k != ev.replica_id}
+    new = dataclasses.replace(state, members=members, suspicions=suspicions, suspected_at=suspected_at)
     return _reconcile(new, "; ".join(reasons), ev.now, policy)
 
 
@@ -258,12 +276,23 @@ def _ready(state: State, ev: Ready, policy: Policy) -> Outcome:
     if ev.role == JOINING:
         if member.in_epoch:
             return Outcome(state=state)  # already in the data plane: idempotent
+        # Only a joiner that is syncing in the current epoch holds the slot: one the min-replicas guard keeps out
+        # of any epoch has nothing to sync from, and turning the next one away would leave the job stuck below
+        # min_replicas forever.
+        syncing = state.epoch.member if state.epoch is not None else (lambda rid: None)
+        busy = sorted(x.replica_id for x in state.members.values()
+                      if x.role == JOINING and x.in_epoch
+                      and (em := syncing(x.replica_id)) is not None and em.incarnation == x.incarnation)
+        if busy:
+            # One joiner at a time: a second one re-forming the epoch mid-sync would make the first start over.
+            return _reject(state, "ABORTED", f"replica {busy[0]} is joining; retry once it is active")
         updated = dataclasses.replace(member, in_epoch=True)
         reason = f"replica {ev.replica_id} ready to join"
     else:
         if member.role == ACTIVE:
             return Outcome(state=state)
-        if not member.in_epoch or state.epoch is None or state.epoch.member(ev.replica_id) is None:
+        mine = state.epoch.member(ev.replica_id) if state.epoch is not None else None
+        if not member.in_epoch or mine is None or mine.incarnation != ev.incarnation:
             return _reject(state, "FAILED_PRECONDITION",
                            f"replica {ev.replica_id} must take part in an epoch as joining before turning active")
         updated = dataclasses.replace(member, role=ACTIVE)
@@ -291,24 +320,30 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
         return _reject(state, "FAILED_PRECONDITION", f"stale epoch {ev.epoch}: the current epoch is {current}")
     if ev.epoch > current:
         return _reject(state, "INVALID_ARGUMENT", f"epoch {ev.epoch} does not exist yet (current {current})")
-    assert state.epoch is not None
-    if state.epoch.member(ev.reporter) is None:
+    if state.epoch is None:
+        return _reject(state, "FAILED_PRECONDITION", "no epoch has formed yet: nothing to report against")
+    reporter = state.epoch.member(ev.reporter)
+    if reporter is None or reporter.incarnation != ev.reporter_incarnation:
         return _reject(state, "FAILED_PRECONDITION", f"reporter {ev.reporter} is not a member of epoch {current}")
-    if state.epoch.member(ev.suspect) is None:
+    suspect = state.epoch.member(ev.suspect)
+    if suspect is None:
         return _reject(state, "NOT_FOUND", f"suspect {ev.suspect} is not a member of epoch {current}")
-    if ev.suspect not in state.members:
-        return Outcome(state=state, confirmed=True)  # already declared dead; the new epoch waits on the guard
+    live = state.members.get(ev.suspect)
+    if live is None or live.incarnation != suspect.incarnation:
+        # Already declared dead (a restarted replica under the same id is a different member); the new epoch
+        # waits on the guard.
+        return Outcome(state=state, confirmed=True)
     reporters = state.suspicions.get(ev.suspect, frozenset()) | {ev.reporter}
     suspicions = {**state.suspicions, ev.suspect: reporters}
-    others = len(state.epoch.members) - 1
     age = ev.now - ev.last_seen.get(ev.suspect, state.members[ev.suspect].registered_at)
     why = ev.reason or "failure report"
-    if age >= policy.confirm_age_s:
-        cause = f"{why}, confirmed: no heartbeat for {age:.2f}s"
-    elif others >= 2 and len(reporters) > others // 2:
-        cause = f"{why}, confirmed by {len(reporters)} of {others} peers"
-    else:
-        return Outcome(state=dataclasses.replace(state, suspicions=suspicions))
+    # Only the suspect's own silence confirms: peers' reports are not votes, because a reporter cannot tell a
+    # dead peer from one that was merely slower to notice the same failure (FTAR blames everyone who did not
+    # check in within its grace period).
+    if age < policy.confirm_age_s:
+        suspected_at = {**state.suspected_at, ev.suspect: state.suspected_at.get(ev.suspect, ev.now)}
+        return Outcome(state=dataclasses.replace(state, suspicions=suspicions, suspected_at=suspected_at))
+    cause = f"{why}, confirmed: no heartbeat for {age:.2f}s"
     members = {k: v for k, v in state.members.items() if k != ev.suspect}
     new = dataclasses.replace(state, members=members, suspicions=suspicions)
     out = _reconcile(new, f"replica {ev.suspect} dead ({cause}; blamed by {ev.reporter})", ev.now, policy)
@@ -325,6 +360,13 @@ def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
             dead[rid] = (f"replica {rid} dead (reported by {','.join(sorted(state.suspicions[rid]))}, "
                          f"no heartbeat for {age:.2f}s)")
     if not dead:
+        # A suspect that kept heartbeating for confirm_age_s after it was reported is alive: the reporters' data
+        # plane is still broken, so re-form the epoch with the same members and let everyone rebuild.
+        alive = sorted(rid for rid, t in state.suspected_at.items()
+                       if rid in state.members and ev.now - t >= policy.confirm_age_s)
+        if alive and state.epoch is not None:
+            return _reconcile(state, f"re-formed: {', '.join(alive)} reported but still heartbeating", ev.now,
+                              policy, force=True)
         # Only bootstrap waits on time alone (the join window); otherwise nothing changed.
         return _reconcile(state, "", ev.now, policy) if state.epoch is None else Outcome(state=state)
     members = {k: v for k, v in state.members.items() if k not in dead}
@@ -340,29 +382,38 @@ def _wanted(state: State) -> tuple[EpochMember, ...]:
     )
 
 
-def _reconcile(state: State, reason: str, now: float, policy: Policy) -> Outcome:
-    """Form a new epoch if the wanted membership differs from the current one and the guards allow it."""
-    wanted = _wanted(state)
+def _reconcile(state: State, reason: str, now: float, policy: Policy, force: bool = False) -> Outcome:
+    """Form a new epoch if the wanted membership differs from the current one (or ``force``) and the guards
+    allow it."""
     if state.epoch is None:
-        # Bootstrap: wait for the expected count, or for the join window after min_replicas.
+        # Bootstrap: wait for the expected count, or for the join window after min_replicas. (Counted without
+        # building the member list: registrations arrive one by one, and a thousand would make it quadratic.)
+        count = sum(1 for m in state.members.values() if m.in_epoch)
         min_reached_at = state.min_reached_at
-        if len(wanted) >= policy.min_replicas:
+        if count >= policy.min_replicas:
             min_reached_at = min_reached_at if min_reached_at is not None else now
         else:
             min_reached_at = None
-        state = dataclasses.replace(state, min_reached_at=min_reached_at)
-        full = policy.expected_replicas and len(wanted) >= policy.expected_replicas
-        window_over = min_reached_at is not None and now - min_reached_at >= policy.join_window_s
+        if min_reached_at != state.min_reached_at:
+            state = dataclasses.replace(state, min_reached_at=min_reached_at)
+        # With an expected count the window bounds the wait for stragglers (0: wait for all of them);
+        # without one, the first epoch forms join_window_s after min_replicas registered.
+        full = bool(policy.expected_replicas) and count >= policy.expected_replicas
+        window_over = (min_reached_at is not None and now - min_reached_at >= policy.join_window_s
+                       and (policy.join_window_s > 0 or not policy.expected_replicas))
         if not (full or window_over):
             return Outcome(state=state, reason=reason)
+    wanted = _wanted(state)
     key = tuple((m.replica_id, m.incarnation, m.role) for m in wanted)
-    if state.epoch is not None and key == state.epoch.key():
+    if state.epoch is not None and key == state.epoch.key() and not force:
         return Outcome(state=state, reason=reason)
     if len(wanted) < policy.min_replicas or not any(m.role == ACTIVE for m in wanted):
         guard = (f"min-replicas guard: {len(wanted)} live data-plane member(s), "
                  f"{policy.min_replicas} required, with at least one active; epoch unchanged")
         return Outcome(state=state, reason=f"{reason}; {guard}" if reason else guard)
-    epoch = Epoch(number=state.last_number + 1, members=wanted, created_at=now, reason=reason or "bootstrap")
+    epoch = Epoch(number=state.last_number + 1, members=wanted, created_at=now,
+                  reason=_clip(reason) if reason else "bootstrap")
     history = (state.history + (epoch,))[-HISTORY_LIMIT:]
-    new = dataclasses.replace(state, epoch=epoch, last_number=epoch.number, history=history, suspicions={})
+    new = dataclasses.replace(state, epoch=epoch, last_number=epoch.number, history=history, suspicions={},
+                              suspected_at={})
     return Outcome(state=new, reason=epoch.reason)

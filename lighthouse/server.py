@@ -8,6 +8,7 @@ All job state is touched only on the server's event loop, so handlers need no lo
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -79,13 +80,21 @@ class _Job:
         self.last_seen: dict[str, float] = {}
         self.steps: dict[str, int] = {}
         self.write_lock = asyncio.Lock()
-        self.changed = asyncio.Condition()
+        self.changed = asyncio.Event()
+        """Set (and replaced by a fresh one) whenever a new epoch is published or the server stops. An Event wakes
+        every watcher in one go; a Condition would hand its lock from watcher to watcher, one loop iteration
+        each, which delays the last of a thousand watchers by the whole chain."""
         self.epoch_pb = wire.epoch_to_pb(job_id, state.epoch, rendezvous)
         self.epoch_bytes = self.epoch_pb.SerializeToString()
 
     @property
     def number(self) -> int:
         return self.state.epoch.number if self.state.epoch is not None else 0
+
+    def wake(self) -> None:
+        """Wake every watcher."""
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
 
 
 class Lighthouse:
@@ -150,8 +159,7 @@ class Lighthouse:
     async def stop(self, grace: float = 1.0) -> None:
         self._stopping = True
         for job in self.jobs.values():
-            async with job.changed:
-                job.changed.notify_all()
+            job.wake()
         for t in self._tasks:
             t.cancel()
         if self._http is not None:
@@ -205,8 +213,7 @@ class Lighthouse:
         self.metrics.observe_epoch(job.job_id, epoch.number, job.state)
         log.info("lighthouse job=%s epoch=%d members=%s reason=%s", job.job_id, epoch.number,
                  ",".join(f"{x.replica_id}:{x.role}" for x in epoch.members), epoch.reason)
-        async with job.changed:
-            job.changed.notify_all()
+        job.wake()
 
     async def _tick_loop(self) -> None:
         while True:
@@ -270,6 +277,7 @@ class Lighthouse:
         if not 1 <= req.shard_count <= wire.SHARD_MAX:
             raise wire.ValidationError(f"shard_count must be in 1..{wire.SHARD_MAX}, got {req.shard_count}")
         endpoints = wire.endpoints_from_pb(req.endpoints)
+        bootstrap = job.state.epoch is None
         out = await self._apply(job, m.Register(req.replica_id, req.incarnation, req.shard_count, endpoints,
                                                 clock()))
         if out.rejection is not None:
@@ -278,7 +286,8 @@ class Lighthouse:
         member = job.state.members[req.replica_id]
         return pb.RegisterResponse(incarnation=member.incarnation, role=wire.ROLE_TO_PB[member.role],
                                    epoch=job.epoch_pb, heartbeat_interval_s=self.policy.heartbeat_interval_s,
-                                   heartbeat_timeout_s=self.policy.heartbeat_timeout_s)
+                                   heartbeat_timeout_s=self.policy.heartbeat_timeout_s,
+                                   resume=member.role == m.ACTIVE and not bootstrap)
 
     async def Heartbeat(self, req: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
         job = await self._job(req.job_id, context, "Heartbeat")
@@ -307,8 +316,8 @@ class Lighthouse:
                     sent = job.number
                     yield job.epoch_bytes
                     continue
-                async with job.changed:
-                    await job.changed.wait_for(lambda: job.number > sent or self._stopping)
+                # No await between the check above and taking the event: a publish cannot slip in between.
+                await job.changed.wait()
         finally:
             self.metrics.watchers.dec()
 
@@ -397,6 +406,10 @@ async def serve(config: LighthouseConfig, store: Store | None = None,
     """Run a lighthouse until ``stop`` is set (or forever)."""
     lh = Lighthouse(config, store)
     await lh.start()
+    # What exists now (modules, grpc, protobuf) lives as long as the process: keep the collector from walking
+    # it on every full collection, which would pause heartbeats and pushes for tens of milliseconds.
+    gc.collect()
+    gc.freeze()
     if ready is not None:
         ready(lh)
     try:

@@ -47,6 +47,7 @@ class InMemoryStore(Store):
 
     def __init__(self) -> None:
         self._docs: dict[str, bytes] = {}
+        self._numbers: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def load(self, job_id: str) -> dict[str, Any] | None:
@@ -58,11 +59,11 @@ class InMemoryStore(Store):
         check_monotonic(expected_last_number, document)
         raw = json.dumps(document, sort_keys=True).encode()
         with self._lock:
-            current = self._docs.get(job_id)
-            stored = 0 if current is None else int(json.loads(current)["last_number"])
+            stored = self._numbers.get(job_id, 0)
             if stored != expected_last_number:
                 raise EpochFenced(f"job {job_id}: stored epoch {stored}, writer expected {expected_last_number}")
             self._docs[job_id] = raw
+            self._numbers[job_id] = int(document["last_number"])
 
 
 def open_store(url: str) -> Store:

@@ -19,9 +19,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _run(tmp: pathlib.Path, steps: int, kills: tuple[Kill, ...] = (), replicas: int = 3) -> dict[str, Any]:
+def _run(tmp: pathlib.Path, steps: int, kills: tuple[Kill, ...] = (), replicas: int = 3,
+         min_step_s: float = 0.0) -> dict[str, Any]:
     config = ClusterConfig(replicas=replicas, ranks=2, steps=steps, model="tiny", kills=kills,
-                           restart_delay_s=0.5, timeout_s=240)
+                           restart_delay_s=0.5, timeout_s=240, min_step_s=min_step_s)
     return Cluster(config, tmp).run()
 
 
@@ -63,8 +64,8 @@ def test_no_failure_all_replicas_end_identical(tmp_path: pathlib.Path) -> None:
 
 
 def test_kills_during_backward_and_vote_then_rejoin(tmp_path: pathlib.Path) -> None:
-    steps = 160
-    report = _run(tmp_path, steps, (Kill(1, 5, "backward"), Kill(2, 6, "vote")))
+    steps = 200  # paced at 0.15 s: long enough for both to restart and rejoin before the end
+    report = _run(tmp_path, steps, (Kill(1, 5, "backward"), Kill(2, 6, "vote")), min_step_s=0.15)
     _check_converged(report, steps)
     _check_survivor(tmp_path, 0, steps)
     _check_rejoined(tmp_path, 1, report)
@@ -74,8 +75,8 @@ def test_kills_during_backward_and_vote_then_rejoin(tmp_path: pathlib.Path) -> N
 
 
 def test_kill_during_exchange_then_rejoin(tmp_path: pathlib.Path) -> None:
-    steps = 130
-    report = _run(tmp_path, steps, (Kill(1, 5, "exchange"),))
+    steps = 200
+    report = _run(tmp_path, steps, (Kill(1, 5, "exchange"),), min_step_s=0.15)
     _check_converged(report, steps)
     for r in (0, 2):
         _check_survivor(tmp_path, r, steps)

@@ -37,6 +37,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--progress", default=os.environ.get("FTHSDP_PROGRESS", ""))
     p.add_argument("--plain", action="store_true", help="plain FSDP2 (no fault tolerance): the baseline")
     p.add_argument("--hsdp-replicas", type=int, default=1, help="with --plain: replicas of an HSDP mesh")
+    p.add_argument("--min-step-s", type=float, default=0.0,
+                   help="pace steps to take at least this long (stands in for more compute in tests)")
     return p.parse_args(argv)
 
 
@@ -48,6 +50,12 @@ class Progress:
     def write(self, **kv: Any) -> None:
         if self.file is not None:
             self.file.write(json.dumps({**self.common, **kv, "t": time.time()}) + "\n")
+
+
+def _pace(min_step_s: float, t0: float) -> None:
+    left = min_step_s - (time.perf_counter() - t0)
+    if left > 0:
+        time.sleep(left)  # workload pacing, not synchronisation
 
 
 def _model(cfg: GPTConfig, seed: int) -> GPT:
@@ -92,9 +100,15 @@ def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
 
 
 def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig) -> None:
-    from fthsdp.runtime import EXIT_REJOIN, RejoinRequired, Replica
+    from fthsdp.config import ConfigError
+    from fthsdp.runtime import EXIT_REJOIN, NoStateToResume, RejoinRequired, Replica, StateMismatch
 
-    ft = Replica()
+    try:
+        ft = Replica()
+    except (NoStateToResume, ConfigError, StateMismatch) as e:
+        # Restarting would not help: tell the launcher (a "fatal" line) and stop.
+        Progress(a.progress, os.environ.get("RANK", "0") == "0").write(event="fatal", error=str(e))
+        raise
     model = _model(cfg, a.seed)
     ft.shard(model, blocks=model.blocks)
     ft.optimizer(torch.optim.AdamW(model.parameters(), lr=a.lr))
@@ -110,6 +124,7 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig) -> None:
             progress.write(event="step", step=r.step, loss=r.loss, epoch=r.epoch, contributors=r.contributors,
                            joined=r.joined, attempts=r.attempts, step_s=time.perf_counter() - t0,
                            exchange_s=r.exchange_s)
+            _pace(a.min_step_s, t0)
         progress.write(event="final", step=ft.step, param_hash=ft.state_hash())
     except RejoinRequired as e:
         logging.getLogger("fthsdp").error("fthsdp replica=%s rank=%d: %s; exiting to rejoin", ft.config.replica_id,

@@ -71,18 +71,20 @@ class RegisterRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("incarnation", "role", "epoch", "heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("incarnation", "role", "epoch", "heartbeat_interval_s", "heartbeat_timeout_s", "resume")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     role: Role
     epoch: Epoch
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., epoch: _Optional[_Union[Epoch, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    resume: bool
+    def __init__(self, incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., epoch: _Optional[_Union[Epoch, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("job_id", "replica_id", "incarnation", "step", "epoch")

@@ -1,0 +1,584 @@
+"""The pure membership decision (``lighthouse.membership.decide``), without any network or clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import pytest
+
+from lighthouse import membership as m
+
+P = m.Policy(min_replicas=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, confirm_age_s=1.0)
+EP = m.Endpoints()
+
+
+# --- helpers --------------------------------------------------------------------------------------------------
+
+
+def inc(rid: str, n: int = 1) -> str:
+    return f"{rid}-inc{n}"
+
+
+def apply(state: m.State, event: m.Event, policy: m.Policy = P) -> m.Outcome:
+    out = m.decide(state, event, policy)
+    assert out.rejection is None, out.rejection
+    return out
+
+
+def register(state: m.State, rid: str, now: float = 0.0, *, n: int = 1, shards: int = 1,
+             policy: m.Policy = P) -> m.Outcome:
+    return apply(state, m.Register(rid, inc(rid, n), shards, EP, now), policy)
+
+
+def boot(ids: list[str], policy: m.Policy = P, now: float = 0.0) -> m.State:
+    """Register ``ids`` at ``now`` (bootstrap waits for all of them); the first epoch must hold all of them,
+    active."""
+    bootstrap = dataclasses.replace(policy, expected_replicas=len(ids), join_window_s=0.0)
+    state = m.State()
+    for rid in ids:
+        state = register(state, rid, now, policy=bootstrap).state
+    assert state.epoch is not None and set(state.epoch.replica_ids()) == set(ids), state.epoch
+    assert all(x.role == m.ACTIVE for x in state.epoch.members)
+    return state
+
+
+def seen(state: m.State, now: float, **ages: float) -> dict[str, float]:
+    """last_seen: every live member heartbeated at ``now`` except those given an age."""
+    return {rid: now - ages.get(rid, 0.0) for rid in state.members}
+
+
+def tick(state: m.State, now: float, policy: m.Policy = P, **ages: float) -> m.Outcome:
+    return apply(state, m.Tick(now, seen(state, now, **ages)), policy)
+
+
+def report(state: m.State, reporter: str, suspect: str, now: float, *, epoch: int | None = None,
+           policy: m.Policy = P, n: int = 1, **ages: float) -> m.Outcome:
+    number = state.epoch.number if epoch is None and state.epoch is not None else (epoch or 0)
+    return m.decide(state, m.Report(reporter, inc(reporter, n), suspect, number, "collective timed out", now,
+                                    seen(state, now, **ages)), policy)
+
+
+def ready(state: m.State, rid: str, role: str, now: float = 0.0, *, n: int = 1, policy: m.Policy = P) -> m.Outcome:
+    return m.decide(state, m.Ready(rid, inc(rid, n), role, now), policy)
+
+
+def roles(epoch: m.Epoch | None) -> dict[str, str]:
+    assert epoch is not None
+    return {x.replica_id: x.role for x in epoch.members}
+
+
+# --- bootstrap ------------------------------------------------------------------------------------------------
+
+
+def test_default_policy_forms_first_epoch_at_min_replicas() -> None:
+    out = register(m.State(), "a", 1.0)
+    assert out.state.epoch is not None
+    assert out.state.epoch.number == 1 and roles(out.state.epoch) == {"a": m.ACTIVE}
+    assert out.new_epoch(m.State()) is out.state.epoch
+    assert out.state.last_number == 1 and [e.number for e in out.state.history] == [1]
+
+
+def test_bootstrap_waits_for_expected_replicas() -> None:
+    policy = m.Policy(min_replicas=1, expected_replicas=3, heartbeat_timeout_s=1e9, confirm_age_s=1.0)
+    state = register(m.State(), "a", 0.0, policy=policy).state
+    state = register(state, "b", 1.0, policy=policy).state
+    assert state.epoch is None
+    # No join window: time alone does not form it.
+    state = apply(state, m.Tick(1000.0, {"a": 1000.0, "b": 1000.0}), policy).state
+    assert state.epoch is None and state.last_number == 0
+    out = register(state, "c", 1001.0, policy=policy)
+    assert out.state.epoch is not None and out.state.epoch.number == 1
+    assert roles(out.state.epoch) == {"a": m.ACTIVE, "b": m.ACTIVE, "c": m.ACTIVE}
+    assert out.state.epoch.replica_ids() == ("a", "b", "c")  # sorted, deterministic
+
+
+def test_bootstrap_join_window_after_min_replicas() -> None:
+    policy = m.Policy(min_replicas=2, join_window_s=5.0, heartbeat_timeout_s=100.0, confirm_age_s=1.0)
+    state = register(m.State(), "a", 0.0, policy=policy).state
+    assert state.min_reached_at is None
+    state = apply(state, m.Tick(50.0, {"a": 50.0}), policy).state
+    assert state.epoch is None  # below min: the window has not started
+    state = register(state, "b", 51.0, policy=policy).state
+    assert state.min_reached_at == 51.0 and state.epoch is None
+    state = register(state, "c", 53.0, policy=policy).state
+    live = {"a": 55.9, "b": 55.9, "c": 55.9}
+    state = apply(state, m.Tick(55.9, live), policy).state
+    assert state.epoch is None
+    out = apply(state, m.Tick(56.0, {k: 56.0 for k in live}), policy)
+    assert out.state.epoch is not None and out.state.epoch.number == 1
+    assert set(out.state.epoch.replica_ids()) == {"a", "b", "c"}
+    assert out.state.epoch.reason == "bootstrap"
+
+
+def test_bootstrap_window_restarts_when_registrations_drop_below_min() -> None:
+    policy = m.Policy(min_replicas=2, join_window_s=5.0, heartbeat_timeout_s=100.0, confirm_age_s=1.0)
+    state = register(m.State(), "a", 0.0, policy=policy).state
+    state = register(state, "b", 0.0, policy=policy).state
+    state = apply(state, m.Leave("b", inc("b"), "changed my mind", 1.0), policy).state
+    assert state.min_reached_at is None
+    state = register(state, "b", 2.0, n=2, policy=policy).state
+    assert state.min_reached_at == 2.0
+    state = apply(state, m.Tick(6.0, {"a": 6.0, "b": 6.0}), policy).state
+    assert state.epoch is None  # the window counts from 2.0, not 0.0
+    state = apply(state, m.Tick(7.0, {"a": 7.0, "b": 7.0}), policy).state
+    assert state.epoch is not None and state.epoch.number == 1
+
+
+def test_bootstrap_expected_replicas_with_window_forms_with_fewer() -> None:
+    policy = m.Policy(min_replicas=2, expected_replicas=4, join_window_s=5.0, heartbeat_timeout_s=100.0,
+                      confirm_age_s=1.0)
+    state = register(m.State(), "a", 0.0, policy=policy).state
+    state = register(state, "b", 0.0, policy=policy).state
+    state = apply(state, m.Tick(4.9, {"a": 4.9, "b": 4.9}), policy).state
+    assert state.epoch is None
+    state = apply(state, m.Tick(5.0, {"a": 5.0, "b": 5.0}), policy).state
+    assert state.epoch is not None and set(state.epoch.replica_ids()) == {"a", "b"}
+
+
+def test_idle_tick_returns_the_same_state() -> None:
+    policy = m.Policy(min_replicas=2, join_window_s=5.0, heartbeat_timeout_s=100.0, confirm_age_s=1.0)
+    waiting = register(m.State(), "a", 0.0, policy=policy).state
+    assert m.decide(waiting, m.Tick(1.0, {"a": 1.0}), policy).state is waiting
+    state = boot(["a", "b"])
+    out = tick(state, 2.0)
+    assert out.state is state and out.reason == ""
+
+
+# --- deaths ---------------------------------------------------------------------------------------------------
+
+
+def test_missed_heartbeats_declare_death_on_tick() -> None:
+    state = boot(["a", "b", "c"])
+    # Not yet: 2.9 s is below the 3 s timeout.
+    assert tick(state, 10.0, c=2.9).state is state
+    out = tick(state, 10.0, c=3.5)
+    assert out.state.epoch is not None and out.state.epoch.number == 2
+    assert out.state.epoch.replica_ids() == ("a", "b")
+    assert "c" not in out.state.members
+    assert "replica c dead" in out.reason and "no heartbeat" in out.reason
+    assert out.state.epoch.reason == out.reason
+
+
+def test_member_that_never_heartbeated_dies_from_its_registration_time() -> None:
+    state = boot(["a", "b"], now=0.0)
+    out = apply(state, m.Tick(3.5, {"a": 3.5}))  # b never heartbeated: registered at 0.0
+    assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("a",)
+
+
+def test_burst_of_deaths_in_one_tick_forms_exactly_one_epoch() -> None:
+    state = boot(["a", "b", "c", "d", "e"])
+    out = tick(state, 10.0, b=4.0, c=5.0, e=3.1)
+    assert out.state.epoch is not None
+    assert out.state.epoch.number == state.epoch.number + 1  # type: ignore[union-attr]
+    assert len(out.state.history) == len(state.history) + 1
+    assert out.state.epoch.replica_ids() == ("a", "d")
+    for rid in "bce":
+        assert f"replica {rid} dead" in out.reason
+
+
+def test_report_confirmed_when_suspect_heartbeat_is_old() -> None:
+    state = boot(["a", "b", "c"])
+    out = report(state, "a", "c", 10.0, c=1.5)  # older than confirm_age (1.0), younger than the timeout (3.0)
+    assert out.rejection is None and out.confirmed
+    assert out.state.epoch is not None and out.state.epoch.number == 2
+    assert out.state.epoch.replica_ids() == ("a", "b")
+    assert "confirmed" in out.reason and "blamed by a" in out.reason
+
+
+def test_reports_are_not_votes_while_the_suspect_heartbeats() -> None:
+    # Every other member blaming a suspect that still heartbeats does not kill it: a reporter cannot tell a
+    # dead peer from one that was slower to notice the same failure. The reports are kept as suspicions.
+    state = boot(["a", "b", "c", "d"])
+    for i, reporter in enumerate("abc"):
+        out = report(state, reporter, "d", 10.0 + 0.1 * i, d=0.2)
+        assert out.rejection is None and not out.confirmed
+        assert out.state.epoch is state.epoch
+        state = out.state
+    assert state.suspicions == {"d": frozenset({"a", "b", "c"})}
+    again = report(state, "a", "d", 10.5, d=0.2)  # the same reporter twice counts once
+    assert again.state.suspicions == {"d": frozenset({"a", "b", "c"})}
+    dead = tick(again.state, 11.0, d=1.0)  # silence for confirm_age settles it
+    assert dead.state.epoch is not None and dead.state.epoch.replica_ids() == ("a", "b", "c")
+    assert dead.state.suspicions == {}  # a new epoch starts with a clean slate
+
+
+def test_unconfirmed_report_is_confirmed_by_tick_once_age_passes() -> None:
+    state = boot(["a", "b", "c"])
+    out = report(state, "a", "c", 10.0, c=0.2)
+    assert out.rejection is None and not out.confirmed
+    assert out.state.epoch is state.epoch and out.state.last_number == 1
+    suspected = out.state
+    # Below confirm_age: nothing happens.
+    assert tick(suspected, 10.7, c=0.9).state.epoch is state.epoch
+    # Control: the same age without a report is not a death (the timeout is 3 s).
+    assert tick(state, 11.5, c=1.5).state is state
+    confirmed = tick(suspected, 11.5, c=1.5)
+    assert confirmed.state.epoch is not None and confirmed.state.epoch.number == 2
+    assert confirmed.state.epoch.replica_ids() == ("a", "b")
+    assert "reported by a" in confirmed.reason
+
+
+def test_report_about_member_already_dead_under_the_guard_is_confirmed_without_change() -> None:
+    policy = m.Policy(min_replicas=3, expected_replicas=3, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+                      confirm_age_s=1.0)
+    state = boot(["a", "b", "c"], policy)
+    dead = tick(state, 10.0, policy, c=5.0).state
+    assert "c" not in dead.members and dead.epoch is state.epoch  # guard: epoch unchanged
+    out = report(dead, "a", "c", 10.0, policy=policy)
+    assert out.confirmed and out.rejection is None and out.state is dead
+
+
+def test_report_about_old_incarnation_does_not_kill_the_restarted_one() -> None:
+    policy = m.Policy(min_replicas=3, expected_replicas=3, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+                      confirm_age_s=1.0)
+    state = boot(["a", "b", "c"], policy)
+    restarted = register(state, "c", 5.0, n=2, policy=policy).state
+    assert restarted.epoch is state.epoch  # guard held: the epoch still names c's old incarnation
+    out = report(restarted, "a", "c", 10.0, policy=policy, c=5.0)
+    assert out.confirmed and out.state is restarted
+    assert restarted.members["c"].incarnation == inc("c", 2)
+
+
+# --- join, leave, restart, reconnect --------------------------------------------------------------------------
+
+
+def test_join_flow() -> None:
+    state = boot(["a"])
+    joined = register(state, "b", 1.0)
+    assert joined.state.members["b"].role == m.JOINING and not joined.state.members["b"].in_epoch
+    assert joined.state.epoch is state.epoch  # not in an epoch yet: no new one
+
+    early = ready(joined.state, "b", m.ACTIVE, 1.5)
+    assert early.rejection is not None and early.rejection.code == "FAILED_PRECONDITION"
+    assert early.state is joined.state
+
+    as_joiner = ready(joined.state, "b", m.JOINING, 2.0)
+    assert as_joiner.rejection is None
+    assert as_joiner.state.epoch is not None and as_joiner.state.epoch.number == 2
+    assert roles(as_joiner.state.epoch) == {"a": m.ACTIVE, "b": m.JOINING}
+    assert ready(as_joiner.state, "b", m.JOINING, 2.1).state is as_joiner.state  # idempotent
+
+    active = ready(as_joiner.state, "b", m.ACTIVE, 3.0)
+    assert active.rejection is None
+    assert active.state.epoch is not None and active.state.epoch.number == 3
+    assert roles(active.state.epoch) == {"a": m.ACTIVE, "b": m.ACTIVE}
+    assert ready(active.state, "b", m.ACTIVE, 3.1).state is active.state  # idempotent
+
+
+def test_restarted_replica_cannot_turn_active_on_its_old_incarnations_epoch_slot() -> None:
+    policy = m.Policy(min_replicas=4, expected_replicas=4, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+                      confirm_age_s=1.0)
+    state = boot(["a", "b", "c", "d"], policy)
+    state = register(state, "b", 1.0, n=2, policy=policy).state
+    state = register(state, "c", 1.0, n=2, policy=policy).state
+    out = ready(state, "b", m.JOINING, 2.0, n=2, policy=policy)
+    assert out.rejection is None
+    state = out.state
+    assert state.epoch is not None and state.epoch.number == 1  # guard: 3 of 4
+    # The epoch still lists b's dead incarnation; the new one never took part in an epoch as joining.
+    refused = ready(state, "b", m.ACTIVE, 3.0, n=2, policy=policy)
+    assert refused.rejection is not None and refused.rejection.code == "FAILED_PRECONDITION"
+    assert refused.state is state
+
+
+def test_graceful_leave_forms_new_epoch() -> None:
+    state = boot(["a", "b", "c"])
+    out = apply(state, m.Leave("b", inc("b"), "preempted", 5.0))
+    assert out.state.epoch is not None and out.state.epoch.number == 2
+    assert out.state.epoch.replica_ids() == ("a", "c")
+    assert "replica b left: preempted" in out.reason
+    assert "b" not in out.state.members
+
+
+def test_restart_declares_old_incarnation_dead_in_the_same_step() -> None:
+    state = boot(["a", "b"])
+    out = register(state, "b", 5.0, n=2)
+    assert out.state.epoch is not None and out.state.epoch.number == 2
+    assert out.state.epoch.replica_ids() == ("a",)  # old b gone; new b must fetch state first
+    assert out.state.members["b"].incarnation == inc("b", 2)
+    assert out.state.members["b"].role == m.JOINING
+    assert "restarted" in out.reason
+    # The old incarnation is fenced out.
+    old = ready(out.state, "b", m.JOINING, 6.0, n=1)
+    assert old.rejection is not None and old.rejection.code == "FAILED_PRECONDITION"
+
+
+def test_restart_of_only_active_member_comes_back_active() -> None:
+    state = boot(["a"])
+    out = register(state, "a", 5.0, n=2)
+    assert out.state.epoch is not None and out.state.epoch.number == 2
+    assert out.state.epoch.members[0].incarnation == inc("a", 2)
+    assert roles(out.state.epoch) == {"a": m.ACTIVE}
+
+
+def test_reconnect_with_same_incarnation_is_idempotent() -> None:
+    state = boot(["a", "b"])
+    out = register(state, "b", 9.0)
+    assert out.state is state and out.reason == ""
+
+
+def test_everyone_dead_then_registrant_restarts_the_job_as_active() -> None:
+    state = boot(["a"])
+    state = register(state, "b", 1.0).state
+    state = ready(state, "b", m.JOINING, 1.0).state
+    assert roles(state.epoch) == {"a": m.ACTIVE, "b": m.JOINING}
+    # a dies: b alone is a joiner, no one holds state to contribute: guard, epoch unchanged.
+    out = tick(state, 10.0, a=5.0)
+    assert out.state.epoch is state.epoch and "min-replicas guard" in out.reason
+    # The job restarts from a checkpoint: a new registrant is active.
+    back = register(out.state, "c", 11.0)
+    assert back.state.members["c"].role == m.ACTIVE
+    assert back.state.epoch is not None and back.state.epoch.number == 3
+    assert roles(back.state.epoch) == {"b": m.JOINING, "c": m.ACTIVE}
+
+
+# --- the split-brain guard -------------------------------------------------------------------------------------
+
+
+def test_min_replicas_guard_keeps_epoch_until_a_joiner_brings_it_back() -> None:
+    policy = m.Policy(min_replicas=2, expected_replicas=3, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+                      confirm_age_s=1.0)
+    state = boot(["a", "b", "c"], policy)
+    out = tick(state, 10.0, policy, b=4.0, c=4.0)
+    assert out.state.epoch is state.epoch and out.state.last_number == 1
+    assert "min-replicas guard" in out.reason
+    assert set(out.state.members) == {"a"}
+    state = out.state
+    state = register(state, "d", 11.0, policy=policy).state
+    assert state.epoch is not None and state.epoch.number == 1
+    back = ready(state, "d", m.JOINING, 12.0, policy=policy)
+    assert back.state.epoch is not None and back.state.epoch.number == 2
+    assert roles(back.state.epoch) == {"a": m.ACTIVE, "d": m.JOINING}
+
+
+def test_leave_below_min_replicas_leaves_epoch_unchanged() -> None:
+    policy = m.Policy(min_replicas=2, expected_replicas=2, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+                      confirm_age_s=1.0)
+    state = boot(["a", "b"], policy)
+    out = apply(state, m.Leave("b", inc("b"), "", 1.0), policy)
+    assert out.state.epoch is state.epoch and "min-replicas guard" in out.reason
+
+
+# --- refusals ---------------------------------------------------------------------------------------------------
+
+
+def _three() -> m.State:
+    state = boot(["a", "b", "c"])
+    state = tick(state, 10.0, c=5.0).state  # epoch 2: a, b
+    state = register(state, "j", 11.0).state  # a joiner, not in the epoch
+    assert state.epoch is not None and state.epoch.number == 2
+    return state
+
+
+REFUSALS: list[tuple[str, Any, str]] = [
+    ("shard count mismatch", m.Register("z", "z-1", 8, EP, 12.0), "INVALID_ARGUMENT"),
+    ("stale epoch report", m.Report("a", inc("a"), "b", 1, "", 12.0, {}), "FAILED_PRECONDITION"),
+    ("future epoch report", m.Report("a", inc("a"), "b", 3, "", 12.0, {}), "INVALID_ARGUMENT"),
+    ("reporter is suspect", m.Report("a", inc("a"), "a", 2, "", 12.0, {}), "INVALID_ARGUMENT"),
+    ("unregistered reporter", m.Report("x", "x-1", "a", 2, "", 12.0, {}), "NOT_FOUND"),
+    ("reporter's old incarnation", m.Report("a", "a-old", "b", 2, "", 12.0, {}), "FAILED_PRECONDITION"),
+    ("reporter not in the epoch", m.Report("j", inc("j"), "a", 2, "", 12.0, {}), "FAILED_PRECONDITION"),
+    ("suspect not in the epoch", m.Report("a", inc("a"), "j", 2, "", 12.0, {}), "NOT_FOUND"),
+    ("ready unknown replica", m.Ready("x", "x-1", m.JOINING, 12.0), "NOT_FOUND"),
+    ("ready wrong incarnation", m.Ready("j", "j-old", m.JOINING, 12.0), "FAILED_PRECONDITION"),
+    ("ready bad role", m.Ready("j", inc("j"), "leader", 12.0), "INVALID_ARGUMENT"),
+    ("ready active before joining", m.Ready("j", inc("j"), m.ACTIVE, 12.0), "FAILED_PRECONDITION"),
+    ("leave unknown replica", m.Leave("x", "x-1", "", 12.0), "NOT_FOUND"),
+    ("leave wrong incarnation", m.Leave("a", "a-old", "", 12.0), "FAILED_PRECONDITION"),
+    ("leave of a dead replica", m.Leave("c", inc("c"), "", 12.0), "NOT_FOUND"),
+]
+
+
+@pytest.mark.parametrize("name,event,code", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_refusals_return_the_identical_state(name: str, event: Any, code: str) -> None:
+    state = _three()
+    out = m.decide(state, event, P)
+    assert out.rejection is not None, name
+    assert out.rejection.code == code and out.rejection.message
+    assert out.state is state and not out.confirmed and out.new_epoch(state) is None
+
+
+def test_report_before_any_epoch_is_refused() -> None:
+    policy = m.Policy(min_replicas=1, expected_replicas=3, heartbeat_timeout_s=3.0, confirm_age_s=1.0)
+    state = register(m.State(), "a", 0.0, policy=policy).state
+    state = register(state, "b", 0.0, policy=policy).state
+    out = m.decide(state, m.Report("a", inc("a"), "b", 0, "", 1.0, {}), policy)
+    assert out.rejection is not None and out.rejection.code == "FAILED_PRECONDITION"
+    assert out.state is state
+
+
+def test_unknown_event_type_raises() -> None:
+    with pytest.raises(TypeError):
+        m.decide(m.State(), object(), P)  # type: ignore[arg-type]
+
+
+def test_policy_validation() -> None:
+    for bad in (dict(min_replicas=0), dict(heartbeat_interval_s=3.0, heartbeat_timeout_s=3.0),
+                dict(confirm_age_s=0.0), dict(confirm_age_s=5.0, heartbeat_timeout_s=3.0),
+                dict(join_window_s=-1.0), dict(expected_replicas=-1)):
+        with pytest.raises(ValueError):
+            m.Policy(**bad)  # type: ignore[arg-type]
+
+
+def test_mass_death_reason_is_clipped() -> None:
+    ids = [f"r{i:03d}" for i in range(300)]
+    state = boot(ids)
+    out = tick(state, 10.0, **{rid: 5.0 for rid in ids[1:]})
+    assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("r000",)
+    assert len(out.state.epoch.reason) <= m.REASON_LIMIT + 40
+    assert "more)" in out.state.epoch.reason
+
+
+def test_history_is_bounded_and_numbers_keep_going() -> None:
+    state = boot(["a"])
+    now = 1.0
+    for i in range(m.HISTORY_LIMIT + 10):
+        now += 1.0
+        state = register(state, "a", now, n=i + 2).state  # each restart forms an epoch
+    assert state.last_number == m.HISTORY_LIMIT + 11
+    assert len(state.history) == m.HISTORY_LIMIT
+    assert state.history[-1] is state.epoch
+    numbers = [e.number for e in state.history]
+    assert numbers == list(range(state.last_number - m.HISTORY_LIMIT + 1, state.last_number + 1))
+
+
+# --- property: random event sequences ---------------------------------------------------------------------------
+
+POLICIES = [
+    m.Policy(min_replicas=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, confirm_age_s=1.0),
+    m.Policy(min_replicas=2, expected_replicas=3, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+             confirm_age_s=1.0),
+    m.Policy(min_replicas=3, join_window_s=2.0, heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0,
+             confirm_age_s=0.5),
+]
+
+
+def _random_event(rng: random.Random, state: m.State, now: float, last_seen: dict[str, float],
+                  incs: dict[str, int]) -> m.Event:
+    ids = [f"r{i}" for i in range(7)]
+    rid = rng.choice(ids)
+    # Mostly the replica's current incarnation, sometimes a stale or future one.
+    n = incs.get(rid, 1) + rng.choice([0, 0, 0, 0, 0, -1, 1])
+    k = rng.random()
+    if k < 0.25:
+        if rng.random() < 0.2:  # restart
+            incs[rid] = incs.get(rid, 1) + 1
+            n = incs[rid]
+        return m.Register(rid, inc(rid, n), rng.choice([1, 1, 1, 1, 1, 1, 2]), EP, now)
+    if k < 0.45:
+        return m.Ready(rid, inc(rid, n), rng.choice([m.JOINING, m.JOINING, m.ACTIVE, m.ACTIVE, "bogus"]), now)
+    if k < 0.52:
+        return m.Leave(rid, inc(rid, n), "random leave", now)
+    if k < 0.7:
+        current = state.epoch.number if state.epoch is not None else 0
+        return m.Report(rid, inc(rid, n), rng.choice(ids), max(0, current + rng.choice([0, 0, 0, -1, 1])),
+                        "random report", now, dict(last_seen))
+    return m.Tick(now, dict(last_seen))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_event_sequences_keep_the_invariants(seed: int) -> None:
+    rng = random.Random(seed)
+    policy = POLICIES[seed % len(POLICIES)]
+    state = m.State()
+    now = 0.0
+    last_seen: dict[str, float] = {}
+    incs: dict[str, int] = {}
+    numbers_issued: list[int] = []
+    epochs_formed = refusals = 0
+    for _ in range(400):
+        now += rng.choice([0.0, 0.05, 0.2, 0.5, 1.0, 2.5])
+        # Most live members heartbeat; some go quiet.
+        for rid in state.members:
+            if rng.random() < 0.8:
+                last_seen[rid] = now
+        event = _random_event(rng, state, now, last_seen, incs)
+        before = state
+        out = m.decide(before, event, policy)
+        if out.rejection is not None:
+            refusals += 1
+            assert out.state is before, event
+            assert out.rejection.code in ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "ABORTED")
+            continue
+        state = out.state
+        for rid in set(last_seen) - set(state.members):
+            del last_seen[rid]
+        assert state.last_number >= before.last_number
+        new = out.new_epoch(before)
+        if new is not None:
+            epochs_formed += 1
+            assert new.number == before.last_number + 1, "numbers go up by one"
+            assert new.number not in numbers_issued, "numbers are never reused"
+            numbers_issued.append(new.number)
+            assert state.history[-1] is new
+            assert len(new.members) >= policy.min_replicas, "split-brain guard"
+            assert any(x.role == m.ACTIVE for x in new.members), "an epoch has an active member"
+            ids = new.replica_ids()
+            assert list(ids) == sorted(set(ids)), "members unique and sorted"
+            for x in new.members:
+                live = state.members[x.replica_id]
+                assert live.incarnation == x.incarnation and live.in_epoch and live.role == x.role
+            if before.epoch is not None and new.key() == before.epoch.key():
+                # Only a suspect that kept heartbeating re-forms an epoch with the same members.
+                assert new.reason.startswith("re-formed"), new.reason
+        else:
+            assert state.epoch is before.epoch
+        if state.epoch is not None:
+            assert state.epoch.number == state.last_number
+        history = [e.number for e in state.history]
+        assert history == sorted(set(history)), "history numbers strictly increase"
+        assert len(history) <= m.HISTORY_LIMIT
+        # All live members share one shard count.
+        assert len({x.shard_count for x in state.members.values()}) <= 1
+    # The run exercised the machine rather than refusing everything.
+    assert epochs_formed >= 3, epochs_formed
+    assert refusals >= 20, refusals
+    assert numbers_issued == list(range(1, len(numbers_issued) + 1))
+
+
+def test_guard_blocked_job_can_take_several_joiners_to_recover() -> None:
+    # min_replicas=3 and only one survivor: one joiner alone cannot lift the guard (2 < 3), so it never gets an
+    # epoch to sync in. A second joiner must still be let in, or the job is stuck forever.
+    policy = m.Policy(min_replicas=3, expected_replicas=3, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+                      confirm_age_s=1.0)
+    state = boot(["a", "b", "c"], policy)
+    state = tick(state, 10.0, policy, b=5.0, c=5.0).state
+    assert state.epoch is not None and state.epoch.number == 1 and set(state.members) == {"a"}
+    for rid in ("d", "e"):
+        state = register(state, rid, 11.0, policy=policy).state
+    first = ready(state, "d", m.JOINING, 12.0, policy=policy)
+    assert first.rejection is None and first.state.epoch.number == 1  # type: ignore[union-attr]
+    second = ready(first.state, "e", m.JOINING, 12.5, policy=policy)
+    assert second.rejection is None, second.rejection
+    assert second.state.epoch is not None and second.state.epoch.number == 2
+    assert roles(second.state.epoch) == {"a": m.ACTIVE, "d": m.JOINING, "e": m.JOINING}
+
+
+def test_one_joiner_syncs_at_a_time() -> None:
+    state = boot(["a", "b"])
+    for rid in ("c", "d"):
+        state = register(state, rid, 1.0).state
+    state = ready(state, "c", m.JOINING, 2.0).state
+    assert state.epoch is not None and state.epoch.number == 2  # c syncs in epoch 2
+    busy = ready(state, "d", m.JOINING, 2.5)
+    assert busy.rejection is not None and busy.rejection.code == "ABORTED" and busy.state is state
+    state = ready(state, "c", m.ACTIVE, 3.0).state
+    assert state.epoch is not None and state.epoch.number == 3
+    after = ready(state, "d", m.JOINING, 3.5)
+    assert after.rejection is None and after.state.epoch.number == 4  # type: ignore[union-attr]
+
+
+def test_reported_suspect_that_keeps_heartbeating_re_forms_the_epoch_once() -> None:
+    state = boot(["a", "b", "c"])
+    pending = report(state, "a", "c", 10.0, c=0.1)
+    assert not pending.confirmed and pending.state.epoch is state.epoch
+    early = tick(pending.state, 10.9, c=0.1)
+    assert early.state.epoch is state.epoch  # not yet confirm_age (1 s) since the report
+    out = tick(pending.state, 11.0, c=0.1)  # c heartbeated throughout: alive, but the reporters' plane broke
+    assert out.state.epoch is not None and out.state.epoch.number == 2
+    assert out.state.epoch.key() == state.epoch.key()  # type: ignore[union-attr]
+    assert out.state.epoch.reason.startswith("re-formed") and "c" in out.state.epoch.reason
+    assert out.state.suspicions == {} and out.state.suspected_at == {}
+    assert tick(out.state, 12.5).state is out.state  # once, not on every tick
