@@ -55,6 +55,9 @@ class FTARConfig:
     """After a failure, how long to wait for the other members to check in before blaming those that did not."""
     max_attempts: int = 10
     """Epochs an exchange is tried in before it gives up."""
+    abandon_grace_s: float = 1.0
+    """A collective in flight when a newer epoch that keeps all of its members arrives gets this long to finish
+    before it is abandoned (one that lost a member is abandoned at once)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class LaneEngine:
         self._epoch_changed = threading.Event()
         self._pg: Any = None
         self._pg_epoch = 0
+        self._pg_view: EpochView | None = None
         self._store: Any = None
         self._rank = -1
         self._world = 0
@@ -172,8 +176,9 @@ class LaneEngine:
 
         ``redo=False`` ends a failed exchange with ``Interrupted`` instead of redoing it, and fails every exchange
         queued after it the same way until ``reset()``: a caller that exchanges several buckets per step redoes
-        them all, in order, under one epoch. With ``new_epoch_ok=False`` (its later buckets) an exchange that
-        would be the first of a newer epoch is ``Interrupted`` too, before any data moves.
+        them all, in order, under one epoch. With ``new_epoch_ok=False`` (its later buckets) an exchange stays in
+        the group its sequence began in while that group is whole, even if a newer epoch is known, and is
+        ``Interrupted`` before any data moves if the group lost a member.
         """
         if not keep_inputs and not inplace:
             raise ValueError("keep_inputs=False needs inplace=True")
@@ -240,8 +245,12 @@ class LaneEngine:
                 raise EngineClosed("engine closed")
             epoch = self._usable_epoch(after=self._failed_epoch)
             if not req.new_epoch_ok and (self._pg is None or self._pg_epoch != epoch.number):
-                self._interrupted = epoch.number
-                raise Interrupted(f"lane {self.lane}: epoch {epoch.number} began mid-sequence", epoch.number)
+                # Mid-sequence: stay in the group the sequence began in while it is whole (every member may be
+                # continuing in it); a group that lost a member ends the sequence, to be redone from its start.
+                if self._pg is None or set(self._pg_view.replica_ids) - set(epoch.replica_ids):
+                    self._interrupted = epoch.number
+                    raise Interrupted(f"lane {self.lane}: epoch {epoch.number} began mid-sequence", epoch.number)
+                epoch = self._pg_view
             try:
                 self._ensure_group(epoch, req.tag)
                 return self._run_collective(req, epoch, attempt)
@@ -327,6 +336,7 @@ class LaneEngine:
         ids = epoch.replica_ids
         self._rank, self._world = ids.index(self.replica_id), len(ids)
         self._pg_epoch = epoch.number
+        self._pg_view = epoch
         self._epoch_changed.clear()
         self._seq = 0
         prefix = f"{epoch.rendezvous}/lane{self.lane}"
@@ -414,18 +424,28 @@ class LaneEngine:
         done = threading.Event()
         fut.add_done_callback(lambda _: done.set())
         deadline = time.monotonic() + self.config.timeout_s + 0.5
+        give_up_at: float | None = None
         while not done.is_set():
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise _PeerFailure(f"collective missed its {self.config.timeout_s}s deadline")
-            if self._epoch_changed.is_set() or self._closed:
+            if self._closed:
+                raise _Abandoned()
+            if give_up_at is None and self._epoch_changed.is_set():
                 current = self.membership.current()
-                if self._closed or (current is not None and current.number > epoch.number):
-                    if done.wait(0.0):
-                        break
-                    raise _Abandoned()
-                self._epoch_changed.clear()
-            done.wait(min(left, 0.05))
+                if current is not None and current.number > epoch.number:
+                    # A newer epoch. If it dropped a member of this collective, give up at once: it cannot
+                    # finish. If not (a join, a re-formed epoch), every member may be in it and it may finish
+                    # for some: abandoning it could split them (some would have the result, some not), so it
+                    # gets a grace period first; a member that moved on without it makes it fail anyway.
+                    gone = set(epoch.replica_ids) - set(current.replica_ids)
+                    give_up_at = now if gone else now + self.config.abandon_grace_s
+                else:
+                    self._epoch_changed.clear()
+            if give_up_at is not None and now >= give_up_at:
+                raise _Abandoned()
+            done.wait(min(left, 0.02))
         try:
             fut.wait()
         except Exception as e:

@@ -105,6 +105,8 @@ class Replica:
     def __init__(self, config: RuntimeConfig | None = None) -> None:
         self.config = cfg = config or RuntimeConfig.from_env()
         _die_with_parent()
+        if cfg.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", cfg.rank)))
         if not dist.is_initialized():
             dist.init_process_group(cfg.backend)
         if dist.get_world_size() != cfg.world_size or dist.get_rank() != cfg.rank:

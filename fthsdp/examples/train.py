@@ -120,7 +120,7 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig) -> None:
         while ft.step < a.steps:
             t0 = time.perf_counter()
             r = ft.train_step(lambda: model.loss(batch(a.seed, ft.step, slot, rank, per_rank, cfg.seq_len,
-                                                       cfg.vocab)))
+                                                       cfg.vocab).to(ft.device)))
             progress.write(event="step", step=r.step, loss=r.loss, epoch=r.epoch, contributors=r.contributors,
                            joined=r.joined, attempts=r.attempts, step_s=time.perf_counter() - t0,
                            exchange_s=r.exchange_s)
