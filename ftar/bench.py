@@ -60,9 +60,9 @@ def _member(a: argparse.Namespace) -> None:
     engine.allreduce([x], tag=0).wait(120)  # first exchange builds the data plane
     dist.all_reduce(x.clone())
     emit(event="rebuild", seconds=engine.last_rebuild_s)
-    # Same work on both sides. "sum": in-place all_reduce vs FTAR reducing in place (keep_inputs=False, as the
-    # runtime runs it: a failed step is recomputed). "avg": all_reduce then divide vs FTAR's default mode,
-    # which keeps the inputs intact on a private buffer so it can redo the exchange itself after a failure.
+    # Same work on both sides. "sum": in-place all_reduce vs FTAR reducing in place (keep_inputs=False: after a
+    # failure the caller recomputes its inputs). "avg": all_reduce then divide vs FTAR's default mode, which keeps
+    # the inputs intact on a private buffer so it can redo the exchange itself after a failure.
     times: dict[str, list[float]] = {"base_sum": [], "ftar_sum": [], "base_avg": [], "ftar_avg": []}
     step = 1
     y, g = x.clone(), x.clone()

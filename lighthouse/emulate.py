@@ -92,13 +92,13 @@ class Emulator:
             async with sem:
                 role = (await r.client.register()).role
             # Heartbeat from now on: waiting for everyone else to register first could outlast the timeout.
-            self.start_session(r)
+            self._start_session(r)
             if role == m.JOINING:
                 self._spawn(self._join(r))  # in the background: it may wait for other joiners
 
         await asyncio.gather(*(reg(r) for r in self.replicas))
 
-    def start_session(self, r: EmulatedReplica) -> None:
+    def _start_session(self, r: EmulatedReplica) -> None:
         def lost(why: str) -> None:
             # Declared dead: the session registers again, as a joiner unless no one is active; join again.
             self._spawn(self._join(r))

@@ -14,8 +14,8 @@ import threading
 
 import torch
 
-from ftar.engine import FTARConfig, LaneEngine
-from ftar.errors import FTARError
+from ftar.engine import FTARConfig, Handle, LaneEngine
+from ftar.errors import FTARError, InputsConsumed
 from ftar.membership import EpochFeed, LighthouseMembership
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
@@ -30,6 +30,8 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=1000)
     p.add_argument("--zero", action="store_true")
     p.add_argument("--op", default="sum")
+    p.add_argument("--direct", action="store_true",
+                   help="reduce in place without a private copy (keep_inputs=False); recompute after a failure")
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -48,17 +50,26 @@ def main() -> None:
     try:
         for step in range(a.steps):
             out.write(json.dumps({"entering": step}) + "\n")
-            handles = []
-            for lane, eng in enumerate(engines):
-                value = float((a.index + 1) * (step + 1) + 1000 * lane)
-                t = torch.full((a.numel,), value, dtype=torch.float64)
-                handles.append(eng.allreduce([t, t[:10].to(torch.int64)], contribute=not a.zero, op=a.op, tag=step))
+            def inputs(lane: int) -> list[torch.Tensor]:
+                t = torch.full((a.numel,), float((a.index + 1) * (step + 1) + 1000 * lane), dtype=torch.float64)
+                return [t] if a.direct else [t, t[:10].to(torch.int64)]
+
+            def start(lane: int, eng: LaneEngine) -> Handle:
+                if a.direct:
+                    return eng.allreduce(inputs(lane), op=a.op, tag=step, inplace=True, keep_inputs=False)
+                return eng.allreduce(inputs(lane), contribute=not a.zero, op=a.op, tag=step)
+
+            handles = [start(lane, eng) for lane, eng in enumerate(engines)]
             for lane, h in enumerate(handles):
-                r = h.wait(timeout=60)
+                try:
+                    r = h.wait(timeout=60)
+                except InputsConsumed:
+                    out.write(json.dumps({"recomputed": step, "lane": lane}) + "\n")
+                    r = start(lane, engines[lane]).wait(timeout=60)
                 out.write(json.dumps({"step": step, "lane": lane, "epoch": r.epoch, "contributors": r.contributors,
                                       "attempts": r.attempts, "value": r.tensors[0][0].item(),
                                       "uniform": bool((r.tensors[0] == r.tensors[0][0]).all()),
-                                      "int_value": int(r.tensors[1][0].item())}) + "\n")
+                                      "int_value": int(r.tensors[-1][0].item())}) + "\n")
     except FTARError as e:
         out.write(json.dumps({"error": type(e).__name__, "detail": str(e)}) + "\n")
         code = 3

@@ -202,3 +202,20 @@ def test_sigstop_member_others_move_on_within_timeout(cluster: Callable[[int], C
     assert moved_on < TIMEOUT_S + 3.0
     c.finish([0, 1, 2])
     _check_survivor_results(c, [0, 1, 2], steps, victim)
+
+
+def test_sigkill_with_inputs_reduced_in_place_asks_for_a_recompute(cluster: Callable[[int], Cluster]) -> None:
+    c = cluster(4)
+    steps, victim = 6, 3
+    for i in range(4):
+        c.spawn(i, "--steps", str(steps), "--numel", "300000", "--direct")
+    c.wait_for(lambda: any(x.get("entering") == 2 for x in c.lines(victim)), 60, "the victim to enter step 2")
+    c.procs[victim].send_signal(signal.SIGKILL)
+    c.procs[victim].wait(10)
+    c.finish([0, 1, 2])
+    _check_survivor_results(c, [0, 1, 2], steps, victim)
+    # Where the kill broke an exchange, its half-reduced inputs were recomputed, never redone from garbage.
+    for i in range(3):
+        for x in c.lines(i):
+            if "recomputed" in x:
+                assert c.results(i)[x["recomputed"]]["contributors"] == 3
