@@ -45,7 +45,8 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
     policy = Policy(min_replicas=a.min_replicas, heartbeat_interval_s=interval,
                     heartbeat_timeout_s=a.heartbeat_timeout,
                     confirm_age_s=a.confirm_age if a.confirm_age else min(a.heartbeat_timeout, 2 * interval),
-                    join_window_s=a.join_window, expected_replicas=a.expected_replicas)
+                    join_window_s=a.join_window, expected_replicas=a.expected_replicas,
+                    max_reforms=a.max_reforms)
     config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job), policy=policy,
                               rendezvous=not a.no_rendezvous)
 
@@ -175,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bootstrap: after min-replicas registered, wait this long for more")
     lh.add_argument("--expected-replicas", type=int, default=0,
                     help="bootstrap: form the first epoch as soon as this many registered")
+    lh.add_argument("--max-reforms", type=int, default=2,
+                    help="a peer still heartbeating but reported after this many consecutive re-formed epochs is "
+                         "declared hung (dead); 0: never")
     lh.add_argument("--store", default="memory://", help="durable store URL (memory:// is the default)")
     lh.add_argument("--no-rendezvous", action="store_true", help="do not host the data-plane TCPStore")
     lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=H:P' here once serving")

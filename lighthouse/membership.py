@@ -19,7 +19,8 @@ Rules (DESIGN §4):
 - Death: no heartbeat for ``heartbeat_timeout_s``; or a failure report the lighthouse confirms, because the
   suspect's last heartbeat is older than ``confirm_age_s`` (at the report, or at a later tick).
 - A reported suspect that keeps heartbeating for ``confirm_age_s`` is alive: the epoch is re-formed with the
-  same members (a new number), so that every member rebuilds its data plane instead of waiting forever.
+  same members (a new number), so that every member rebuilds its data plane instead of waiting forever. One
+  reported again after ``max_reforms`` consecutive re-forms is hung (heartbeating, not training): dead.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Policy:
     (with ``expected_replicas`` set: at most this long for the expected count; 0 then waits for all of them)."""
     expected_replicas: int = 0
     """Bootstrap: form the first epoch as soon as this many registered (0: unknown)."""
+    max_reforms: int = 2
+    """A suspect that keeps heartbeating yet is reported again after this many consecutive re-formed epochs is
+    declared dead (hung: its heartbeat thread lives, its training does not). 0: never."""
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
@@ -58,8 +62,8 @@ class Policy:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
         if not 0 < self.confirm_age_s <= self.heartbeat_timeout_s:
             raise ValueError("need 0 < confirm_age_s <= heartbeat_timeout_s")
-        if self.join_window_s < 0 or self.expected_replicas < 0:
-            raise ValueError("join_window_s and expected_replicas must be >= 0")
+        if self.join_window_s < 0 or self.expected_replicas < 0 or self.max_reforms < 0:
+            raise ValueError("join_window_s, expected_replicas and max_reforms must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,8 @@ class State:
     """suspect replica id -> reporters, within the current epoch."""
     suspected_at: Mapping[str, float] = field(default_factory=dict)
     """suspect replica id -> time of its first report in the current epoch."""
+    reforms: Mapping[str, int] = field(default_factory=dict)
+    """suspect replica id -> consecutive epochs re-formed because of it."""
     min_reached_at: float | None = None
     """Bootstrap: when ``min_replicas`` registrations were first reached."""
 
@@ -365,8 +371,16 @@ def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
         alive = sorted(rid for rid, t in state.suspected_at.items()
                        if rid in state.members and ev.now - t >= policy.confirm_age_s)
         if alive and state.epoch is not None:
-            return _reconcile(state, f"re-formed: {', '.join(alive)} reported but still heartbeating", ev.now,
-                              policy, force=True)
+            hung = [rid for rid in alive if policy.max_reforms and state.reforms.get(rid, 0) >= policy.max_reforms]
+            if hung:
+                members = {k: v for k, v in state.members.items() if k not in hung}
+                reason = "; ".join(f"replica {rid} dead (hung: reported in {state.reforms[rid] + 1} consecutive "
+                                   "epochs while still heartbeating)" for rid in hung)
+                return _reconcile(dataclasses.replace(state, members=members), reason, ev.now, policy)
+            reforms = {rid: state.reforms.get(rid, 0) + 1 for rid in alive}
+            return _reconcile(dataclasses.replace(state, reforms=reforms),
+                              f"re-formed: {', '.join(alive)} reported but still heartbeating", ev.now, policy,
+                              force=True)
         # Only bootstrap waits on time alone (the join window); otherwise nothing changed.
         return _reconcile(state, "", ev.now, policy) if state.epoch is None else Outcome(state=state)
     members = {k: v for k, v in state.members.items() if k not in dead}
@@ -415,5 +429,5 @@ def _reconcile(state: State, reason: str, now: float, policy: Policy, force: boo
                   reason=_clip(reason) if reason else "bootstrap")
     history = (state.history + (epoch,))[-HISTORY_LIMIT:]
     new = dataclasses.replace(state, epoch=epoch, last_number=epoch.number, history=history, suspicions={},
-                              suspected_at={})
+                              suspected_at={}, reforms=state.reforms if force else {})
     return Outcome(state=new, reason=epoch.reason)

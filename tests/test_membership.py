@@ -582,3 +582,49 @@ def test_reported_suspect_that_keeps_heartbeating_re_forms_the_epoch_once() -> N
     assert out.state.epoch.reason.startswith("re-formed") and "c" in out.state.epoch.reason
     assert out.state.suspicions == {} and out.state.suspected_at == {}
     assert tick(out.state, 12.5).state is out.state  # once, not on every tick
+
+
+def test_live_suspect_re_forms_the_epoch_then_is_declared_hung() -> None:
+    # A suspect whose heartbeat thread lives on while its training is stuck: each report re-forms the epoch
+    # (same members, new number) so the reporters rebuild; after max_reforms of them it is declared dead.
+    policy = dataclasses.replace(P, max_reforms=2)
+    state = boot(["a", "b", "c"], policy)
+    numbers = []
+    for round_ in range(2):
+        t = 10.0 + 10 * round_
+        state = report(state, "a", "c", t, policy=policy, c=0.1).state
+        assert tick(state, t + 0.5, policy, c=0.1).state.epoch is state.epoch  # not yet: confirm_age is 1 s
+        out = tick(state, t + 1.0, policy, c=0.1)
+        assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("a", "b", "c")
+        assert "re-formed" in out.reason
+        numbers.append(out.state.epoch.number)
+        state = out.state
+    assert numbers == sorted(set(numbers)) and state.reforms == {"c": 2}
+    state = report(state, "b", "c", 30.0, policy=policy, c=0.1).state
+    hung = tick(state, 31.0, policy, c=0.1)
+    assert hung.state.epoch is not None and hung.state.epoch.replica_ids() == ("a", "b")
+    assert "hung" in hung.reason and hung.state.reforms == {}
+
+
+def test_reforms_count_only_consecutive_epochs() -> None:
+    policy = dataclasses.replace(P, max_reforms=1)
+    state = boot(["a", "b", "c", "d"], policy)
+    state = report(state, "a", "c", 10.0, policy=policy, c=0.1).state
+    state = tick(state, 11.0, policy, c=0.1).state
+    assert state.reforms == {"c": 1}
+    # Another reason for a new epoch (a death) clears the count: c is not hung for an unrelated later report.
+    state = tick(state, 20.0, policy, d=5.0).state
+    assert state.epoch is not None and "d" not in state.epoch.replica_ids() and state.reforms == {}
+    state = report(state, "a", "c", 21.0, policy=policy, c=0.1).state
+    out = tick(state, 22.0, policy, c=0.1)
+    assert "re-formed" in out.reason and out.state.epoch is not None and "c" in out.state.epoch.replica_ids()
+
+
+def test_max_reforms_zero_never_declares_a_live_suspect_dead() -> None:
+    policy = dataclasses.replace(P, max_reforms=0)
+    state = boot(["a", "b"], policy)
+    for round_ in range(4):
+        t = 10.0 + 10 * round_
+        state = report(state, "a", "b", t, policy=policy, b=0.1).state
+        state = tick(state, t + 1.0, policy, b=0.1).state
+        assert state.epoch is not None and state.epoch.replica_ids() == ("a", "b")
