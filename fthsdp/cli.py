@@ -157,6 +157,28 @@ def cmd_bench_overhead(a: argparse.Namespace) -> None:
     _emit(result, a.json, table)
 
 
+def cmd_sim(a: argparse.Namespace) -> None:
+    from fthsdp.sim import SimConfig, simulate
+
+    try:
+        config = SimConfig(gpus=a.gpus, replica_gpus=a.replica_gpus, mtbf_min=a.mtbf_min,
+                           sync_recovery_min=a.sync_recovery_min, stall_min=a.stall_min, rejoin_min=a.rejoin_min,
+                           arrivals=a.arrivals, seed=a.seed, hours=a.hours)
+    except ValueError as e:
+        sys.exit(f"fthsdp sim: {e}")
+    result = simulate(config)
+
+    def table(r: dict[str, Any]) -> None:
+        print(f"{r['replicas']} replicas, {r['failures']} failures over {r['horizon_min'] / 60:.0f} h "
+              f"({a.arrivals} arrivals)")
+        for mode in ("sync", "fthsdp"):
+            x = r[mode]
+            print(f"  {mode:<7} ETT {x['ett']:.3f}  (closed form, fixed arrivals {x['closed_form_fixed']:.3f}; "
+                  f"Poisson limit {x['poisson_limit']:.3f})")
+
+    _emit(result, a.json, table)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fthsdp", description="Fault-tolerant HSDP training runtime.")
     p.add_argument("--log-level", default="INFO")
@@ -213,6 +235,19 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--keep-logs", default="", help="copy the replicas' logs and progress files here")
     dm.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     dm.set_defaults(fn=cmd_demo)
+
+    sm = sub.add_parser("sim", help="effective training time of a large job: whole-job restarts vs fthsdp")
+    sm.add_argument("--gpus", type=int, required=True)
+    sm.add_argument("--replica-gpus", type=int, required=True)
+    sm.add_argument("--mtbf-min", type=float, required=True, help="the job's mean time between failures")
+    sm.add_argument("--sync-recovery-min", type=float, required=True, help="whole-job restart time per failure")
+    sm.add_argument("--stall-min", type=float, required=True, help="fthsdp: whole-job stall per failure")
+    sm.add_argument("--rejoin-min", type=float, required=True, help="fthsdp: failure until its replica trains again")
+    sm.add_argument("--arrivals", choices=("fixed", "poisson"), default="fixed")
+    sm.add_argument("--seed", type=int, default=0)
+    sm.add_argument("--hours", type=float, default=1000.0)
+    sm.add_argument("--json", action="store_true")
+    sm.set_defaults(fn=cmd_sim)
 
     bench = sub.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
     bsub = bench.add_subparsers(dest="bench", required=True)
