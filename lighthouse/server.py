@@ -28,6 +28,8 @@ from lighthouse.store import InMemoryStore, Store
 log = logging.getLogger("fthsdp.lighthouse")
 
 SERVICE = "fthsdp.v1.Lighthouse"
+STATUS_HISTORY = 32
+"""Epochs a status answer lists (the newest): at 1,000 replicas all 256 kept would make it about 4 MB."""
 _CLOCK_OFFSET = time.time() - time.monotonic()
 
 
@@ -368,7 +370,7 @@ class Lighthouse:
                                      step=job.steps.get(x.replica_id, 0))
                      for x in sorted(st.members.values(), key=lambda x: x.replica_id)],
             history=[pb.HistoryEntry(epoch=e.number, created_unix=e.created_at, reason=e.reason,
-                                     members=list(e.replica_ids())) for e in st.history],
+                                     members=list(e.replica_ids())) for e in st.history[-STATUS_HISTORY:]],
             leader=True,
         )
 
@@ -396,7 +398,7 @@ class Lighthouse:
             ],
             "history": [
                 {"epoch": e.number, "time": e.created_at, "reason": e.reason, "members": list(e.replica_ids())}
-                for e in st.history
+                for e in st.history[-STATUS_HISTORY:]
             ],
         }
 

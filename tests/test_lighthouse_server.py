@@ -590,3 +590,18 @@ def test_cli_status_reports_an_unreachable_lighthouse() -> None:
     out = subprocess.run([sys.executable, "-m", "fthsdp", "status", "--http", f"127.0.0.1:{port}", "--timeout", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "cannot reach" in out.stderr
+
+
+def test_status_lists_only_the_newest_epochs(pair: Any) -> None:
+    from lighthouse.server import STATUS_HISTORY
+
+    s, stub, incs = pair
+    for i in range(STATUS_HISTORY // 2 + 2):  # each cycle forms two epochs: c joins, then leaves
+        inc = register(stub, "c").incarnation
+        stub.Ready(pb.ReadyRequest(job_id=JOB, replica_id="c", incarnation=inc, role=pb.ROLE_JOINING), timeout=5)
+        stub.Leave(pb.LeaveRequest(job_id=JOB, replica_id="c", incarnation=inc, reason="test"), timeout=5)
+    st = status(stub)
+    assert st.epoch.number > STATUS_HISTORY + 1  # more epochs exist than are listed
+    assert [h.epoch for h in st.history] == list(range(st.epoch.number - STATUS_HISTORY + 1, st.epoch.number + 1))
+    doc = json.loads(http_get(s.http, "/status")[2])
+    assert [h["epoch"] for h in doc["history"]] == [h.epoch for h in st.history]
