@@ -86,6 +86,8 @@ class Group:
     finished: bool = False
     restart_at: float | None = None
     pending_faults: list[Kill] = field(default_factory=list)
+    fault: Kill | None = None
+    """The kill armed in the current incarnation."""
 
 
 class Cluster:
@@ -116,12 +118,14 @@ class Cluster:
         c = self.config
         env = {**os.environ, "FTHSDP_LIGHTHOUSE": self.addr, "FTHSDP_REPLICA_INDEX": str(g.index),
                "FTHSDP_NUM_REPLICAS": str(c.replicas), "FTHSDP_PROGRESS": str(g.progress),
-               "FTHSDP_TIMEOUT": str(c.collective_timeout_s), "OMP_NUM_THREADS": "1",
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+               "FTHSDP_TIMEOUT": str(c.collective_timeout_s), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # torchrun never restarts a group here (the launcher does, as a new incarnation), so the workers keep
+        # sharing the agent's rendezvous store: a second store would bind a port that can be taken meanwhile.
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         env.pop("FTHSDP_FAULT", None)
-        if g.pending_faults:
-            k = g.pending_faults.pop(0)
-            env["FTHSDP_FAULT"] = f"{k.step}:{k.phase}"
+        g.fault = g.pending_faults.pop(0) if g.pending_faults else None
+        if g.fault is not None:
+            env["FTHSDP_FAULT"] = f"{g.fault.step}:{g.fault.phase}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(c.ranks),
                "--max-restarts", "0", "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
                "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s)]
@@ -193,7 +197,10 @@ class Cluster:
         if g.incarnations > self.config.max_restarts:
             raise ReplicaFailed(f"replica group {g.index} failed {g.incarnations} times (last exit status {code}); "
                                 f"see {g.log_path}")
-        # Killed, asked to rejoin (torchrun reports a worker's status 75 as 1), or crashed: restart it.
+        # Killed, asked to rejoin (torchrun reports a worker's status 75 as 1), or crashed: restart it. An armed
+        # kill that did not happen (the group died some other way first) is armed again in the next incarnation.
+        if g.fault is not None and code != -signal.SIGKILL:
+            g.pending_faults.insert(0, g.fault)
         g.restart_at = time.monotonic() + self.config.restart_delay_s
 
     # --- the report ---------------------------------------------------------------------------------------------
