@@ -245,12 +245,19 @@ class Replica:
             self.faults.at(self.step, "exchange")
             failed, epochs, agreed, results = self._collect(handles)
             self.faults.at(self.step, "vote")
-            if self._vote(failed, epochs, agreed):
+            passed, newest = self._vote(failed, epochs, agreed)
+            if passed:
                 break
             if attempts >= 20:
                 raise RejoinRequired(f"step {self.step}: no consistent exchange in {attempts} attempts")
-            self._log(logging.INFO, "vote failed (epochs %s, failed=%d); redoing the step's exchange", epochs, failed)
             attempts += 1
+            if not failed and min(epochs) == newest:
+                # This lane has the whole step in the newest epoch any rank of the replica saw: its partners in
+                # that epoch have it too and will not exchange it again, so keep it; the other lanes catch up.
+                self._log(logging.INFO, "vote failed (epochs %s); keeping this lane's epoch-%d result", epochs,
+                          newest)
+                continue
+            self._log(logging.INFO, "vote failed (epochs %s, failed=%d); redoing the step's exchange", epochs, failed)
             self.engine.reset()
             # A joiner that already learned the step says so (its group may still be the one it learned it in).
             known = agreed if agreed >= 0 else self._learned
@@ -352,14 +359,14 @@ class Replica:
         agreed = tags[0] if tags and len(set(tags)) == 1 else -1
         return failed or int(agreed < 0), epochs or [0], agreed, results
 
-    def _vote(self, failed: int, epochs: list[int], step: int) -> bool:
+    def _vote(self, failed: int, epochs: list[int], step: int) -> tuple[bool, int]:
         """Replica-local two-phase vote: commit only if every rank exchanged every bucket, all in one epoch, for
-        the same step."""
+        the same step. Returns (commit, the newest epoch any rank exchanged in)."""
         hi, lo = max(epochs), min(epochs)
         ctrl = torch.tensor([failed, hi, -lo, step, -step], dtype=torch.int64, device=self.device)
         dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
         f, ehi, elo, shi, slo = (int(x) for x in ctrl.tolist())
-        return f == 0 and ehi == -elo and shi == -slo
+        return f == 0 and ehi == -elo and shi == -slo, ehi
 
     # --- state: sync to joiners, hash -----------------------------------------------------------------------------
 
