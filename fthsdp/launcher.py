@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from fthsdp.faults import PHASES
 from fthsdp.procutil import stop_process
-from lighthouse.bench import start_lighthouse_process
+from lighthouse.process import start_lighthouse_process
 
 log = logging.getLogger("fthsdp.launcher")
 

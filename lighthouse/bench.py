@@ -13,13 +13,12 @@ import os
 import pathlib
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
 from lighthouse.emulate import Emulator
-from fthsdp.procutil import wait_for_file
+from lighthouse.process import start_lighthouse_process
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -32,23 +31,6 @@ def _pct(values: list[float], q: float) -> float:
         return float("nan")
     s = sorted(values)
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def start_lighthouse_process(args: list[str], workdir: pathlib.Path) -> tuple[subprocess.Popen[bytes], str, str]:
-    """Start ``fthsdp lighthouse`` on free loopback ports; return (process, grpc address, http address)."""
-    port_file = workdir / "lighthouse.ports"
-    with open(workdir / "lighthouse.log", "wb") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "fthsdp", "lighthouse", "--bind", "127.0.0.1:0",
-                                 "--http", "127.0.0.1:0", "--port-file", str(port_file), *args],
-                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        text = wait_for_file(port_file, timeout=60, proc=proc)
-    except Exception:
-        proc.kill()
-        proc.wait()
-        raise
-    ports = dict(kv.split("=", 1) for kv in text.split())
-    return proc, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}"
 
 
 async def _bench_one(n: int, deaths: int, window_s: float, interval: float) -> dict[str, Any]:

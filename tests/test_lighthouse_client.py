@@ -11,7 +11,7 @@ from typing import Any, Callable
 import grpc
 import pytest
 
-from conftest import JOB, SLOW_POLICY, ServerThread, register, wait_until
+from conftest import JOB, ServerThread, register, wait_until
 from fthsdp.v1 import lighthouse_pb2 as pb
 from fthsdp.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse import membership as m
