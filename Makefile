@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test proto bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/system-deps.sh
+	bash scripts/system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and deliberately: the CPU wheel, not a multi-GB CUDA build pulled by a bare requirement.
