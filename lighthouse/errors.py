@@ -33,3 +33,15 @@ class LighthouseUnavailable(LighthouseError):
 
 class EpochFenced(LighthouseError):
     """A store write was fenced: another writer advanced the job's epoch first."""
+
+
+class StoreUnavailable(LighthouseError):
+    """The durable store (etcd) did not answer within its deadline; nothing was written."""
+
+
+class NotLeader(LighthouseUnavailable):
+    """This lighthouse does not lead (HA on etcd); ``leader`` is where the leader is, when known."""
+
+    def __init__(self, message: str, leader: str = "") -> None:
+        super().__init__(message)
+        self.leader = leader

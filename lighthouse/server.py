@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -21,8 +22,9 @@ from grpc_reflection.v1alpha import reflection
 from fthsdp.v1 import lighthouse_pb2 as pb
 from lighthouse import membership as m
 from lighthouse import wire
-from lighthouse.errors import EpochFenced
+from lighthouse.errors import EpochFenced, StoreUnavailable
 from lighthouse.metrics import LighthouseMetrics
+from lighthouse.security import LEADER_METADATA, ServerSecurity, TokenInterceptor
 from lighthouse.store import InMemoryStore, Store
 
 log = logging.getLogger("fthsdp.lighthouse")
@@ -52,6 +54,21 @@ class LighthouseConfig:
     """Host a TCPStore for the epochs' data-plane rendezvous (so no replica holds it)."""
     tick_s: float = 0.05
     """How often liveness is checked."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    """TLS (gRPC and HTTP) and the job token; the default is plaintext without a token (embedded use)."""
+    advertise: str = ""
+    """The gRPC address other lighthouses name as the leader's (HA); default: the bind host and bound port."""
+    election_ttl_s: int = 5
+    """HA on an etcd store: the leader's lease; a dead leader is replaced within about this long."""
+    failover_grace_s: float | None = None
+    """A lighthouse that takes over gives restored members this long on top of the heartbeat timeout to find
+    it (clients back off and rotate addresses); None: one heartbeat timeout."""
+
+
+def _is_etcd(store: Store) -> bool:
+    """Whether ``store`` is an ``EtcdStore`` (HA), without importing the etcd client for the embedded default."""
+    mod = sys.modules.get("lighthouse.store_etcd")
+    return mod is not None and isinstance(store, mod.EtcdStore)
 
 
 class _Malformed:
@@ -117,6 +134,13 @@ class Lighthouse:
         self._http: Any = None
         self._stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.leading = True
+        """Whether this lighthouse serves (always, without an election; with one, only while it leads)."""
+        self.leader_address = ""
+        """Where the leader is, as last known ('' when none is known; our own address while leading)."""
+        self.address = ""
+        """This lighthouse's advertised gRPC address."""
+        self.election: Any = None
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
@@ -137,13 +161,20 @@ class Lighthouse:
             job.last_seen = {rid: now for rid in state.members}
             self.jobs[job_id] = job
             self.metrics.observe_epoch(job_id, job.number, state)
-        self._server = grpc.aio.server(options=[
+        if _is_etcd(self.store):
+            self.leading = False  # until elected
+        sec = self.config.security
+        interceptors = [TokenInterceptor(sec.token, lambda: self.metrics.rpc_error("any", "UNAUTHENTICATED"))] \
+            if sec.token else []
+        self._server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ])
         self._server.add_generic_rpc_handlers((self._handlers(),))
         reflection.enable_server_reflection((SERVICE, reflection.SERVICE_NAME), self._server)
-        self.port = self._server.add_insecure_port(self.config.bind)
+        creds = sec.grpc_credentials()
+        self.port = (self._server.add_secure_port(self.config.bind, creds) if creds is not None
+                     else self._server.add_insecure_port(self.config.bind))
         if self.port == 0:
             raise OSError(f"cannot bind lighthouse to {self.config.bind}")
         await self._server.start()
@@ -153,13 +184,91 @@ class Lighthouse:
 
             self._http = StatusHTTPServer(self, self.config.http)
             self.http_port = self._http.port
+        self.address = self.config.advertise or f"{host}:{self.port}"
+        self.leader_address = self.address if self.leading else ""
+        await self._start_election()
         log.info("lighthouse serving jobs=%s grpc=%s:%d http=%s rendezvous=%s min_replicas=%d "
-                 "heartbeat_timeout_s=%.2f", ",".join(self.jobs), host, self.port,
-                 f"{self.config.http.rsplit(':', 1)[0]}:{self.http_port}" if self._http else "off",
-                 self.rendezvous_addr or "off", self.policy.min_replicas, self.policy.heartbeat_timeout_s)
+                 "heartbeat_timeout_s=%.2f tls=%s mtls=%s token=%s election=%s", ",".join(self.jobs), host,
+                 self.port, f"{self.config.http.rsplit(':', 1)[0]}:{self.http_port}" if self._http else "off",
+                 self.rendezvous_addr or "off", self.policy.min_replicas, self.policy.heartbeat_timeout_s,
+                 sec.tls, bool(sec.tls_client_ca), bool(sec.token), self.election is not None)
+
+    # --- HA: leadership on an etcd store --------------------------------------------------------------------
+
+    async def _start_election(self) -> None:
+        if not _is_etcd(self.store):
+            return
+        from lighthouse.election import Election
+
+        loop = self.loop
+        assert loop is not None
+        http = f"{self.config.http.rsplit(':', 1)[0]}:{self.http_port}" if self._http else ""
+
+        changes: list[asyncio.Task[None]] = []
+
+        def follow(leading: bool, leader: str) -> None:
+            task = loop.create_task(self._leadership(leading, leader), name="lighthouse-leadership")
+            self._tasks.append(task)
+            changes.append(task)
+
+        def on_change(leading: bool, leader: str) -> None:  # on the election thread
+            loop.call_soon_threadsafe(follow, leading, leader)
+
+        self.election = Election(self.store, self.address, http, on_change, ttl_s=self.config.election_ttl_s)
+        # The first round runs now, so that a lone lighthouse serves as soon as start() returns. Its change
+        # was queued on this loop before the thread's result: the task exists once we resume.
+        await asyncio.to_thread(self.election.first_round)
+        await asyncio.gather(*changes)
+        self.election.start()
+
+    async def _leadership(self, leading: bool, leader: str) -> None:
+        """Follow the election: a new leader reloads every job from the store (numbers carry on from the
+        stored ones, never back), and gives restored members a grace period; a deposed one stops serving."""
+        if not leading:
+            self.leading = False
+            self.leader_address = leader
+            log.warning("lighthouse %s follows; leader=%s", self.address, leader or "unknown")
+            for job in self.jobs.values():
+                job.wake()  # watch streams end with a redirect
+            return
+        grace = self.policy.heartbeat_timeout_s if self.config.failover_grace_s is None \
+            else self.config.failover_grace_s
+        for job in self.jobs.values():
+            async with job.write_lock:
+                try:
+                    doc = await asyncio.to_thread(self.store.load, job.job_id)
+                except StoreUnavailable as e:
+                    log.error("lighthouse job=%s cannot load state on taking over: %s", job.job_id, e)
+                    return  # stay a follower; the election will step us down or we retry on the next change
+                now = clock()
+                job.state = wire.state_from_doc(doc, now) if doc else m.State()
+                job.last_seen = {rid: now + grace for rid in job.state.members}
+                job.steps = {}
+                job.epoch_pb = wire.epoch_to_pb(job.job_id, job.state.epoch, job.rendezvous)
+                job.epoch_bytes = job.epoch_pb.SerializeToString()
+                self.metrics.observe_epoch(job.job_id, job.number, job.state)
+        if self.election is not None and not self.election.leading:
+            return  # lost it again while loading
+        self.leading = True
+        self.leader_address = self.address
+        log.warning("lighthouse %s leads: jobs=%s epochs=%s grace_s=%.1f", self.address, ",".join(self.jobs),
+                    ",".join(str(j.number) for j in self.jobs.values()), grace)
+        for job in self.jobs.values():
+            job.wake()
+
+    async def _not_leader(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """Refuse with UNAVAILABLE, naming the leader in trailing metadata (clients switch to it)."""
+        self.metrics.rpc_error(method, "UNAVAILABLE")
+        leader = self.leader_address if self.leader_address != self.address else ""
+        context.set_trailing_metadata(((LEADER_METADATA, leader),))
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"this lighthouse does not lead; the leader is at {leader}" if leader
+                            else "this lighthouse does not lead and no leader is elected yet")
 
     async def stop(self, grace: float = 1.0) -> None:
         self._stopping = True
+        if self.election is not None:
+            await asyncio.to_thread(self.election.stop)
         for job in self.jobs.values():
             job.wake()
         for t in self._tasks:
@@ -190,6 +299,9 @@ class Lighthouse:
                 except EpochFenced as e:
                     log.error("lighthouse job=%s store write fenced, change dropped: %s", job.job_id, e)
                     return m.Outcome(before, rejection=m.Rejection("UNAVAILABLE", f"store write fenced: {e}"))
+                except StoreUnavailable as e:
+                    log.error("lighthouse job=%s store unavailable, change waits: %s", job.job_id, e)
+                    return m.Outcome(before, rejection=m.Rejection("UNAVAILABLE", f"store unavailable: {e}"))
             job.state = out.state
             for rid in out.state.members.keys() - before.members.keys():
                 job.last_seen.setdefault(rid, clock())
@@ -220,6 +332,8 @@ class Lighthouse:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.tick_s)  # a period, not synchronisation
+            if not self.leading:
+                continue
             for job in self.jobs.values():
                 try:
                     await self._apply(job, m.Tick(now=clock(), last_seen=job.last_seen))
@@ -249,6 +363,8 @@ class Lighthouse:
         """Turn malformed input and validation errors into INVALID_ARGUMENT; count errors."""
 
         async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if not self.leading:
+                await self._not_leader(context, name)
             if isinstance(request, _Malformed):
                 self.metrics.rpc_error(name, "INVALID_ARGUMENT")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
@@ -307,6 +423,8 @@ class Lighthouse:
         return pb.HeartbeatResponse(epoch=job.number)
 
     async def Watch(self, req: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        if not self.leading:
+            await self._not_leader(context, "Watch")
         if isinstance(req, _Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {req.error}")
         job = await self._job(req.job_id, context, "Watch")
@@ -314,6 +432,8 @@ class Lighthouse:
         self.metrics.watchers.inc()
         try:
             while not self._stopping:
+                if not self.leading:
+                    await self._not_leader(context, "Watch")
                 if job.number > sent:
                     sent = job.number
                     yield job.epoch_bytes
@@ -366,7 +486,8 @@ class Lighthouse:
             epoch=job.epoch_pb,
             members=[pb.MemberStatus(replica_id=x.replica_id, incarnation=x.incarnation,
                                      role=wire.ROLE_TO_PB[x.role], in_epoch=x.replica_id in in_epoch,
-                                     last_heartbeat_age_s=now - job.last_seen.get(x.replica_id, x.registered_at),
+                                     last_heartbeat_age_s=max(0.0, now - job.last_seen.get(x.replica_id,
+                                                                                           x.registered_at)),
                                      step=job.steps.get(x.replica_id, 0))
                      for x in sorted(st.members.values(), key=lambda x: x.replica_id)],
             history=[pb.HistoryEntry(epoch=e.number, created_unix=e.created_at, reason=e.reason,
@@ -381,18 +502,27 @@ class Lighthouse:
         job = self.jobs[job_id] if job_id else next(iter(self.jobs.values()))
         now = clock()
         st = job.state
+        if not self.leading:
+            # A follower's memory is stale: report what the store holds, and where the leader is.
+            try:
+                doc = await asyncio.to_thread(self.store.load, job.job_id)
+                st = wire.state_from_doc(doc, now) if doc else m.State()
+            except StoreUnavailable:
+                pass
         in_epoch = set(st.epoch.replica_ids() if st.epoch else ())
         return {
             "job": job.job_id,
-            "leader": True,
-            "epoch": job.number,
+            "leader": self.leading,
+            "leader_address": self.leader_address,
+            "address": self.address,
+            "epoch": st.epoch.number if st.epoch is not None else 0,
             "rendezvous": job.epoch_pb.rendezvous,
             "min_replicas": self.policy.min_replicas,
             "heartbeat_timeout_s": self.policy.heartbeat_timeout_s,
             "members": [
                 {"replica_id": x.replica_id, "incarnation": x.incarnation, "role": x.role,
                  "in_epoch": x.replica_id in in_epoch,
-                 "last_heartbeat_age_s": round(now - job.last_seen.get(x.replica_id, x.registered_at), 3),
+                 "last_heartbeat_age_s": round(max(0.0, now - job.last_seen.get(x.replica_id, x.registered_at)), 3),
                  "step": job.steps.get(x.replica_id, 0)}
                 for x in sorted(st.members.values(), key=lambda x: x.replica_id)
             ],

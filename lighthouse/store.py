@@ -67,7 +67,11 @@ class InMemoryStore(Store):
 
 
 def open_store(url: str) -> Store:
-    """``memory://`` (default) or, later, ``etcd://host:port[,host:port]``."""
+    """``memory://`` (the embedded default) or ``etcd://host:port[,host:port...][/prefix]``."""
     if url in ("", "memory", "memory://"):
         return InMemoryStore()
-    raise ValueError(f"unsupported store {url!r}: only memory:// is built so far (etcd:// comes with issue 7)")
+    if url.startswith("etcd://"):
+        from lighthouse.store_etcd import EtcdStore  # imported here: the embedded default needs no etcd client
+
+        return EtcdStore(url)
+    raise ValueError(f"unsupported store {url!r}: want memory:// or etcd://host:port[,host:port...][/prefix]")

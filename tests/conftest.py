@@ -178,3 +178,15 @@ def heartbeat(stub: pb_grpc.LighthouseStub, replica_id: str, incarnation: str, j
 
 def status(stub: pb_grpc.LighthouseStub, job: str = JOB) -> pb.StatusResponse:
     return stub.Status(pb.StatusRequest(job_id=job), timeout=5)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real etcd for the session (tests isolate themselves by key prefix); fails if etcd is not installed."""
+    from etcd_server import EtcdServer
+
+    server = EtcdServer(tmp_path_factory.mktemp("etcd")).start()
+    try:
+        yield server
+    finally:
+        server.stop()

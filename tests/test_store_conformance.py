@@ -1,5 +1,6 @@
 """Store conformance: every ``lighthouse.store.Store`` implementation must pass these (DESIGN §4: the same tests
-run against the in-memory and, later, the etcd store). Add an implementation to ``STORES``."""
+run against the in-memory and the etcd store, the latter on a real etcd started by the tests). Add an
+implementation to ``STORES``."""
 
 from __future__ import annotations
 
@@ -18,20 +19,33 @@ from lighthouse import wire
 from lighthouse.errors import EpochFenced
 from lighthouse.store import InMemoryStore, Store, open_store
 
-# Each entry makes a fresh, empty store. An etcd store joins with a factory that skips when no etcd is reachable.
-STORES: list[Any] = [
-    pytest.param(InMemoryStore, id="memory"),
-    pytest.param(lambda: open_store("memory://"), id="memory-url"),
-]
+# The kinds of store under test. The etcd one runs on the session's real etcd (a fresh key prefix per test); it
+# fails, never skips, when etcd is not installed.
+STORES: list[str] = ["memory", "memory-url", "etcd"]
 
 
 @pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    s: Store = request.param()
-    try:
-        yield s
-    finally:
+def new_store(request: pytest.FixtureRequest) -> Iterator[Callable[[], Store]]:
+    """Factory of stores of the kind under test, all on the same data (two lighthouses on one etcd prefix, or
+    one in-memory store handed out again); every store made is closed at teardown."""
+    kind = str(request.param)
+    made: list[Store] = []
+    url = request.getfixturevalue("etcd_server").url() if kind == "etcd" else ""
+    shared: Store = InMemoryStore() if kind == "memory" else open_store("memory://")
+
+    def make() -> Store:
+        s = open_store(url) if kind == "etcd" else shared
+        made.append(s)
+        return s
+
+    yield make
+    for s in {id(x): x for x in made}.values():
         s.close()
+
+
+@pytest.fixture
+def store(new_store: Callable[[], Store]) -> Store:
+    return new_store()
 
 
 def doc(number: int, **extra: Any) -> dict[str, Any]:
@@ -146,15 +160,16 @@ def _form_epochs(stub: pb_grpc.LighthouseStub) -> dict[str, str]:
 
 
 def test_restarted_lighthouse_on_the_same_store_continues_numbering(
-        start_server: Callable[..., ServerThread], stub_for: Callable[[ServerThread], pb_grpc.LighthouseStub]) -> None:
-    store = InMemoryStore()
-    first = start_server(STEADY, store=store)
+        start_server: Callable[..., ServerThread], stub_for: Callable[[ServerThread], pb_grpc.LighthouseStub],
+        new_store: Callable[[], Store]) -> None:
+    store = new_store()
+    first = start_server(STEADY, store=new_store())
     incs = _form_epochs(stub_for(first))
     first.stop()
     saved = store.load(JOB)
     assert saved is not None and saved["last_number"] == 3
 
-    second = start_server(STEADY, store=store)
+    second = start_server(STEADY, store=new_store())
     stub = stub_for(second)
     st = status(stub)
     assert st.epoch.number == 3 and [x.replica_id for x in st.epoch.members] == ["a", "b"]
@@ -167,7 +182,7 @@ def test_restarted_lighthouse_on_the_same_store_continues_numbering(
     assert store.load(JOB)["last_number"] == 4  # type: ignore[index]
     second.stop()
 
-    third = start_server(STEADY, store=store)
+    third = start_server(STEADY, store=new_store())
     r = register(stub_for(third), "a")  # a restart of a, whose restored incarnation differs
     assert r.epoch.number > 4
     numbers = [h.epoch for h in status(stub_for(third)).history]
@@ -175,9 +190,10 @@ def test_restarted_lighthouse_on_the_same_store_continues_numbering(
 
 
 def test_fenced_store_write_changes_nothing(start_server: Callable[..., ServerThread],
-                                           stub_for: Callable[[ServerThread], pb_grpc.LighthouseStub]) -> None:
-    store = InMemoryStore()
-    s = start_server(STEADY, store=store)
+                                           stub_for: Callable[[ServerThread], pb_grpc.LighthouseStub],
+                                           new_store: Callable[[], Store]) -> None:
+    store = new_store()
+    s = start_server(STEADY, store=new_store())
     stub = stub_for(s)
     register(stub, "a")
     assert store.load(JOB)["last_number"] == 1  # type: ignore[index]
@@ -217,13 +233,13 @@ def test_state_document_round_trips_and_stays_small() -> None:
 
 
 def test_restored_members_that_never_come_back_die(start_server: Callable[..., ServerThread],
-                                                   stub_for: Callable[[ServerThread], pb_grpc.LighthouseStub]) -> None:
-    store = InMemoryStore()
-    first = start_server(STEADY, store=store)
+                                                   stub_for: Callable[[ServerThread], pb_grpc.LighthouseStub],
+                                                   new_store: Callable[[], Store]) -> None:
+    first = start_server(STEADY, store=new_store())
     _form_epochs(stub_for(first))
     first.stop()
     fast = m.Policy(min_replicas=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, confirm_age_s=0.2)
-    second = start_server(fast, store=store)
+    second = start_server(fast, store=new_store())
     assert second.number() == 3
     # Nobody heartbeats: both restored members die; the guard (no one left) keeps epoch 3 as the last one.
     wait_until(lambda: not second.state().members, timeout=5, what="restored members declared dead")
@@ -243,3 +259,60 @@ def test_state_document_size_does_not_grow_with_history() -> None:
     bounded = doc_size(wire.DOC_HISTORY_LIMIT)
     assert doc_size(m.HISTORY_LIMIT) < bounded + 100  # only the digits of the numbers differ
     assert doc_size(m.HISTORY_LIMIT + 50) < bounded + 100
+
+
+# --- the etcd store's own guarantees -------------------------------------------------------------------------------
+
+
+def test_etcd_url_parsing() -> None:
+    from lighthouse.store_etcd import DEFAULT_PREFIX, EtcdTarget
+
+    t = EtcdTarget.parse("etcd://127.0.0.1:2379,[::1]:2380/jobs/a/")
+    assert t.endpoints == (("127.0.0.1", 2379), ("::1", 2380)) and t.prefix == "/jobs/a"
+    assert EtcdTarget.parse("etcd://h:1").prefix == DEFAULT_PREFIX
+    for bad in ("etcd://", "etcd://host", "etcd://host:port", "http://h:1", "etcd://h:1,:2"):
+        with pytest.raises(ValueError):
+            EtcdTarget.parse(bad)
+    with pytest.raises(ValueError, match="unsupported store"):
+        open_store("redis://h:1")
+
+
+def test_etcd_writer_that_lost_leadership_is_fenced_even_with_the_current_number(etcd_server: Any) -> None:
+    from lighthouse.store_etcd import EtcdStore
+
+    url = etcd_server.url()
+    old, new = EtcdStore(url), EtcdStore(url)
+    try:
+        leader_key = old.key("leader")
+        new.client.put(leader_key, b"old")
+        old.set_guard(leader_key, b"old")
+        old.save(JOB, 0, doc(1))
+        new.client.put(leader_key, b"new")  # the old leader's lease expired; another took over
+        new.set_guard(leader_key, b"new")
+        with pytest.raises(EpochFenced, match="no longer leads"):
+            old.save(JOB, 1, doc(2))  # its number is still the stored one: only the leadership fence stops it
+        assert new.load(JOB) == doc(1)
+        new.save(JOB, 1, doc(2))
+        assert old.load(JOB) == doc(2)
+    finally:
+        old.close()
+        new.close()
+
+
+def test_etcd_unreachable_is_a_typed_error_within_the_deadline() -> None:
+    import time
+
+    from etcd_server import free_port
+    from lighthouse.errors import StoreUnavailable
+    from lighthouse.store_etcd import EtcdStore
+
+    s = EtcdStore(f"etcd://127.0.0.1:{free_port()}/x", timeout_s=0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            s.load(JOB)
+        with pytest.raises(StoreUnavailable):
+            s.save(JOB, 0, doc(1))
+        assert time.monotonic() - t0 < 5
+    finally:
+        s.close()

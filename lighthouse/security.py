@@ -1,0 +1,231 @@
+"""TLS and the job token for the lighthouse and its clients.
+
+The token is a shared secret per job, read from a file (never from the command line, where ``ps`` shows it),
+sent by clients as ``authorization: Bearer <token>`` (gRPC metadata and HTTP header alike) and compared in
+constant time. TLS covers the gRPC port and the HTTP side port; with a client CA the server requires a client
+certificate signed by it (mTLS).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import pathlib
+import ssl
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import grpc
+
+AUTH_HEADER = "authorization"
+BEARER = "Bearer "
+LEADER_METADATA = "fthsdp-leader"
+"""Trailing metadata of a follower's refusal: the leader's address (empty when no leader is known)."""
+TOKEN_MAX_BYTES = 4096
+
+ENV_TOKEN_FILE = "FTHSDP_TOKEN_FILE"
+ENV_TLS_CA = "FTHSDP_TLS_CA"
+ENV_TLS_CERT = "FTHSDP_TLS_CERT"
+ENV_TLS_KEY = "FTHSDP_TLS_KEY"
+
+
+class SecurityConfigError(ValueError):
+    """A TLS or token option is unusable (missing file, empty token, cert without key...)."""
+
+
+def read_token(path: str | os.PathLike[str]) -> str:
+    """The token in ``path`` (surrounding whitespace stripped); refuses an empty or oversized one."""
+    try:
+        raw = pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise SecurityConfigError(f"cannot read token file {str(path)!r}: {e.strerror}") from None
+    if len(raw) > TOKEN_MAX_BYTES:
+        raise SecurityConfigError(f"token file {str(path)!r} is over {TOKEN_MAX_BYTES} bytes")
+    try:
+        token = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise SecurityConfigError(f"token file {str(path)!r} is not ASCII (it goes into a header)") from None
+    if not token or any(c.isspace() or not c.isprintable() for c in token):
+        raise SecurityConfigError(f"token file {str(path)!r} is empty or holds whitespace/control characters")
+    return token
+
+
+def _read(path: str | None, what: str) -> bytes | None:
+    if not path:
+        return None
+    try:
+        return pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise SecurityConfigError(f"cannot read {what} {path!r}: {e.strerror}") from None
+
+
+def token_matches(expected: str | None, presented: str | None) -> bool:
+    """Constant-time check of a presented ``Bearer`` value (or bare token) against the expected token."""
+    if expected is None:
+        return True
+    if not presented:
+        return False
+    value = presented[len(BEARER):] if presented.startswith(BEARER) else presented
+    return hmac.compare_digest(value.strip().encode("ascii", "replace"), expected.encode("ascii"))
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """The lighthouse's side: TLS certificate and key (both or neither), an optional client CA (mTLS) and an
+    optional token. All empty: plaintext and no token (the embedded default)."""
+
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SecurityConfigError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise SecurityConfigError("--tls-client-ca needs --tls-cert/--tls-key (mTLS is on top of TLS)")
+
+    @classmethod
+    def from_files(cls, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
+                   token_file: str | None = None) -> "ServerSecurity":
+        return cls(tls_cert or None, tls_key or None, tls_client_ca or None,
+                   read_token(token_file) if token_file else None)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    def grpc_credentials(self) -> grpc.ServerCredentials | None:
+        """For ``add_secure_port``; None: plaintext."""
+        if not self.tls:
+            return None
+        cert, key = _read(self.tls_cert, "TLS certificate"), _read(self.tls_key, "TLS key")
+        assert cert is not None and key is not None
+        ca = _read(self.tls_client_ca, "client CA")
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """For the HTTP side port; None: plaintext."""
+        if not self.tls:
+            return None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(str(self.tls_cert), str(self.tls_key))
+            if self.tls_client_ca:
+                ctx.load_verify_locations(cafile=str(self.tls_client_ca))
+                ctx.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as e:
+            raise SecurityConfigError(f"cannot load TLS files: {e}") from None
+        return ctx
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """A client's side: the CA that signed the lighthouse's certificate (turns TLS on), an optional client
+    certificate and key (mTLS), and the job token."""
+
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SecurityConfigError("client --tls-cert and --tls-key go together")
+        if self.tls_cert and not self.tls_ca:
+            raise SecurityConfigError("a client certificate needs --tls-ca (TLS to the lighthouse)")
+
+    @classmethod
+    def from_files(cls, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                   token_file: str | None = None) -> "ClientSecurity":
+        return cls(tls_ca or None, tls_cert or None, tls_key or None,
+                   read_token(token_file) if token_file else None)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata to send with every call."""
+        return ((AUTH_HEADER, BEARER + self.token),) if self.token else ()
+
+    def http_headers(self) -> dict[str, str]:
+        return {"Authorization": BEARER + self.token} if self.token else {}
+
+    def channel(self, address: str, options: list[tuple[str, Any]] | None = None, *, aio: bool = True) -> Any:
+        """A gRPC channel to ``address``: TLS when a CA is set (the token goes as per-call metadata, so a
+        plaintext channel can carry it too, for loopback deployments without TLS)."""
+        mod: Any = grpc.aio if aio else grpc
+        if not self.tls:
+            return mod.insecure_channel(address, options=options)
+        creds = grpc.ssl_channel_credentials(_read(self.tls_ca, "TLS CA"), _read(self.tls_key, "TLS key"),
+                                             _read(self.tls_cert, "TLS certificate"))
+        return mod.secure_channel(address, creds, options=options)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """For HTTPS to the side port; None: plain HTTP."""
+        if not self.tls:
+            return None
+        ctx = ssl.create_default_context(cafile=str(self.tls_ca))
+        if self.tls_cert:
+            ctx.load_cert_chain(str(self.tls_cert), str(self.tls_key))
+        return ctx
+
+
+def security_from_env(env: Mapping[str, str] | None = None) -> ClientSecurity:
+    """Client options from ``FTHSDP_TOKEN_FILE``, ``FTHSDP_TLS_CA``, ``FTHSDP_TLS_CERT``, ``FTHSDP_TLS_KEY``
+    (unset or empty: off) — how the launcher hands them to the training processes."""
+    e = os.environ if env is None else env
+    return ClientSecurity.from_files(e.get(ENV_TLS_CA) or None, e.get(ENV_TLS_CERT) or None,
+                                     e.get(ENV_TLS_KEY) or None, e.get(ENV_TOKEN_FILE) or None)
+
+
+# --- the server's token check ------------------------------------------------------------------------------------
+
+
+def _refusal(kind: str, message: str, on_refuse: Callable[[], None]) -> grpc.RpcMethodHandler:
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        on_refuse()
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        on_refuse()
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield b""  # pragma: no cover (makes this an async generator; abort raises first)
+
+    raw: Callable[[Any], Any] = lambda b: b  # noqa: E731 (never parse what an unauthenticated caller sent)
+    if kind == "unary_unary":
+        return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=raw, response_serializer=raw)
+    if kind == "unary_stream":
+        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=raw, response_serializer=raw)
+    if kind == "stream_unary":
+        return grpc.stream_unary_rpc_method_handler(unary, request_deserializer=raw, response_serializer=raw)
+    return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=raw, response_serializer=raw)
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call (the service, reflection, anything) without the job token: UNAUTHENTICATED, before
+    the request is even parsed, so a refused call changes nothing."""
+
+    def __init__(self, token: str, on_refuse: Callable[[], None] = lambda: None) -> None:
+        self._token = token
+        self._on_refuse = on_refuse
+
+    async def intercept_service(self, continuation: Callable[[Any], Any],
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        presented = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_HEADER:
+                presented = value if isinstance(value, str) else value.decode("ascii", "replace")
+                break
+        handler = await continuation(handler_call_details)
+        if token_matches(self._token, presented):
+            return handler
+        message = ("missing job token: send 'authorization: Bearer <token>' (fthsdp --token-file)" if not presented
+                   else "wrong job token")
+        if handler is None:
+            return _refusal("unary_unary", message, self._on_refuse)
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + \
+               ("stream" if handler.response_streaming else "unary")
+        return _refusal(kind, message, self._on_refuse)

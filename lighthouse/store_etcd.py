@@ -1,0 +1,143 @@
+"""The etcd v3 store: job documents in etcd, every write a transaction fenced on the stored epoch number (and,
+when this lighthouse runs an election, on its leadership key), so a deposed leader can never overwrite.
+
+Layout under the prefix (default ``/fthsdp``)::
+
+    {prefix}/jobs/{job_id}/number   the highest epoch number issued, as decimal text (the fence)
+    {prefix}/jobs/{job_id}/state    the job document (JSON), written in the same transaction
+    {prefix}/leader                 the election key (see ``lighthouse.election``), bound to the leader's lease
+
+Heartbeats are not written here (they would cost a write per replica per interval); liveness of replicas stays
+in the leader's memory, and a new leader gives the restored members a grace period instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pyetcd
+from pyetcd import exceptions as etcd_exc
+
+from lighthouse.errors import EpochFenced, StoreUnavailable
+from lighthouse.store import Store, check_monotonic
+
+log = logging.getLogger("fthsdp.lighthouse.store")
+
+DEFAULT_PREFIX = "/fthsdp"
+ETCD_TIMEOUT_S = 5.0
+"""Deadline of one etcd call: a store call never waits longer."""
+_ETCD_ERRORS = (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError)
+"""What a pyetcd call raises when etcd cannot answer (ValueError: pyetcd's 'failed node' when not failing over)."""
+
+
+@dataclass(frozen=True)
+class EtcdTarget:
+    """Where the store lives: ``etcd://host:port[,host:port...][/prefix]``."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    prefix: str = DEFAULT_PREFIX
+
+    @classmethod
+    def parse(cls, url: str) -> "EtcdTarget":
+        if not url.startswith("etcd://"):
+            raise ValueError(f"not an etcd URL: {url!r} (want etcd://host:port[,host:port...][/prefix])")
+        rest = url[len("etcd://"):]
+        hosts, _, prefix = rest.partition("/")
+        endpoints: list[tuple[str, int]] = []
+        for item in hosts.split(","):
+            host, sep, port = item.strip().rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"bad etcd endpoint {item!r} in {url!r}: want host:port")
+            endpoints.append((host.strip("[]"), int(port)))
+        prefix = "/" + prefix.strip("/") if prefix.strip("/") else DEFAULT_PREFIX
+        return cls(tuple(endpoints), prefix)
+
+
+def connect(target: EtcdTarget, timeout_s: float = ETCD_TIMEOUT_S) -> pyetcd.MultiEndpointEtcd3Client:
+    """A pyetcd client over every endpoint, failing over between them (a failed one is retried after 1 s)."""
+    eps = [pyetcd.Endpoint(host, port, secure=False, time_retry=1.0) for host, port in target.endpoints]
+    return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
+
+
+class EtcdStore(Store):
+    """Job documents in etcd. Thread-safe (pyetcd's client is); each call has a deadline."""
+
+    def __init__(self, target: EtcdTarget | str, timeout_s: float = ETCD_TIMEOUT_S) -> None:
+        self.target = EtcdTarget.parse(target) if isinstance(target, str) else target
+        self.client = connect(self.target, timeout_s)
+        self._guard: tuple[str, bytes] | None = None
+        self._guard_lock = threading.Lock()
+
+    # --- keys ---------------------------------------------------------------------------------------------------
+
+    def key(self, *parts: str) -> str:
+        return "/".join((self.target.prefix, *parts))
+
+    def _keys(self, job_id: str) -> tuple[str, str]:
+        return self.key("jobs", job_id, "number"), self.key("jobs", job_id, "state")
+
+    # --- leadership fence ---------------------------------------------------------------------------------------
+
+    def set_guard(self, key: str | None, value: bytes = b"") -> None:
+        """While set, every write also requires ``key`` to hold ``value`` (this lighthouse's leadership key):
+        a lighthouse that lost its lease cannot write even with a current epoch number."""
+        with self._guard_lock:
+            self._guard = None if key is None else (key, value)
+
+    # --- the Store interface ------------------------------------------------------------------------------------
+
+    def load(self, job_id: str) -> dict[str, Any] | None:
+        _, state_key = self._keys(job_id)
+        try:
+            raw, _meta = self.client.get(state_key)
+        except _ETCD_ERRORS as e:
+            raise StoreUnavailable(f"etcd load of job {job_id!r} failed: {e!r}") from None
+        return None if raw is None else json.loads(raw)
+
+    def save(self, job_id: str, expected_last_number: int, document: dict[str, Any]) -> None:
+        check_monotonic(expected_last_number, document)
+        number_key, state_key = self._keys(job_id)
+        raw = json.dumps(document, sort_keys=True).encode()
+        new_number = str(int(document["last_number"])).encode()
+        tx = self.client.transactions
+        with self._guard_lock:
+            guard = self._guard
+        # Nothing stored reads as 0 (as in memory): a missing key has version 0; a stored "0" compares by value.
+        attempts = ([tx.version(number_key) == 0, tx.value(number_key) == b"0"] if expected_last_number == 0
+                    else [tx.value(number_key) == str(expected_last_number).encode()])
+        stored: bytes | None = None
+        for fence in attempts:
+            compare = [fence]
+            if guard is not None:
+                compare.append(tx.value(guard[0]) == guard[1])
+            try:
+                ok, responses = self.client.transaction(
+                    compare=compare,
+                    success=[tx.put(number_key, new_number), tx.put(state_key, raw)],
+                    failure=[tx.get(number_key)] + ([tx.get(guard[0])] if guard is not None else []))
+            except _ETCD_ERRORS as e:
+                raise StoreUnavailable(f"etcd save of job {job_id!r} failed: {e!r}") from None
+            if ok:
+                return
+            got = responses[0]
+            stored = got[0][0] if got else None
+            if guard is not None:
+                holder = responses[1][0][0] if responses[1] else None
+                if holder != guard[1]:
+                    raise EpochFenced(f"job {job_id}: this lighthouse no longer leads (leader key holds "
+                                      f"{holder!r}); write refused")
+            if not (expected_last_number == 0 and stored == b"0"):
+                break
+        raise EpochFenced(f"job {job_id}: stored epoch {int(stored) if stored else 0}, writer expected "
+                          f"{expected_last_number}")
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception as e:  # closing must not mask the reason we are closing
+            log.debug("etcd client close failed: %r", e)
