@@ -35,9 +35,34 @@ def _run_until_signal(coro_factory: Callable[[asyncio.Event], Any]) -> None:
 # --- lighthouse ------------------------------------------------------------------------------------------------
 
 
+def _add_client_security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", default="", help="file holding the job token (default: $FTHSDP_TOKEN_FILE)")
+    p.add_argument("--tls-ca", default="", help="CA certificate of the lighthouse: use TLS (default: $FTHSDP_TLS_CA)")
+    p.add_argument("--tls-cert", default="", help="client certificate for mTLS (default: $FTHSDP_TLS_CERT)")
+    p.add_argument("--tls-key", default="", help="client key for mTLS (default: $FTHSDP_TLS_KEY)")
+
+
+def _client_security(a: argparse.Namespace) -> Any:
+    """The client's TLS and token options: each flag, else its FTHSDP_* environment variable."""
+    import os
+
+    from lighthouse import security as sec
+
+    def pick(flag: str, var: str) -> str | None:
+        return flag or os.environ.get(var) or None
+
+    try:
+        return sec.ClientSecurity.from_files(pick(a.tls_ca, sec.ENV_TLS_CA), pick(a.tls_cert, sec.ENV_TLS_CERT),
+                                             pick(a.tls_key, sec.ENV_TLS_KEY),
+                                             pick(a.token_file, sec.ENV_TOKEN_FILE))
+    except sec.SecurityConfigError as e:
+        sys.exit(f"fthsdp {a.command}: {e}")
+
+
 def cmd_lighthouse(a: argparse.Namespace) -> None:
     from fthsdp.procutil import write_atomic
     from lighthouse.membership import Policy
+    from lighthouse.security import SecurityConfigError, ServerSecurity
     from lighthouse.server import LighthouseConfig, serve
     from lighthouse.store import open_store
 
@@ -47,15 +72,22 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
                     confirm_age_s=a.confirm_age if a.confirm_age else min(a.heartbeat_timeout, 2 * interval),
                     join_window_s=a.join_window, expected_replicas=a.expected_replicas,
                     max_reforms=a.max_reforms)
+    try:
+        security = ServerSecurity.from_files(a.tls_cert, a.tls_key, a.tls_client_ca, a.token_file)
+        security.ssl_context()  # fail now, with a clear message, on unreadable TLS files
+        store = open_store(a.store)
+    except (SecurityConfigError, ValueError) as e:
+        sys.exit(f"fthsdp lighthouse: {e}")
     config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job), policy=policy,
-                              rendezvous=not a.no_rendezvous)
+                              rendezvous=not a.no_rendezvous, security=security, advertise=a.advertise,
+                              election_ttl_s=a.election_ttl)
 
     def ready(lh: Any) -> None:
         if a.port_file:
             write_atomic(pathlib.Path(a.port_file),
                          f"grpc={lh.port} http={lh.http_port} rendezvous={lh.rendezvous_addr}")
 
-    _run_until_signal(lambda stop: serve(config, open_store(a.store), stop=stop, ready=ready))
+    _run_until_signal(lambda stop: serve(config, store, stop=stop, ready=ready))
     logging.getLogger("fthsdp.lighthouse").info("lighthouse stopped")
 
 
@@ -63,17 +95,35 @@ def cmd_status(a: argparse.Namespace) -> None:
     import urllib.error
     import urllib.request
 
-    url = f"http://{a.http}/status"
-    try:
-        with urllib.request.urlopen(url, timeout=a.timeout) as r:
-            status = json.load(r)
-    except (urllib.error.URLError, OSError) as e:
-        sys.exit(f"fthsdp status: cannot reach {url}: {e}")
+    sec = _client_security(a)
+    ctx = sec.ssl_context()
+    status: dict[str, Any] | None = None
+    errors: list[str] = []
+    for addr in [x.strip() for x in a.http.split(",") if x.strip()]:  # the leader's answer wins
+        url = f"{'https' if ctx else 'http'}://{addr}/status"
+        try:
+            req = urllib.request.Request(url, headers=sec.http_headers())
+            with urllib.request.urlopen(req, timeout=a.timeout, context=ctx) as r:
+                got = json.load(r)
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:200]
+            errors.append(f"{url}: HTTP {e.code} {detail}")
+            continue
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            errors.append(f"{url}: {e}")
+            continue
+        if status is None or (got.get("leader") and not status.get("leader")):
+            status = got
+        if got.get("leader"):
+            break
+    if status is None:
+        sys.exit("fthsdp status: cannot reach any lighthouse: " + "; ".join(errors))
     if a.json:
         print(json.dumps(status, indent=2))
         return
     print(f"job {status['job']}  epoch {status['epoch']}  leader {'yes' if status['leader'] else 'no'}  "
-          f"members {len(status['members'])}  min_replicas {status['min_replicas']}")
+          f"members {len(status['members'])}  min_replicas {status['min_replicas']}"
+          + (f"  (leader at {status['leader_address'] or 'unknown'})" if not status["leader"] else ""))
     print(f"{'REPLICA':<24} {'ROLE':<8} {'IN EPOCH':<8} {'STEP':>8} {'HB AGE (s)':>10}")
     for x in status["members"]:
         print(f"{x['replica_id']:<24} {x['role']:<8} {'yes' if x['in_epoch'] else 'no':<8} {x['step']:>8} "
@@ -87,7 +137,8 @@ def cmd_status(a: argparse.Namespace) -> None:
 def cmd_emulate(a: argparse.Namespace) -> None:
     from lighthouse.emulate import run_emulate
 
-    _run_until_signal(lambda stop: run_emulate(a.lighthouse, a.replicas, a.job, a.prefix, stop))
+    security = _client_security(a)
+    _run_until_signal(lambda stop: run_emulate(a.lighthouse, a.replicas, a.job, a.prefix, stop, security=security))
 
 
 # --- bench -----------------------------------------------------------------------------------------------------
@@ -204,13 +255,23 @@ def build_parser() -> argparse.ArgumentParser:
     lh.add_argument("--store", default="memory://", help="durable store URL (memory:// is the default)")
     lh.add_argument("--no-rendezvous", action="store_true", help="do not host the data-plane TCPStore")
     lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=H:P' here once serving")
+    lh.add_argument("--advertise", default="", help="gRPC HOST:PORT other lighthouses name as the leader's "
+                    "(HA on etcd; default: the bound address)")
+    lh.add_argument("--election-ttl", type=int, default=5,
+                    help="HA on etcd: seconds of the leader's lease; a dead leader is replaced within about this")
+    lh.add_argument("--tls-cert", default="", help="TLS certificate (PEM) for the gRPC and HTTP ports")
+    lh.add_argument("--tls-key", default="", help="TLS private key (PEM)")
+    lh.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mTLS)")
+    lh.add_argument("--token-file", default="", help="file holding the job token every call must present")
     lh.set_defaults(fn=cmd_lighthouse)
 
     st = sub.add_parser("status", help="print a lighthouse's members and epochs")
-    st.add_argument("--http", default="127.0.0.1:29511", help="the lighthouse's HTTP HOST:PORT")
+    st.add_argument("--http", default="127.0.0.1:29511",
+                    help="the lighthouse's HTTP HOST:PORT[,HOST:PORT...] (the leader's answer is shown)")
     st.add_argument("--json", action="store_true")
     st.add_argument("--history", type=int, default=10, help="how many recent epochs to show")
     st.add_argument("--timeout", type=float, default=5.0)
+    _add_client_security_args(st)
     st.set_defaults(fn=cmd_status)
 
     em = sub.add_parser("emulate", help="run N emulated replicas (control plane only) until interrupted")
@@ -218,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     em.add_argument("--replicas", type=int, required=True)
     em.add_argument("--prefix", default="emu", help="replica ids are PREFIX-00000, ...")
     em.add_argument("--job", default="default")
+    _add_client_security_args(em)
     em.set_defaults(fn=cmd_emulate)
 
     dm = sub.add_parser("demo", help="train the example model on R replica groups with failures injected")

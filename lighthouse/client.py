@@ -4,7 +4,9 @@ whose training loop must never block on the lighthouse.
 
 Every call has a deadline. The background session heartbeats, keeps a watch stream open (reconnecting with
 jittered exponential backoff, rotating through the given lighthouse addresses), and re-registers if the
-lighthouse lost or dropped it.
+lighthouse lost or dropped it. With several lighthouses on one etcd (HA), a follower's refusal names the leader
+(trailing metadata ``fthsdp-leader``) and the client goes there at once; otherwise it rotates. TLS and the job
+token come in a ``ClientSecurity``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from fthsdp.v1 import lighthouse_pb2 as pb
 from fthsdp.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse import membership as m
 from lighthouse import wire
-from lighthouse.errors import (Busy, FencedOut, InvalidRequest, LighthouseError, LighthouseUnavailable, Unauthenticated,
-                               UnknownTarget)
+from lighthouse.errors import (Busy, FencedOut, InvalidRequest, LighthouseError, LighthouseUnavailable, NotLeader,
+                               Unauthenticated, UnknownTarget)
+from lighthouse.security import LEADER_METADATA, ClientSecurity
 from lighthouse.wire import EpochView
 
 log = logging.getLogger("fthsdp.lighthouse.client")
@@ -53,8 +56,23 @@ def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
     return items
 
 
+def _leader_hint(e: grpc.aio.AioRpcError | grpc.RpcError) -> str | None:
+    """The leader a follower named in its refusal (None: not a follower's refusal; '': no leader known)."""
+    try:
+        md = e.trailing_metadata() or ()  # type: ignore[union-attr]
+    except Exception:
+        return None
+    for key, value in md:
+        if key == LEADER_METADATA:
+            return value if isinstance(value, str) else value.decode("ascii", "replace")
+    return None
+
+
 def _translate(e: grpc.aio.AioRpcError | grpc.RpcError, what: str) -> LighthouseError:
     code = e.code()
+    hint = _leader_hint(e) if code == grpc.StatusCode.UNAVAILABLE else None
+    if hint is not None:
+        return NotLeader(f"{what}: {code.name}: {e.details()}", hint)
     cls = _ERRORS.get(code, LighthouseUnavailable)
     return cls(f"{what}: {code.name}: {e.details()}")
 
@@ -89,8 +107,10 @@ class AsyncLighthouseClient:
 
     def __init__(self, addresses: str | Sequence[str], job_id: str, replica_id: str, *, shard_count: int = 1,
                  endpoints: m.Endpoints = m.Endpoints(), incarnation: str | None = None,
-                 rpc_timeout_s: float = 2.0) -> None:
+                 rpc_timeout_s: float = 2.0, security: ClientSecurity | None = None) -> None:
         self.addresses = parse_addresses(addresses)
+        self.security = security or ClientSecurity()
+        self._metadata = self.security.metadata()
         self.job_id = job_id
         self.replica_id = replica_id
         self.shard_count = shard_count
@@ -109,36 +129,54 @@ class AsyncLighthouseClient:
 
     def _stub_now(self) -> pb_grpc.LighthouseStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.addresses[self._index % len(self.addresses)])
+            self._channel = self.security.channel(self.addresses[self._index % len(self.addresses)])
             self._stub = pb_grpc.LighthouseStub(self._channel)
         return self._stub
 
-    async def _rotate(self, failed: grpc.aio.Channel | None) -> None:
-        """Drop the channel ``failed`` and move to the next address (after an UNAVAILABLE).
+    @property
+    def address(self) -> str:
+        """The lighthouse address in use now."""
+        return self.addresses[self._index % len(self.addresses)]
+
+    async def _rotate(self, failed: grpc.aio.Channel | None, leader: str = "") -> bool:
+        """Drop the channel ``failed`` and move on (after an UNAVAILABLE): to ``leader`` when a follower named
+        one of our addresses, else to the next address. True when it moved to a named leader.
 
         Only if it is still the current one: the heartbeat and the watch share the channel, and both may see
         the same outage; the second must not throw away the fresh channel the first one made."""
         if failed is None or failed is not self._channel:
-            return
+            return False
         self._channel, self._stub = None, None
-        self._index += 1
+        to_leader = bool(leader) and leader in self.addresses and leader != self.address
+        if to_leader:
+            log.info("replica=%s lighthouse %s does not lead; going to the leader %s", self.replica_id,
+                     self.address, leader)
+            self._index = self.addresses.index(leader)
+        else:
+            self._index += 1
         await failed.close(grace=None)
+        return to_leader
 
     async def _call(self, method: str, request: object, timeout: float | None = None) -> object:
-        stub = self._stub_now()
-        channel = self._channel
-        try:
-            return await getattr(stub, method)(request, timeout=timeout or self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            err = _translate(e, f"{method} for replica {self.replica_id}")
-            if isinstance(err, LighthouseUnavailable):
-                await self._rotate(channel)
-            raise err from None
-        except asyncio.CancelledError:
-            if not _cancelled_by_grpc():
-                raise
-            raise LighthouseUnavailable(f"{method} for replica {self.replica_id}: call cancelled "
-                                        "(its channel was closed)") from None
+        for attempt in (1, 2):  # a second, at once, only after a redirect to the named leader
+            stub = self._stub_now()
+            channel = self._channel
+            try:
+                return await getattr(stub, method)(request, timeout=timeout or self.rpc_timeout_s,
+                                                   metadata=self._metadata)
+            except grpc.aio.AioRpcError as e:
+                err = _translate(e, f"{method} for replica {self.replica_id} at {self.address}")
+                if isinstance(err, LighthouseUnavailable):
+                    moved = await self._rotate(channel, err.leader if isinstance(err, NotLeader) else "")
+                    if moved and attempt == 1:
+                        continue
+                raise err from None
+            except asyncio.CancelledError:
+                if not _cancelled_by_grpc():
+                    raise
+                raise LighthouseUnavailable(f"{method} for replica {self.replica_id}: call cancelled "
+                                            "(its channel was closed)") from None
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -199,7 +237,7 @@ class AsyncLighthouseClient:
         assert channel is not None
         # Raw bytes (no response deserializer): the views are memoized by content, see wire.epoch_from_bytes.
         call = channel.unary_stream(WATCH_METHOD, request_serializer=pb.WatchRequest.SerializeToString)(
-            pb.WatchRequest(job_id=self.job_id, after_epoch=after_epoch))
+            pb.WatchRequest(job_id=self.job_id, after_epoch=after_epoch), metadata=self._metadata)
         try:
             async for raw in call:
                 try:
@@ -208,9 +246,9 @@ class AsyncLighthouseClient:
                     raise LighthouseUnavailable(f"Watch for replica {self.replica_id}: bad epoch: {e}") from None
                 yield view
         except grpc.aio.AioRpcError as e:
-            err = _translate(e, f"Watch for replica {self.replica_id}")
+            err = _translate(e, f"Watch for replica {self.replica_id} at {self.address}")
             if isinstance(err, LighthouseUnavailable):
-                await self._rotate(channel)
+                await self._rotate(channel, err.leader if isinstance(err, NotLeader) else "")
             raise err from None
         except asyncio.CancelledError:
             # The heartbeat closed the shared channel (rotation): the stream broke, the watch loop goes on.
@@ -289,7 +327,8 @@ class AsyncLighthouseClient:
                     log.warning("replica=%s re-register failed: %s", self.replica_id, e2)
                     wait = backoff.next()
             except LighthouseError as e:
-                log.debug("heartbeat replica=%s failed: %s", self.replica_id, e)
+                (log.warning if isinstance(e, Unauthenticated) else log.debug)(
+                    "heartbeat replica=%s failed: %s", self.replica_id, e)
                 wait = backoff.next()
             try:
                 await asyncio.wait_for(stop.wait(), wait)
@@ -328,7 +367,8 @@ class LighthouseClient:
     def __init__(self, addresses: str | Sequence[str], job_id: str, replica_id: str, *, shard_count: int = 1,
                  endpoints: m.Endpoints = m.Endpoints(), rpc_timeout_s: float = 2.0,
                  on_epoch: Callable[[EpochView], None] | None = None,
-                 on_lost: Callable[[str], None] | None = None, incarnation: str | None = None) -> None:
+                 on_lost: Callable[[str], None] | None = None, incarnation: str | None = None,
+                 security: ClientSecurity | None = None) -> None:
         self._on_epoch = on_epoch
         self._on_lost = on_lost
         self._cond = threading.Condition()
@@ -342,7 +382,8 @@ class LighthouseClient:
         self.rpc_timeout_s = rpc_timeout_s
         # The channel is made lazily, on the loop thread, by the first call.
         self.aio = AsyncLighthouseClient(addresses, job_id, replica_id, shard_count=shard_count,
-                                         endpoints=endpoints, rpc_timeout_s=rpc_timeout_s, incarnation=incarnation)
+                                         endpoints=endpoints, rpc_timeout_s=rpc_timeout_s, incarnation=incarnation,
+                                         security=security)
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)

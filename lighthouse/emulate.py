@@ -12,6 +12,7 @@ from typing import Any, Callable, Coroutine
 from lighthouse import membership as m
 from lighthouse.client import AsyncLighthouseClient, Backoff, ReportResult
 from lighthouse.errors import Busy, LighthouseError, LighthouseUnavailable, UnknownTarget
+from lighthouse.security import ClientSecurity
 from lighthouse.wire import EpochView
 
 log = logging.getLogger("fthsdp.emulate")
@@ -36,12 +37,12 @@ class Emulator:
 
     def __init__(self, lighthouse: str, replicas: int, *, job_id: str = "default", prefix: str = "emu",
                  shard_count: int = 1, on_epoch: Callable[[EmulatedReplica, EpochView], None] | None = None,
-                 rpc_timeout_s: float = 5.0) -> None:
+                 rpc_timeout_s: float = 5.0, security: ClientSecurity | None = None) -> None:
         self.on_epoch = on_epoch
         self._background: set[asyncio.Task[None]] = set()
         self.replicas = [
             EmulatedReplica(AsyncLighthouseClient(lighthouse, job_id, f"{prefix}-{i:05d}", shard_count=shard_count,
-                                                  rpc_timeout_s=rpc_timeout_s))
+                                                  rpc_timeout_s=rpc_timeout_s, security=security))
             for i in range(replicas)
         ]
 
@@ -145,7 +146,8 @@ class Emulator:
         await asyncio.gather(*(r.client.close() for r in self.replicas), return_exceptions=True)
 
 
-async def run_emulate(lighthouse: str, replicas: int, job_id: str, prefix: str, stop: asyncio.Event) -> None:
+async def run_emulate(lighthouse: str, replicas: int, job_id: str, prefix: str, stop: asyncio.Event,
+                      security: ClientSecurity | None = None) -> None:
     """``fthsdp emulate``: keep N replicas alive, print each epoch change once, until ``stop``."""
     printed: set[int] = set()
 
@@ -157,7 +159,7 @@ async def run_emulate(lighthouse: str, replicas: int, job_id: str, prefix: str, 
             print(f"epoch {e.number}: {len(e.members)} members ({active} active, {mine} emulated here) "
                   f"reason: {e.reason[:160]}", flush=True)
 
-    emu = Emulator(lighthouse, replicas, job_id=job_id, prefix=prefix, on_epoch=on_epoch)
+    emu = Emulator(lighthouse, replicas, job_id=job_id, prefix=prefix, on_epoch=on_epoch, security=security)
     await emu.start()
     print(f"{replicas} emulated replicas registered with {lighthouse} (job {job_id}); Ctrl-C to stop", flush=True)
     try:

@@ -1,22 +1,55 @@
 """The lighthouse's HTTP side port: ``/status`` (JSON), ``/metrics`` (Prometheus), ``/`` (a page for people).
 
 Runs a stdlib threading HTTP server; each request asks the server's event loop for a consistent snapshot.
+With TLS configured it serves HTTPS (client certificates required with a client CA); with a job token every
+path needs ``Authorization: Bearer <token>`` (or HTTP Basic with the token as password, for browsers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import html
 import json
+import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from lighthouse.security import BEARER, token_matches
+
 if TYPE_CHECKING:
     from lighthouse.server import Lighthouse
 
 SNAPSHOT_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 10.0
+"""A connection that sends nothing (or stalls its TLS handshake) this long is dropped."""
+log = logging.getLogger("fthsdp.lighthouse.http")
+
+
+def authorized(token: str | None, header: str | None) -> bool:
+    """Whether an ``Authorization`` header carries ``token`` (Bearer, or Basic with it as the password)."""
+    if token is None:
+        return True
+    if not header:
+        return False
+    if header.startswith("Basic "):
+        try:
+            _, _, password = base64.b64decode(header[6:], validate=True).decode("utf-8").partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        return token_matches(token, password)
+    return header.startswith(BEARER) and token_matches(token, header)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A failed TLS handshake or a dropped connection is the client's problem: log it, no traceback."""
+        log.debug("http connection from %s failed", client_address, exc_info=True)
 
 
 def render_page(status: dict[str, Any]) -> str:
@@ -48,7 +81,11 @@ class StatusHTTPServer:
         host, port = address.rsplit(":", 1)
         lh = lighthouse
 
+        sec = lh.config.security
+
         class Handler(BaseHTTPRequestHandler):
+            timeout = REQUEST_TIMEOUT_S
+
             def log_message(self, format: str, *args: Any) -> None:  # quiet: no per-request lines
                 pass
 
@@ -61,6 +98,18 @@ class StatusHTTPServer:
 
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
+                if not authorized(sec.token, self.headers.get("Authorization")):
+                    lh.metrics.rpc_error("http", "UNAUTHENTICATED")
+                    body = json.dumps({"error": "unauthenticated: send 'Authorization: Bearer <job token>'"
+                                       if self.headers.get("Authorization") is None else
+                                       "unauthenticated: wrong job token"}).encode()
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Basic realm="fthsdp lighthouse"')
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 if path == "/metrics":
                     self._send(200, lh.metrics.render(), "text/plain; version=0.0.4")
                     return
@@ -80,8 +129,13 @@ class StatusHTTPServer:
                 else:
                     self._send(200, render_page(status).encode(), "text/html; charset=utf-8")
 
-        self._httpd = ThreadingHTTPServer((host.strip("[]"), int(port)), Handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _QuietServer((host.strip("[]"), int(port)), Handler)
+        ctx = sec.ssl_context()
+        if ctx is not None:
+            # The handshake happens on the request's own thread (first read), not in accept(): a client that
+            # stalls it cannot block the server.
+            self._httpd.socket = ctx.wrap_socket(self._httpd.socket, server_side=True,
+                                                 do_handshake_on_connect=False)
         self.port = self._httpd.server_address[1]
         # A short poll interval: close() (shutdown) waits up to one interval, on the lighthouse's event loop.
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
