@@ -66,7 +66,7 @@ def token_matches(expected: str | None, presented: str | None) -> bool:
     if not presented:
         return False
     value = presented[len(BEARER):] if presented.startswith(BEARER) else presented
-    return hmac.compare_digest(value.strip().encode("ascii", "replace"), expected.encode("ascii"))
+    return hmac.compare_digest(value.encode("ascii", "replace"), expected.encode("ascii"))
 
 
 @dataclass(frozen=True)
