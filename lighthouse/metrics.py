@@ -20,6 +20,10 @@ class LighthouseMetrics:
         self.rpc_errors = Counter("fthsdp_lighthouse_rpc_errors", "Refused requests", ["method", "code"],
                                   registry=r)
         self.watchers = Gauge("fthsdp_lighthouse_watchers", "Open epoch watch streams", registry=r)
+        self.leader = Gauge("fthsdp_lighthouse_leader", "1 while this lighthouse leads (always, without HA)",
+                            registry=r)
+        self.store_errors = Counter("fthsdp_lighthouse_store_errors", "Store writes that failed",
+                                    ["job", "kind"], registry=r)
 
     def observe_epoch(self, job: str, number: int, state: m.State) -> None:
         self.epoch.labels(job).set(number)

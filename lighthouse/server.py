@@ -141,6 +141,7 @@ class Lighthouse:
         self.address = ""
         """This lighthouse's advertised gRPC address."""
         self.election: Any = None
+        self._store_error_logged: dict[str, float] = {}
 
     # --- lifecycle ------------------------------------------------------------------------------------------
 
@@ -186,6 +187,7 @@ class Lighthouse:
             self.http_port = self._http.port
         self.address = self.config.advertise or f"{host}:{self.port}"
         self.leader_address = self.address if self.leading else ""
+        self.metrics.leader.set(1 if self.leading else 0)
         await self._start_election()
         log.info("lighthouse serving jobs=%s grpc=%s:%d http=%s rendezvous=%s min_replicas=%d "
                  "heartbeat_timeout_s=%.2f tls=%s mtls=%s token=%s election=%s", ",".join(self.jobs), host,
@@ -226,6 +228,7 @@ class Lighthouse:
         stored ones, never back), and gives restored members a grace period; a deposed one stops serving."""
         if not leading:
             self.leading = False
+            self.metrics.leader.set(0)
             self.leader_address = leader
             log.warning("lighthouse %s follows; leader=%s", self.address, leader or "unknown")
             for job in self.jobs.values():
@@ -250,6 +253,7 @@ class Lighthouse:
         if self.election is not None and not self.election.leading:
             return  # lost it again while loading
         self.leading = True
+        self.metrics.leader.set(1)
         self.leader_address = self.address
         log.warning("lighthouse %s leads: jobs=%s epochs=%s grace_s=%.1f", self.address, ",".join(self.jobs),
                     ",".join(str(j.number) for j in self.jobs.values()), grace)
@@ -297,10 +301,10 @@ class Lighthouse:
                 try:
                     await self._save(job, before, out.state)
                 except EpochFenced as e:
-                    log.error("lighthouse job=%s store write fenced, change dropped: %s", job.job_id, e)
+                    self._store_error(job, "fenced", f"store write fenced, change dropped: {e}")
                     return m.Outcome(before, rejection=m.Rejection("UNAVAILABLE", f"store write fenced: {e}"))
                 except StoreUnavailable as e:
-                    log.error("lighthouse job=%s store unavailable, change waits: %s", job.job_id, e)
+                    self._store_error(job, "unavailable", f"store unavailable, change waits: {e}")
                     return m.Outcome(before, rejection=m.Rejection("UNAVAILABLE", f"store unavailable: {e}"))
             job.state = out.state
             for rid in out.state.members.keys() - before.members.keys():
@@ -313,6 +317,15 @@ class Lighthouse:
         elif out.reason:
             log.info("lighthouse job=%s epoch=%d %s", job.job_id, job.number, out.reason)
         return out
+
+    def _store_error(self, job: _Job, kind: str, message: str) -> None:
+        """Count every failed write; log at most one line per job every 5 s (the tick retries 20 times a
+        second while etcd is down)."""
+        self.metrics.store_errors.labels(job.job_id, kind).inc()
+        now = time.monotonic()
+        if now - self._store_error_logged.get(job.job_id, -1e9) >= 5.0:
+            self._store_error_logged[job.job_id] = now
+            log.error("lighthouse job=%s %s", job.job_id, message)
 
     async def _save(self, job: _Job, before: m.State, after: m.State) -> None:
         doc = wire.state_to_doc(after)

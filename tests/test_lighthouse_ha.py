@@ -67,6 +67,35 @@ def test_follower_refuses_naming_the_leader_and_status_says_who_leads(
     s1, s2 = http_status(first.http), http_status(second.http)
     assert s1["leader"] is True and s2["leader"] is False and s2["leader_address"] == first.addr
     assert s1["epoch"] == s2["epoch"] == 1  # a follower reports what the store holds
+    with urllib.request.urlopen(f"http://{second.http}/metrics", timeout=5) as r:
+        assert "fthsdp_lighthouse_leader 0.0" in r.read().decode()
+    with urllib.request.urlopen(f"http://{first.http}/metrics", timeout=5) as r:
+        assert "fthsdp_lighthouse_leader 1.0" in r.read().decode()
+
+
+def test_leader_that_loses_etcd_refuses_changes_then_steps_down(
+        start_server: Callable[..., ServerThread], channel_to: Callable[[ServerThread], grpc.Channel],
+        tmp_path: pathlib.Path) -> None:
+    from etcd_server import EtcdServer
+
+    etcd = EtcdServer(tmp_path).start()  # its own etcd: this test stops it
+    try:
+        s = start_server(HA_POLICY, store=open_store(etcd.url()), election_ttl_s=TTL)
+        assert s.lh.leading
+        stub = pb_grpc.LighthouseStub(channel_to(s))
+        register(stub, "a", incarnation="a1")
+        before = s.state()
+        etcd.stop()
+        with pytest.raises(grpc.RpcError) as info:
+            register(stub, "a", incarnation="a2")  # a restart: a new epoch that cannot be stored
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert "store unavailable" in info.value.details() or "does not lead" in info.value.details()  # type: ignore[attr-defined]
+        assert s.state() == before
+        # Without etcd it cannot know it still leads: once its lease must have expired, it stops serving.
+        wait_until(lambda: not s.lh.leading, timeout=3 * TTL + 10, what="the leader stepping down")
+        assert http_status(s.http)["leader"] is False
+    finally:
+        etcd.stop()
 
 
 def test_failover_client_follows_members_survive_numbers_go_on(
