@@ -67,6 +67,11 @@ def test_follower_refuses_naming_the_leader_and_status_says_who_leads(
     s1, s2 = http_status(first.http), http_status(second.http)
     assert s1["leader"] is True and s2["leader"] is False and s2["leader_address"] == first.addr
     assert s1["epoch"] == s2["epoch"] == 1  # a follower reports what the store holds
+    # `fthsdp status` given both side ports shows the leader's answer.
+    out = subprocess.run([sys.executable, "-m", "fthsdp", "status", "--json", "--http",
+                          f"{second.http},{first.http}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["address"] == first.addr
     with urllib.request.urlopen(f"http://{second.http}/metrics", timeout=5) as r:
         assert "fthsdp_lighthouse_leader 0.0" in r.read().decode()
     with urllib.request.urlopen(f"http://{first.http}/metrics", timeout=5) as r:

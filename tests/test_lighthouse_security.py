@@ -281,6 +281,27 @@ def test_cli_status_with_tls_and_token(start_server: Callable[..., ServerThread]
     assert out.returncode != 0 and "HTTP 401" in out.stderr and "Bearer" in out.stderr
 
 
+def test_cli_emulate_with_mtls_and_token_from_the_environment(start_server: Callable[..., ServerThread],
+                                                             certs: Certs, token_file: str) -> None:
+    import os
+
+    from conftest import wait_until
+    from fthsdp.procutil import stop_process
+
+    s = start_server(SLOW_POLICY, security=ServerSecurity(certs.server_cert, certs.server_key, certs.ca, TOKEN))
+    env = {**os.environ, "FTHSDP_TOKEN_FILE": token_file, "FTHSDP_TLS_CA": certs.ca,
+           "FTHSDP_TLS_CERT": certs.client_cert, "FTHSDP_TLS_KEY": certs.client_key}
+    proc = subprocess.Popen([sys.executable, "-m", "fthsdp", "emulate", "--lighthouse", s.addr, "--replicas", "3"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: len(s.state().members) == 3, timeout=30, what="3 emulated replicas registered")
+        assert stop_process(proc, timeout=10) == 0  # type: ignore[arg-type]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_cli_lighthouse_refuses_unusable_security_options(tmp_path: pathlib.Path, certs: Certs) -> None:
     out = _cli("lighthouse", "--bind", "127.0.0.1:0", "--http", "", "--no-rendezvous",
                "--token-file", str(tmp_path / "missing"))
