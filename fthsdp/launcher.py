@@ -12,7 +12,6 @@ import logging
 import os
 import pathlib
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any, Callable
 
 from fthsdp.faults import PHASES
 from fthsdp.procutil import stop_process
+from fthsdp.recovery_metrics import recovery_metrics
 from lighthouse.process import start_lighthouse_process
 
 log = logging.getLogger("fthsdp.launcher")
@@ -73,6 +73,13 @@ class ClusterConfig:
     """Restarts of one replica group before the job is given up."""
     min_step_s: float = 0.0
     """Pace the trainer's steps to at least this long (tests: keeps runs long enough for a rejoin)."""
+    checkpoint_every: int = 0
+    """Durable checkpoint every K steps (0: only on SIGTERM, if a directory is set)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (default with ``checkpoint_every``: ``<workdir>/checkpoints``); a job started with a
+    checkpoint there resumes from it."""
+    env: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Extra environment per replica group (tests: fault switches)."""
 
 
 @dataclass
@@ -122,6 +129,10 @@ class Cluster:
         # torchrun never restarts a group here (the launcher does, as a new incarnation), so the workers keep
         # sharing the agent's rendezvous store: a second store would bind a port that can be taken meanwhile.
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        if c.checkpoint_every or c.checkpoint_dir:
+            env.update(FTHSDP_CHECKPOINT_DIR=c.checkpoint_dir or str(self.workdir / "checkpoints"),
+                       FTHSDP_CHECKPOINT_EVERY=str(c.checkpoint_every))
+        env.update(c.env.get(g.index, {}))
         env.pop("FTHSDP_FAULT", None)
         g.fault = g.pending_faults.pop(0) if g.pending_faults else None
         if g.fault is not None:
@@ -190,8 +201,14 @@ class Cluster:
             g.finished = True
             self._event("finished", replica=g.index)
             return
+        rows = [x for x in self.progress(g) if x["t"] >= g.started_at]
+        if any(x["event"] == "terminated" for x in rows):
+            # Stopped on request (SIGTERM) at a commit boundary, checkpoint written: done, not failed.
+            g.finished = True
+            self._event("terminated", replica=g.index, code=code)
+            return
         self._event("exit", replica=g.index, code=code, killed=code == -signal.SIGKILL)
-        fatal = [x for x in self.progress(g) if x["event"] == "fatal" and x["t"] >= g.started_at]
+        fatal = [x for x in rows if x["event"] == "fatal"]
         if fatal:
             raise ReplicaFailed(f"replica group {g.index} cannot go on: {fatal[-1]['error']} (log: {g.log_path})")
         if g.incarnations > self.config.max_restarts:
@@ -210,26 +227,9 @@ class Cluster:
         per = {g.index: self.progress(g) for g in self.groups}
         steps = {i: [x for x in rows if x["event"] == "step"] for i, rows in per.items()}
         finals = {i: next((x for x in reversed(rows) if x["event"] == "final"), None) for i, rows in per.items()}
-        killed = {e["replica"] for e in self.events if e["event"] == "exit"}
-        all_gaps = [b["t"] - a["t"] for i, rows in steps.items() for a, b in zip(rows, rows[1:])
-                    if a.get("incarnation") == b.get("incarnation")]
-        median_step = statistics.median(all_gaps) if all_gaps else 0.0
-        survivor_stall = 0.0
-        for i, rows in steps.items():
-            if i in killed:
-                continue
-            for a, b in zip(rows, rows[1:]):
-                survivor_stall = max(survivor_stall, b["t"] - a["t"] - median_step)
-        rejoin = []
-        for e in self.events:
-            if e["event"] == "exit":
-                later = [x for x in steps[e["replica"]] if x["t"] > e["t"] and x.get("joined")]
-                if later:
-                    rejoin.append(later[0]["t"] - e["t"])
-        t_first = min((rows[0]["t"] for rows in steps.values() if rows), default=t_start)
-        t_end = max((rows[-1]["t"] for rows in steps.values() if rows), default=t_start)
-        trained = sum(1 for rows in steps.values() for x in rows if not x.get("joined"))
-        ett = trained * median_step / (c.replicas * (t_end - t_first)) if t_end > t_first else 0.0
+        m = recovery_metrics(steps, [e for e in self.events if e["event"] == "exit"], c.replicas)
+        median_step, survivor_stall, ett = m["median_step_s"], m["survivor_max_stall_s"], m["effective_training_time"]
+        rejoin = m["rejoin_per_failure_s"]
         return {
             "replicas": c.replicas,
             "ranks_per_replica": c.ranks,

@@ -1,0 +1,116 @@
+"""Recovery metrics from progress rows: the numbers of ``fthsdp demo``'s report and of ``fthsdp bench recovery``
+(fthsdp, torchft and the whole-job restart baseline are all measured with these functions).
+
+Inputs, per replica index: its ``step`` progress rows (``{"step", "t", "incarnation", "joined"?}``, one per
+committed step, ``t`` in ``time.time()`` seconds), and the failures: ``{"t", "replica"}`` for each kill (the time
+the launcher saw the replica group exit, or the time it killed it).
+
+Definitions:
+
+- ``median_step_s``: the median gap between two consecutive committed steps of one incarnation of one replica,
+  over gaps that end at a step ``>= warmup`` (gaps around a failure are in it; the median is robust to them).
+- ``survivor_max_stall_s``: over the replicas that never failed, the longest gap between two of their commits
+  less the median step (the demo's historical figure).
+- ``stall_per_failure_s``: for each failure, over the replicas that never failed, the longest gap that ends
+  after the failure and starts before the next one, less the median step.
+- ``lost_per_failure_s``: for each failure, over the survivors, the sum of (gap - median) over the gaps in that
+  window longer than ``stall_factor`` x the median (catches a second stall when the failed replica rejoins).
+- ``rejoin_s``: from each failure to the failed replica's first committed step after it (the step it joined
+  in; rows marked ``joined``, or with ``require_joined=False`` any row of a later incarnation).
+- ``effective_training_time``: distinct (replica, step) pairs trained (joined steps excluded; a step trained
+  again after a restart counts once) x the median step, over replicas x the wall time from the first to the last
+  commit.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Mapping, Sequence
+
+Row = Mapping[str, Any]
+
+
+def _same_incarnation_gaps(rows: Sequence[Row], warmup: int) -> list[tuple[Row, Row]]:
+    return [(a, b) for a, b in zip(rows, rows[1:])
+            if a.get("incarnation") == b.get("incarnation") and b["step"] >= warmup]
+
+
+def median_step(steps: Mapping[int, Sequence[Row]], warmup: int = 0) -> float:
+    gaps = [b["t"] - a["t"] for rows in steps.values() for a, b in _same_incarnation_gaps(rows, warmup)]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def recovery_metrics(steps: Mapping[int, Sequence[Row]], failures: Sequence[Row], replicas: int,
+                     warmup: int = 0, stall_factor: float = 1.5, require_joined: bool = True) -> dict[str, Any]:
+    """The metrics above; ``steps`` maps every replica index to its step rows in commit order."""
+    rows_by = {i: sorted(rows, key=lambda x: x["t"]) for i, rows in steps.items()}
+    med = median_step(rows_by, warmup)
+    fails = sorted(failures, key=lambda e: e["t"])
+    failed = {e["replica"] for e in fails}
+    survivors = [i for i in rows_by if i not in failed]
+
+    survivor_max = 0.0
+    for i in survivors:
+        for a, b in zip(rows_by[i], rows_by[i][1:]):
+            survivor_max = max(survivor_max, b["t"] - a["t"] - med)
+
+    stall, lost = [], []
+    for n, e in enumerate(fails):
+        end = fails[n + 1]["t"] if n + 1 < len(fails) else float("inf")
+        worst, worst_lost = 0.0, 0.0
+        for i in survivors:
+            gaps = [b["t"] - a["t"] for a, b in zip(rows_by[i], rows_by[i][1:]) if b["t"] > e["t"] and a["t"] < end]
+            if gaps:
+                worst = max(worst, max(gaps) - med)
+            worst_lost = max(worst_lost, sum(g - med for g in gaps if g > stall_factor * med))
+        stall.append(worst)
+        lost.append(worst_lost)
+
+    rejoin = []
+    for e in fails:
+        killed_inc = max((x.get("incarnation", 0) for x in rows_by.get(e["replica"], []) if x["t"] <= e["t"]),
+                         default=None)
+        later = [x for x in rows_by.get(e["replica"], []) if x["t"] > e["t"]
+                 and (x.get("joined") if require_joined else x.get("incarnation") != killed_inc)]
+        if later:
+            rejoin.append(later[0]["t"] - e["t"])
+
+    all_rows = [x for rows in rows_by.values() for x in rows]
+    t_first = min((x["t"] for x in all_rows), default=0.0)
+    t_end = max((x["t"] for x in all_rows), default=0.0)
+    trained = len({(i, x["step"]) for i, rows in rows_by.items() for x in rows if not x.get("joined")})
+    ett = trained * med / (replicas * (t_end - t_first)) if t_end > t_first else 0.0
+    return {
+        "median_step_s": med,
+        "survivor_max_stall_s": survivor_max,
+        "stall_per_failure_s": stall,
+        "lost_per_failure_s": lost,
+        "rejoin_per_failure_s": rejoin,
+        "rejoin_s": max(rejoin) if rejoin else None,
+        "effective_training_time": ett,
+        "replica_steps_trained": trained,
+        "wall_s": t_end - t_first,
+    }
+
+
+def whole_job_restart_metrics(steps: Mapping[int, Sequence[Row]], failure: Row, replicas: int,
+                              warmup: int = 0) -> dict[str, Any]:
+    """A job that restarts every replica from its last checkpoint on a failure (one failure): ``resume_s`` is
+    from the failure to the first step committed after the restart, ``lost_steps`` the steps committed before
+    the failure that had to be trained again, and the stall is ``resume_s + lost_steps x median step`` (every
+    replica stalls: there are no survivors)."""
+    base = recovery_metrics(steps, [failure], replicas, warmup=warmup, require_joined=False)
+    med = base["median_step_s"]
+    before = [x["step"] for rows in steps.values() for x in rows if x["t"] <= failure["t"]]
+    dead = failure.get("incarnation", max((x.get("incarnation", 0) for rows in steps.values() for x in rows
+                                           if x["t"] <= failure["t"]), default=0))
+    # Steps the other replicas committed after the kill but before the restart are not new progress.
+    after = sorted((x for rows in steps.values() for x in rows
+                    if x["t"] > failure["t"] and x.get("incarnation", 0) > dead), key=lambda x: x["t"])
+    if not before or not after:
+        raise ValueError("need committed steps before and after the failure")
+    resume = after[0]["t"] - failure["t"]
+    restart_from = min(x["step"] for x in after)
+    lost = max(0, max(before) + 1 - restart_from)
+    return {**base, "resume_s": resume, "lost_steps": lost, "restart_from_step": restart_from,
+            "stall_per_failure_s": [resume + lost * med], "rejoin_per_failure_s": [resume], "rejoin_s": resume}
