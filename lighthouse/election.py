@@ -16,8 +16,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from lighthouse.store_etcd import _ETCD_ERRORS, EtcdStore
 
@@ -37,7 +38,7 @@ class LeaderInfo:
                           sort_keys=True).encode()
 
     @classmethod
-    def decode(cls, raw: bytes | None) -> "LeaderInfo | None":
+    def decode(cls, raw: bytes | None) -> LeaderInfo | None:
         if not raw:
             return None
         try:

@@ -12,8 +12,9 @@ import hmac
 import os
 import pathlib
 import ssl
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import grpc
 
@@ -65,7 +66,7 @@ def token_matches(expected: str | None, presented: str | None) -> bool:
         return True
     if not presented:
         return False
-    value = presented[len(BEARER):] if presented.startswith(BEARER) else presented
+    value = presented.removeprefix(BEARER)
     return hmac.compare_digest(value.encode("ascii", "replace"), expected.encode("ascii"))
 
 
@@ -87,7 +88,7 @@ class ServerSecurity:
 
     @classmethod
     def from_files(cls, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
-                   token_file: str | None = None) -> "ServerSecurity":
+                   token_file: str | None = None) -> ServerSecurity:
         return cls(tls_cert or None, tls_key or None, tls_client_ca or None,
                    read_token(token_file) if token_file else None)
 
@@ -138,7 +139,7 @@ class ClientSecurity:
 
     @classmethod
     def from_files(cls, tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                   token_file: str | None = None) -> "ClientSecurity":
+                   token_file: str | None = None) -> ClientSecurity:
         return cls(tls_ca or None, tls_cert or None, tls_key or None,
                    read_token(token_file) if token_file else None)
 
@@ -194,7 +195,7 @@ def _refusal(kind: str, message: str, on_refuse: Callable[[], None]) -> grpc.Rpc
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield b""  # pragma: no cover (makes this an async generator; abort raises first)
 
-    raw: Callable[[Any], Any] = lambda b: b  # noqa: E731 (never parse what an unauthenticated caller sent)
+    raw: Callable[[Any], Any] = lambda b: b
     if kind == "unary_unary":
         return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=raw, response_serializer=raw)
     if kind == "unary_stream":

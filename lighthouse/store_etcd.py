@@ -43,7 +43,7 @@ class EtcdTarget:
     prefix: str = DEFAULT_PREFIX
 
     @classmethod
-    def parse(cls, url: str) -> "EtcdTarget":
+    def parse(cls, url: str) -> EtcdTarget:
         if not url.startswith("etcd://"):
             raise ValueError(f"not an etcd URL: {url!r} (want etcd://host:port[,host:port...][/prefix])")
         rest = url[len("etcd://"):]

@@ -49,7 +49,7 @@ class EtcdServer:
         """An ``etcd://`` store URL; a fresh prefix per call unless given, so tests never see each other's keys."""
         return f"etcd://{self.endpoint}/{prefix or 'test-' + uuid.uuid4().hex[:12]}"
 
-    def start(self) -> "EtcdServer":
+    def start(self) -> EtcdServer:
         last_error = ""
         for _attempt in range(3):  # a free port can be taken between probing it and etcd binding it
             self.client_port, peer_port = free_port(), free_port()

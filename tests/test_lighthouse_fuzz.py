@@ -5,14 +5,15 @@ UNKNOWN/INTERNAL), change no state, and leave the server serving."""
 from __future__ import annotations
 
 import string
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
+from conftest import JOB, SLOW_POLICY, ServerThread, make_config
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from conftest import JOB, SLOW_POLICY, ServerThread, make_config
 from fthsdp.v1 import lighthouse_pb2 as pb
 from lighthouse import membership as m
 from lighthouse import wire

@@ -11,12 +11,13 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
-
 from conftest import JOB, ServerThread, register, wait_until
+
 from fthsdp.procutil import stop_process
 from fthsdp.v1 import lighthouse_pb2 as pb
 from fthsdp.v1 import lighthouse_pb2_grpc as pb_grpc

@@ -11,19 +11,25 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
-
 from conftest import JOB, SLOW_POLICY, ServerThread
+from tls_certs import Certs, make_certs
+
 from fthsdp.v1 import lighthouse_pb2 as pb
 from fthsdp.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse.client import LighthouseClient
 from lighthouse.errors import Unauthenticated
-from lighthouse.security import (ClientSecurity, SecurityConfigError, ServerSecurity, read_token,
-                                 security_from_env)
-from tls_certs import Certs, make_certs
+from lighthouse.security import (
+    ClientSecurity,
+    SecurityConfigError,
+    ServerSecurity,
+    read_token,
+    security_from_env,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOKEN = "s3cret-job-token-0123456789"
@@ -286,6 +292,7 @@ def test_cli_emulate_with_mtls_and_token_from_the_environment(start_server: Call
     import os
 
     from conftest import wait_until
+
     from fthsdp.procutil import stop_process
 
     s = start_server(SLOW_POLICY, security=ServerSecurity(certs.server_cert, certs.server_key, certs.ca, TOKEN))
