@@ -18,6 +18,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from lighthouse import page
 from lighthouse.security import BEARER, token_matches
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ class StatusHTTPServer:
                 if path == "/status":
                     self._send(200, json.dumps(status).encode(), "application/json")
                 else:
-                    self._send(200, render_page(status).encode(), "text/html; charset=utf-8")
+                    self._send(200, page.render_page(status).encode(), "text/html; charset=utf-8")
 
         self._httpd = _QuietServer((host.strip("[]"), int(port)), Handler)
         ctx = sec.ssl_context()
