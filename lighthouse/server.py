@@ -155,7 +155,15 @@ class Lighthouse:
             self.rendezvous_addr = f"{host}:{self._tcp_store.port}"
         for job_id in self.config.jobs:
             wire.check_id("job", job_id)
-            doc = await asyncio.to_thread(self.store.load, job_id)
+            try:
+                doc = await asyncio.to_thread(self.store.load, job_id)
+            except StoreUnavailable as e:
+                if not _is_etcd(self.store):
+                    raise
+                # HA: start as a follower anyway; whoever leads loads the state when it takes over.
+                log.warning("lighthouse job=%s: store unavailable at start (%s); following until it answers",
+                            job_id, e)
+                doc = None
             state = wire.state_from_doc(doc, clock()) if doc else m.State()
             job = _Job(job_id, state, self.rendezvous_addr)
             now = clock()
@@ -238,11 +246,21 @@ class Lighthouse:
             else self.config.failover_grace_s
         for job in self.jobs.values():
             async with job.write_lock:
-                try:
-                    doc = await asyncio.to_thread(self.store.load, job.job_id)
-                except StoreUnavailable as e:
-                    log.error("lighthouse job=%s cannot load state on taking over: %s", job.job_id, e)
-                    return  # stay a follower; the election will step us down or we retry on the next change
+                backoff = 0.1
+                while True:
+                    try:
+                        doc = await asyncio.to_thread(self.store.load, job.job_id)
+                        break
+                    except StoreUnavailable as e:
+                        # Holding the lease without serving would block the others: retry while we lead (if
+                        # etcd stays away, the election steps us down once the lease must have expired).
+                        if self._stopping or self.election is None or not self.election.leading:
+                            log.error("lighthouse job=%s gave up loading state on taking over: %s", job.job_id, e)
+                            return
+                        log.warning("lighthouse job=%s cannot load state on taking over (retrying): %s",
+                                    job.job_id, e)
+                        await asyncio.sleep(backoff)  # retry pacing, bounded by the lease
+                        backoff = min(1.0, backoff * 2)
                 now = clock()
                 job.state = wire.state_from_doc(doc, now) if doc else m.State()
                 job.last_seen = {rid: now + grace for rid in job.state.members}

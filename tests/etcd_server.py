@@ -40,6 +40,7 @@ class EtcdServer:
         self.binary = find_etcd()
         self.proc: subprocess.Popen[bytes] | None = None
         self.client_port = 0
+        self.peer_port = 0
 
     @property
     def endpoint(self) -> str:
@@ -52,23 +53,35 @@ class EtcdServer:
     def start(self) -> EtcdServer:
         last_error = ""
         for _attempt in range(3):  # a free port can be taken between probing it and etcd binding it
-            self.client_port, peer_port = free_port(), free_port()
-            data = self.workdir / f"etcd-data-{self.client_port}"
-            log_path = self.workdir / f"etcd-{self.client_port}.log"
-            with open(log_path, "wb") as log:
-                self.proc = subprocess.Popen([
-                    self.binary, "--name", "test", "--data-dir", str(data),
-                    "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
-                    "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
-                    "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                    "--initial-cluster", f"test=http://127.0.0.1:{peer_port}",
-                    "--logger", "zap", "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
-            if self._wait_healthy():
+            self.client_port, self.peer_port = free_port(), free_port()
+            if self._launch():
                 return self
             self.stop()
-            last_error = log_path.read_text(errors="replace")[-2000:]
+            last_error = self._log_path().read_text(errors="replace")[-2000:]
         raise RuntimeError(f"etcd did not become healthy within {START_DEADLINE_S}s: {last_error}")
+
+    def restart(self) -> EtcdServer:
+        """Start again after ``stop``, on the same ports and data dir (what was written survives)."""
+        assert self.proc is None and self.client_port
+        if not self._launch():
+            raise RuntimeError("etcd did not come back: " + self._log_path().read_text(errors="replace")[-2000:])
+        return self
+
+    def _log_path(self) -> pathlib.Path:
+        return self.workdir / f"etcd-{self.client_port}.log"
+
+    def _launch(self) -> bool:
+        data = self.workdir / f"etcd-data-{self.client_port}"
+        with open(self._log_path(), "ab") as log:
+            self.proc = subprocess.Popen([
+                self.binary, "--name", "test", "--data-dir", str(data),
+                "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
+                "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+                "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
+                "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}",
+                "--logger", "zap", "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
+        return self._wait_healthy()
 
     def _wait_healthy(self) -> bool:
         end = time.monotonic() + START_DEADLINE_S

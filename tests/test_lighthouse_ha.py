@@ -79,14 +79,14 @@ def test_follower_refuses_naming_the_leader_and_status_says_who_leads(
         assert "fthsdp_lighthouse_leader 1.0" in r.read().decode()
 
 
-def test_leader_that_loses_etcd_refuses_changes_then_steps_down(
+def test_leader_that_loses_etcd_refuses_changes_steps_down_and_leads_again_when_it_is_back(
         start_server: Callable[..., ServerThread], channel_to: Callable[[ServerThread], grpc.Channel],
         tmp_path: pathlib.Path) -> None:
     from etcd_server import EtcdServer
 
     etcd = EtcdServer(tmp_path).start()  # its own etcd: this test stops it
     try:
-        s = start_server(HA_POLICY, store=open_store(etcd.url()), election_ttl_s=TTL)
+        s = start_server(HA_POLICY, store=open_store(etcd.url("p")), election_ttl_s=TTL)
         assert s.lh.leading
         stub = pb_grpc.LighthouseStub(channel_to(s))
         register(stub, "a", incarnation="a1")
@@ -100,6 +100,11 @@ def test_leader_that_loses_etcd_refuses_changes_then_steps_down(
         # Without etcd it cannot know it still leads: once its lease must have expired, it stops serving.
         wait_until(lambda: not s.lh.leading, timeout=3 * TTL + 10, what="the leader stepping down")
         assert http_status(s.http)["leader"] is False
+        # etcd comes back with its data: the lighthouse is elected again and numbers carry on from the store.
+        etcd.restart()
+        wait_until(lambda: s.lh.leading, timeout=3 * TTL + 15, what="leading again once etcd is back")
+        assert s.number() == 1
+        assert register(stub, "a", incarnation="a3").epoch.number == 2
     finally:
         etcd.stop()
 
