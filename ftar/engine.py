@@ -7,8 +7,7 @@ order; ``allreduce`` returns a handle at once, so the caller can overlap.
 An exchange, under epoch E:
 1. (first exchange of E) rendezvous on the lighthouse-hosted store under ``<E's rendezvous>/lane<s>`` and
    check that every member calls with the same tag (step); a member behind raises ``Misaligned``. A joiner
-   calls with ``tag=None`` and learns the step; if E has joiners, the ``state_sync`` hook then runs (the
-   runtime broadcasts the current state from one active member to them).
+   calls with ``tag=None`` and learns the step (it fetches the state itself, outside the data plane).
 2. copy the local tensors into one flat buffer (plus a contributor-count element), all-reduce it, divide.
 3. on a peer error, a deadline, or a newer epoch pushed while in flight: abandon the collective (its buffer is
    private; the originals are untouched), blame the members that did not check in on the epoch's store, report
@@ -24,7 +23,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +32,6 @@ from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_sto
 from ftar.errors import (AttemptsExhausted, EngineClosed, Excluded, FTARError, InputsConsumed, Interrupted,
                          Misaligned, NoEpoch)
 from ftar.membership import Membership
-from lighthouse import membership as m
 from lighthouse.wire import EpochView
 
 log = logging.getLogger("fthsdp.ftar")
@@ -122,10 +120,8 @@ def _reap(pg: Any) -> None:
 class LaneEngine:
     """Fault-tolerant all-reduce for one lane. Thread-safe ``allreduce``; ``close`` when done."""
 
-    def __init__(self, membership: Membership, lane: int = 0, config: FTARConfig | None = None,
-                 state_sync: Callable[["SyncContext"], None] | None = None) -> None:
+    def __init__(self, membership: Membership, lane: int = 0, config: FTARConfig | None = None) -> None:
         self.membership = membership
-        self.state_sync = state_sync
         self.replica_id = membership.replica_id
         self.lane = lane
         self.config = config or FTARConfig()
@@ -361,13 +357,6 @@ class LaneEngine:
         self.last_rebuild_s = time.perf_counter() - t0
         self._log(logging.INFO, epoch.number, self._tag, "data plane rebuilt: rank %d of %d in %.3fs", self._rank,
                   self._world, self.last_rebuild_s)
-        joiners = tuple(i for i, x in enumerate(epoch.members) if x.role == m.JOINING)
-        if joiners and self.state_sync is not None:
-            source = next(i for i, x in enumerate(epoch.members) if x.role == m.ACTIVE)
-            t1 = time.perf_counter()
-            self.state_sync(SyncContext(self, epoch, self._rank, source, joiners, self._tag))
-            self._log(logging.INFO, epoch.number, self._tag, "state sync from rank %d to %s in %.3fs", source,
-                      joiners, time.perf_counter() - t1)
 
     def _configure(self, pg: Any, prefix: str, epoch: EpochView) -> None:
         """Rendezvous of the epoch's group, abandoned as soon as a newer epoch is pushed (a member that never
@@ -563,41 +552,3 @@ class LaneEngine:
             reason = f"nobody to blame: {reason}"
         for suspect in suspects:
             self.membership.report(suspect, epoch.number, f"lane {self.lane}: {reason}"[:1000])
-
-
-class SyncContext:
-    """Handed to the ``state_sync`` hook when an epoch has joiners: broadcast state from ``source`` (the first
-    active member) to the whole lane group, on the epoch's own data plane, before its first exchange."""
-
-    def __init__(self, engine: LaneEngine, epoch: EpochView, rank: int, source: int, joiners: tuple[int, ...],
-                 tag: int) -> None:
-        self._engine = engine
-        self.epoch = epoch
-        self.rank = rank
-        self.source = source
-        self.joiners = joiners
-        self.tag = tag
-
-    @property
-    def sending(self) -> bool:
-        return self.rank == self.source
-
-    @property
-    def receiving(self) -> bool:
-        return self.rank in self.joiners
-
-    def publish(self, key: str, value: bytes) -> None:
-        """Source only: put a small blob (a manifest) on the epoch-lane store."""
-        self._engine._store.set(f"sync/{key}", value)
-
-    def fetch(self, key: str) -> bytes:
-        """Wait (up to the connect timeout) for a blob the source published."""
-        return bytes(self._engine._store.get(f"sync/{key}"))
-
-    def broadcast(self, flat: torch.Tensor) -> None:
-        """Broadcast one flat tensor from the source into ``flat`` on every member, with the usual deadline."""
-        eng = self._engine
-        opts = dist.BroadcastOptions()
-        opts.rootRank = self.source
-        opts.timeout = timedelta(seconds=eng.config.timeout_s)
-        eng._wait(eng._pg.broadcast([flat], opts), self.epoch)

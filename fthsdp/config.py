@@ -7,6 +7,9 @@ import os
 from dataclasses import dataclass
 
 
+LR_RULES = ("sqrt", "linear", "none")
+
+
 class ConfigError(ValueError):
     """A required setting is missing or malformed; the message names the environment variable."""
 
@@ -58,6 +61,23 @@ class RuntimeConfig:
     """``FTHSDP_TIMEOUT``: deadline of one cross-replica collective; a hung peer is given up after it."""
     epoch_wait_s: float = 60.0
     """``FTHSDP_EPOCH_WAIT``: how long a step may wait for a usable epoch before failing."""
+    host: str = "127.0.0.1"
+    """``FTHSDP_HOST``: the address this rank's catch-up server binds and advertises (reachable by the other
+    replicas' ranks)."""
+    token: str = ""
+    """``FTHSDP_TOKEN_FILE``: file holding the job token; joiners present it to the catch-up servers (and the
+    lighthouse checks it when it has one). Empty: no token."""
+    lr_rule: str = "sqrt"
+    """``FTHSDP_LR_RULE``: degraded-mode learning rate, ``lr = lr_base * f(N_contributing / N_total)`` with f =
+    ``sqrt`` (default), ``linear`` or ``none``."""
+    checkpoint_dir: str = ""
+    """``FTHSDP_CHECKPOINT_DIR``: where durable checkpoints (torch.distributed.checkpoint) go; shared by every
+    replica. Empty: no checkpoints, and a job whose replicas all died cannot resume."""
+    checkpoint_every: int = 0
+    """``FTHSDP_CHECKPOINT_EVERY``: write a checkpoint every K committed steps (0: only on SIGTERM)."""
+    max_replay: int = 256
+    """``FTHSDP_CATCHUP_MAX_REPLAY``: a joiner keeps the averaged gradients of at most this many steps while it
+    fetches (one gradient shard each); a fetch slower than that makes it restart (exit 75) and try again."""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "RuntimeConfig":
@@ -76,6 +96,21 @@ class RuntimeConfig:
         backend = e.get("FTHSDP_BACKEND", default_backend)
         if backend not in ("gloo", "nccl"):
             raise ConfigError(f"FTHSDP_BACKEND={backend!r} must be gloo or nccl")
+        lr_rule = e.get("FTHSDP_LR_RULE", "sqrt")
+        if lr_rule not in LR_RULES:
+            raise ConfigError(f"FTHSDP_LR_RULE={lr_rule!r} must be one of {', '.join(LR_RULES)}")
+        token = ""
+        if e.get("FTHSDP_TOKEN_FILE"):
+            try:
+                with open(e["FTHSDP_TOKEN_FILE"], encoding="utf-8") as f:
+                    token = f.read().strip()
+            except OSError as err:
+                raise ConfigError(f"FTHSDP_TOKEN_FILE={e['FTHSDP_TOKEN_FILE']!r} cannot be read: {err}") from None
+            if not token:
+                raise ConfigError(f"FTHSDP_TOKEN_FILE={e['FTHSDP_TOKEN_FILE']!r} is empty")
+        every = _int(e, "FTHSDP_CHECKPOINT_EVERY", "0")
+        if every < 0:
+            raise ConfigError(f"FTHSDP_CHECKPOINT_EVERY={every} must be >= 0")
         return cls(
             lighthouse=_get(e, "FTHSDP_LIGHTHOUSE"),
             replica_index=index,
@@ -87,4 +122,10 @@ class RuntimeConfig:
             backend=backend,
             timeout_s=_float(e, "FTHSDP_TIMEOUT", "5"),
             epoch_wait_s=_float(e, "FTHSDP_EPOCH_WAIT", "60"),
+            host=e.get("FTHSDP_HOST") or "127.0.0.1",
+            token=token,
+            lr_rule=lr_rule,
+            checkpoint_dir=e.get("FTHSDP_CHECKPOINT_DIR", ""),
+            checkpoint_every=every,
+            max_replay=_int(e, "FTHSDP_CATCHUP_MAX_REPLAY", "256"),
         )

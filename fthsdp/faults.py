@@ -1,6 +1,8 @@
 """Failure injection for tests and demos: ``FTHSDP_FAULT=STEP:PHASE`` makes rank 0 SIGKILL its whole replica
 group (the torchrun agent, hence every worker) when it reaches PHASE of STEP or of the first step after it (a
-replica that joins late starts past STEP). Phases: forward, backward, exchange, vote, optimizer."""
+replica that joins late starts past STEP). Phases: forward, backward, exchange, vote, optimizer; ``serve``
+(while this replica streams a catch-up snapshot to a joiner, STEP being the snapshot's step) and ``fetch`` (while
+this joining replica fetches one)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-PHASES = ("forward", "backward", "exchange", "vote", "optimizer")
+PHASES = ("forward", "backward", "exchange", "vote", "optimizer", "serve", "fetch")
 
 
 @dataclass(frozen=True)

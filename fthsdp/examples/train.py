@@ -101,7 +101,8 @@ def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
 
 def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig) -> None:
     from fthsdp.config import ConfigError
-    from fthsdp.runtime import EXIT_REJOIN, NoStateToResume, RejoinRequired, Replica, StateMismatch
+    from fthsdp.runtime import (EXIT_REJOIN, NoStateToResume, RejoinRequired, Replica, SlotConflict, StateMismatch,
+                                Terminated)
 
     try:
         ft = Replica()
@@ -114,22 +115,29 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig) -> None:
     ft.optimizer(torch.optim.AdamW(model.parameters(), lr=a.lr))
     slot, rank = ft.config.replica_index, ft.rank
     progress = Progress(a.progress, rank == 0, replica=slot, incarnation=ft.incarnation, mode="fthsdp")
-    progress.write(event="start", joining=ft.joining)
+    progress.write(event="start", joining=ft.joining, resumed_from=ft.resumed_from, step=ft.step)
     per_rank = a.batch // ft.world_size
     try:
         while ft.step < a.steps:
             t0 = time.perf_counter()
-            r = ft.train_step(lambda: model.loss(batch(a.seed, ft.step, slot, rank, per_rank, cfg.seq_len,
+            # Data by this slot's cursor, not by step: a batch is trained once, even across failures.
+            r = ft.train_step(lambda: model.loss(batch(a.seed, ft.cursor, slot, rank, per_rank, cfg.seq_len,
                                                        cfg.vocab).to(ft.device)))
             progress.write(event="step", step=r.step, loss=r.loss, epoch=r.epoch, contributors=r.contributors,
                            joined=r.joined, attempts=r.attempts, step_s=time.perf_counter() - t0,
-                           exchange_s=r.exchange_s)
+                           exchange_s=r.exchange_s, batches=r.batches, lr_factor=r.lr_factor, catchup=r.catchup)
             _pace(a.min_step_s, t0)
         progress.write(event="final", step=ft.step, param_hash=ft.state_hash())
     except RejoinRequired as e:
         logging.getLogger("fthsdp").error("fthsdp replica=%s rank=%d: %s; exiting to rejoin", ft.config.replica_id,
                                           rank, e)
         sys.exit(EXIT_REJOIN)
+    except Terminated as e:
+        progress.write(event="terminated", step=e.step, checkpoint=e.path)
+        raise
+    except SlotConflict as e:
+        progress.write(event="fatal", error=str(e))
+        raise
     ft.close()
 
 

@@ -1,0 +1,272 @@
+"""The joiner's side: fetch one rank's snapshot of step S from several sources at once.
+
+Each source (rank s of a healthy replica) is asked for the snapshot of the same step S; every one that has it
+answers with the same manifest (healthy replicas are bitwise identical at a commit). The bytes are cut into
+chunks on one shared work queue, so faster sources take more of it. A chunk whose CRC32 does not match is
+fetched again; a source that breaks gives its unfinished chunks back to the queue for the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from fthsdp.catchup import wire
+from fthsdp.catchup.server import tensor_bytes
+from fthsdp.catchup.wire import CatchupError, FetchFailed, Hello, Kind, Manifest, ProtocolError, Refused
+
+log = logging.getLogger("fthsdp.catchup")
+
+MAX_CORRUPT_PER_SOURCE = 3
+"""A source that sends this many bad chunks is dropped (something is wrong with it or the path to it)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    replica_id: str
+    address: str
+    """``host:port`` of the source replica's rank 0 (redirected to the rank asked for)."""
+
+
+@dataclass
+class FetchResult:
+    step: int
+    tensors: dict[str, torch.Tensor]
+    bytes: int
+    transfer_s: float
+    """From the first manifest received to the last byte."""
+    wait_s: float
+    """From the start until the first manifest (the sources waiting for the commit of step S-1)."""
+    sources: dict[str, int] = field(default_factory=dict)
+    """Bytes received per source replica."""
+    source_failures: list[str] = field(default_factory=list)
+    refetched_chunks: int = 0
+
+
+def _split(host_port: str) -> tuple[str, int]:
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad address {host_port!r} (expected host:port)")
+    return host, int(port)
+
+
+class Fetch:
+    """One fetch of a rank's snapshot; ``start()`` runs it on background threads, ``result()`` waits for it."""
+
+    def __init__(self, sources: Sequence[Source], *, job: str, replica_id: str, rank: int, step: int,
+                 token: str = "", expected: Sequence[tuple[str, str, tuple[int, ...]]] | None = None,
+                 connect_timeout_s: float = 10.0, wait_s: float = 60.0, io_timeout_s: float = 30.0,
+                 batch_bytes: int = 8 << 20, on_chunk: Callable[[int, int], None] | None = None) -> None:
+        if not sources:
+            raise FetchFailed("no healthy replica to fetch from")
+        self.sources = list(sources)
+        self.hello = Hello(job, token, replica_id, rank, step)
+        self.expected = [(n, d, tuple(s)) for n, d, s in expected] if expected is not None else None
+        self.connect_timeout_s, self.wait_s, self.io_timeout_s = connect_timeout_s, wait_s, io_timeout_s
+        self.batch_bytes = batch_bytes
+        self._on_chunk = on_chunk
+        self._lock = threading.Condition()
+        self._manifest: Manifest | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._views: list[memoryview] = []
+        self._work: "queue.Queue[list[tuple[int, int, int]]]" = queue.Queue()
+        self._remaining = -1
+        self._alive = len(self.sources)
+        self._error: str = ""
+        self._t0 = time.perf_counter()
+        self._t_manifest = 0.0
+        self._t_done = 0.0
+        self._per_source: dict[str, int] = {}
+        self._failures: list[str] = []
+        self._refetched = 0
+        self._cancelled = False
+        self._socks: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._run_source, args=(s,), daemon=True,
+                                          name=f"catchup-fetch-r{rank}-{s.replica_id}") for s in self.sources]
+
+    def start(self) -> "Fetch":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def done(self) -> bool:
+        with self._lock:
+            return self._remaining == 0 or self._alive == 0 or self._cancelled
+
+    def cancel(self) -> None:
+        """Abandon the fetch: connections are cut (the sources drop their snapshots), ``result`` raises."""
+        with self._lock:
+            self._cancelled = True
+            socks = list(self._socks)
+            self._lock.notify_all()
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def result(self, timeout: float | None = None) -> FetchResult:
+        """Wait for the fetch; raises ``FetchFailed`` if no source could complete it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not (self._remaining == 0 or self._alive == 0 or self._cancelled):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise FetchFailed(f"fetch of step {self.hello.step} did not finish in {timeout}s")
+                self._lock.wait(left if left is not None else 1.0)
+            if self._cancelled:
+                raise FetchFailed(f"fetch of step {self.hello.step} cancelled")
+            if self._remaining != 0:
+                raise FetchFailed(f"no source could supply the snapshot of step {self.hello.step}: "
+                                  f"{'; '.join(self._failures) or self._error or 'cancelled'}")
+            assert self._manifest is not None
+        for t in self._threads:
+            t.join(5.0)
+        m = self._manifest
+        return FetchResult(m.step, {e.name: b for e, b in zip(m.entries, self._buffers)},
+                           sum(e.nbytes for e in m.entries), self._t_done - self._t_manifest,
+                           self._t_manifest - self._t0, dict(self._per_source), list(self._failures),
+                           self._refetched)
+
+    # --- per source ---------------------------------------------------------------------------------------------
+
+    def _connect(self, address: str) -> socket.socket:
+        for _ in range(2):  # at most one redirect (rank 0 -> rank s)
+            sock = socket.create_connection(_split(address), timeout=self.connect_timeout_s)
+            with self._lock:
+                self._socks.append(sock)
+                if self._cancelled:
+                    raise FetchFailed("cancelled")
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.wait_s + self.io_timeout_s)
+            wire.send_control(sock, Kind.HELLO, wire.hello_doc(self.hello))
+            kind, obj = wire.recv_control(sock, (Kind.REDIRECT, Kind.MANIFEST))
+            if kind == Kind.MANIFEST:
+                sock.settimeout(self.io_timeout_s)
+                self._accept_manifest(wire.parse_manifest(obj))
+                return sock
+            sock.close()
+            address = wire._str(obj, "addr", 300)
+        raise ProtocolError("redirected more than once")
+
+    def _accept_manifest(self, m: Manifest) -> None:
+        if m.step != self.hello.step:
+            raise ProtocolError(f"asked for step {self.hello.step}, got a snapshot of step {m.step}")
+        with self._lock:
+            if self._manifest is not None:
+                if m.entries != self._manifest.entries:
+                    raise ProtocolError("this source's snapshot layout differs from the other sources'")
+                return
+            if self.expected is not None:
+                got = [(e.name, e.dtype, e.shape) for e in m.entries]
+                if got != self.expected:
+                    diff = next((f"{g} vs {w}" for g, w in zip(got, self.expected) if g != w),
+                                f"{len(got)} vs {len(self.expected)} tensors")
+                    raise wire.CatchupError(f"snapshot layout differs from this replica's (source vs mine: {diff}): "
+                                            "same model, shard count and optimizer needed")
+            for e in m.entries:
+                dtype = getattr(torch, e.dtype.removeprefix("torch."), None)
+                if not isinstance(dtype, torch.dtype):
+                    raise ProtocolError(f"unknown dtype {e.dtype!r}")
+                t = torch.empty(e.shape, dtype=dtype)
+                if t.numel() * t.element_size() != e.nbytes:
+                    raise ProtocolError(f"entry {e.name}: {e.nbytes} bytes does not match {e.dtype}{list(e.shape)}")
+                self._buffers.append(t)
+                self._views.append(tensor_bytes(t))
+            self._manifest = m
+            self._t_manifest = time.perf_counter()
+            batch: list[tuple[int, int, int]] = []
+            size = 0
+            # Small enough batches that every source gets several: a snapshot of a few MB still spreads.
+            total = sum(e.nbytes for e in m.entries)
+            per_batch = max(1, min(self.batch_bytes, total // (4 * len(self.sources))))
+            for i, e in enumerate(m.entries):
+                for off in range(0, e.nbytes, m.chunk_bytes):
+                    n = min(m.chunk_bytes, e.nbytes - off)
+                    batch.append((i, off, n))
+                    size += n
+                    if size >= per_batch:
+                        self._work.put(batch)
+                        batch, size = [], 0
+            if batch:
+                self._work.put(batch)
+            self._remaining = sum(e.nbytes for e in m.entries)
+            if self._remaining == 0:
+                self._t_done = self._t_manifest
+            self._lock.notify_all()
+
+    def _run_source(self, src: Source) -> None:
+        sock = None
+        pending: dict[tuple[int, int], int] = {}
+        corrupt = 0
+        try:
+            sock = self._connect(src.address)
+            while True:
+                with self._lock:
+                    if self._remaining == 0 or self._cancelled:
+                        break
+                try:
+                    mine = self._work.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                pending = {(e, off): n for e, off, n in mine}
+                wire.send_control(sock, Kind.GET, {"ranges": [list(r) for r in mine]})
+                while True:
+                    kind, length = wire.recv_header(sock)
+                    if kind == Kind.END:
+                        wire.recv_exact(sock, length)
+                        break
+                    if kind != Kind.DATA:
+                        wire.recv_exact(sock, min(length, wire.MAX_CONTROL))
+                        raise ProtocolError(f"unexpected {kind.name} during a transfer")
+                    e, off, n, crc = wire.CHUNK.unpack(wire.recv_exact(sock, wire.CHUNK.size))
+                    if pending.get((e, off)) != n or length != wire.CHUNK.size + n:
+                        raise ProtocolError(f"chunk ({e}, {off}, {n}) was not asked for")
+                    view = self._views[e][off:off + n]
+                    wire.recv_into_exact(sock, view)
+                    if zlib.crc32(view) != crc:
+                        corrupt += 1
+                        self._refetched += 1
+                        log.warning("catchup replica=%s rank=%d step=%d chunk (%d, %d) from %s failed its checksum; "
+                                    "fetching it again", self.hello.replica, self.hello.rank, self.hello.step, e,
+                                    off, src.replica_id)
+                        self._work.put([(e, off, n)])
+                        del pending[(e, off)]
+                        if corrupt >= MAX_CORRUPT_PER_SOURCE:
+                            raise CatchupError(f"{corrupt} corrupted chunks")
+                        continue
+                    else:
+                        with self._lock:
+                            self._remaining -= n
+                            self._per_source[src.replica_id] = self._per_source.get(src.replica_id, 0) + n
+                            if self._remaining == 0:
+                                self._t_done = time.perf_counter()
+                                self._lock.notify_all()
+                        if self._on_chunk is not None:
+                            self._on_chunk(self.hello.step, n)
+                    del pending[(e, off)]
+            wire.send_control(sock, Kind.BYE, {})
+        except (CatchupError, OSError, ValueError) as e:
+            if pending:  # unfinished chunks go back for the other sources
+                self._work.put([(e_, off, n) for (e_, off), n in pending.items()])
+            why = f"{src.replica_id}: {e}"
+            log.warning("catchup replica=%s rank=%d step=%d source %s", self.hello.replica, self.hello.rank,
+                        self.hello.step, why)
+            with self._lock:
+                self._failures.append(why)
+                if isinstance(e, Refused):
+                    self._error = why
+        finally:
+            if sock is not None:
+                sock.close()
+            with self._lock:
+                self._alive -= 1
+                self._lock.notify_all()

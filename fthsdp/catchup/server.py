@@ -1,0 +1,263 @@
+"""The catch-up server of one rank of a healthy replica.
+
+A joiner asks for the snapshot of step S (the state after committing step S-1), with S still ahead of this
+rank. The training thread takes the snapshot itself at that commit boundary (``at_commit``): a copy of the
+rank's parameter and optimizer-state shards, data cursors and RNG state, never parameters in flight. Connection
+threads stream it from the copy while training goes on, and drop it once no joiner needs it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from fthsdp.catchup import wire
+from fthsdp.catchup.wire import CatchupError, Entry, Kind, Manifest, ProtocolError
+
+log = logging.getLogger("fthsdp.catchup")
+
+SnapshotFn = Callable[[], Sequence[tuple[str, torch.Tensor]]]
+"""Returns (name, CPU contiguous tensor) for everything a joiner needs, copied: called on the training thread."""
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU contiguous tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+def _linger_close(conn: socket.socket) -> None:
+    """Close so that an ERROR frame just sent reaches the peer: closing with unread input would reset the
+    connection and drop it. Reads (and discards) at most 1 MiB for at most half a second."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(0.5)
+        for _ in range(16):
+            if not conn.recv(65536):
+                break
+    except OSError:
+        pass
+    conn.close()
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    entries: tuple[Entry, ...]
+    views: list[memoryview]
+    tensors: list[torch.Tensor]
+    refs: int
+
+
+@dataclass
+class ServerStats:
+    served_bytes: int = 0
+    sessions: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+class CatchupServer:
+    """Serves snapshots of this rank's state to joiners. Thread-safe; ``close`` when done."""
+
+    def __init__(self, *, job: str, replica_id: str, rank: int, world_size: int, snapshot: SnapshotFn,
+                 host: str = "127.0.0.1", port: int = 0, token: str = "", wait_s: float = 60.0,
+                 idle_s: float = 60.0, max_sessions: int = 16, chunk_bytes: int = wire.DEFAULT_CHUNK,
+                 on_chunk_sent: Callable[[int, int], None] | None = None,
+                 corrupt: Callable[[int, int, bytearray], bool] | None = None) -> None:
+        self.job, self.replica_id, self.rank, self.world_size = job, replica_id, rank, world_size
+        self._take = snapshot
+        self._token = token.encode()
+        self.wait_s, self.idle_s, self.max_sessions, self.chunk_bytes = wait_s, idle_s, max_sessions, chunk_bytes
+        self._on_chunk_sent = on_chunk_sent
+        self._corrupt = corrupt
+        self._lock = threading.Condition()
+        self._step = -1
+        self._active = False
+        self._requested: dict[int, int] = {}
+        self._snapshots: dict[int, _Snapshot] = {}
+        self._sessions = 0
+        self._closed = False
+        self.directory: list[str] = []
+        """Every rank's address (index = rank), for redirecting a joiner that asked the wrong rank."""
+        self.stats = ServerStats()
+        self._sock = socket.create_server((host, port))
+        self._sock.settimeout(0.2)
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        self._threads: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"catchup-accept-r{rank}", daemon=True)
+        self._acceptor.start()
+
+    # --- the training thread ------------------------------------------------------------------------------------
+
+    def at_commit(self, step: int, active: bool) -> None:
+        """Called at every commit boundary with the step about to be trained: takes the snapshot of ``step`` if a
+        joiner asked for it. Cheap otherwise."""
+        with self._lock:
+            self._step, self._active = step, active
+            waiting = self._requested.pop(step, 0)
+            late = [s for s in self._requested if s < step]
+            for s in late:  # cannot happen with joiners that ask ahead; fail them rather than hang them
+                del self._requested[s]
+            if waiting and active and step not in self._snapshots:
+                t0 = time.perf_counter()
+                pairs = list(self._take())
+                tensors = [t for _, t in pairs]
+                entries = tuple(Entry(n, str(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in pairs)
+                self._snapshots[step] = _Snapshot(step, entries, [tensor_bytes(t) for t in tensors], tensors, waiting)
+                log.info("catchup replica=%s rank=%d step=%d snapshot taken for %d joiner session(s): %d tensors, "
+                         "%.1f MB in %.3fs", self.replica_id, self.rank, step, waiting, len(pairs),
+                         sum(e.nbytes for e in entries) / 1e6, time.perf_counter() - t0)
+            elif waiting and step in self._snapshots:
+                self._snapshots[step].refs += waiting
+            if waiting or late:
+                self._lock.notify_all()
+
+    def close(self, drain_s: float = 10.0) -> None:
+        """Stop accepting; let transfers in progress finish for up to ``drain_s``; then drop every snapshot."""
+        deadline = time.monotonic() + drain_s
+        with self._lock:
+            self._closed = True
+            self._requested.clear()
+            self._lock.notify_all()
+            while self._snapshots and time.monotonic() < deadline:
+                self._lock.wait(0.1)
+            self._snapshots.clear()
+        self._acceptor.join(2.0)
+        self._sock.close()
+
+    # --- connections ----------------------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                busy = self._sessions >= self.max_sessions
+                if not busy:
+                    self._sessions += 1
+            if busy:
+                conn.settimeout(2.0)
+                self._refuse(conn, "busy", f"{self.max_sessions} catch-up sessions already running")
+                _linger_close(conn)
+                continue
+            t = threading.Thread(target=self._session, args=(conn,), name=f"catchup-serve-r{self.rank}", daemon=True)
+            t.start()
+
+    def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
+        self.stats.refused[code] = self.stats.refused.get(code, 0) + 1
+        log.warning("catchup replica=%s rank=%d step=%d refused a joiner: %s: %s", self.replica_id, self.rank,
+                    self._step, code, message)
+        wire.send_error(conn, code, message)
+
+    def _session(self, conn: socket.socket) -> None:
+        step = None
+        try:
+            conn.settimeout(self.idle_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _, obj = wire.recv_control(conn, (Kind.HELLO,))
+            hello = wire.parse_hello(obj)
+            problem = self._check(hello)
+            if problem is not None:
+                self._refuse(conn, *problem)
+                return
+            if hello.rank != self.rank:
+                wire.send_control(conn, Kind.REDIRECT, {"addr": self.directory[hello.rank]})
+                return
+            snap = self._wait_for(conn, hello)
+            if snap is None:
+                return
+            step = snap.step
+            wire.send_control(conn, Kind.MANIFEST, wire.manifest_doc(Manifest(snap.step, snap.entries,
+                                                                               self.chunk_bytes)))
+            self.stats.sessions += 1
+            while True:
+                kind, obj = wire.recv_control(conn, (Kind.GET, Kind.BYE))
+                if kind == Kind.BYE:
+                    return
+                self._stream(conn, snap, wire.parse_ranges(obj, snap.entries))
+        except ProtocolError as e:
+            self._refuse(conn, "bad_request", str(e))
+        except CatchupError as e:  # the joiner went away: nothing lost here
+            log.info("catchup replica=%s rank=%d step=%d joiner session ended: %s", self.replica_id, self.rank,
+                     self._step, e)
+        finally:
+            _linger_close(conn)
+            with self._lock:
+                self._sessions -= 1
+                if step is not None and step in self._snapshots:
+                    self._snapshots[step].refs -= 1
+                    if self._snapshots[step].refs <= 0:
+                        del self._snapshots[step]
+                        self._lock.notify_all()
+
+    def _check(self, hello: wire.Hello) -> tuple[str, str] | None:
+        if self._token and not hmac.compare_digest(hello.token.encode(), self._token):
+            return "unauthenticated", "wrong or missing job token"
+        if hello.job != self.job:
+            return "wrong_job", f"this replica serves job {self.job!r}, not {hello.job!r}"
+        if hello.rank >= self.world_size:
+            return "bad_request", f"rank {hello.rank} is outside this replica's {self.world_size} ranks"
+        if hello.rank != self.rank and len(self.directory) != self.world_size:
+            return "not_active", "this replica's directory of ranks is not known yet"
+        return None
+
+    def _wait_for(self, conn: socket.socket, hello: wire.Hello) -> _Snapshot | None:
+        """Register the request for step S, wait (bounded) for the training thread to take it."""
+        s = hello.step
+        deadline = time.monotonic() + self.wait_s
+        with self._lock:
+            if self._closed:
+                self._refuse(conn, "closed", "this replica is shutting down")
+                return None
+            if not self._active:
+                self._refuse(conn, "not_active", "this replica is not active (it is joining itself)")
+                return None
+            if s in self._snapshots:
+                self._snapshots[s].refs += 1
+                return self._snapshots[s]
+            if s <= self._step:
+                self._refuse(conn, "too_late", f"step {s} is past: this replica is at step {self._step}")
+                return None
+            self._requested[s] = self._requested.get(s, 0) + 1
+            while s not in self._snapshots:
+                left = deadline - time.monotonic()
+                if self._closed or left <= 0 or (s not in self._requested and s not in self._snapshots):
+                    if self._requested.get(s):
+                        self._requested[s] -= 1
+                    code = "closed" if self._closed else "timeout" if left <= 0 else "too_late"
+                    self._refuse(conn, code, f"no snapshot of step {s} (this replica is at step {self._step})")
+                    return None
+                self._lock.wait(min(left, 1.0))
+            return self._snapshots[s]
+
+    def _stream(self, conn: socket.socket, snap: _Snapshot, ranges: list[tuple[int, int, int]]) -> None:
+        for entry, offset, length in ranges:
+            view = snap.views[entry]
+            end = offset + length
+            while offset < end:
+                n = min(self.chunk_bytes, end - offset)
+                chunk = view[offset:offset + n]
+                if self._corrupt is not None:
+                    bad = bytearray(chunk)
+                    crc = wire.zlib.crc32(chunk)
+                    if self._corrupt(entry, offset, bad):
+                        wire.send_data(conn, entry, offset, memoryview(bad), crc)
+                    else:
+                        wire.send_data(conn, entry, offset, chunk, crc)
+                else:
+                    wire.send_data(conn, entry, offset, chunk)
+                self.stats.served_bytes += n
+                if self._on_chunk_sent is not None:
+                    self._on_chunk_sent(snap.step, n)
+                offset += n
+        wire.send_control(conn, Kind.END, {})

@@ -1,0 +1,253 @@
+"""The catch-up wire format: framed messages over TCP.
+
+Every frame starts with ``magic, version, kind, payload length``. Control frames carry one small JSON object
+with a fixed schema (checked field by field on receipt); data frames carry a fixed binary chunk header
+(entry, offset, length, CRC32) followed by raw tensor bytes. Nothing received is unpickled or evaluated.
+
+A session (joiner rank s to source rank s)::
+
+    joiner                                  source
+    HELLO {job, token, replica, rank, step}  ->
+                                          <-  REDIRECT {addr}        (asked the wrong rank)
+                                          <-  MANIFEST {step, entries, chunk_bytes}   (once the snapshot exists)
+    GET {ranges: [[entry, offset, length]]} ->
+                                          <-  DATA ... DATA END
+    BYE                                     ->
+    (any error)                           <-  ERROR {code, message}
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+MAGIC = b"FTCU"
+VERSION = 1
+FRAME = struct.Struct("!4sBBI")
+"""magic, version, kind, payload length."""
+CHUNK = struct.Struct("!IQII")
+"""entry index, byte offset, byte length, CRC32 of the bytes."""
+MAX_CONTROL = 1 << 20
+"""Largest control payload accepted (a manifest of tens of thousands of tensors fits)."""
+MAX_CHUNK = 64 << 20
+DEFAULT_CHUNK = 4 << 20
+MAX_RANGES = 1 << 16
+
+
+class Kind(IntEnum):
+    HELLO = 1
+    REDIRECT = 2
+    MANIFEST = 3
+    GET = 4
+    DATA = 5
+    END = 6
+    BYE = 7
+    ERROR = 8
+
+
+class CatchupError(RuntimeError):
+    """Base of the catch-up errors."""
+
+
+class ProtocolError(CatchupError):
+    """A malformed, oversized or unexpected message: the connection is closed."""
+
+
+class Refused(CatchupError):
+    """The peer answered with an ERROR frame (``code``: bad_request, unauthenticated, wrong_job, not_active,
+    too_late, busy, closed, timeout)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class SourceLost(CatchupError):
+    """The connection to a source broke (it died, or the network did)."""
+
+
+class FetchFailed(CatchupError):
+    """No source could supply the snapshot."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a snapshot: its name, dtype (``torch.float32`` style), shape and size in bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def doc(self) -> list[Any]:
+        return [self.name, self.dtype, list(self.shape), self.nbytes]
+
+
+@dataclass(frozen=True)
+class Hello:
+    job: str
+    token: str
+    replica: str
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    entries: tuple[Entry, ...]
+    chunk_bytes: int
+
+
+# --- framing ------------------------------------------------------------------------------------------------------
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        try:
+            n = sock.recv_into(view[got:])
+        except socket.timeout as e:
+            raise SourceLost("timed out waiting for the peer") from e
+        except OSError as e:
+            raise SourceLost(f"connection broken: {e}") from e
+        if n == 0:
+            raise SourceLost("connection closed by the peer")
+        got += n
+
+
+def send_control(sock: socket.socket, kind: Kind, obj: dict[str, Any]) -> None:
+    payload = json.dumps(obj, separators=(",", ":")).encode()
+    if len(payload) > MAX_CONTROL:
+        raise ProtocolError(f"{kind.name} payload of {len(payload)} bytes exceeds {MAX_CONTROL}")
+    try:
+        sock.sendall(FRAME.pack(MAGIC, VERSION, kind, len(payload)) + payload)
+    except OSError as e:
+        raise SourceLost(f"connection broken: {e}") from e
+
+
+def send_data(sock: socket.socket, entry: int, offset: int, view: memoryview, crc: int | None = None) -> None:
+    """One DATA frame: the chunk header, then the bytes straight from ``view`` (no copy)."""
+    head = FRAME.pack(MAGIC, VERSION, Kind.DATA, CHUNK.size + len(view)) + \
+        CHUNK.pack(entry, offset, len(view), zlib.crc32(view) if crc is None else crc)
+    try:
+        sock.sendall(head)
+        sock.sendall(view)
+    except OSError as e:
+        raise SourceLost(f"connection broken: {e}") from e
+
+
+def recv_header(sock: socket.socket) -> tuple[Kind, int]:
+    magic, version, kind, length = FRAME.unpack(recv_exact(sock, FRAME.size))
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: not a catch-up peer")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    try:
+        k = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+    limit = MAX_CHUNK + CHUNK.size if k == Kind.DATA else MAX_CONTROL
+    if length > limit:
+        raise ProtocolError(f"{k.name} frame of {length} bytes exceeds {limit}")
+    return k, length
+
+
+def recv_control(sock: socket.socket, expect: tuple[Kind, ...]) -> tuple[Kind, dict[str, Any]]:
+    """Read one control frame of a kind in ``expect`` (an ERROR frame raises ``Refused``)."""
+    kind, length = recv_header(sock)
+    if kind == Kind.DATA:
+        raise ProtocolError("unexpected DATA frame")
+    payload = recv_exact(sock, length)
+    try:
+        obj = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"{kind.name} payload is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{kind.name} payload must be a JSON object")
+    if kind == Kind.ERROR:
+        raise Refused(_str(obj, "code", 64), _str(obj, "message", 4096))
+    if kind not in expect:
+        raise ProtocolError(f"unexpected {kind.name} (expected {', '.join(k.name for k in expect)})")
+    return kind, obj
+
+
+def send_error(sock: socket.socket, code: str, message: str) -> None:
+    try:
+        send_control(sock, Kind.ERROR, {"code": code, "message": message[:4096]})
+    except CatchupError:
+        pass  # the peer is gone; nothing to tell
+
+
+# --- schemas ------------------------------------------------------------------------------------------------------
+
+def _str(obj: dict[str, Any], key: str, limit: int) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str) or len(v) > limit:
+        raise ProtocolError(f"field {key!r} must be a string of at most {limit} characters")
+    return v
+
+
+def _int(obj: Any, key: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    v = obj.get(key) if isinstance(obj, dict) else obj
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ProtocolError(f"field {key!r} must be an integer in [{lo}, {hi}]")
+    return v
+
+
+def hello_doc(h: Hello) -> dict[str, Any]:
+    return {"job": h.job, "token": h.token, "replica": h.replica, "rank": h.rank, "step": h.step}
+
+
+def parse_hello(obj: dict[str, Any]) -> Hello:
+    return Hello(_str(obj, "job", 256), _str(obj, "token", 4096), _str(obj, "replica", 256),
+                 _int(obj, "rank", 0, 1 << 20), _int(obj, "step"))
+
+
+def manifest_doc(m: Manifest) -> dict[str, Any]:
+    return {"step": m.step, "chunk_bytes": m.chunk_bytes, "entries": [e.doc() for e in m.entries]}
+
+
+def parse_manifest(obj: dict[str, Any]) -> Manifest:
+    entries = obj.get("entries")
+    if not isinstance(entries, list) or len(entries) > MAX_RANGES:
+        raise ProtocolError("field 'entries' must be a list")
+    out = []
+    for e in entries:
+        if not (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str) and isinstance(e[1], str)
+                and isinstance(e[2], list)):
+            raise ProtocolError(f"malformed manifest entry {str(e)[:200]}")
+        shape = tuple(_int(d, "shape") for d in e[2])
+        out.append(Entry(e[0], e[1], shape, _int(e[3], "nbytes")))
+    return Manifest(_int(obj, "step"), tuple(out), _int(obj, "chunk_bytes", 1, MAX_CHUNK))
+
+
+def parse_ranges(obj: dict[str, Any], entries: tuple[Entry, ...]) -> list[tuple[int, int, int]]:
+    """GET's ranges, each inside its entry."""
+    ranges = obj.get("ranges")
+    if not isinstance(ranges, list) or not 0 < len(ranges) <= MAX_RANGES:
+        raise ProtocolError(f"field 'ranges' must be a list of 1 to {MAX_RANGES} [entry, offset, length]")
+    out = []
+    for r in ranges:
+        if not isinstance(r, list) or len(r) != 3:
+            raise ProtocolError(f"malformed range {str(r)[:100]}")
+        e = _int(r[0], "entry", 0, len(entries) - 1) if entries else -1
+        if e < 0:
+            raise ProtocolError("the snapshot has no entries")
+        off = _int(r[1], "offset", 0, entries[e].nbytes)
+        length = _int(r[2], "length", 1, entries[e].nbytes - off) if entries[e].nbytes > off else -1
+        if length < 0:
+            raise ProtocolError(f"range {r} is outside entry {e} ({entries[e].nbytes} bytes)")
+        out.append((e, off, length))
+    return out

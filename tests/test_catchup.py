@@ -1,0 +1,243 @@
+"""The catch-up server and fetch, in one process over loopback: snapshots at commit boundaries, several sources,
+checksums, failover, authentication and malformed input."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fthsdp.catchup import wire
+from fthsdp.catchup.client import Fetch, Source
+from fthsdp.catchup.server import CatchupServer
+from fthsdp.catchup.wire import FetchFailed, Kind, Refused
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _state(seed: int, step: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return [("param/0", torch.randn(300_000, generator=g)), ("param/1", torch.randn(7, 3, generator=g)),
+            ("optim/0/step", torch.tensor(float(step))), ("empty", torch.zeros(0)),
+            ("data/cursors", torch.arange(3, dtype=torch.int64) + step),
+            ("rng/cpu", torch.randint(0, 255, (5056,), dtype=torch.uint8, generator=g))]
+
+
+class Trainer:
+    """Stands in for a replica's training thread: commits steps and calls at_commit, until stopped."""
+
+    def __init__(self, server: CatchupServer, seed: int = 0) -> None:
+        self.server, self.seed, self.step = server, seed, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.server.at_commit(self.step, active=True)
+            self.stop.wait(0.01)  # a training step's worth of time (pacing, not synchronisation)
+            self.step += 1
+
+
+def _server(seed: int = 0, **kw: object) -> tuple[CatchupServer, Trainer]:
+    holder: dict[str, Trainer] = {}
+    srv = CatchupServer(job="job", replica_id=f"r{seed}", rank=0, world_size=1,
+                        snapshot=lambda: [(n, t.clone()) for n, t in _state(0, holder["t"].step)],
+                        chunk_bytes=64 << 10, **kw)  # type: ignore[arg-type]
+    tr = Trainer(srv, seed)
+    holder["t"] = tr
+    tr.thread.start()
+    return srv, tr
+
+
+def _stop(*pairs: tuple[CatchupServer, Trainer]) -> None:
+    for srv, tr in pairs:
+        tr.stop.set()
+        tr.thread.join(5)
+        srv.close(drain_s=1)
+
+
+def _fetch(sources: list[Source], step: int, **kw: object) -> Fetch:
+    return Fetch(sources, job="job", replica_id="joiner", rank=0, step=step, batch_bytes=128 << 10,
+                 **kw).start()  # type: ignore[arg-type]
+
+
+def _expect_equal(got: dict[str, torch.Tensor], step: int) -> None:
+    want = dict(_state(0, step))
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t) and got[name].dtype == t.dtype, name
+
+
+def test_two_sources_share_the_transfer_and_agree_on_the_step() -> None:
+    a, b = _server(0), _server(1)
+    try:
+        step = max(a[1].step, b[1].step) + 20
+        res = _fetch([Source("r0", a[0].address), Source("r1", b[0].address)], step).result(30)
+        assert res.step == step
+        _expect_equal(res.tensors, step)
+        assert set(res.sources) == {"r0", "r1"} and all(v > 0 for v in res.sources.values())
+        assert sum(res.sources.values()) == res.bytes and res.refetched_chunks == 0
+    finally:
+        _stop(a, b)
+    # Both dropped their snapshot once the joiner said goodbye.
+    assert not a[0]._snapshots and not b[0]._snapshots
+
+
+def test_a_corrupted_chunk_is_detected_and_fetched_again() -> None:
+    hits: list[tuple[int, int]] = []
+
+    def corrupt(entry: int, offset: int, data: bytearray) -> bool:
+        if entry == 0 and not hits:
+            hits.append((entry, offset))
+            data[10] ^= 0xFF
+            return True
+        return False
+
+    a = _server(0, corrupt=corrupt)
+    try:
+        step = a[1].step + 20
+        res = _fetch([Source("r0", a[0].address)], step).result(30)
+        assert hits and res.refetched_chunks == 1
+        _expect_equal(res.tensors, step)
+    finally:
+        _stop(a)
+
+
+def test_a_source_that_dies_mid_transfer_is_replaced_by_another() -> None:
+    killed = threading.Event()
+    holder: dict[str, CatchupServer] = {}
+
+    def die(step: int, n: int) -> None:  # the source's process dies after its first chunk: its sockets close
+        if not killed.is_set():
+            killed.set()
+            raise wire.SourceLost("simulated death")
+
+    a, b = _server(0, on_chunk_sent=die), _server(1)
+    holder["a"] = a[0]
+    try:
+        step = max(a[1].step, b[1].step) + 20
+        res = _fetch([Source("r0", a[0].address), Source("r1", b[0].address)], step).result(30)
+        assert killed.is_set()
+        assert res.source_failures and res.source_failures[0].startswith("r0")
+        _expect_equal(res.tensors, step)
+        assert res.sources["r1"] > 0
+    finally:
+        _stop(a, b)
+
+
+def test_a_joiner_that_dies_mid_fetch_costs_the_source_nothing() -> None:
+    a = _server(0)
+    try:
+        step = a[1].step + 20
+        f = Fetch([Source("r0", a[0].address)], job="job", replica_id="j", rank=0, step=step,
+                  on_chunk=lambda s, n: f.cancel())
+        f.start()
+        with pytest.raises(FetchFailed):
+            f.result(30)
+        deadline = time.monotonic() + 10
+        while (a[0]._snapshots or a[0]._sessions) and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling a condition with a deadline
+        assert not a[0]._snapshots and a[0]._sessions == 0, "the source kept the snapshot of a dead joiner"
+        before = a[1].step
+        deadline = time.monotonic() + 10
+        while a[1].step < before + 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a[1].step >= before + 5, "the source stopped training"
+    finally:
+        _stop(a)
+
+
+@pytest.mark.parametrize("change,code", [({"token": "wrong"}, "unauthenticated"), ({"job": "other"}, "wrong_job"),
+                                         ({"rank": 5}, "bad_request")])
+def test_bad_hello_is_refused_with_a_clear_code(change: dict[str, object], code: str) -> None:
+    a = _server(0, token="s3cret")
+    try:
+        hello = {"job": "job", "token": "s3cret", "replica": "j", "rank": 0, "step": a[1].step + 20, **change}
+        with socket.create_connection(_addr(a[0])) as s:
+            s.settimeout(10)
+            wire.send_control(s, Kind.HELLO, hello)
+            with pytest.raises(Refused) as e:
+                wire.recv_control(s, (Kind.MANIFEST,))
+            assert e.value.code == code
+        assert not a[0]._requested and not a[0]._snapshots
+    finally:
+        _stop(a)
+
+
+def test_a_step_already_past_is_refused_too_late() -> None:
+    a = _server(0)
+    try:
+        with pytest.raises(FetchFailed, match="too_late"):
+            _fetch([Source("r0", a[0].address)], 0).result(30)
+    finally:
+        _stop(a)
+
+
+def test_a_joining_replica_does_not_serve() -> None:
+    srv = CatchupServer(job="job", replica_id="r", rank=0, world_size=1, snapshot=lambda: [])
+    try:
+        srv.at_commit(3, active=False)
+        with pytest.raises(FetchFailed, match="not_active"):
+            _fetch([Source("r", srv.address)], 5).result(30)
+    finally:
+        srv.close(drain_s=1)
+
+
+def test_layout_mismatch_is_a_clear_error() -> None:
+    a = _server(0)
+    try:
+        with pytest.raises(FetchFailed, match="layout differs"):
+            _fetch([Source("r0", a[0].address)], a[1].step + 20, expected=[("param/0", "torch.float32", (1,))]
+                   ).result(30)
+    finally:
+        _stop(a)
+
+
+def _addr(srv: CatchupServer) -> tuple[str, int]:
+    host, port = srv.address.rsplit(":", 1)
+    return host, int(port)
+
+
+_SHARED: dict[str, tuple[CatchupServer, Trainer]] = {}
+
+
+def _shared() -> tuple[CatchupServer, Trainer]:
+    if "a" not in _SHARED:
+        _SHARED["a"] = _server(0, token="t")
+    return _SHARED["a"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(
+    st.binary(max_size=64),
+    st.builds(lambda k, n, body: struct.pack("!4sBBI", b"FTCU", 1, k, n) + body,
+              st.integers(0, 255), st.integers(0, 2**32 - 1), st.binary(max_size=64)),
+    st.builds(lambda body: struct.pack("!4sBBI", b"FTCU", 1, 1, len(body)) + body,
+              st.one_of(st.binary(max_size=64), st.just(b'{"job":"job"}'), st.just(b"[1,2]"),
+                        st.just(b'{"job":"job","token":"t","replica":"x","rank":-1,"step":1}'),
+                        st.just(b'{"job":"job","token":"t","replica":"x","rank":0,"step":true}'))),
+))
+def test_malformed_input_gets_an_error_and_changes_nothing(data: bytes) -> None:
+    srv, tr = _shared()
+    with socket.create_connection(_addr(srv)) as s:
+        s.settimeout(5)
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    # Either an ERROR frame or a plain close (truncated input): never a manifest, never a crash.
+    if reply:
+        assert reply[:4] == b"FTCU" and reply[5] == Kind.ERROR, reply[:40]
+    assert not srv._requested and not srv._snapshots and srv._acceptor.is_alive()
+
+
+def teardown_module() -> None:
+    if "a" in _SHARED:
+        _stop(_SHARED.pop("a"))
