@@ -20,9 +20,6 @@ K8S = DEPLOY / "k8s"
 # The oldest version the manifests target (Job backoffLimitPerIndex is GA in 1.33) and the newest the validator
 # ships: a field dropped or made required in between shows up here.
 K8S_VERSIONS = ("1.33", kubernetes_validate.utils.latest_version())
-# Lighthouse flags the deploy files use that the lighthouse's TLS/auth and etcd work (issue 7) is adding; once
-# `fthsdp lighthouse --help` lists them, this set is redundant and can go.
-PENDING_LIGHTHOUSE_FLAGS = {"--tls-cert", "--tls-key", "--token-file"}
 
 
 def _docs() -> list[tuple[str, dict[str, Any]]]:
@@ -62,7 +59,7 @@ def _flag(args: list[str], name: str) -> str:
 
 def test_manifests_found() -> None:
     kinds = {d["kind"] for _, d in DOCS}
-    assert {"Namespace", "Secret", "Service", "StatefulSet", "Deployment", "Job", "PodDisruptionBudget"} <= kinds
+    assert {"Namespace", "Secret", "Service", "StatefulSet", "Job", "PodDisruptionBudget"} <= kinds
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -110,16 +107,21 @@ def test_replica_groups_are_an_indexed_job_that_restarts() -> None:
         assert env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
     assert int(_flag(trainer["args"], "--nproc-per-node")) == int(trainer["resources"]["limits"]["nvidia.com/gpu"])
     # The lighthouse forms the first epoch once every group registered.
-    lh_args = _container(_find("Deployment", "lighthouse"), "lighthouse")["args"]
+    lighthouse = _find("StatefulSet", "lighthouse")
+    lh_args = _container(lighthouse, "lighthouse")["args"]
     assert int(_flag(lh_args, "--expected-replicas")) == spec["completions"]
-    svc = _find("Service", "lighthouse")
-    host, port = env["FTHSDP_LIGHTHOUSE"].rsplit(":", 1)
-    assert host.split(".")[0] == svc["metadata"]["name"]
-    assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
+    # Replicas are given every lighthouse by the stable name each advertises as leader (and its certificate
+    # names): lighthouse-N.<headless service>.fthsdp.svc:<grpc port>.
+    svc = _find("Service", lighthouse["spec"]["serviceName"])
+    assert svc["spec"]["clusterIP"] == "None"
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
+    names = [f"lighthouse-{i}.{svc['metadata']['name']}.fthsdp.svc:{port}" for i in range(lighthouse["spec"]["replicas"])]
+    assert env["FTHSDP_LIGHTHOUSE"].split(",") == names
+    assert _flag(lh_args, "--advertise") == f"$(POD_NAME).{svc['metadata']['name']}.fthsdp.svc:{port}"
 
 
 def test_lighthouse_has_two_replicas_on_the_three_member_etcd() -> None:
-    lh = _find("Deployment", "lighthouse")
+    lh = _find("StatefulSet", "lighthouse")
     assert lh["spec"]["replicas"] == 2
     etcd = _find("StatefulSet", "etcd")
     assert etcd["spec"]["replicas"] == 3
@@ -135,7 +137,7 @@ def test_lighthouse_has_two_replicas_on_the_three_member_etcd() -> None:
 
 def test_secrets_are_mounted_where_the_flags_point() -> None:
     secrets = {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == "Secret"}
-    for kind, name, container, flags in (("Deployment", "lighthouse", "lighthouse",
+    for kind, name, container, flags in (("StatefulSet", "lighthouse", "lighthouse",
                                           ("--tls-cert", "--tls-key", "--token-file")),
                                          ("Job", "fthsdp-replicas", "trainer", ())):
         doc = _find(kind, name)
@@ -188,7 +190,7 @@ def _lighthouse_commands() -> list[tuple[str, list[str]]]:
 
 
 def test_lighthouse_flags_exist() -> None:
-    known = _lighthouse_flags() | PENDING_LIGHTHOUSE_FLAGS
+    known = _lighthouse_flags()
     commands = _lighthouse_commands()
     assert len(commands) >= 3, commands  # k8s, the torchrun script, the sbatch script
     for where, flags in commands:
