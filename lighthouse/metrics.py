@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from lighthouse import membership as m
+from lighthouse.page import epoch_events
 
 
 class LighthouseMetrics:
@@ -24,11 +25,16 @@ class LighthouseMetrics:
                             registry=r)
         self.store_errors = Counter("fthsdp_lighthouse_store_errors", "Store writes that failed",
                                     ["job", "kind"], registry=r)
+        self.membership_events = Counter("fthsdp_lighthouse_membership_events", "Replica failures, rejoins, "
+                                         "leaves and joins named by the epochs formed", ["job", "kind"], registry=r)
 
     def observe_epoch(self, job: str, number: int, state: m.State) -> None:
         self.epoch.labels(job).set(number)
         if number:
             self.epoch_changes.labels(job).inc()
+            if state.epoch is not None and state.epoch.number == number:
+                for _, kind in epoch_events(state.epoch.reason):
+                    self.membership_events.labels(job, kind).inc()
         for role in m.ROLES:
             self.members.labels(job, role).set(sum(1 for x in state.members.values() if x.role == role))
 

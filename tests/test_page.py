@@ -240,3 +240,15 @@ def test_screenshot_check_can_fail(tmp_path: pathlib.Path) -> None:
     flat, distinct = _colours(png)
     assert distinct < 20
     assert not _has_colour(flat, FAILURE)
+
+
+def test_lighthouse_metrics_count_the_failure_and_the_rejoin(cluster: ServerThread) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{cluster.http}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    samples = {(s.name, s.labels.get("kind")): s.value for fam in text_string_to_metric_families(text)
+               for s in fam.samples if s.name == "fthsdp_lighthouse_membership_events_total"}
+    assert samples[("fthsdp_lighthouse_membership_events_total", "failure")] == 1  # page-00001 declared dead
+    assert samples[("fthsdp_lighthouse_membership_events_total", "rejoin")] == 1  # ... and back as a joiner
+    assert samples[("fthsdp_lighthouse_membership_events_total", "active")] == 1  # ... and caught up
