@@ -2,7 +2,8 @@
 
 Runs a stdlib threading HTTP server; each request asks the server's event loop for a consistent snapshot.
 With TLS configured it serves HTTPS (client certificates required with a client CA); with a job token every
-path needs ``Authorization: Bearer <token>`` (or HTTP Basic with the token as password, for browsers).
+path but ``/healthz`` (for probes; it says only "ok") needs ``Authorization: Bearer <token>`` (or HTTP Basic with
+the token as password, for browsers).
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class StatusHTTPServer:
 
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
+                if path == "/healthz":  # for probes: no token, and it tells nothing but that we serve
+                    self._send(200, b'{"ok": true}', "application/json")
+                    return
                 if not authorized(sec.token, self.headers.get("Authorization")):
                     lh.metrics.rpc_error("http", "UNAUTHENTICATED")
                     body = json.dumps({"error": "unauthenticated: send 'Authorization: Bearer <job token>'"

@@ -245,6 +245,8 @@ def test_http_side_port_tls_and_token(start_server: Callable[..., ServerThread],
         assert code == 401 and "wrong job token" in json.loads(body)["error"]
     code, body, _ = https_get(s.http, "/status", ctx=ctx, token=TOKEN)
     assert code == 200 and json.loads(body)["leader"] is True
+    code, body, _ = https_get(s.http, "/healthz", ctx=ctx)  # probes need no token, and learn nothing else
+    assert code == 200 and json.loads(body) == {"ok": True}
     code, body, _ = https_get(s.http, "/metrics", ctx=ctx, token=TOKEN)
     assert code == 200 and 'code="UNAUTHENTICATED"' in body
     assert https_get(s.http, "/status", ctx=ctx, basic=TOKEN)[0] == 200  # a browser's prompt
