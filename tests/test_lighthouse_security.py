@@ -317,3 +317,31 @@ def test_cli_lighthouse_refuses_unusable_security_options(tmp_path: pathlib.Path
     assert out.returncode != 0 and "cannot read token file" in out.stderr
     out = _cli("lighthouse", "--bind", "127.0.0.1:0", "--http", "", "--no-rendezvous", "--tls-cert", certs.server_cert)
     assert out.returncode != 0 and "go together" in out.stderr
+
+
+def test_cli_lighthouse_process_with_mtls_and_token(tmp_path: pathlib.Path, certs: Certs, token_file: str) -> None:
+    from fthsdp.procutil import stop_process
+    from lighthouse.process import start_lighthouse_process
+
+    proc, grpc_addr, http_addr = start_lighthouse_process(
+        ["--no-rendezvous", "--tls-cert", certs.server_cert, "--tls-key", certs.server_key,
+         "--tls-client-ca", certs.ca, "--token-file", token_file], tmp_path)
+    try:
+        good = ClientSecurity.from_files(certs.ca, certs.client_cert, certs.client_key, token_file)
+        client = LighthouseClient(grpc_addr, JOB, "a", security=good)
+        try:
+            r = client.start(deadline_s=10)
+            assert r is not None and r.epoch.number == 1
+        finally:
+            client.close()
+        no_token = LighthouseClient(grpc_addr, JOB, "b", security=ClientSecurity(certs.ca, certs.client_cert,
+                                                                                 certs.client_key))
+        try:
+            with pytest.raises(Unauthenticated, match="missing job token"):
+                no_token.start(deadline_s=2)
+        finally:
+            no_token.close()
+        code, body, _ = https_get(http_addr, "/status", ctx=good.ssl_context(), token=TOKEN)
+        assert code == 200 and [x["replica_id"] for x in json.loads(body)["members"]] == ["a"]
+    finally:
+        assert stop_process(proc, timeout=15) == 0  # type: ignore[arg-type]
