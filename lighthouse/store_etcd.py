@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import grpc
 import pyetcd
@@ -27,6 +27,7 @@ from lighthouse.errors import EpochFenced, StoreUnavailable
 from lighthouse.store import Store, check_monotonic
 
 log = logging.getLogger("fthsdp.lighthouse.store")
+T = TypeVar("T")
 
 DEFAULT_PREFIX = "/fthsdp"
 ETCD_TIMEOUT_S = 5.0
@@ -91,12 +92,20 @@ class EtcdStore(Store):
 
     # --- the Store interface ------------------------------------------------------------------------------------
 
+    def _retrying(self, what: str, call: Callable[[], T]) -> T:
+        """Run ``call``, moving on to the next endpoint after a connection failure (pyetcd marks the failed one;
+        each endpoint is tried once); StoreUnavailable when none answers."""
+        last: Exception | None = None
+        for _ in range(len(self.target.endpoints)):
+            try:
+                return call()
+            except _ETCD_ERRORS as e:
+                last = e
+        raise StoreUnavailable(f"etcd {what} failed on every endpoint: {last!r}")
+
     def load(self, job_id: str) -> dict[str, Any] | None:
         _, state_key = self._keys(job_id)
-        try:
-            raw, _meta = self.client.get(state_key)
-        except _ETCD_ERRORS as e:
-            raise StoreUnavailable(f"etcd load of job {job_id!r} failed: {e!r}") from None
+        raw, _meta = self._retrying(f"load of job {job_id!r}", lambda: self.client.get(state_key))
         return None if raw is None else json.loads(raw)
 
     def save(self, job_id: str, expected_last_number: int, document: dict[str, Any]) -> None:
@@ -108,26 +117,33 @@ class EtcdStore(Store):
         with self._guard_lock:
             guard = self._guard
         # Nothing stored reads as 0 (as in memory): a missing key has version 0; a stored "0" compares by value.
-        attempts = ([tx.version(number_key) == 0, tx.value(number_key) == b"0"] if expected_last_number == 0
-                    else [tx.value(number_key) == str(expected_last_number).encode()])
+        fences = ([tx.version(number_key) == 0, tx.value(number_key) == b"0"] if expected_last_number == 0
+                  else [tx.value(number_key) == str(expected_last_number).encode()])
         stored: bytes | None = None
-        for fence in attempts:
-            compare = [fence]
-            if guard is not None:
-                compare.append(tx.value(guard[0]) == guard[1])
-            try:
-                ok, responses = self.client.transaction(
-                    compare=compare,
-                    success=[tx.put(number_key, new_number), tx.put(state_key, raw)],
-                    failure=[tx.get(number_key)] + ([tx.get(guard[0])] if guard is not None else []))
-            except _ETCD_ERRORS as e:
-                raise StoreUnavailable(f"etcd save of job {job_id!r} failed: {e!r}") from None
+        failures = 0
+        for fence in fences:
+            compare = [fence] + ([tx.value(guard[0]) == guard[1]] if guard is not None else [])
+
+            def txn() -> tuple[bool, list[Any]]:
+                nonlocal failures
+                try:
+                    return self.client.transaction(  # type: ignore[no-any-return]
+                        compare=compare,
+                        success=[tx.put(number_key, new_number), tx.put(state_key, raw)],
+                        failure=[tx.get(number_key), tx.get(state_key)]
+                        + ([tx.get(guard[0])] if guard is not None else []))
+                except _ETCD_ERRORS:
+                    failures += 1
+                    raise
+
+            ok, responses = self._retrying(f"save of job {job_id!r}", txn)
             if ok:
                 return
-            got = responses[0]
-            stored = got[0][0] if got else None
+            stored = responses[0][0][0] if responses[0] else None
+            if failures and stored == new_number and responses[1] and responses[1][0][0] == raw:
+                return  # an attempt whose answer was lost did commit: this very document is stored
             if guard is not None:
-                holder = responses[1][0][0] if responses[1] else None
+                holder = responses[2][0][0] if responses[2] else None
                 if holder != guard[1]:
                     raise EpochFenced(f"job {job_id}: this lighthouse no longer leads (leader key holds "
                                       f"{holder!r}); write refused")

@@ -316,3 +316,51 @@ def test_etcd_unreachable_is_a_typed_error_within_the_deadline() -> None:
         assert time.monotonic() - t0 < 5
     finally:
         s.close()
+
+
+def test_etcd_store_moves_on_from_a_dead_endpoint(etcd_server: Any) -> None:
+    from etcd_server import free_port
+
+    url = etcd_server.url()
+    dead = f"127.0.0.1:{free_port()}"
+    for i in range(4):  # pyetcd starts on a random endpoint: both orders get exercised
+        s = open_store(url.replace("etcd://", f"etcd://{dead},", 1))
+        try:
+            assert (s.load(JOB) or {}).get("last_number", 0) == i
+            s.save(JOB, i, doc(i + 1))
+        finally:
+            s.close()
+
+
+def test_etcd_save_whose_answer_was_lost_is_not_reported_as_fenced(etcd_server: Any) -> None:
+    """The transaction committed but its answer was lost (the connection broke): the retry on the next endpoint
+    finds this very document stored and reports success, not a spurious fence."""
+    from pyetcd.exceptions import ConnectionFailedError
+
+    from lighthouse.store_etcd import EtcdStore
+
+    url = etcd_server.url()
+    # Two names of the same live etcd: two endpoints to pyetcd.
+    s = EtcdStore(url.replace("etcd://", f"etcd://localhost:{etcd_server.client_port},", 1))
+    try:
+        s.save(JOB, 0, doc(1))
+        real = s.client.transaction
+        calls = {"n": 0}
+
+        def commit_then_lose_the_answer(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            out = real(*args, **kwargs)
+            if calls["n"] == 1:
+                raise ConnectionFailedError()
+            return out
+
+        s.client.transaction = commit_then_lose_the_answer  # type: ignore[method-assign]
+        s.save(JOB, 1, doc(2))
+        assert calls["n"] == 2 and s.load(JOB) == doc(2)
+        # A genuine fence is still a fence, with or without a lost answer.
+        calls["n"] = 0
+        with pytest.raises(EpochFenced):
+            s.save(JOB, 1, doc(3))
+        assert s.load(JOB) == doc(2)
+    finally:
+        s.close()
