@@ -186,3 +186,33 @@ def test_out_of_order_calls_are_refused_and_change_nothing(target: Target, calls
     hb = pb.HeartbeatResponse.FromString(target.call("Heartbeat", pb.HeartbeatRequest(
         job_id=JOB, replica_id="a", incarnation="a-inc").SerializeToString()))
     assert hb.epoch == before.epoch.number  # type: ignore[union-attr]
+
+
+# --- the HTTP side port -------------------------------------------------------------------------------------------
+
+HEADER_TEXT = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=80)
+
+
+@FAST
+@given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "HEAD", "BREW"]),
+       path=st.sampled_from(["/", "/status", "/metrics", "/healthz", "/nope"]) | HEADER_TEXT.map(lambda s: "/" + s.replace(" ", "%20")),
+       auth=st.one_of(st.none(), st.just(f"Bearer {TOKEN}"), HEADER_TEXT, HEADER_TEXT.map(lambda s: "Basic " + s)))
+def test_http_side_port_gives_clear_answers_and_changes_nothing(target: Target, method: str, path: str,
+                                                                auth: str | None) -> None:
+    import http.client
+
+    before = target.state()
+    conn = http.client.HTTPConnection(target.server.http, timeout=5)
+    try:
+        conn.request(method, path, headers={"Authorization": auth} if auth is not None else {})
+        resp = conn.getresponse()
+        resp.read()
+    finally:
+        conn.close()
+    assert resp.status in (200, 400, 401, 404, 501), resp.status  # never a 5xx crash
+    bare = path.split("?", 1)[0]
+    if resp.status == 200 and bare != "/healthz":
+        assert method in ("GET", "HEAD") and auth == f"Bearer {TOKEN}"
+    if method == "GET" and bare != "/healthz" and auth != f"Bearer {TOKEN}":
+        assert resp.status == 401
+    assert target.state() == before
