@@ -125,7 +125,7 @@ class EtcdStore(Store):
         for fence in fences:
             compare = [fence] + ([tx.value(guard[0]) == guard[1]] if guard is not None else [])
 
-            def txn() -> tuple[bool, list[Any]]:
+            def txn(compare: list[Any] = compare) -> tuple[bool, list[Any]]:
                 nonlocal failures
                 try:
                     return self.client.transaction(  # type: ignore[no-any-return]
