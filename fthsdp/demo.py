@@ -50,7 +50,11 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
         kills = ", ".join(f"replica {k.replica} at step {k.step} ({k.phase})" for k in config.kills) or "none"
         print(f"fthsdp demo: {config.replicas} replicas x {config.ranks} ranks, {config.model} model, "
               f"{config.steps} steps; kills: {kills}; restart after {config.restart_delay_s}s", flush=True)
-        report = Cluster(config, workdir, on_tick=LiveView()).run()
+        cluster = Cluster(config, workdir, on_tick=LiveView())
+        report = cluster.run()
+        report["resumed"] = [{"replica": x["replica"], "from_step": x["resumed_from"], "t": x["t"]}
+                             for g in cluster.groups for x in cluster.progress(g)
+                             if x["event"] == "start" and x.get("resumed_from") is not None]
     finally:
         if keep_logs is not None:
             shutil.copytree(workdir, keep_logs, dirs_exist_ok=True)
@@ -61,6 +65,9 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
     print(f"survivors' worst stall beyond a median step: {report['survivor_max_stall_s']}s; "
           f"rejoin (kill to first joined step): {report['rejoin_s']}s; "
           f"effective training time: {report['effective_training_time']:.0%}")
+    for x in report["resumed"]:
+        print(f"replica {x['replica']} resumed the job from the checkpoint of step {x['from_step']} (every replica "
+              "had died)")
     for e in report["events"]:
         if e["event"] == "epoch":
             print(f"  epoch {e['epoch']:>2}: {', '.join(e['members'])}  <- {e['reason'][:110]}")

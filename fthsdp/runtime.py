@@ -56,12 +56,14 @@ from fthsdp.catchup.wire import FetchFailed
 from fthsdp.config import RuntimeConfig
 from fthsdp.faults import FaultInjector
 from fthsdp.lr import lr_factor
+from fthsdp.metrics import ReplicaMetrics
 from ftar.engine import ExchangeResult, FTARConfig, Handle, LaneEngine
 from ftar.errors import Excluded, FTARError, Interrupted, Misaligned
 from ftar.membership import EpochFeed, LighthouseMembership
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
 from lighthouse.errors import Busy
+from lighthouse.security import security_from_env
 
 log = logging.getLogger("fthsdp.runtime")
 
@@ -166,10 +168,12 @@ class Replica:
                                     on_chunk_sent=lambda step, n: self.faults.at(step, "serve"),
                                     corrupt=_corrupt_from_env())
         self.server.directory = self._gather_addresses(self.server.address)
+        self.metrics = ReplicaMetrics.from_env(cfg.replica_id, self.rank)
         self.feed = EpochFeed()
         self.client = LighthouseClient(cfg.lighthouse, cfg.job_id, cfg.replica_id, shard_count=cfg.world_size,
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,
-                                       endpoints=m.Endpoints(catchup=self.server.address))
+                                       endpoints=m.Endpoints(catchup=self.server.address),
+                                       security=security_from_env())
         role = 0
         if self.rank == 0:
             reg = self.client.start(register=True, deadline_s=cfg.epoch_wait_s)
@@ -195,6 +199,7 @@ class Replica:
         """The step of the checkpoint this replica resumed from, if it did."""
         self.joining = bool(flag.item() == 1)
         """True until this replica has caught up with the others."""
+        self.metrics.on_joining(self.joining)
         self._announced = False
         self.engine = LaneEngine(LighthouseMembership(self.client, self.feed), lane=self.rank,
                                  config=FTARConfig(backend=cfg.backend, timeout_s=cfg.timeout_s,
@@ -330,6 +335,9 @@ class Replica:
         batches = self._commit(agreed, results)
         result = StepResult(agreed, loss_value, max(epochs), results[0].contributors, False, attempts, exchange_s,
                             batches, self._lr_factor)
+        self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
+        self.metrics.on_commit(agreed, max(epochs), results[0].contributors, attempts,
+                               stall_s=exchange_s if attempts > 1 else 0.0)
         self._after_commit(batches)
         return result
 
@@ -348,6 +356,7 @@ class Replica:
             if attempts >= 20:
                 raise RejoinRequired(f"step {self.step}: no consistent exchange in {attempts} attempts")
             attempts += 1
+            self.metrics.on_retry("failure" if failed else "epoch_change")
             if not failed and min(epochs) == newest:
                 # This lane has the whole step in the newest epoch any rank of the replica saw: its partners in
                 # that epoch have it too and will not exchange it again, so keep it; the other lanes catch up.
@@ -490,6 +499,9 @@ class Replica:
             if self.step != agreed + 1:
                 raise StateMismatch(f"replay ended at step {self.step}, expected {agreed + 1}")
             self.joining = False
+            self.metrics.on_joining(False)
+            self.metrics.on_catchup(got.bytes, time.perf_counter() - t_start)
+            self.metrics.on_commit(agreed, max(epochs), results[0].contributors, attempts)
             self._after_commit(())
             if self.rank == 0:
                 self.client.ready(m.ACTIVE)
@@ -708,6 +720,7 @@ class Replica:
             self.engine.close()
         self.server.close(drain_s=10.0)
         self.client.close(leave="finished" if leave and self.rank == 0 else None)
+        self.metrics.close()
 
 
 class _FailedFetch(Fetch):
