@@ -90,6 +90,8 @@ def test_leader_that_loses_etcd_refuses_changes_steps_down_and_leads_again_when_
         assert s.lh.leading
         stub = pb_grpc.LighthouseStub(channel_to(s))
         register(stub, "a", incarnation="a1")
+        watch = stub.Watch(pb.WatchRequest(job_id=JOB), timeout=60)
+        assert next(watch).number == 1
         before = s.state()
         etcd.stop()
         with pytest.raises(grpc.RpcError) as info:
@@ -100,6 +102,10 @@ def test_leader_that_loses_etcd_refuses_changes_steps_down_and_leads_again_when_
         # Without etcd it cannot know it still leads: once its lease must have expired, it stops serving.
         wait_until(lambda: not s.lh.leading, timeout=3 * TTL + 10, what="the leader stepping down")
         assert http_status(s.http)["leader"] is False
+        with pytest.raises(grpc.RpcError) as info:
+            next(watch)  # its watch streams end with the same refusal, so clients look for the leader
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert "does not lead" in info.value.details()  # type: ignore[attr-defined]
         # etcd comes back with its data: the lighthouse is elected again and numbers carry on from the store.
         etcd.restart()
         wait_until(lambda: s.lh.leading, timeout=3 * TTL + 15, what="leading again once etcd is back")
