@@ -89,7 +89,8 @@ class Election:
     def stop(self) -> None:
         """Stop campaigning; a leader revokes its lease so that a successor takes over at once."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=10)
         if self._lease is not None:
             try:
                 self._lease.revoke()
