@@ -68,6 +68,14 @@ def test_follower_refuses_naming_the_leader_and_status_says_who_leads(
     s1, s2 = http_status(first.http), http_status(second.http)
     assert s1["leader"] is True and s2["leader"] is False and s2["leader_address"] == first.addr
     assert s1["epoch"] == s2["epoch"] == 1  # a follower reports what the store holds
+    # One client call reaches the leader through the follower's hint, skipping the address list's order
+    # (rotation alone would go to the dead address next and fail this call).
+    from etcd_server import free_port
+    c = LighthouseClient(f"{second.addr},127.0.0.1:{free_port()},{first.addr}", JOB, "probe")
+    try:
+        assert c.status().epoch.number == 1 and c.aio.address == first.addr
+    finally:
+        c.close()
     # `fthsdp status` given both side ports shows the leader's answer.
     out = subprocess.run([sys.executable, "-m", "fthsdp", "status", "--json", "--http",
                           f"{second.http},{first.http}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
