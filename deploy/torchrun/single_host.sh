@@ -10,12 +10,13 @@
 #   --module MOD [fthsdp.examples.train]  --backend gloo|nccl [torch's choice]  --timeout SECONDS [5]
 #   --max-restarts K [3] (torchrun, in place)  --group-restarts G [10]  --restart-delay SECONDS [2]
 #   --kill I@STEP[:PHASE] (SIGKILL group I once, at that step; test/demo only)  --workdir DIR [a temp dir]
+#   --gpus-per-group K (group i sees GPUs i*K..i*K+K-1 through CUDA_VISIBLE_DEVICES; 0: no pinning [0])
 #   -- ARGS...  (passed to the trainer after --steps/--model)
 # Exit status: 0 when every group finished; otherwise that of the first group that gave up.
 set -uo pipefail
 
 REPLICAS=3 RANKS=2 STEPS=60 MODEL=tiny MODULE=fthsdp.examples.train BACKEND="" TIMEOUT=5
-MAX_RESTARTS=3 GROUP_RESTARTS=10 RESTART_DELAY=2 KILL="" WORKDIR="" EXTRA=()
+MAX_RESTARTS=3 GROUP_RESTARTS=10 RESTART_DELAY=2 KILL="" WORKDIR="" GPUS_PER_GROUP=0 EXTRA=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --replicas) REPLICAS=$2; shift 2 ;;
@@ -30,6 +31,7 @@ while [ $# -gt 0 ]; do
         --restart-delay) RESTART_DELAY=$2; shift 2 ;;
         --kill) KILL=$2; shift 2 ;;
         --workdir) WORKDIR=$2; shift 2 ;;
+        --gpus-per-group) GPUS_PER_GROUP=$2; shift 2 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) echo "single_host.sh: unknown option $1" >&2; exit 2 ;;
     esac
@@ -81,14 +83,17 @@ count_fatal() {  # fatal events the example trainer wrote to its progress file
 run_group() {
     local index=$1 attempt=0 code fault=""
     if [ -n "$KILL" ] && [ "${KILL%%@*}" = "$index" ]; then fault=${KILL#*@}; fi
-    local progress="$WORKDIR/replica$index.progress.jsonl" fatal_before
+    local progress="$WORKDIR/replica$index.progress.jsonl" fatal_before gpus=""
+    if [ "$GPUS_PER_GROUP" -gt 0 ]; then
+        gpus=$(seq -s, $((index * GPUS_PER_GROUP)) $((index * GPUS_PER_GROUP + GPUS_PER_GROUP - 1)))
+    fi
     while :; do
         attempt=$((attempt + 1))
         fatal_before=$(count_fatal "$progress")
         echo "group $index: start (incarnation $attempt)"
         env FTHSDP_LIGHTHOUSE="$LIGHTHOUSE" FTHSDP_REPLICA_INDEX="$index" FTHSDP_NUM_REPLICAS="$REPLICAS" \
             FTHSDP_TIMEOUT="$TIMEOUT" ${BACKEND:+FTHSDP_BACKEND="$BACKEND"} ${fault:+FTHSDP_FAULT="$fault"} \
-            FTHSDP_PROGRESS="$progress" \
+            FTHSDP_PROGRESS="$progress" ${gpus:+CUDA_VISIBLE_DEVICES="$gpus"} \
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 \
             "$PY" -m torch.distributed.run --standalone --nproc-per-node "$RANKS" --max-restarts "$MAX_RESTARTS" \
             -m "$MODULE" --steps "$STEPS" --model "$MODEL" "${EXTRA[@]}" >>"$WORKDIR/replica$index.log" 2>&1
