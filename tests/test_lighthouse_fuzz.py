@@ -98,7 +98,7 @@ def test_random_bytes_get_a_clear_error_and_change_nothing(target: Target, metho
     assert target.state() == before
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(size=st.integers(wire.MAX_MESSAGE_BYTES + 1, 4 * wire.MAX_MESSAGE_BYTES), method=st.sampled_from(sorted(UNARY)))
 def test_oversized_messages_are_resource_exhausted(target: Target, size: int, method: str) -> None:
     before = target.state()
