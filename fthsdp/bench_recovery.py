@@ -115,6 +115,10 @@ def measure(cluster: Cluster, report: dict[str, Any], warmup: int = 5) -> dict[s
         "catchup": c,
         "rejoin_s": report["rejoin_s"],
         "effective_training_time": report["effective_training_time"],
+        # The keys every system of ``bench recovery --vs torchft`` reports (fthsdp/bench_vs.py).
+        "step_s": report["median_step_s"],
+        "stall_s": report["survivor_max_stall_s"],
+        "ett": report["effective_training_time"],
         "final_equal": len({f["param_hash"] for f in report["final"].values() if f}) == 1
         and all(report["final"].values()),
     }

@@ -186,8 +186,15 @@ def cmd_demo(a: argparse.Namespace) -> None:
 
     try:
         kills = tuple(Kill.parse(k) for k in a.kill)
+        delay = a.restart_delay
+        if a.kill_all is not None:
+            kills += tuple(Kill(r, a.kill_all) for r in range(a.replicas))
+            # Come back once the lighthouse has declared the dead incarnations dead: the first replica back then
+            # resumes from the newest checkpoint and the others catch up from it.
+            delay = max(delay, ClusterConfig.heartbeat_timeout_s + 1.0)
         config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model,
-                               kills=kills, restart_delay_s=a.restart_delay, timeout_s=a.timeout)
+                               kills=kills, restart_delay_s=delay, timeout_s=a.timeout,
+                               checkpoint_every=a.checkpoint_every)
         run_demo(config, pathlib.Path(a.report) if a.report else None, pathlib.Path(a.plot) if a.plot else None,
                  pathlib.Path(a.keep_logs) if a.keep_logs else None)
     except (ValueError, ReplicaFailed, TimeoutError) as e:
@@ -204,6 +211,42 @@ def cmd_bench_overhead(a: argparse.Namespace) -> None:
               f">= {r['warmup_steps']}")
         print(f"  plain FSDP2-HSDP {r['baseline_step_s']}s/step  fthsdp {r['fthsdp_step_s']}s/step  "
               f"ratio {r['step_time_ratio']}")
+
+    _emit(result, a.json, table)
+
+
+def cmd_bench_recovery(a: argparse.Namespace) -> None:
+    from fthsdp.bench_recovery import bench_recovery
+
+    # Side by side with torchft: its workload (WORKLOAD.md) is 1 rank per replica group, so ours is too.
+    ranks = a.ranks if a.ranks is not None else (1 if a.vs else 2)
+    result: dict[str, Any] = {"fthsdp": bench_recovery(replicas=a.replicas, ranks=ranks, steps=a.steps,
+                                                       kill_step=a.kill_step, model=a.model,
+                                                       restart_delay_s=a.restart_delay)}
+    if a.vs:
+        import tempfile
+
+        from fthsdp.bench_vs import compare
+
+        with tempfile.TemporaryDirectory(prefix="fthsdp-bench-vs-") as tmp:
+            result = {**result, **compare(result["fthsdp"], tmp, steps=a.steps, kill_step=a.kill_step,
+                                          replicas=a.replicas)}
+
+    def table(r: dict[str, Any]) -> None:
+        f = r["fthsdp"]
+        print(f"fthsdp recovery: {f['replicas']} replicas x {f['ranks_per_replica']} ranks, {f['model']} model, "
+              f"kill {f['kill']}; final states equal: {f['final_equal']}")
+        print(f"  survivors' stall at the failure   {f['survivor_stall_s']:>8} s")
+        print(f"  step-time ratio during catch-up   {f['catchup_step_ratio']:>8}   (target <= 1.1; "
+              f"{f['catchup_steps_observed']} survivor steps)")
+        print(f"  joiner start -> active            {f['join_s']:>8} s")
+        print(f"  transfer / plain socket copy      {f['transfer_ratio']:>8}   ({f['transfer_mbps']} vs "
+              f"{f['socket_copy_mbps']} MB/s; target >= 0.5)")
+        if "table" in r:
+            from fthsdp.bench_vs import format_table
+
+            print()
+            print(format_table(r))
 
     _emit(result, a.json, table)
 
@@ -291,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="REPLICA@STEP[:PHASE], repeatable: SIGKILL that replica group at that step "
                          "(phase: forward, backward, exchange, vote, optimizer); default 1@20")
     dm.add_argument("--no-kill", action="store_true", help="run without failures")
+    dm.add_argument("--kill-all", type=int, default=None, metavar="STEP",
+                    help="also SIGKILL every replica group at STEP: the job resumes from the newest checkpoint")
+    dm.add_argument("--checkpoint-every", type=int, default=10,
+                    help="durable checkpoint (torch.distributed.checkpoint) every K steps; 0: none")
     dm.add_argument("--restart-delay", type=float, default=2.0, help="seconds before a killed group restarts")
     dm.add_argument("--report", default="", help="write the JSON report here")
     dm.add_argument("--plot", default="", help="write the PNG timeline here")
@@ -335,6 +382,19 @@ def build_parser() -> argparse.ArgumentParser:
     bo.add_argument("--rounds", type=int, default=1, help="baseline/fthsdp alternations")
     bo.add_argument("--json", action="store_true")
     bo.set_defaults(fn=cmd_bench_overhead)
+    br = bsub.add_parser("recovery", help="a SIGKILL and rejoin: survivors' stall, catch-up cost, join time, "
+                                          "transfer throughput (--vs torchft: side by side with torchft and a "
+                                          "whole-job restart)")
+    br.add_argument("--replicas", type=int, default=3)
+    br.add_argument("--ranks", type=int, default=None, help="ranks per replica group (default 2; 1 with --vs)")
+    br.add_argument("--steps", type=int, default=60)
+    br.add_argument("--kill-step", type=int, default=20)
+    br.add_argument("--restart-delay", type=float, default=2.0)
+    br.add_argument("--model", default="reference")
+    br.add_argument("--vs", choices=["torchft"], default=None,
+                    help="also run torchft and a whole-job restart on the same workload")
+    br.add_argument("--json", action="store_true")
+    br.set_defaults(fn=cmd_bench_recovery)
     return p
 
 

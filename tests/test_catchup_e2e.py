@@ -40,7 +40,8 @@ def test_survivors_do_not_wait_while_a_replica_catches_up(tmp_path: pathlib.Path
     catchup = joined["catchup"]
     assert catchup["refetched_chunks"] >= 1, catchup
     assert catchup["bytes"] > 0 and catchup["snapshot_step"] <= joined["step"]
-    restart = max(e["t"] for e in report["events"] if e["event"] == "start" and e["replica"] == 1)
+    # From the restarted replica's registration (its process is up: torch imported, model built) to active.
+    restart = max(x["t"] for x in progress(tmp_path, 1) if x["event"] == "start")
     for r in (0, 2):
         check_survivor(tmp_path, r, steps)
         rows = _steps(tmp_path, r)
