@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
+from fthsdp.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse import membership as m
 from lighthouse.client import AsyncLighthouseClient, Backoff, ReportResult
 from lighthouse.errors import Busy, LighthouseError, LighthouseUnavailable, UnknownTarget
@@ -16,6 +17,18 @@ from lighthouse.security import ClientSecurity
 from lighthouse.wire import EpochView
 
 log = logging.getLogger("fthsdp.emulate")
+
+
+class _OwnConnectionClient(AsyncLighthouseClient):
+    """An emulated replica's client on its own TCP connection. gRPC otherwise multiplexes every channel to the
+    same target over one shared connection (its global subchannel pool): thousands of emulated replicas would
+    share one HTTP/2 connection, which no real deployment does and which breaks down near 2,000 of them."""
+
+    def _stub_now(self) -> Any:
+        if self._stub is None:
+            self._channel = self.security.channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
+            self._stub = pb_grpc.LighthouseStub(self._channel)
+        return self._stub
 
 
 @dataclass
@@ -40,11 +53,13 @@ class Emulator:
                  rpc_timeout_s: float = 5.0, security: ClientSecurity | None = None) -> None:
         self.on_epoch = on_epoch
         self._background: set[asyncio.Task[None]] = set()
-        self.replicas = [
-            EmulatedReplica(AsyncLighthouseClient(lighthouse, job_id, f"{prefix}-{i:05d}", shard_count=shard_count,
-                                                  rpc_timeout_s=rpc_timeout_s, security=security))
-            for i in range(replicas)
-        ]
+        self._client_args = (lighthouse, job_id)
+        self._client_kw: dict[str, Any] = {"shard_count": shard_count, "rpc_timeout_s": rpc_timeout_s,
+                                           "security": security}
+        self.replicas = [EmulatedReplica(self._client(f"{prefix}-{i:05d}")) for i in range(replicas)]
+
+    def _client(self, replica_id: str) -> AsyncLighthouseClient:
+        return _OwnConnectionClient(*self._client_args, replica_id, **self._client_kw)
 
     def _deliver(self, r: EmulatedReplica) -> Callable[[EpochView], None]:
         def deliver(e: EpochView) -> None:
@@ -84,20 +99,32 @@ class Emulator:
                 return
             await backoff.wait(r.stop)
 
-    async def start(self, concurrency: int = 64) -> None:
+    async def start(self, concurrency: int = 64, sessions_after: bool = False) -> None:
         """Register everyone (bounded concurrency), then start their sessions. Joiners declare themselves
-        ready at once, and active once they are in an epoch."""
+        ready at once, and active once they are in an epoch. ``sessions_after``: start every session (heartbeats,
+        watch) only once all have registered, so that thousands of registrations do not compete with the
+        heartbeats of the first ones (the heartbeat timeout must then outlast the registrations)."""
         sem = asyncio.Semaphore(concurrency)
+        roles: dict[str, str] = {}
 
-        async def reg(r: EmulatedReplica) -> None:
-            async with sem:
-                role = (await r.client.register()).role
-            # Heartbeat from now on: waiting for everyone else to register first could outlast the timeout.
+        def begin(r: EmulatedReplica, role: str) -> None:
             self._start_session(r)
             if role == m.JOINING:
                 self._spawn(self._join(r))  # in the background: it may wait for other joiners
 
+        async def reg(r: EmulatedReplica) -> None:
+            async with sem:
+                role = (await r.client.register()).role
+            if sessions_after:
+                roles[r.replica_id] = role
+            else:
+                # Heartbeat from now on: waiting for everyone else to register first could outlast the timeout.
+                begin(r, role)
+
         await asyncio.gather(*(reg(r) for r in self.replicas))
+        for r in self.replicas:
+            if r.replica_id in roles:
+                begin(r, roles[r.replica_id])
 
     def _start_session(self, r: EmulatedReplica) -> None:
         def lost(why: str) -> None:
@@ -112,6 +139,19 @@ class Emulator:
         if r.task is not None:
             await asyncio.gather(r.task, return_exceptions=True)
         await r.client.close()
+
+    async def restart(self, dead: EmulatedReplica) -> EmulatedReplica:
+        """A new incarnation of a killed replica (same id): it registers, joins, and turns active as soon as it
+        is in the data plane (as a restarted replica group would, with an instant catch-up)."""
+        if not dead.stop.is_set():
+            raise ValueError(f"{dead.replica_id} is alive: kill it first")
+        r = EmulatedReplica(self._client(dead.replica_id))
+        self.replicas[self.replicas.index(dead)] = r
+        role = (await r.client.register()).role
+        self._start_session(r)
+        if role == m.JOINING:
+            self._spawn(self._join(r))
+        return r
 
     async def report(self, reporter: EmulatedReplica, suspect: EmulatedReplica) -> ReportResult | None:
         epoch = reporter.epoch.number if reporter.epoch else 0
@@ -128,10 +168,27 @@ class Emulator:
         """Wait until every live emulated replica holds an epoch matching ``predicate``."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
+        # Replicas share their epoch views (memoized by content), so the predicate runs once per distinct view;
+        # the poll period grows with N so that polling does not load the emulator (delivery times are recorded
+        # as each epoch arrives, not here).
+        period = max(0.01, len(self.replicas) / 200_000)
         while loop.time() < end:
-            if all(r.epoch is not None and predicate(r.epoch) for r in self.alive()):
+            verdicts: dict[int, bool] = {}
+            ok = True
+            for r in self.alive():
+                e = r.epoch
+                if e is None:
+                    ok = False
+                    break
+                v = verdicts.get(id(e))
+                if v is None:
+                    v = verdicts[id(e)] = predicate(e)
+                if not v:
+                    ok = False
+                    break
+            if ok:
                 return True
-            await asyncio.sleep(0.01)  # polling a condition with a deadline
+            await asyncio.sleep(period)  # polling a condition with a deadline
         return False
 
     async def close(self, leave: str | None = None) -> None:
