@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test proto bench clean
+.PHONY: setup demo test proto bench benchmarks-doc clean
 
 $(STAMP): pyproject.toml Makefile scripts/system-deps.sh
 	bash scripts/system-deps.sh
@@ -33,6 +33,11 @@ bench: setup
 	$(PY) -m fthsdp bench lighthouse
 	$(PY) -m fthsdp bench ftar
 	$(PY) -m fthsdp bench overhead
+
+# docs/benchmarks.md and docs/img/bench-*.png from docs/bench-data/*.json (fresh JSONs in out/bench/ are copied
+# there first); running the benchmarks themselves is up to you (the page says how).
+benchmarks-doc:
+	$(PY) scripts/gen_benchmarks_doc.py --import out/bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache
