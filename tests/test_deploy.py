@@ -5,6 +5,8 @@ and every flag and FTHSDP_* variable they use exists."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 import pathlib
 import re
 import subprocess
@@ -240,3 +242,45 @@ def test_every_variable_deploy_uses_is_documented() -> None:
     assert "FTHSDP_REPLICA_INDEX" in used
     undocumented = {v: p for v, p in used.items() if v not in table}
     assert not undocumented, f"FTHSDP_* variables used in deploy/ but not in the table: {undocumented}"
+
+
+# --- deploy/torchrun/single_host.sh, run ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_single_host_script_restarts_groups(tmp_path: pathlib.Path) -> None:
+    """A real run of the script (a real lighthouse and torchrun, a stand-in trainer): torchrun restarts a failed
+    worker in place, the script restarts a group whose torchrun gave up, and stops at a fatal error."""
+    workdir = tmp_path / "run"
+    plan = {0: [75], 1: ["fatal", "fatal"], 2: [1, 1]}  # exit status of each run, per group (then 0)
+    env = {**os.environ, "DEPLOY_TEST_PLAN": ";".join(f"{i}={','.join(map(str, c))}" for i, c in plan.items() if c)}
+    proc = subprocess.Popen(["bash", str(DEPLOY / "torchrun" / "single_host.sh"), "--replicas", "3", "--ranks", "1",
+                             "--steps", "7", "--module", "tests.deploy_worker", "--max-restarts", "1",
+                             "--group-restarts", "2", "--restart-delay", "0.2", "--workdir", str(workdir),
+                             "--", "--extra", "x"],
+                            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the script's trap ends the lighthouse and the groups it started
+        out, _ = proc.communicate(timeout=30)
+        pytest.fail(f"single_host.sh did not finish within 100 s:\n{out}")
+    assert proc.returncode != 0, out  # group 1 gave up
+    runs = {}
+    for i in plan:
+        rows = [json.loads(x) for x in (workdir / f"replica{i}.progress.jsonl").read_text().splitlines()]
+        runs[i] = [x for x in rows if x["event"] == "run"]
+        for x in runs[i]:
+            assert x["lighthouse_reachable"] and x["num_replicas"] == "3"
+            assert x["share_store_disabled"] == "1"  # torchrun restarts workers here (pytorch#135712)
+            assert x["args"] == ["--steps", "7", "--model", "tiny", "--extra", "x"]
+    # torchrun's restart count per run: a restart in place counts up; a new torchrun (the script's restart)
+    # starts again at 0.
+    assert [x["restart_count"] for x in runs[0]] == [0, 1]  # 75, restarted in place, then done
+    assert [x["restart_count"] for x in runs[1]] == [0, 1]  # fatal twice: torchrun gave up, the script stopped
+    assert [x["restart_count"] for x in runs[2]] == [0, 1, 0]  # torchrun gave up, the script started a new one
+    assert "group 0: finished" in out and "group 2: finished" in out
+    assert "group 0: exit status" not in out  # restarted by torchrun, not by the script
+    assert "group 2: start (incarnation 2)" in out
+    assert "group 1: fatal" in out and "group 1: start (incarnation 2)" not in out
