@@ -32,7 +32,7 @@ class LighthouseMetrics:
         self.epoch.labels(job).set(number)
         if number:
             self.epoch_changes.labels(job).inc()
-            if state.epoch is not None and state.epoch.number == number:
+            if number > 1 and state.epoch is not None and state.epoch.number == number:  # 1: bootstrap
                 for _, kind in epoch_events(state.epoch.reason):
                     self.membership_events.labels(job, kind).inc()
         for role in m.ROLES:
