@@ -240,6 +240,11 @@ class LaneEngine:
             if self._closed:
                 raise EngineClosed("engine closed")
             epoch = self._usable_epoch(after=self._failed_epoch)
+            if self._pg is not None and self._pg_view is not None and epoch.number != self._pg_epoch \
+                    and epoch.data_plane == self._pg_view.data_plane:
+                # Only roles changed (a joiner turned active): the group is the same, keep it. Every member
+                # decides this from the epoch alone, so they all stay together.
+                epoch = self._pg_view
             if not req.new_epoch_ok and (self._pg is None or self._pg_epoch != epoch.number):
                 # Mid-sequence: stay in the group the sequence began in while it is whole (every member may be
                 # continuing in it); a group that lost a member ends the sequence, to be redone from its start.
@@ -423,7 +428,8 @@ class LaneEngine:
                 raise _Abandoned()
             if give_up_at is None and self._epoch_changed.is_set():
                 current = self.membership.current()
-                if current is not None and current.number > epoch.number:
+                if current is not None and current.number > epoch.number \
+                        and current.data_plane != epoch.data_plane:
                     # A newer epoch. If it dropped a member of this collective, give up at once: it cannot
                     # finish. If not (a join, a re-formed epoch), every member may be in it and it may finish
                     # for some: abandoning it could split them (some would have the result, some not), so it

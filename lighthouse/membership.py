@@ -102,6 +102,16 @@ class Epoch:
     members: tuple[EpochMember, ...]
     created_at: float
     reason: str
+    plane: int = 0
+    """The epoch whose data-plane groups this one keeps (0: its own). Only a role change keeps them: the same
+    members with the same incarnations; a re-formed epoch (a suspected broken group) never does."""
+
+    @property
+    def data_plane(self) -> int:
+        return self.plane or self.number
+
+    def plane_key(self) -> tuple[tuple[str, str], ...]:
+        return tuple((m.replica_id, m.incarnation) for m in self.members)
 
     def key(self) -> tuple[tuple[str, str, str], ...]:
         return tuple((m.replica_id, m.incarnation, m.role) for m in self.members)
@@ -425,8 +435,11 @@ def _reconcile(state: State, reason: str, now: float, policy: Policy, force: boo
         guard = (f"min-replicas guard: {len(wanted)} live data-plane member(s), "
                  f"{policy.min_replicas} required, with at least one active; epoch unchanged")
         return Outcome(state=state, reason=f"{reason}; {guard}" if reason else guard)
-    epoch = Epoch(number=state.last_number + 1, members=wanted, created_at=now,
-                  reason=_clip(reason) if reason else "bootstrap")
+    number = state.last_number + 1
+    keeps = (state.epoch is not None and not force
+             and tuple((m.replica_id, m.incarnation) for m in wanted) == state.epoch.plane_key())
+    epoch = Epoch(number=number, members=wanted, created_at=now, reason=_clip(reason) if reason else "bootstrap",
+                  plane=state.epoch.data_plane if keeps and state.epoch is not None else number)
     history = (state.history + (epoch,))[-HISTORY_LIMIT:]
     new = dataclasses.replace(state, epoch=epoch, last_number=epoch.number, history=history, suspicions={},
                               suspected_at={}, reforms=state.reforms if force else {})

@@ -70,6 +70,7 @@ def epoch_to_pb(job_id: str, epoch: m.Epoch | None, rendezvous: str) -> pb.Epoch
         rendezvous=f"{rendezvous}/{job_id}/epoch{epoch.number}" if rendezvous else "",
         created_unix=epoch.created_at,
         reason=epoch.reason,
+        plane=epoch.data_plane,
     )
 
 
@@ -86,6 +87,12 @@ class EpochView:
     rendezvous: str
     created_unix: float
     reason: str
+    plane: int = 0
+    """The epoch whose data-plane groups this one keeps (see ``Epoch.plane`` in the proto)."""
+
+    @property
+    def data_plane(self) -> int:
+        return self.plane or self.number
 
     @property
     def replica_ids(self) -> tuple[str, ...]:
@@ -122,6 +129,7 @@ def epoch_from_pb(e: pb.Epoch) -> EpochView:
         rendezvous=e.rendezvous,
         created_unix=e.created_unix,
         reason=e.reason,
+        plane=e.plane,
     )
 
 
@@ -146,6 +154,7 @@ def _epoch_to_doc(e: m.Epoch) -> dict[str, Any]:
                     for x in e.members],
         "created_at": e.created_at,
         "reason": e.reason,
+        "plane": e.data_plane,
     }
 
 
@@ -164,7 +173,7 @@ def _epoch_from_doc(d: dict[str, Any]) -> m.Epoch:
         else:  # a history entry: the replica id only
             members.append(m.EpochMember(str(x), "", "", 0, m.Endpoints()))
     return m.Epoch(number=int(d["number"]), members=tuple(members), created_at=float(d["created_at"]),
-                   reason=str(d["reason"]))
+                   reason=str(d["reason"]), plane=int(d.get("plane", 0)))
 
 
 def state_to_doc(state: m.State) -> dict[str, Any]:

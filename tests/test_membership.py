@@ -265,6 +265,26 @@ def test_join_flow() -> None:
     assert active.state.epoch is not None and active.state.epoch.number == 3
     assert roles(active.state.epoch) == {"a": m.ACTIVE, "b": m.ACTIVE}
     assert ready(active.state, "b", m.ACTIVE, 3.1).state is active.state  # idempotent
+    # Only a role changed: the new epoch keeps the data-plane groups of the one the joiner entered in.
+    assert as_joiner.state.epoch.data_plane == 2 and active.state.epoch.data_plane == 2
+
+
+def test_data_plane_is_kept_only_when_just_roles_change() -> None:
+    state = boot(["a", "b"])
+    assert state.epoch is not None and state.epoch.data_plane == state.epoch.number
+    joined = ready(register(state, "c", 1.0).state, "c", m.JOINING, 1.5).state
+    assert joined.epoch is not None and joined.epoch.data_plane == joined.epoch.number  # a member more: new
+    active = ready(joined, "c", m.ACTIVE, 2.0).state
+    assert active.epoch is not None and active.epoch.data_plane == joined.epoch.number
+    # A suspect still heartbeating: the re-formed epoch (same members) gets new groups (the old are broken).
+    suspected = report(active, "a", "b", 2.5, epoch=active.epoch.number).state
+    reformed = tick(suspected, 2.5 + P.confirm_age_s + 0.1, b=0.0).state
+    assert reformed.epoch is not None and reformed.epoch.number > active.epoch.number
+    assert reformed.epoch.plane_key() == active.epoch.plane_key()
+    assert reformed.epoch.data_plane == reformed.epoch.number
+    # A restart (same id, new incarnation) is a new member: new groups.
+    restarted = register(reformed, "c", 3.0, n=2).state
+    assert restarted.epoch is not None and restarted.epoch.data_plane == restarted.epoch.number
 
 
 def test_restarted_replica_cannot_turn_active_on_its_old_incarnations_epoch_slot() -> None:

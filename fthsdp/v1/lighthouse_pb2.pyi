@@ -41,20 +41,22 @@ class Member(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ...) -> None: ...
 
 class Epoch(_message.Message):
-    __slots__ = ("job_id", "number", "members", "rendezvous", "created_unix", "reason")
+    __slots__ = ("job_id", "number", "members", "rendezvous", "created_unix", "reason", "plane")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    PLANE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     number: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
     rendezvous: str
     created_unix: float
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    plane: int
+    def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., plane: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("job_id", "replica_id", "shard_count", "endpoints", "incarnation")
