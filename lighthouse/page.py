@@ -212,7 +212,11 @@ _SCRIPT = r"""
   function refresh() {
     var ctl = window.AbortController ? new AbortController() : null;
     var timer = setTimeout(function () { if (ctl) { ctl.abort(); } }, REFRESH_MS * 2);
-    fetch("status", {cache: "no-store", credentials: "same-origin", signal: ctl ? ctl.signal : undefined})
+    // /status next to this page, without credentials in the URL (fetch refuses those; a browser that
+    // authenticated for the page still sends them for the same origin).
+    var url = new URL("status", window.location.href);
+    url.username = ""; url.password = ""; url.search = ""; url.hash = "";
+    fetch(url.href, {cache: "no-store", credentials: "same-origin", signal: ctl ? ctl.signal : undefined})
       .then(function (r) { if (!r.ok) { throw new Error("HTTP " + r.status); } return r.json(); })
       .then(function (s) { render(s, "live"); })
       .catch(function (err) {

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import threading
+import urllib.error
 import urllib.request
 from typing import Any, Callable, Coroutine, Iterator, TypeVar
 
@@ -84,7 +85,7 @@ def test_page_is_self_contained_and_embeds_the_status() -> None:
     assert p.external == []  # no external assets: works on an isolated cluster
     embedded = [text for attrs, text in p.scripts if attrs.get("id") == "initial-status"]
     assert len(embedded) == 1 and json.loads(embedded[0]) == doc
-    assert "fetch(\"status\"" in page  # refreshes itself from /status
+    assert 'new URL("status"' in page and "fetch(url.href" in page  # refreshes itself from /status
     # Without JavaScript: the same data as tables.
     assert "<td>r1</td><td>joining</td>" in page and "replica r1 dead" in page
 
@@ -265,3 +266,18 @@ def test_lighthouse_metrics_count_the_failure_and_the_rejoin(cluster: ServerThre
             expected[kind] = expected.get(kind, 0) + 1
     assert expected.get("failure", 0) >= 1 and expected.get("rejoin", 0) >= 1  # page-00001 died and rejoined
     assert {k: int(v) for k, v in counted.items() if v} == expected
+
+
+def test_page_with_a_job_token_in_chromium(start_server: Callable[..., ServerThread], tmp_path: pathlib.Path) -> None:
+    """With a job token every HTTP path needs it; a browser gives it as the Basic password (here in the URL),
+    and the page's own fetches of /status still work."""
+    from lighthouse.security import ServerSecurity
+
+    token = "page-test-token-0123456789"
+    server = start_server(POLICY, security=ServerSecurity(token=token))
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://{server.http}/", timeout=5)
+    assert refused.value.code == 401
+    r = _chromium(tmp_path, "--virtual-time-budget=5000", "--dump-dom", f"http://viewer:{token}@{server.http}/")
+    assert 'data-rendered="js"' in r.stdout, r.stderr[-2000:]
+    assert 'data-source="live"' in r.stdout, "the page could not fetch /status with the browser's credentials"
