@@ -5,6 +5,7 @@ excluded, the same measure as the other systems'."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import statistics
 import subprocess
@@ -25,6 +26,7 @@ def run_plain(workdir: pathlib.Path | str, steps: int = 60, seed: int = 0, repli
     cmd = [*torchrun(replicas * ranks), "-m", "fthsdp.examples.train", "--plain", "--hsdp-replicas", str(replicas),
            "--model", model, "--steps", str(steps), "--batch", str(batch), "--lr", str(lr), "--seed", str(seed),
            "--progress", str(progress)]
+    load0 = os.getloadavg()[0]
     with open(work / "plain.log", "ab") as out:
         proc = subprocess.Popen(cmd, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -48,6 +50,7 @@ def run_plain(workdir: pathlib.Path | str, steps: int = 60, seed: int = 0, repli
         "ett": round(m["effective_training_time"], 3),
         "wall_s": round(m["wall_s"], 2),
         "t_start": time.time(),
+        "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "settings": {"replicas": replicas, "ranks_per_replica": ranks, "steps": steps, "model": model,
                      "batch": batch, "lr": lr, "warmup_steps": warmup, "failures": "none"},
     }

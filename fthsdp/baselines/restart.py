@@ -14,6 +14,7 @@ step 20 with one every 5); ``stall_s`` counts the average loss of a failure at a
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import subprocess
@@ -43,6 +44,7 @@ def run_restart(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
         cmd += ["--kill", f"{kill_replica}@{kill_step}"]
     env = child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     t_start = time.time()
+    load0 = os.getloadavg()[0]
     with open(work / "torchrun.log", "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -81,7 +83,7 @@ def run_restart(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
         replica_steps_trained=m["replica_steps_trained"], failures=len(kills),
         checkpoint_save_s=round(sorted(saves)[len(saves) // 2], 3) if saves else None,
         checkpoint_load_s=round(max(x["load_s"] for x in restored), 3) if restored else None,
-        t_start=t_start,
+        t_start=t_start, loadavg_1min=[round(load0, 2), round(os.getloadavg()[0], 2)],
         settings={"replicas": replicas, "ranks_per_replica": ranks, "steps": steps,
                   "kill": f"{kill_replica}@{kill_step}", "checkpoint_every": checkpoint_every, "model": model,
                   "batch": batch, "lr": lr, "warmup_steps": warmup, "torchrun_max_restarts": 1,

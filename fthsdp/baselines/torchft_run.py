@@ -12,6 +12,7 @@ seed the same weights), ``min_replica_size=2``.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import subprocess
@@ -91,6 +92,7 @@ def run_torchft(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
         g.restart_at = None
         events.append({"t": time.time(), "event": "start", "replica": g.index, "incarnation": g.incarnation})
 
+    load0 = os.getloadavg()[0]
     deadline = time.monotonic() + timeout_s
     try:
         wait_port(port, 30, lighthouse)
@@ -155,6 +157,7 @@ def run_torchft(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
         "wall_s": round(m["wall_s"], 2),
         "replica_steps_trained": m["replica_steps_trained"],
         "failures": len(failures),
+        "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "final_steps": [f["step"] if f else None for f in finals],
         "settings": {"replicas": replicas, "ranks_per_replica": 1, "steps": steps, "kill": f"{kill_replica}@{kill_step}",
                      "restart_delay_s": restart_delay_s, "model": model, "batch": batch, "lr": lr,
