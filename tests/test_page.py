@@ -22,7 +22,7 @@ import pytest
 from lighthouse import membership as m
 from lighthouse.emulate import Emulator
 from lighthouse.page import epoch_events, render_page
-from conftest import ServerThread, wait_until
+from conftest import ServerThread, make_config, wait_until
 
 T = TypeVar("T")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -139,10 +139,11 @@ def _history_has(s: ServerThread, needle: str) -> Callable[[], bool]:
     return lambda: any(needle in e["reason"] for e in _get_status(s)["history"])
 
 
-@pytest.fixture
-def cluster(start_server: Callable[..., ServerThread]) -> Iterator[ServerThread]:
-    """A lighthouse and 3 emulated replicas; replica page-00001 is killed, declared dead, and rejoins."""
-    server = start_server(POLICY)
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ServerThread]:
+    """A lighthouse and 3 emulated replicas; replica page-00001 is killed, declared dead, and rejoins. Shared by
+    the tests of this module (they only read it)."""
+    server = ServerThread(make_config(POLICY))
     lt = LoopThread()
     emus: list[Emulator] = []
     try:
@@ -169,6 +170,7 @@ def cluster(start_server: Callable[..., ServerThread]) -> Iterator[ServerThread]
             except Exception:  # a failed close must not hide the test's own failure
                 pass
         lt.stop()
+        server.stop()
 
 
 def _chromium(tmp: pathlib.Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
