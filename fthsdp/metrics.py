@@ -24,9 +24,17 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 
 PREFIX = "fthsdp_replica_"
 _STALL_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -79,7 +87,7 @@ class ReplicaMetrics:
 
     @classmethod
     def from_env(cls, replica: str, rank: int, env: Mapping[str, str] | None = None,
-                 addr: str = "0.0.0.0") -> "ReplicaMetrics":
+                 addr: str = "0.0.0.0") -> ReplicaMetrics:
         """Exporter on ``FTHSDP_METRICS_PORT + LOCAL_RANK`` if ``FTHSDP_METRICS_PORT`` is set, else none."""
         e = os.environ if env is None else env
         raw = e.get("FTHSDP_METRICS_PORT", "")

@@ -15,14 +15,15 @@ import subprocess
 import threading
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Coroutine, Iterator, TypeVar
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
+from conftest import ServerThread, make_config, wait_until
 
 from lighthouse import membership as m
 from lighthouse.emulate import Emulator
 from lighthouse.page import epoch_events, render_page
-from conftest import ServerThread, make_config, wait_until
 
 T = TypeVar("T")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -167,8 +168,8 @@ def cluster() -> Iterator[ServerThread]:
         for emu in emus:
             try:
                 lt.run(emu.close(), timeout=10)
-            except Exception:  # a failed close must not hide the test's own failure
-                pass
+            except Exception as e:  # noqa: BLE001  a failed close must not hide the test's own failure
+                print(f"emulator close failed: {e!r}")
         lt.stop()
         server.stop()
 
@@ -179,7 +180,8 @@ def _chromium(tmp: pathlib.Path, *args: str, timeout: float = 90) -> subprocess.
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
            "--disable-dev-shm-usage", f"--user-data-dir={tmp / 'profile'}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          check=False)
 
 
 def test_live_page_in_chromium(cluster: ServerThread, tmp_path: pathlib.Path) -> None:
