@@ -284,3 +284,15 @@ def test_single_host_script_restarts_groups(tmp_path: pathlib.Path) -> None:
     assert "group 0: exit status" not in out  # restarted by torchrun, not by the script
     assert "group 2: start (incarnation 2)" in out
     assert "group 1: fatal" in out and "group 1: start (incarnation 2)" not in out
+
+
+def test_lighthouse_probes_need_no_token() -> None:
+    """The lighthouse requires the job token on every HTTP path but /healthz, and a probe cannot carry a Secret:
+    its HTTP probes must use /healthz, over HTTPS when TLS is on."""
+    lh = _container(_find("StatefulSet", "lighthouse"), "lighthouse")
+    tls = any(a.startswith("--tls-cert=") for a in lh["args"])
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = lh[probe].get("httpGet")
+        if get is not None:
+            assert get["path"] == "/healthz", probe
+            assert get.get("scheme", "HTTP") == ("HTTPS" if tls else "HTTP"), probe
