@@ -75,6 +75,9 @@ class RuntimeConfig:
     replica. Empty: no checkpoints, and a job whose replicas all died cannot resume."""
     checkpoint_every: int = 0
     """``FTHSDP_CHECKPOINT_EVERY``: write a checkpoint every K committed steps (0: only on SIGTERM)."""
+    join_warmup: bool = True
+    """``FTHSDP_JOIN_WARMUP``: a joiner runs one forward and backward (thrown away) before entering the data
+    plane, so its slow first step does not hold the others; 0 for a closure that consumes data when called."""
     max_replay: int = 256
     """``FTHSDP_CATCHUP_MAX_REPLAY``: a joiner keeps the averaged gradients of at most this many steps while it
     fetches (one gradient shard each); a fetch slower than that makes it restart (exit 75) and try again."""
@@ -128,4 +131,5 @@ class RuntimeConfig:
             checkpoint_dir=e.get("FTHSDP_CHECKPOINT_DIR", ""),
             checkpoint_every=every,
             max_replay=_int(e, "FTHSDP_CATCHUP_MAX_REPLAY", "256"),
+            join_warmup=_int(e, "FTHSDP_JOIN_WARMUP", "1") != 0,
         )

@@ -308,12 +308,13 @@ class Replica:
 
     def train_step(self, closure: Callable[[], torch.Tensor]) -> StepResult:
         """Run one step: ``closure()`` returns the loss (the runtime calls ``backward``). Returns once the step is
-        committed. A joining replica does not call ``closure``: it catches up (it exchanges zeros while fetching
-        the state) and returns once it holds the same state as the others, with ``joined=True``."""
+        committed. A joining replica calls ``closure`` once to warm up (the result is thrown away: see
+        ``_warm_up``), then catches up (it exchanges zeros while fetching the state) and returns once it holds
+        the same state as the others, with ``joined=True``."""
         if self.opt is None:
             raise RuntimeError("call optimizer(opt) first")
         if self.joining:
-            return self._catch_up()
+            return self._catch_up(closure)
         self.faults.at(self.step, "forward")
         self.opt.zero_grad(set_to_none=True)
         self._pending = [None] * len(self._buckets)
@@ -447,10 +448,12 @@ class Replica:
 
     # --- catching up --------------------------------------------------------------------------------------------
 
-    def _catch_up(self) -> StepResult:
+    def _catch_up(self, closure: Callable[[], torch.Tensor]) -> StepResult:
         """Exchange zeros step after step, keeping the averaged gradients, while the snapshot of step S (ahead of
         the others) is fetched; then load it, replay the kept steps from S, and turn active."""
         t_start = time.perf_counter()
+        if self.config.join_warmup and not self._announced:
+            self._warm_up(closure)
         if self.rank == 0 and not self._announced:
             # Enter the data plane only now that everything is set up: the others wait for us from here on.
             self._announce()
@@ -514,6 +517,17 @@ class Replica:
                       sorted(got.sources), replayed)
             return StepResult(agreed, None, max(epochs), results[0].contributors, True, attempts,
                               time.perf_counter() - t0, (), self._lr_factor, catchup)
+
+    def _warm_up(self, closure: Callable[[], torch.Tensor]) -> None:
+        """One forward and backward, thrown away, before entering the data plane: a process's first step is
+        slow (FSDP2's lazy init, first allocations), and once this replica is a member the others would wait
+        for it. Nothing is exchanged or applied; the closure must not consume data (index it by ``cursor``)."""
+        assert self.opt is not None
+        t0 = time.perf_counter()
+        loss = closure()
+        loss.backward()
+        self.opt.zero_grad(set_to_none=True)
+        self._log(logging.INFO, "warm-up step before joining took %.3fs", time.perf_counter() - t0)
 
     def _all_ranks(self, flag: bool) -> bool:
         t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)

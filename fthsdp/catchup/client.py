@@ -113,6 +113,17 @@ class Fetch:
             except OSError:
                 pass
 
+    def _cut_others(self, mine: socket.socket) -> None:
+        """Everything is in: end the other sessions now (a source still waiting for its snapshot, or idle), so
+        that no thread lingers and every source drops its snapshot."""
+        with self._lock:
+            others = [s for s in self._socks if s is not mine]
+        for s in others:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def result(self, timeout: float | None = None) -> FetchResult:
         """Wait for the fetch; raises ``FetchFailed`` if no source could complete it."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -129,7 +140,7 @@ class Fetch:
                                   f"{'; '.join(self._failures) or self._error or 'cancelled'}")
             assert self._manifest is not None
         for t in self._threads:
-            t.join(5.0)
+            t.join(2.0)
         m = self._manifest
         return FetchResult(m.step, {e.name: b for e, b in zip(m.entries, self._buffers)},
                            sum(e.nbytes for e in m.entries), self._t_done - self._t_manifest,
@@ -250,6 +261,8 @@ class Fetch:
                             if self._remaining == 0:
                                 self._t_done = time.perf_counter()
                                 self._lock.notify_all()
+                        if self._remaining == 0:
+                            self._cut_others(sock)
                         if self._on_chunk is not None:
                             self._on_chunk(self.hello.step, n)
                     del pending[(e, off)]
@@ -257,6 +270,9 @@ class Fetch:
         except (CatchupError, OSError, ValueError) as e:
             if pending:  # unfinished chunks go back for the other sources
                 self._work.put([(e_, off, n) for (e_, off), n in pending.items()])
+            with self._lock:
+                if self._remaining == 0:
+                    return  # cut off after the fetch completed: not a failure
             why = f"{src.replica_id}: {e}"
             log.warning("catchup replica=%s rank=%d step=%d source %s", self.hello.replica, self.hello.rank,
                         self.hello.step, why)
