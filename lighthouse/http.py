@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import html
 import json
 import logging
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -52,30 +50,6 @@ class _QuietServer(ThreadingHTTPServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A failed TLS handshake or a dropped connection is the client's problem: log it, no traceback."""
         log.debug("http connection from %s failed", client_address, exc_info=True)
-
-
-def render_page(status: dict[str, Any]) -> str:
-    """The human page: members with roles and heartbeat ages, and the epoch timeline."""
-    rows = "".join(
-        f"<tr><td>{html.escape(x['replica_id'])}</td><td class='{x['role']}'>{x['role']}</td>"
-        f"<td>{'yes' if x['in_epoch'] else 'no'}</td><td>{x['step']}</td><td>{x['last_heartbeat_age_s']:.2f}</td></tr>"
-        for x in status["members"])
-    hist = "".join(
-        f"<tr><td>{e['epoch']}</td><td>{time.strftime('%H:%M:%S', time.localtime(e['time']))}</td>"
-        f"<td>{html.escape(', '.join(e['members']))}</td><td>{html.escape(e['reason'])}</td></tr>"
-        for e in reversed(status["history"]))
-    return f"""<!doctype html><html><head><meta charset="utf-8"><meta http-equiv="refresh" content="2">
-<title>fthsdp lighthouse: {html.escape(status['job'])}</title>
-<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;margin-bottom:2em}}
-td,th{{border:1px solid #ccc;padding:4px 10px}}.active{{color:#070}}.joining{{color:#a60}}</style></head>
-<body><h1>fthsdp lighthouse</h1>
-<p>job <b>{html.escape(status['job'])}</b> · epoch <b id="epoch">{status['epoch']}</b> ·
-{len(status['members'])} live replica(s) · min replicas {status['min_replicas']} ·
-leader: {'yes' if status['leader'] else 'no'}</p>
-<h2>Replicas</h2><table id="members"><tr><th>replica</th><th>role</th><th>in epoch</th><th>step</th>
-<th>heartbeat age (s)</th></tr>{rows}</table>
-<h2>Epochs</h2><table id="history"><tr><th>epoch</th><th>time</th><th>members</th><th>reason</th></tr>{hist}</table>
-</body></html>"""
 
 
 class StatusHTTPServer:
