@@ -1,4 +1,4 @@
-"""The ``fthsdp`` command line: lighthouse, status, emulate, bench, demo."""
+"""The ``fthsdp`` command line: lighthouse, status, emulate, bench, demo, chaos."""
 
 from __future__ import annotations
 
@@ -257,6 +257,27 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
     _emit(result, a.json, table)
 
 
+def cmd_chaos(a: argparse.Namespace) -> None:
+    import tempfile
+
+    from fthsdp.chaos import KINDS, REPLICA_KINDS, ChaosConfig, result_text, soak, summary_text
+
+    kinds = tuple(a.kinds.split(",")) if a.kinds else (KINDS if a.ha else REPLICA_KINDS)
+    cfg = ChaosConfig(seed=a.seed, replicas=a.replicas, steps=a.steps, kinds=kinds, faults=a.faults, ha=a.ha,
+                      min_step_s=a.min_step_s, model=a.model, timeout_s=a.timeout)
+    workdir = pathlib.Path(a.workdir) if a.workdir else pathlib.Path(tempfile.mkdtemp(prefix="fthsdp-chaos-"))
+    out = soak(cfg, workdir, runs=a.runs, duration_s=a.duration, keep=a.keep,
+               on_result=None if a.json else lambda r: print(result_text(r), flush=True))
+    if a.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(summary_text(out))
+        if out["violations"]:
+            print(f"runs with violations kept under {workdir}")
+    if out["violations"]:
+        sys.exit(1)
+
+
 def cmd_sim(a: argparse.Namespace) -> None:
     from fthsdp.sim import SimConfig, simulate
 
@@ -350,6 +371,26 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--keep-logs", default="", help="copy the replicas' logs and progress files here")
     dm.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     dm.set_defaults(fn=cmd_demo)
+
+    ch = sub.add_parser("chaos", help="local clusters under a seeded schedule of failures, invariants checked")
+    ch.add_argument("--seed", type=int, default=0, help="first run's seed (run i uses seed + i)")
+    ch.add_argument("--runs", type=int, default=1)
+    ch.add_argument("--duration", type=float, default=0.0,
+                    help="soak: start runs until this many seconds have passed (overrides --runs)")
+    ch.add_argument("--ha", action="store_true",
+                    help="3-member etcd on loopback and 3 lighthouses on it; also kill the leader and etcd members")
+    ch.add_argument("--replicas", type=int, default=3)
+    ch.add_argument("--steps", type=int, default=400)
+    ch.add_argument("--faults", type=int, default=0, help="faults per run (default: one per kind)")
+    ch.add_argument("--kinds", default="", help="comma-separated among kill,hang,double,lighthouse,etcd "
+                                                "(default: all that apply)")
+    ch.add_argument("--model", default="tiny")
+    ch.add_argument("--min-step-s", type=float, default=0.15, help="pace the trainer's steps")
+    ch.add_argument("--timeout", type=float, default=900.0, help="give one run up after this many seconds")
+    ch.add_argument("--workdir", default="", help="runs go here (default: a new temporary directory)")
+    ch.add_argument("--keep", action="store_true", help="keep the logs of runs without violations too")
+    ch.add_argument("--json", action="store_true")
+    ch.set_defaults(fn=cmd_chaos)
 
     sm = sub.add_parser("sim", help="effective training time of a large job: whole-job restarts vs fthsdp")
     sm.add_argument("--gpus", type=int, required=True)

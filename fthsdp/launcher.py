@@ -159,11 +159,23 @@ class Cluster:
         with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:
             return json.load(r)  # type: ignore[no-any-return]
 
+    def lighthouse_args(self) -> list[str]:
+        c = self.config
+        return ["--heartbeat-interval", str(c.heartbeat_interval_s), "--heartbeat-timeout", str(c.heartbeat_timeout_s),
+                "--confirm-age", str(c.confirm_age_s), "--expected-replicas", str(c.replicas)]
+
+    def start_lighthouse(self) -> None:
+        """Start the lighthouse; set ``addr`` (what replicas get as ``FTHSDP_LIGHTHOUSE``) and ``http``. A subclass
+        may start several (HA: ``addr`` is then a comma-separated list)."""
+        self.lighthouse, self.addr, self.http = start_lighthouse_process(self.lighthouse_args(), self.workdir)
+
+    def stop_lighthouse(self) -> None:
+        if self.lighthouse is not None:
+            stop_process(self.lighthouse)
+
     def run(self) -> dict[str, Any]:
         c = self.config
-        self.lighthouse, self.addr, self.http = start_lighthouse_process(
-            ["--heartbeat-interval", str(c.heartbeat_interval_s), "--heartbeat-timeout", str(c.heartbeat_timeout_s),
-             "--confirm-age", str(c.confirm_age_s), "--expected-replicas", str(c.replicas)], self.workdir)
+        self.start_lighthouse()
         t_start = time.time()
         deadline = time.monotonic() + c.timeout_s
         try:
@@ -183,8 +195,7 @@ class Cluster:
                 if g.proc is not None and g.proc.poll() is None:
                     os.killpg(g.proc.pid, signal.SIGKILL)
                     g.proc.wait()
-            if self.lighthouse is not None:
-                stop_process(self.lighthouse)
+            self.stop_lighthouse()
         return self._report(t_start, history)
 
     def _supervise(self, g: Group) -> None:
