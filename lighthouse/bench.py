@@ -138,6 +138,8 @@ async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejo
                 "lighthouse_cpu_pct_churn": round(100 * (churn_cpu1 - churn_cpu0) / (churn_w1 - churn_w0), 1),
                 "emulator_cpu_pct_churn": round(100 * (churn_own1 - churn_own0) / (churn_w1 - churn_w0), 1),
                 "churn_s": round(churn_w1 - churn_w0, 2),
+                "loadavg_1min": round(os.getloadavg()[0], 2),
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
         finally:
             gc.unfreeze()

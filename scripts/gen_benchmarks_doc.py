@@ -45,9 +45,17 @@ PAPER = {"gpus": 98304, "replica_gpus": 8192, "mtbf_min": 18.0, "sync_recovery_m
          "rejoin_min": 10.0}
 
 
+def _read(f: pathlib.Path) -> dict[str, Any] | None:
+    """The JSON in ``f``, or None when it is missing, empty or not JSON (a run still writing it, a failed one)."""
+    try:
+        doc = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def load(data: pathlib.Path, name: str) -> dict[str, Any] | None:
-    f = data / name
-    return json.loads(f.read_text()) if f.exists() else None
+    return _read(data / name)
 
 
 def fmt(v: Any, spec: str = ".3f") -> str:
@@ -107,6 +115,9 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
                 f"`min_replica_size={s.get('manager_min_replica_size')}`; gradients averaged with "
                 "`manager.allreduce` on one flat bucket after backward, optimizer step only when "
                 "`manager.should_commit()` (torchft's DDP wrapper crashed the survivors on a kill on this stack). "
+                "torchft trains the plain module, without FSDP2: with one rank per group there is nothing to shard, "
+                "and torchft 0.2.0's asynchronous quorum reads FSDP2 state mid-forward (DESIGN.md section 10); that "
+                "makes its step lighter than FSDP2-HSDP's and fthsdp's, which run FSDP2 even on one rank. "
                 "The restarted group heals from a live one (torchft's HTTP checkpoint transport)."
                 + (f" Survivors' total excess over the failure window: {fmt(tft.get('lost_s'), '.2f')} s." if
                    tft.get("lost_s") is not None else ""), ""]
@@ -181,17 +192,23 @@ def section_lighthouse(lh: dict[str, Any] | None, sat: dict[str, Any] | None, no
             "CPU % steady | emulator CPU % | detect p50 (s) | push p50 / p99 (s) | death -> all p50 / p99 (s) | "
             "rejoin -> all p50 / p99 (s) | lighthouse / emulator CPU % in churn |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in res:
+    for r in res + [dict(x, other=True) for x in lh.get("other_runs", [])]:
+        label = f"{r['replicas']:,}" + (" (another run)" if r.get("other") else "")
         out.append(
-            f"| {r['replicas']:,} | {r['heartbeat_interval_s']:g} | {fmt(r['bootstrap_s'], '.1f')} | "
+            f"| {label} | {r['heartbeat_interval_s']:g} | {fmt(r['bootstrap_s'], '.1f')} | "
             f"{fmt(r.get('epoch_message_bytes', 0) / 1e3, '.0f')} | "
             f"{r['heartbeats_per_s']:,.0f} ({r['heartbeats_offered_per_s']:,.0f}) | {r['lighthouse_cpu_pct']} | "
             f"{r.get('emulator_cpu_pct', '–')} | {fmt(r['detect_p50_s'], '.2f')} | "
             f"{fmt(r['push_p50_s'], '.3f')} / {fmt(r['push_p99_s'], '.3f')} | "
             f"{fmt(r['death_to_all_p50_s'], '.2f')} / {fmt(r['death_to_all_p99_s'], '.2f')} | "
             f"{fmt(r.get('rejoin_to_all_p50_s'), '.2f')} / {fmt(r.get('rejoin_to_all_p99_s'), '.2f')} | "
-            f"{r.get('lighthouse_cpu_pct_churn', '–')} / {r.get('emulator_cpu_pct_churn', '–')} |")
+            f"{fmt(r.get('lighthouse_cpu_pct_churn'), '.1f')} / {fmt(r.get('emulator_cpu_pct_churn'), '.1f')} |")
     out.append("")
+    if lh.get("provenance"):
+        out += ["Runs: " + "; ".join(lh["provenance"]) + ". Each row also records the machine's 1-minute load "
+                "average (`loadavg_1min` in the JSON): "
+                + ", ".join(f"{r['replicas']:,}: {r['loadavg_1min']}" for r in res if r.get("loadavg_1min")) + ".",
+                ""]
     _plot_lighthouse(res, img / "bench-lighthouse.png")
     out += ["![lighthouse growth](img/bench-lighthouse.png)", ""]
     if sat or (notes and notes.get("saturation")):
@@ -363,6 +380,9 @@ def main(argv: list[str] | None = None) -> None:
         src = pathlib.Path(a.import_dir)
         for name in KNOWN:
             if (src / name).exists():
+                if _read(src / name) is None:
+                    print(f"skipped {src / name}: empty or not JSON")
+                    continue
                 shutil.copyfile(src / name, data / name)
                 print(f"imported {src / name}")
     out = pathlib.Path(a.out)
