@@ -320,6 +320,9 @@ class ChaosCluster(Cluster):
         if lh.grpc:
             args += ["--bind", lh.grpc, "--http", lh.http]  # parsed after the launcher's port-0 defaults
             (lh.workdir / "lighthouse.ports").unlink(missing_ok=True)
+            log_path = lh.workdir / "lighthouse.log"
+            if log_path.exists():  # the restart writes a new log: keep the killed one's
+                os.replace(log_path, lh.workdir / f"lighthouse.log.{time.time():.0f}")
         lh.proc, lh.grpc, lh.http = start_lighthouse_process(args, lh.workdir)
 
     def stop_lighthouse(self) -> None:
@@ -419,6 +422,9 @@ class Injector:
         self._group_steps: dict[int, int] = {}
         self._stopped: set[int] = set()
         self._obs_t = 0.0
+        self._progress: dict[int, list[dict[str, Any]]] = {}
+        self._offsets: dict[int, int] = {}
+        self._starts: dict[int, list[dict[str, Any]]] = {}
         self.stuck: list[dict[str, Any]] = []
 
     # observations -----------------------------------------------------------------------------------------------
@@ -430,11 +436,10 @@ class Injector:
         self._next_poll = now + self.POLL_S
         self._obs_t = now
         for g in c.groups:
-            rows = c.progress(g)
-            s = [x["step"] for x in rows if x.get("event") == "step" and x["t"] >= g.started_at]
+            rows = self._rows(g.index, g.progress)
+            s = [x["step"] for x in rows[-50:] if x.get("event") == "step" and x["t"] >= g.started_at]
             self._group_steps[g.index] = s[-1] if s else -1
-            self._max_step = max(self._max_step, max((x["step"] for x in rows if x.get("event") == "step"),
-                                                     default=-1))
+            self._max_step = max([self._max_step] + s)
         statuses = c.statuses()
         leaders = [s for s in statuses if s.get("leader", True)]
         for s in leaders:
@@ -442,6 +447,28 @@ class Injector:
             self.epochs_seen.append({"t": time.time(), "event": "epoch_seen", "epoch": s["epoch"],
                                      "members": hist.get(s["epoch"]), "leader": s.get("address", "")})
         self._healthy = bool(leaders) and self._whole(c, leaders[0])
+
+    def _rows(self, replica: int, path: pathlib.Path) -> list[dict[str, Any]]:
+        """The replica's progress lines, read incrementally (whole lines only); its start lines kept apart."""
+        rows = self._progress.setdefault(replica, [])
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(replica, 0))
+                data = f.read()
+        except FileNotFoundError:
+            return rows
+        end = data.rfind(b"\n") + 1
+        self._offsets[replica] = self._offsets.get(replica, 0) + end
+        for line in data[:end].splitlines():
+            try:
+                x = json.loads(line)
+            except ValueError:
+                continue
+            rows.append(x)
+            if x.get("event") == "start":
+                self._starts.setdefault(replica, []).append(x)
+        del rows[:-100]  # the recent ones are enough here; the checks read the files afterwards
+        return rows
 
     def _whole(self, c: ChaosCluster, status: dict[str, Any]) -> bool:
         """Every group running (not restarting, not stopped), and registered as an active member of the current
@@ -453,7 +480,7 @@ class Injector:
                 continue
             if g.proc is None or g.proc.poll() is not None or g.restart_at is not None or g.index in self._stopped:
                 return False
-            starts = [x for x in c.progress(g) if x.get("event") == "start" and x["t"] >= g.started_at]
+            starts = [x for x in self._starts.get(g.index, []) if x["t"] >= g.started_at]
             if not starts or active.get(f"replica-{g.index}") != starts[-1].get("incarnation"):
                 return False
         if c.etcd is not None:
@@ -726,7 +753,9 @@ def soak(cfg: ChaosConfig, workdir: pathlib.Path, runs: int = 1, duration_s: flo
 
 
 def summary_text(s: dict[str, Any]) -> str:
-    lines = [f"chaos: {s['runs']} run(s) (seeds {s['seeds'][:1] + s['seeds'][-1:] if s['seeds'] else []}), "
+    seeds = s["seeds"]
+    named = "" if not seeds else f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}..{seeds[-1]}"
+    lines = [f"chaos: {s['runs']} run(s) ({named}), "
              f"{s['faults_injected']} fault(s) injected in {s['wall_s']}s, {s['not_fired']} armed but not fired"]
     for kind, n in sorted(s["by_kind"].items()):
         lines.append(f"  {kind:<16} {n}")
