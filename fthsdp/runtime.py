@@ -454,6 +454,7 @@ class Replica:
         t_start = time.perf_counter()
         if self.config.join_warmup and not self._announced:
             self._warm_up(closure)
+        entered = time.time()
         if self.rank == 0 and not self._announced:
             # Enter the data plane only now that everything is set up: the others wait for us from here on.
             self._announce()
@@ -494,6 +495,7 @@ class Replica:
                     raise RejoinRequired(f"catch-up failed {fetches} times")
                 continue
             assert got is not None
+            t_in = time.perf_counter()
             self._load(got)
             replayed = 0
             for s in range(target, agreed + 1):
@@ -501,31 +503,53 @@ class Replica:
                 replayed += 1
             if self.step != agreed + 1:
                 raise StateMismatch(f"replay ended at step {self.step}, expected {agreed + 1}")
+            t_applied = time.perf_counter()
             self.joining = False
             self.metrics.on_joining(False)
             self.metrics.on_catchup(got.bytes, time.perf_counter() - t_start)
             self.metrics.on_commit(agreed, max(epochs), results[0].contributors, attempts)
             self._after_commit(())
             if self.rank == 0:
-                self.client.ready(m.ACTIVE)
+                # Off the critical path: the role change keeps the data plane (the epoch's plane), so training
+                # does not wait for the lighthouse; a slow or failing-over lighthouse only delays the role.
+                threading.Thread(target=self._turn_active, name="fthsdp-ready-active", daemon=True).start()
             catchup = {"bytes": got.bytes, "transfer_s": round(got.transfer_s, 4), "wait_s": round(got.wait_s, 4),
                        "sources": got.sources, "source_failures": got.source_failures,
                        "refetched_chunks": got.refetched_chunks, "snapshot_step": got.step, "replayed": replayed,
-                       "fetches": fetches, "catchup_s": round(time.perf_counter() - t_start, 4)}
+                       "fetches": fetches, "apply_s": round(t_applied - t_in, 4),
+                       "active_s": round(time.perf_counter() - t_applied, 4),
+                       "catchup_s": round(time.perf_counter() - t_start, 4), "entered_unix": entered}
             self._log(logging.INFO, "caught up at step %d: snapshot of step %d (%.1f MB in %.3fs from %s), %d "
                       "step(s) replayed; now active", agreed, got.step, got.bytes / 1e6, got.transfer_s,
                       sorted(got.sources), replayed)
             return StepResult(agreed, None, max(epochs), results[0].contributors, True, attempts,
                               time.perf_counter() - t0, (), self._lr_factor, catchup)
 
+    def _turn_active(self) -> None:
+        """Ready(ACTIVE), retried (bounded by epoch_wait_s) while the lighthouse does not answer."""
+        deadline = time.monotonic() + self.config.epoch_wait_s
+        while True:
+            try:
+                self.client.ready(m.ACTIVE)
+                return
+            except Exception as e:  # noqa: BLE001 - a background retry loop: log, retry, give up at the deadline
+                if time.monotonic() > deadline:
+                    self._log(logging.ERROR, "could not tell the lighthouse this replica is active: %s", e)
+                    return
+                self._log(logging.WARNING, "Ready(active) failed (%s); retrying", e)
+                time.sleep(0.5)  # retry pacing, bounded by the deadline
+
     def _warm_up(self, closure: Callable[[], torch.Tensor]) -> None:
-        """One forward and backward, thrown away, before entering the data plane: a process's first step is
-        slow (FSDP2's lazy init, first allocations), and once this replica is a member the others would wait
-        for it. Nothing is exchanged or applied; the closure must not consume data (index it by ``cursor``)."""
+        """One forward, backward and optimizer step, thrown away, before entering the data plane: a process's
+        first step is slow (FSDP2's lazy init, the optimizer's first step, first allocations), and once this
+        replica is a member the others would wait for it. Nothing is exchanged; what the optimizer step changes
+        is overwritten by the snapshot (every parameter and optimizer-state tensor). The closure must not
+        consume data (index the data by ``cursor``)."""
         assert self.opt is not None
         t0 = time.perf_counter()
         loss = closure()
         loss.backward()
+        self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self._log(logging.INFO, "warm-up step before joining took %.3fs", time.perf_counter() - t0)
 
