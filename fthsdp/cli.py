@@ -263,8 +263,11 @@ def cmd_chaos(a: argparse.Namespace) -> None:
     from fthsdp.chaos import KINDS, REPLICA_KINDS, ChaosConfig, result_text, soak, summary_text
 
     kinds = tuple(a.kinds.split(",")) if a.kinds else (KINDS if a.ha else REPLICA_KINDS)
-    cfg = ChaosConfig(seed=a.seed, replicas=a.replicas, steps=a.steps, kinds=kinds, faults=a.faults, ha=a.ha,
-                      min_step_s=a.min_step_s, model=a.model, timeout_s=a.timeout)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or (not a.ha and not set(kinds) & set(REPLICA_KINDS)):
+        sys.exit(f"fthsdp chaos: --kinds must be among {','.join(KINDS)} (lighthouse and etcd need --ha)")
+    cfg = ChaosConfig(seed=a.seed, replicas=a.replicas, ranks=a.ranks, steps=a.steps, kinds=kinds, faults=a.faults,
+                      ha=a.ha, min_step_s=a.min_step_s, model=a.model, timeout_s=a.timeout)
     workdir = pathlib.Path(a.workdir) if a.workdir else pathlib.Path(tempfile.mkdtemp(prefix="fthsdp-chaos-"))
     out = soak(cfg, workdir, runs=a.runs, duration_s=a.duration, keep=a.keep,
                on_result=None if a.json else lambda r: print(result_text(r), flush=True))
@@ -380,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--ha", action="store_true",
                     help="3-member etcd on loopback and 3 lighthouses on it; also kill the leader and etcd members")
     ch.add_argument("--replicas", type=int, default=3)
+    ch.add_argument("--ranks", type=int, default=2, help="ranks per replica group")
     ch.add_argument("--steps", type=int, default=400)
     ch.add_argument("--faults", type=int, default=0, help="faults per run (default: one per kind)")
     ch.add_argument("--kinds", default="", help="comma-separated among kill,hang,double,lighthouse,etcd "

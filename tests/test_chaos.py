@@ -124,7 +124,7 @@ def test_invariants_accept_a_rejoin_and_a_resume() -> None:
 # --- real runs ----------------------------------------------------------------------------------------------------
 
 SEED = 16
-STEPS = 500
+STEPS = 700
 # Light enough for a 2-core machine: one rank per replica group, a 3 s heartbeat timeout, a 5 s hang, a continued
 # replica gives up waiting for an epoch that has it after 10 s (the runtime's default is 60 s).
 QUICK = dict(ranks=1, min_step_s=0.1, heartbeat_timeout_s=3.0, collective_timeout_s=4.0, hang_s=(4.5, 5.5),
