@@ -222,10 +222,12 @@ class EtcdCluster:
         self._launch(i)
 
     def stop(self) -> None:
-        for i, p in enumerate(self.procs):
-            if p is not None and p.poll() is None:
-                stop_process(p, timeout=10)
-            self.procs[i] = None
+        live = [p for p in self.procs if p is not None and p.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        for p in live:
+            stop_process(p, timeout=10)
+        self.procs = [None] * len(self.procs)
 
 
 # --- stopping a replica group ----------------------------------------------------------------------------------
@@ -329,9 +331,11 @@ class ChaosCluster(Cluster):
         if self.etcd is None:
             super().stop_lighthouse()
             return
-        for lh in self.lighthouses:
-            if lh.proc is not None and lh.proc.poll() is None:
-                stop_process(lh.proc)
+        live = [lh.proc for lh in self.lighthouses if lh.proc is not None and lh.proc.poll() is None]
+        for proc in live:  # all at once: each one's graceful stop gives its lease back and waits on etcd
+            proc.send_signal(signal.SIGTERM)
+        for proc in live:
+            stop_process(proc)
 
     def statuses(self) -> list[dict[str, Any]]:
         """The status of every lighthouse that answers (one, without HA)."""
