@@ -291,7 +291,7 @@ class ChaosCluster(Cluster):
     """A ``Cluster`` whose replicas get a fault file each, and, with ``etcd``, several lighthouses on it (the
     replicas get them all in ``FTHSDP_LIGHTHOUSE``)."""
 
-    def __init__(self, config: ClusterConfig, workdir: pathlib.Path, injector: "Injector",
+    def __init__(self, config: ClusterConfig, workdir: pathlib.Path, injector: Injector,
                  etcd: EtcdCluster | None = None, lighthouses: int = 3, election_ttl_s: int = 2) -> None:
         self.fault_files = {i: workdir / f"replica{i}.fault" for i in range(config.replicas)}
         env = {i: {**config.env.get(i, {}), "FTHSDP_FAULT_FILE": str(self.fault_files[i])}
@@ -759,8 +759,8 @@ def soak(cfg: ChaosConfig, workdir: pathlib.Path, runs: int = 1, duration_s: flo
 def summary_text(s: dict[str, Any]) -> str:
     seeds = s["seeds"]
     named = "" if not seeds else f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}..{seeds[-1]}"
-    lines = [f"chaos: {s['runs']} run(s) ({named}), "
-             f"{s['faults_injected']} fault(s) injected in {s['wall_s']}s, {s['not_fired']} armed but not fired"]
+    lines = [(f"chaos: {s['runs']} run(s) ({named}), "
+              f"{s['faults_injected']} fault(s) injected in {s['wall_s']}s, {s['not_fired']} armed but not fired")]
     for kind, n in sorted(s["by_kind"].items()):
         lines.append(f"  {kind:<16} {n}")
     if s["violations"]:

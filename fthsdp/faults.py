@@ -29,7 +29,7 @@ class FaultInjector:
     """What ``path`` held when last read: its inode, mtime and size, and the fault parsed from it (or None)."""
 
     @classmethod
-    def from_env(cls, rank: int) -> "FaultInjector":
+    def from_env(cls, rank: int) -> FaultInjector:
         spec = os.environ.get("FTHSDP_FAULT", "")
         path = os.environ.get("FTHSDP_FAULT_FILE", "") if rank == 0 else ""
         if not spec or rank != 0:

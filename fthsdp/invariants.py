@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from itertools import pairwise
+from typing import Any
 
 Row = dict[str, Any]
 
@@ -149,7 +151,7 @@ def no_lost_step(per_replica: dict[int, list[Row]], steps: int) -> list[str]:
             by_inc.setdefault(x.get("incarnation"), []).append(x["step"])
         last_max = -1
         for inc, got in by_inc.items():  # in order of first appearance (the file is appended to)
-            for a, b in zip(got, got[1:]):
+            for a, b in pairwise(got):
                 if b != a + 1:
                     problems.append(f"replica {r} incarnation {inc}: committed step {a} then {b} "
                                     f"({'went backwards' if b <= a else 'skipped'})")
@@ -185,12 +187,12 @@ def epochs_increasing(report: dict[str, Any]) -> list[str]:
     problems = []
     history = [e for e in report.get("events", []) if e.get("event") == "epoch"]
     numbers = [e["epoch"] for e in history]
-    for a, b in zip(numbers, numbers[1:]):
+    for a, b in pairwise(numbers):
         if b <= a:
             problems.append(f"epoch history not strictly increasing: {a} then {b} (history {numbers})")
             break
     seen = sorted((e for e in report.get("events", []) if e.get("event") == "epoch_seen"), key=lambda e: e["t"])
-    for a, b in zip(seen, seen[1:]):
+    for a, b in pairwise(seen):
         if b["epoch"] < a["epoch"]:
             problems.append(f"epoch went back from {a['epoch']} to {b['epoch']} (seen at {a['t']:.3f} and "
                             f"{b['t']:.3f}{', lighthouse ' + str(b.get('leader')) if b.get('leader') else ''})")

@@ -16,8 +16,21 @@ from typing import Any
 import pytest
 
 from fthsdp import invariants as inv
-from fthsdp.chaos import (HA_KINDS, KILL_PHASES, KINDS, REPLICA_KINDS, STEP_PHASES, ChaosConfig, Fault, _descendants,
-                          run_chaos, schedule, signal_tree, soak, summary_text)
+from fthsdp.chaos import (
+    HA_KINDS,
+    KILL_PHASES,
+    KINDS,
+    REPLICA_KINDS,
+    STEP_PHASES,
+    ChaosConfig,
+    Fault,
+    _descendants,
+    run_chaos,
+    schedule,
+    signal_tree,
+    soak,
+    summary_text,
+)
 
 # --- the schedule ------------------------------------------------------------------------------------------------
 
@@ -160,8 +173,8 @@ SEED = 16
 STEPS = 700
 # Light enough for a 2-core machine: one rank per replica group, a 3 s heartbeat timeout, a 5 s hang, a continued
 # replica gives up waiting for an epoch that has it after 10 s (the runtime's default is 60 s).
-QUICK = dict(ranks=1, min_step_s=0.1, heartbeat_timeout_s=3.0, collective_timeout_s=4.0, hang_s=(4.5, 5.5),
-             epoch_wait_s=10.0, last_fault_at=0.8)
+QUICK: dict[str, Any] = {"ranks": 1, "min_step_s": 0.1, "heartbeat_timeout_s": 3.0, "collective_timeout_s": 4.0,
+                         "hang_s": (4.5, 5.5), "epoch_wait_s": 10.0, "last_fault_at": 0.8}
 
 
 @pytest.mark.slow
@@ -175,7 +188,7 @@ def test_seeded_chaos_run_keeps_every_invariant(tmp_path: pathlib.Path) -> None:
     t0 = time.monotonic()
     # 700 paced steps: about 80 s on a quiet 2-core machine; about 250 s with a load average of 14 from other
     # test runs, where every restart (a torch import) takes 30-50 s. The timeout leaves room for the latter.
-    result = run_chaos(ChaosConfig(seed=SEED, steps=STEPS, timeout_s=420, **QUICK), tmp_path)  # type: ignore[arg-type]
+    result = run_chaos(ChaosConfig(seed=SEED, steps=STEPS, timeout_s=420, **QUICK), tmp_path)
     took = time.monotonic() - t0
     print(json.dumps({k: result[k] for k in ("injected", "not_fired", "exits", "violations", "wall_s")}, indent=1))
     assert result["violations"] == []
