@@ -91,7 +91,8 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
             f"rank, GPT 4.24 M parameters, batch 8, AdamW, {w.get('steps', 60)} steps, SIGKILL of group "
             f"{w.get('kill', '1@20')} (the whole group), restarted {w.get('restart_delay_s', 2.0)} s later, Gloo "
             "on loopback, 2 shared CPU cores. Every figure of one table comes from the same invocation; the step "
-            "ratio is against plain FSDP2-HSDP measured in it.", ""]
+            "ratio is against plain FSDP2-HSDP measured in it (the mean of a run before and one after the failure "
+            "runs).", ""]
     if not fthsdp_real:
         out += ["The fthsdp row is a placeholder until its recovery run exists: " + PLACEHOLDER, ""]
     out += ["| system | steady step (s) | step / plain FSDP2 | survivors' stall per failure (s) | rejoin (s) | "
@@ -103,6 +104,16 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
             fmt(r.get("rejoin_s"), ".2f"), fmt(r.get("ett"), ".3f"), fmt(r.get("final_equal"))]
         out.append(f"| {r['system']} | " + " | ".join(cells) + " |")
     out.append("")
+    ft = doc.get("fthsdp") if fthsdp_real else None
+    if isinstance(ft, dict):
+        extra = [(k, label) for k, label in (("catchup_step_ratio", "survivors' step during the catch-up / outside "
+                                              "it"), ("join_s", "joiner start -> active (s)"),
+                                             ("transfer_ratio", "catch-up transfer / plain socket copy"),
+                                             ("final_equal", "final states equal"))
+                 if ft.get(k) is not None]
+        if extra:
+            out += ["fthsdp's own recovery figures in the same run (`fthsdp.bench_recovery`): "
+                    + "; ".join(f"{label} {fmt(ft[k], '.3f')}" for k, label in extra) + ".", ""]
     tft = doc.get("torchft") or (doc.get("vs") or {}).get("torchft") or {}
     rst = doc.get("restart") or (doc.get("vs") or {}).get("restart") or {}
     if tft.get("settings"):
