@@ -41,7 +41,8 @@ def test_kills_during_backward_vote_and_fetch_then_rejoin(tmp_path: pathlib.Path
     """Two failures, then the first one's next incarnation dies mid-fetch: the survivor loses nothing, everyone
     comes back, every batch of every slot is trained exactly once."""
     steps = 320  # paced at 0.15 s (48 s at least): time enough for both to restart and rejoin on a busy machine
-    report = _run(tmp_path, steps, (Kill(1, 5, "backward"), Kill(2, 6, "vote"), Kill(1, 0, "fetch")),
+    # A group's kills arm one per incarnation in step order: the second incarnation of replica 1 dies fetching.
+    report = _run(tmp_path, steps, (Kill(1, 5, "backward"), Kill(2, 6, "vote"), Kill(1, 6, "fetch")),
                   min_step_s=0.15)
     check_converged(report, steps)
     check_survivor(tmp_path, 0, steps)
