@@ -62,6 +62,11 @@ def _stop(*pairs: tuple[CatchupServer, Trainer]) -> None:
         srv.close(drain_s=1)
 
 
+def _throttle(step: int, n: int) -> None:
+    """A source with a slow link (20 ms a chunk): every source is still sending when the others join in."""
+    time.sleep(0.02)
+
+
 def _fetch(sources: list[Source], step: int, **kw: object) -> Fetch:
     return Fetch(sources, job="job", replica_id="joiner", rank=0, step=step, batch_bytes=128 << 10,
                  **kw).start()  # type: ignore[arg-type]
@@ -75,7 +80,7 @@ def _expect_equal(got: dict[str, torch.Tensor], step: int) -> None:
 
 
 def test_two_sources_share_the_transfer_and_agree_on_the_step() -> None:
-    a, b = _server(0), _server(1)
+    a, b = _server(0, on_chunk_sent=_throttle), _server(1, on_chunk_sent=_throttle)
     try:
         step = max(a[1].step, b[1].step) + 20
         res = _fetch([Source("r0", a[0].address), Source("r1", b[0].address)], step).result(30)
@@ -118,7 +123,7 @@ def test_a_source_that_dies_mid_transfer_is_replaced_by_another() -> None:
             killed.set()
             raise wire.SourceLost("simulated death")
 
-    a, b = _server(0, on_chunk_sent=die), _server(1)
+    a, b = _server(0, on_chunk_sent=die), _server(1, on_chunk_sent=_throttle)
     holder["a"] = a[0]
     try:
         step = max(a[1].step, b[1].step) + 20
