@@ -664,7 +664,7 @@ class ChaosConfig:
     collective_timeout_s: float = 4.0
     hang_s: tuple[float, float] = (6.0, 8.0)
     restart_delay_s: float = 0.5
-    epoch_wait_s: float = 30.0
+    epoch_wait_s: float = 15.0
     """``FTHSDP_EPOCH_WAIT`` of the replicas: a replica continued after a hang finds itself out of the epoch and
     waits this long for one that has it before it exits to rejoin (the runtime's default is 60 s)."""
     last_fault_at: float = 0.7
