@@ -165,7 +165,7 @@ class Replica:
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, snapshot=self._snapshot, host=cfg.host,
                                     token=cfg.token, wait_s=cfg.epoch_wait_s,
-                                    on_chunk_sent=lambda step, n: self.faults.at(step, "serve"),
+                                    on_chunk_sent=_serve_hook(self.faults),
                                     corrupt=_corrupt_from_env())
         self.server.directory = self._gather_addresses(self.server.address)
         self.metrics = ReplicaMetrics.from_env(cfg.replica_id, self.rank)
@@ -463,10 +463,12 @@ class Replica:
         target = -1
         attempts = 0
         fetches = 0
+        member = 0.0
         while True:
             t0 = time.perf_counter()
             handles = self._exchange_all(self._known_tag(), contribute=False)
             agreed, epochs, results, n = self._settle(handles, contribute=False)
+            member = member or time.time()  # in the data plane: the others' groups include us from here
             attempts += n
             self.step = agreed + 1
             self._learned = agreed
@@ -518,7 +520,8 @@ class Replica:
                        "refetched_chunks": got.refetched_chunks, "snapshot_step": got.step, "replayed": replayed,
                        "fetches": fetches, "apply_s": round(t_applied - t_in, 4),
                        "active_s": round(time.perf_counter() - t_applied, 4),
-                       "catchup_s": round(time.perf_counter() - t_start, 4), "entered_unix": entered}
+                       "catchup_s": round(time.perf_counter() - t_start, 4), "entered_unix": entered,
+                       "member_unix": member}
             self._log(logging.INFO, "caught up at step %d: snapshot of step %d (%.1f MB in %.3fs from %s), %d "
                       "step(s) replayed; now active", agreed, got.step, got.bytes / 1e6, got.transfer_s,
                       sorted(got.sources), replayed)
@@ -775,6 +778,19 @@ class _FailedFetch(Fetch):
 
     def result(self, timeout: float | None = None) -> FetchResult:
         raise self._err
+
+
+def _serve_hook(faults: FaultInjector) -> Callable[[int, int], None]:
+    """After each chunk a catch-up server sends: the ``serve`` fault, and (tests) ``FTHSDP_FAULT_SLOW_SERVE_S``,
+    a slow link: that long after every chunk."""
+    slow = float(os.environ.get("FTHSDP_FAULT_SLOW_SERVE_S", "0") or 0)
+
+    def hook(step: int, n: int) -> None:
+        faults.at(step, "serve")
+        if slow > 0:
+            time.sleep(slow)  # a simulated slow link, not synchronisation
+
+    return hook
 
 
 def _corrupt_from_env() -> Callable[[int, int, bytearray], bool] | None:
