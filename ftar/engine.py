@@ -143,6 +143,7 @@ class LaneEngine:
         self._failed_epoch = 0
         """No exchange runs in this epoch or an older one again (it failed there)."""
         self._interrupted: int | None = None
+        self._excluded = ""
         self._closed = False
         self.rebuilds = 0
         self.last_rebuild_s = 0.0
@@ -279,6 +280,13 @@ class LaneEngine:
         """Accept exchanges again after an ``Interrupted`` one (call once every pending handle is done)."""
         self._interrupted = None
 
+    def exclude(self, reason: str) -> None:
+        """The lighthouse no longer knows this replica (declared dead while alive, e.g. after a hang): end the
+        exchange in flight and every later one with ``Excluded`` at once, instead of waiting for an epoch
+        that will never include it."""
+        self._excluded = reason
+        self._epoch_changed.set()
+
     def _after_failure(self, req: _Request, epoch: EpochView) -> None:
         """Redo (return), or end the exchange with ``InputsConsumed`` / ``Interrupted`` as the caller asked."""
         self._inputs_lost(req, epoch)
@@ -298,6 +306,8 @@ class LaneEngine:
         deadline = time.monotonic() + self.config.epoch_wait_s
         current = self.membership.current()
         while True:
+            if self._excluded:
+                raise Excluded(f"replica {self.replica_id}: {self._excluded}")
             if current is not None and current.number > after and current.member(self.replica_id) is not None:
                 return current
             if current is not None and current.number > after:
@@ -424,7 +434,7 @@ class LaneEngine:
             left = deadline - now
             if left <= 0:
                 raise _PeerFailure(f"collective missed its {self.config.timeout_s}s deadline")
-            if self._closed:
+            if self._closed or self._excluded:
                 raise _Abandoned()
             if give_up_at is None and self._epoch_changed.is_set():
                 current = self.membership.current()

@@ -173,7 +173,7 @@ class Replica:
         self.client = LighthouseClient(cfg.lighthouse, cfg.job_id, cfg.replica_id, shard_count=cfg.world_size,
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,
                                        endpoints=m.Endpoints(catchup=self.server.address),
-                                       security=security_from_env())
+                                       security=security_from_env(), on_lost=self._on_lost)
         role = 0
         if self.rank == 0:
             reg = self.client.start(register=True, deadline_s=cfg.epoch_wait_s)
@@ -245,6 +245,15 @@ class Replica:
         out = [torch.empty_like(buf) for _ in range(self.world_size)]
         dist.all_gather(out, buf)
         return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in out]
+
+    def _on_lost(self, reason: str) -> None:
+        """The lighthouse dropped this incarnation (it was declared dead, e.g. while hung): its state can no
+        longer be trusted to follow the others'. Fail the exchanges now, so the replica restarts and rejoins
+        (instead of waiting ``epoch_wait_s`` for an epoch that will not include it)."""
+        self._log(logging.WARNING, "the lighthouse dropped this replica (%s); restarting to rejoin", reason)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.exclude(f"dropped by the lighthouse: {reason}")
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
         self._terminate = True  # acted on at the next commit boundary, on every rank together
