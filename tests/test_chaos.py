@@ -221,6 +221,8 @@ def test_fault_describe_is_readable() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.skipif(not os.environ.get("FTHSDP_KNOWN_GAPS"), reason="a reproducer of a known gap (docs/chaos.md, "
+                    "finding 3); FTHSDP_KNOWN_GAPS=1 runs it")
 @pytest.mark.xfail(strict=False, reason="chaos seeds 1 and 115 (docs/chaos.md, finding 3): a replica that comes "
                    "back after every healthy replica finished cannot tell that the job is done: it stops with the "
                    "fatal 'no replica is alive to catch up from' (a joiner admitted just before the last one left "

@@ -56,16 +56,6 @@ def test_kills_during_backward_vote_and_fetch_then_rejoin(tmp_path: pathlib.Path
     assert epochs == sorted(set(epochs)), "epoch numbers must strictly increase"
 
 
-def test_kill_during_exchange_then_rejoin(tmp_path: pathlib.Path) -> None:
-    steps = 320
-    report = _run(tmp_path, steps, (Kill(1, 5, "exchange"),), min_step_s=0.15)
-    check_converged(report, steps)
-    for r in (0, 2):
-        check_survivor(tmp_path, r, steps)
-    check_rejoined(tmp_path, 1, report)
-    check_exactly_once(tmp_path, 3, steps)
-
-
 def test_one_replica_matches_plain_fsdp2_bitwise(tmp_path: pathlib.Path) -> None:
     steps = 6
     report = _run(tmp_path / "ft", steps, replicas=1)
