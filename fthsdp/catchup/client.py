@@ -2,7 +2,7 @@
 
 Each source (rank s of a healthy replica) is asked for the snapshot of the same step S; every one that has it
 answers with the same manifest (healthy replicas are bitwise identical at a commit). The bytes are cut into
-chunks on one shared work queue, so faster sources take more of it. A chunk whose CRC32 does not match is
+chunks on one shared work queue, so faster sources take more of it. A chunk whose CRC-32C does not match is
 fetched again; a source that breaks gives its unfinished chunks back to the queue for the others.
 """
 
@@ -13,7 +13,6 @@ import queue
 import socket
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -113,7 +112,7 @@ class Fetch:
             except OSError:
                 pass
 
-    def _cut_others(self, mine: socket.socket) -> None:
+    def _cut_others(self, mine: socket.socket | None) -> None:
         """Everything is in: end the other sessions now (a source still waiting for its snapshot, or idle), so
         that no thread lingers and every source drops its snapshot."""
         with self._lock:
@@ -152,6 +151,7 @@ class Fetch:
     def _connect(self, address: str) -> socket.socket:
         for _ in range(2):  # at most one redirect (rank 0 -> rank s)
             sock = socket.create_connection(_split(address), timeout=self.connect_timeout_s)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             with self._lock:
                 self._socks.append(sock)
                 if self._cancelled:
@@ -217,13 +217,19 @@ class Fetch:
     def _run_source(self, src: Source) -> None:
         sock = None
         pending: dict[tuple[int, int], int] = {}
-        corrupt = 0
+        received: "queue.Queue[tuple[int, int, int, int] | None]" = queue.Queue()
+        dropped: list[str] = []
+        verifier = threading.Thread(target=self._verify, args=(src, received, dropped), daemon=True,
+                                    name=f"catchup-verify-r{self.hello.rank}-{src.replica_id}")
+        verifier.start()
         try:
             sock = self._connect(src.address)
             while True:
                 with self._lock:
                     if self._remaining == 0 or self._cancelled:
                         break
+                if dropped:
+                    raise CatchupError(dropped[0])
                 try:
                     mine = self._work.get(timeout=0.05)
                 except queue.Empty:
@@ -241,31 +247,10 @@ class Fetch:
                     e, off, n, crc = wire.CHUNK.unpack(wire.recv_exact(sock, wire.CHUNK.size))
                     if pending.get((e, off)) != n or length != wire.CHUNK.size + n:
                         raise ProtocolError(f"chunk ({e}, {off}, {n}) was not asked for")
-                    view = self._views[e][off:off + n]
-                    wire.recv_into_exact(sock, view)
-                    if zlib.crc32(view) != crc:
-                        corrupt += 1
-                        self._refetched += 1
-                        log.warning("catchup replica=%s rank=%d step=%d chunk (%d, %d) from %s failed its checksum; "
-                                    "fetching it again", self.hello.replica, self.hello.rank, self.hello.step, e,
-                                    off, src.replica_id)
-                        self._work.put([(e, off, n)])
-                        del pending[(e, off)]
-                        if corrupt >= MAX_CORRUPT_PER_SOURCE:
-                            raise CatchupError(f"{corrupt} corrupted chunks")
-                        continue
-                    else:
-                        with self._lock:
-                            self._remaining -= n
-                            self._per_source[src.replica_id] = self._per_source.get(src.replica_id, 0) + n
-                            if self._remaining == 0:
-                                self._t_done = time.perf_counter()
-                                self._lock.notify_all()
-                        if self._remaining == 0:
-                            self._cut_others(sock)
-                        if self._on_chunk is not None:
-                            self._on_chunk(self.hello.step, n)
+                    wire.recv_into_exact(sock, self._views[e][off:off + n])
                     del pending[(e, off)]
+                    # Checked on another thread (the checksum runs off the GIL) while the next chunk arrives.
+                    received.put((e, off, n, crc))
             wire.send_control(sock, Kind.BYE, {})
         except (CatchupError, OSError, ValueError) as e:
             if pending:  # unfinished chunks go back for the other sources
@@ -281,8 +266,40 @@ class Fetch:
                 if isinstance(e, Refused):
                     self._error = why
         finally:
+            received.put(None)
+            verifier.join(30.0)  # the chunks received so far are checked (and counted) before this source ends
             if sock is not None:
                 sock.close()
             with self._lock:
                 self._alive -= 1
                 self._lock.notify_all()
+
+    def _verify(self, src: Source, received: "queue.Queue[tuple[int, int, int, int] | None]",
+                dropped: list[str]) -> None:
+        """Check each received chunk's CRC-32C: count a good one, send a bad one back to the work queue (a
+        source that sends ``MAX_CORRUPT_PER_SOURCE`` bad ones is dropped)."""
+        corrupt = 0
+        while (item := received.get()) is not None:
+            e, off, n, crc = item
+            if wire.checksum(self._views[e][off:off + n]) != crc:
+                corrupt += 1
+                with self._lock:
+                    self._refetched += 1
+                log.warning("catchup replica=%s rank=%d step=%d chunk (%d, %d) from %s failed its checksum; "
+                            "fetching it again", self.hello.replica, self.hello.rank, self.hello.step, e, off,
+                            src.replica_id)
+                self._work.put([(e, off, n)])
+                if corrupt >= MAX_CORRUPT_PER_SOURCE and not dropped:
+                    dropped.append(f"{corrupt} corrupted chunks")
+                continue
+            with self._lock:
+                self._remaining -= n
+                self._per_source[src.replica_id] = self._per_source.get(src.replica_id, 0) + n
+                done = self._remaining == 0
+                if done:
+                    self._t_done = time.perf_counter()
+                    self._lock.notify_all()
+            if done:
+                self._cut_others(None)
+            if self._on_chunk is not None:
+                self._on_chunk(self.hello.step, n)

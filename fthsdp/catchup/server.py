@@ -164,6 +164,7 @@ class CatchupServer:
         try:
             conn.settimeout(self.idle_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             _, obj = wire.recv_control(conn, (Kind.HELLO,))
             hello = wire.parse_hello(obj)
             problem = self._check(hello)
@@ -249,7 +250,7 @@ class CatchupServer:
                 chunk = view[offset:offset + n]
                 if self._corrupt is not None:
                     bad = bytearray(chunk)
-                    crc = wire.zlib.crc32(chunk)
+                    crc = wire.checksum(chunk)
                     if self._corrupt(entry, offset, bad):
                         wire.send_data(conn, entry, offset, memoryview(bad), crc)
                     else:

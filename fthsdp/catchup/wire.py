@@ -2,7 +2,7 @@
 
 Every frame starts with ``magic, version, kind, payload length``. Control frames carry one small JSON object
 with a fixed schema (checked field by field on receipt); data frames carry a fixed binary chunk header
-(entry, offset, length, CRC32) followed by raw tensor bytes. Nothing received is unpickled or evaluated.
+(entry, offset, length, CRC-32C) followed by raw tensor bytes. Nothing received is unpickled or evaluated.
 
 A session (joiner rank s to source rank s)::
 
@@ -21,17 +21,18 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import zlib
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
+
+from crc32c import crc32c as checksum  # CRC-32C, hardware-accelerated: ~3x zlib's CRC-32, off the GIL
 
 MAGIC = b"FTCU"
 VERSION = 1
 FRAME = struct.Struct("!4sBBI")
 """magic, version, kind, payload length."""
 CHUNK = struct.Struct("!IQII")
-"""entry index, byte offset, byte length, CRC32 of the bytes."""
+"""entry index, byte offset, byte length, CRC-32C of the bytes."""
 MAX_CONTROL = 1 << 20
 """Largest control payload accepted (a manifest of tens of thousands of tensors fits)."""
 MAX_CHUNK = 64 << 20
@@ -140,7 +141,7 @@ def send_control(sock: socket.socket, kind: Kind, obj: dict[str, Any]) -> None:
 def send_data(sock: socket.socket, entry: int, offset: int, view: memoryview, crc: int | None = None) -> None:
     """One DATA frame: the chunk header, then the bytes straight from ``view`` (no copy)."""
     head = FRAME.pack(MAGIC, VERSION, Kind.DATA, CHUNK.size + len(view)) + \
-        CHUNK.pack(entry, offset, len(view), zlib.crc32(view) if crc is None else crc)
+        CHUNK.pack(entry, offset, len(view), checksum(view) if crc is None else crc)
     try:
         sock.sendall(head)
         sock.sendall(view)
