@@ -579,13 +579,9 @@ class Replica:
         k = self.slot % len(sources) if sources else 0
         sources = sources[k:] + sources[:k]
         self._log(logging.INFO, "fetching the snapshot of step %d from %s", step, [s.replica_id for s in sources])
-        try:
-            fetch = Fetch(sources, job=self.config.job_id, replica_id=self.config.replica_id, rank=self.rank,
-                          step=step, token=self.config.token, wait_s=self.config.epoch_wait_s,
-                          on_chunk=lambda s, n: self.faults.at(s, "fetch"))
-        except FetchFailed as e:
-            fetch = _FailedFetch(e)
-        return fetch.start()
+        return Fetch(sources, job=self.config.job_id, replica_id=self.config.replica_id, rank=self.rank, step=step,
+                     token=self.config.token, wait_s=self.config.epoch_wait_s,
+                     on_chunk=lambda s, n: self.faults.at(s, "fetch")).start()
 
     def _load(self, got: FetchResult) -> None:
         """Put a fetched snapshot into this rank's shards, optimizer state, data cursors and RNG."""
@@ -771,22 +767,6 @@ class Replica:
         self.server.close(drain_s=10.0)
         self.client.close(leave="finished" if leave and self.rank == 0 else None)
         self.metrics.close()
-
-
-class _FailedFetch(Fetch):
-    """A fetch that could not even start (no source): done at once, fails on ``result``."""
-
-    def __init__(self, error: FetchFailed) -> None:  # noqa: D107 - no sources to set up
-        self._err = error
-
-    def start(self) -> "Fetch":
-        return self
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> FetchResult:
-        raise self._err
 
 
 def _serve_hook(faults: FaultInjector) -> Callable[[int, int], None]:

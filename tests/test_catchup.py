@@ -246,3 +246,10 @@ def test_malformed_input_gets_an_error_and_changes_nothing(data: bytes) -> None:
 def teardown_module() -> None:
     if "a" in _SHARED:
         _stop(_SHARED.pop("a"))
+
+
+def test_no_source_fails_at_once_with_a_clear_error() -> None:
+    f = _fetch([], 5)
+    assert f.done()
+    with pytest.raises(FetchFailed, match="no healthy replica"):
+        f.result(1)

@@ -64,8 +64,6 @@ class Fetch:
                  token: str = "", expected: Sequence[tuple[str, str, tuple[int, ...]]] | None = None,
                  connect_timeout_s: float = 10.0, wait_s: float = 60.0, io_timeout_s: float = 30.0,
                  batch_bytes: int = 8 << 20, on_chunk: Callable[[int, int], None] | None = None) -> None:
-        if not sources:
-            raise FetchFailed("no healthy replica to fetch from")
         self.sources = list(sources)
         self.hello = Hello(job, token, replica_id, rank, step)
         self.expected = [(n, d, tuple(s)) for n, d, s in expected] if expected is not None else None
@@ -79,7 +77,7 @@ class Fetch:
         self._work: "queue.Queue[list[tuple[int, int, int]]]" = queue.Queue()
         self._remaining = -1
         self._alive = len(self.sources)
-        self._error: str = ""
+        self._error: str = "" if self.sources else "no healthy replica to fetch from"
         self._t0 = time.perf_counter()
         self._t_manifest = 0.0
         self._t_done = 0.0
