@@ -245,7 +245,8 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
         print(f"  survivors' stall at the failure   {f['survivor_stall_s']:>8} s")
         print(f"  step-time ratio during catch-up   {f['catchup_step_ratio']:>8}   (target <= 1.1; "
               f"{f['catchup_steps_observed']} survivor steps)")
-        print(f"  joiner start -> active            {f['join_s']:>8} s")
+        print(f"  joiner start -> active            {f['join_s']:>8} s   (from its registration: "
+              f"{f['join_from_registration_s']} s)")
         print(f"  transfer / plain socket copy      {f['transfer_ratio']:>8}   ({f['transfer_mbps']} vs "
               f"{f['socket_copy_mbps']} MB/s; target >= 0.5)")
         if "table" in r:

@@ -106,9 +106,10 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
     out.append("")
     ft = doc.get("fthsdp") if fthsdp_real else None
     if isinstance(ft, dict):
-        extra = [(k, label) for k, label in (("catchup_step_ratio", "survivors' step during the catch-up / outside "
-                                              "it"), ("join_s", "joiner start -> active (s)"),
-                                             ("transfer_ratio", "catch-up transfer / plain socket copy"),
+        extra = [(k, label) for k, label in (("catchup_step_ratio", "survivors' step while the joiner catches up / "
+                                              "while it was down"), ("join_s", "joiner process start -> active (s)"),
+                                             ("transfer_ratio", "catch-up transfer / plain socket copy measured "
+                                              "while training"),
                                              ("final_equal", "final states equal"))
                  if ft.get(k) is not None]
         if extra:
