@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from fthsdp.sim import SimConfig, simulate  # noqa: E402
 
-KNOWN = ("recovery.json", "baselines.json", "lighthouse.json", "saturation.json", "overhead.json", "ftar.json",
-         "notes.json")
+KNOWN = ("recovery.json", "recovery-hsdp.json", "baselines.json", "lighthouse.json", "saturation.json",
+         "overhead.json", "ftar.json", "notes.json")
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -380,6 +380,34 @@ def section_other(overhead: dict[str, Any] | None, ftar: dict[str, Any] | None) 
     return out
 
 
+def section_recovery_hsdp(doc: dict[str, Any] | None) -> list[str]:
+    """fthsdp's own recovery figures on the HSDP demo shape (``fthsdp bench recovery --json``, 3 x 2 ranks)."""
+    f = (doc or {}).get("fthsdp")
+    if not isinstance(f, dict):
+        return []
+    c = f.get("catchup", {})
+    rows = [("survivors' stall at the failure (s)", f.get("survivor_stall_s"), "detection, new epoch, redo"),
+            ("survivors' step while the joiner catches up / while it was down", f.get("catchup_step_ratio"),
+             "target <= 1.1"),
+            ("joiner: process start -> active (s)", f.get("join_s"),
+             f"{fmt(f.get('join_from_registration_s'), '.1f')} s of it from its registration (Python, torch and "
+             "the model up)"),
+            ("catch-up transfer / plain socket copy", f.get("transfer_ratio"),
+             f"{fmt(f.get('transfer_mbps'), '.0f')} vs {fmt(f.get('socket_copy_mbps'), '.0f')} MB/s, the copy "
+             "measured while the job trains; target >= 0.5"),
+            ("effective training time", f.get("effective_training_time"), ""),
+            ("final states equal", f.get("final_equal"), "")]
+    out = ["## Recovery on the HSDP demo shape: 3 replica groups x 2 ranks", "",
+           f"`fthsdp bench recovery --json` (data: `docs/bench-data/recovery-hsdp.json`): the reference model, "
+           f"{f.get('replicas')} groups x {f.get('ranks_per_replica')} ranks (FSDP2 inside), SIGKILL {f.get('kill')}"
+           ", restart 2 s later.", "", "| figure | value | note |", "| --- | ---: | --- |"]
+    out += [f"| {a} | {fmt(b, '.3f') if isinstance(b, float) else fmt(b)} | {n} |" for a, b, n in rows]
+    out += ["", f"The joiner's rank 0 fetched {c.get('bytes', 0) / 1e6:.1f} MB (its shard of parameters and AdamW "
+            f"state) in {fmt(c.get('transfer_s'), '.3f')} s from {', '.join(sorted(c.get('sources', {})))} at once, "
+            f"for the snapshot of step {c.get('snapshot_step')}, and replayed {c.get('replayed')} kept step(s).", ""]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--import", dest="import_dir", default="", help="copy known JSONs from here first")
@@ -412,12 +440,14 @@ def main(argv: list[str] | None = None) -> None:
     if notes and notes.get("conditions"):
         lines += list(notes["conditions"]) + [""]
     lines += section_recovery(rec, base, img)
+    lines += section_recovery_hsdp(load(data, "recovery-hsdp.json"))
     lines += section_lighthouse(load(data, "lighthouse.json"), load(data, "saturation.json"), notes, img)
     lines += section_sim(rec, base, img)
     lines += section_other(load(data, "overhead.json"), load(data, "ftar.json"))
     lines += ["## Regenerating", "", "```bash",
               "mkdir -p out/bench",
               ".venv/bin/fthsdp bench recovery --vs torchft --json > out/bench/recovery.json   # < 15 min",
+              ".venv/bin/fthsdp bench recovery --json > out/bench/recovery-hsdp.json",
               ".venv/bin/fthsdp bench lighthouse --replicas 100 1000 5000 --json > out/bench/lighthouse.json",
               "make benchmarks-doc    # copies out/bench/*.json to docs/bench-data/, rewrites this page and its plots",
               "```", ""]
