@@ -16,11 +16,11 @@ import gc
 import os
 import pathlib
 import statistics
-import subprocess
 import tempfile
 import time
 from typing import Any
 
+from fthsdp.procutil import stop_process
 from lighthouse.emulate import Emulator
 from lighthouse.process import start_lighthouse_process
 
@@ -144,12 +144,7 @@ async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejo
         finally:
             gc.unfreeze()
             await emu.close()
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 HEARTBEAT_BUDGET_PER_S = 1000.0
@@ -197,12 +192,7 @@ async def _saturation_one(n: int, interval: float, window_s: float) -> dict[str,
         finally:
             gc.unfreeze()
             await emu.close()
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 def saturation(n: int = 1000, intervals: tuple[float, ...] = (2.0, 1.0, 0.5, 0.33, 0.25),
