@@ -161,6 +161,8 @@ class Replica:
         """Per data slot, the batches trained so far (the same on every replica)."""
         self.joining = False
         self._terminate = False
+        self._stop_agreed = False
+        """Some rank of this replica got SIGTERM before the last vote: every rank stops after this commit."""
         self._lr_factor = 1.0
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, snapshot=self._snapshot, host=cfg.host,
@@ -434,18 +436,12 @@ class Replica:
         if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and batches \
                 and min(s for s, _ in batches) == self.slot:
             self._checkpoint()
-        if self._terminate_agreed():
+        if self._stop_agreed:
             path = self._checkpoint() if cfg.checkpoint_dir else None
             self._log(logging.WARNING, "SIGTERM: stopping at a commit boundary%s",
                       f" (checkpoint {path})" if path else " (no FTHSDP_CHECKPOINT_DIR: nothing saved)")
             self.close(leave=True)
             raise Terminated(self.step, path)
-
-    def _terminate_agreed(self) -> bool:
-        """Every rank stops at the same boundary if any of them got SIGTERM."""
-        flag = torch.tensor([int(self._terminate)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def _checkpoint(self) -> str:
         assert self.model is not None and self.opt is not None
@@ -696,11 +692,14 @@ class Replica:
 
     def _vote(self, failed: int, epochs: list[int], step: int) -> tuple[bool, int]:
         """Replica-local two-phase vote: commit only if every rank exchanged every bucket, all in one epoch, for
-        the same step. Returns (commit, the newest epoch any rank exchanged in)."""
+        the same step. Returns (commit, the newest epoch any rank exchanged in). The same collective carries
+        SIGTERM, so every rank stops at the same commit boundary without a collective of its own."""
         hi, lo = max(epochs), min(epochs)
-        ctrl = torch.tensor([failed, hi, -lo, step, -step], dtype=torch.int64, device=self.device)
+        ctrl = torch.tensor([failed, hi, -lo, step, -step, int(self._terminate)], dtype=torch.int64,
+                            device=self.device)
         dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
-        f, ehi, elo, shi, slo = (int(x) for x in ctrl.tolist())
+        f, ehi, elo, shi, slo, stop = (int(x) for x in ctrl.tolist())
+        self._stop_agreed = bool(stop)
         return f == 0 and ehi == -elo and shi == -slo, ehi
 
     # --- state: snapshot for joiners, hash ----------------------------------------------------------------------
