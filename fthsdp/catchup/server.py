@@ -13,7 +13,7 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -55,13 +55,6 @@ class _Snapshot:
     refs: int
 
 
-@dataclass
-class ServerStats:
-    served_bytes: int = 0
-    sessions: int = 0
-    refused: dict[str, int] = field(default_factory=dict)
-
-
 class CatchupServer:
     """Serves snapshots of this rank's state to joiners. Thread-safe; ``close`` when done."""
 
@@ -85,7 +78,6 @@ class CatchupServer:
         self._closed = False
         self.directory: list[str] = []
         """Every rank's address (index = rank), for redirecting a joiner that asked the wrong rank."""
-        self.stats = ServerStats()
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(0.2)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
@@ -154,7 +146,6 @@ class CatchupServer:
             t.start()
 
     def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
-        self.stats.refused[code] = self.stats.refused.get(code, 0) + 1
         log.warning("catchup replica=%s rank=%d step=%d refused a joiner: %s: %s", self.replica_id, self.rank,
                     self._step, code, message)
         wire.send_error(conn, code, message)
@@ -180,7 +171,6 @@ class CatchupServer:
             step = snap.step
             wire.send_control(conn, Kind.MANIFEST, wire.manifest_doc(Manifest(snap.step, snap.entries,
                                                                                self.chunk_bytes)))
-            self.stats.sessions += 1
             while True:
                 kind, obj = wire.recv_control(conn, (Kind.GET, Kind.BYE))
                 if kind == Kind.BYE:
@@ -257,7 +247,6 @@ class CatchupServer:
                         wire.send_data(conn, entry, offset, chunk, crc)
                 else:
                     wire.send_data(conn, entry, offset, chunk)
-                self.stats.served_bytes += n
                 if self._on_chunk_sent is not None:
                     self._on_chunk_sent(snap.step, n)
                 offset += n
