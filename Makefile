@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test proto bench benchmarks-doc clean
+.PHONY: setup demo test test-fast lint proto bench benchmarks-doc clean
 
 $(STAMP): pyproject.toml Makefile scripts/system-deps.sh
 	bash scripts/system-deps.sh
@@ -23,7 +23,16 @@ demo: setup
 	mkdir -p out
 	$(PY) -m fthsdp --log-level WARNING demo --report out/demo-report.json --plot out/demo-timeline.png
 
-test: setup
+# The unit tests (no processes, seconds): the inner loop.
+test-fast: setup
+	$(PY) -m pytest -q tests/unit
+
+# ruff (style, imports, bug patterns) and mypy (strict on fthsdp.runtime, fthsdp.catchup, ftar, lighthouse).
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test: setup lint
 	$(PY) -m pytest -q
 
 proto: setup
@@ -37,7 +46,7 @@ bench: setup
 # docs/benchmarks.md and docs/img/bench-*.png from docs/bench-data/*.json (fresh JSONs in out/bench/ are copied
 # there first); running the benchmarks themselves is up to you (the page says how).
 benchmarks-doc:
-	$(PY) scripts/gen_benchmarks_doc.py --import out/bench
+	$(PY) -m fthsdp.bench.docs --import out/bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache

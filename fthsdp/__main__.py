@@ -1,3 +1,3 @@
-from fthsdp.cli import main
+from fthsdp.cli.main import main
 
 main()

@@ -23,8 +23,8 @@ from typing import Any, AsyncIterator, Callable, Coroutine, Sequence, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from fthsdp.v1 import lighthouse_pb2 as pb
-from fthsdp.v1 import lighthouse_pb2_grpc as pb_grpc
+from lighthouse.v1 import lighthouse_pb2 as pb
+from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse import membership as m
 from lighthouse import wire
 from lighthouse.errors import (Busy, FencedOut, InvalidRequest, LighthouseError, LighthouseUnavailable, NotLeader,

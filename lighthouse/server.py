@@ -19,7 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
-from fthsdp.v1 import lighthouse_pb2 as pb
+from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse import membership as m
 from lighthouse import wire
 from lighthouse.errors import EpochFenced, StoreUnavailable

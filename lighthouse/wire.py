@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from fthsdp.v1 import lighthouse_pb2 as pb
+from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse import membership as m
 
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")

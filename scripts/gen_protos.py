@@ -1,4 +1,4 @@
-"""Generate the Python gRPC code from protos/ into the package tree (``fthsdp/v1/*_pb2*.py``).
+"""Generate the Python gRPC code from protos/ into the package tree (``lighthouse/v1/*_pb2*.py``; the wire package stays ``fthsdp.v1``).
 
 Usage: ``python scripts/gen_protos.py [--out DIR]``. With ``--out`` it writes elsewhere (the staleness test
 generates into a temporary folder and compares).

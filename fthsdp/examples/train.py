@@ -100,7 +100,7 @@ def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
 
 
 def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig) -> None:
-    from fthsdp.config import ConfigError
+    from fthsdp.runtime.config import ConfigError
     from fthsdp.runtime import (EXIT_REJOIN, NoStateToResume, RejoinRequired, Replica, SlotConflict, StateMismatch,
                                 Terminated)
 

@@ -1,0 +1,1 @@
+"""Benchmarks (`fthsdp bench ...`), the baselines they measure against, and their analysis. Harness, not product."""

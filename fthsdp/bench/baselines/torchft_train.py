@@ -1,0 +1,154 @@
+"""The reference workload (``/work/shared/WORKLOAD.md``) trained with torchft 0.2.0: its ``Manager``, its
+lighthouse and its reconfigurable ``ProcessGroupGloo``. One replica group = one torchrun of one rank here:
+
+    TORCHFT_LIGHTHOUSE=http://127.0.0.1:PORT torchrun --standalone --nproc-per-node 1 \\
+        -m fthsdp.bench.baselines.torchft_train --replica-index 0 --progress r0.jsonl
+
+torchft's DDP wrapper crashed the survivors on a kill on this stack (WORKLOAD.md), so the gradients are averaged
+with ``manager.allreduce`` on one flat bucket after the backward pass, and the optimizer steps only when
+``manager.should_commit()`` agrees: the loop of torchft's ``train_ddp.py`` without the wrapper. The quorum is
+asynchronous (torchft's default: it runs during the forward pass). A restarted group heals from a live one at
+its first quorum (torchft's HTTP checkpoint transport) and contributes zero gradients in that step.
+
+Progress rows (JSON lines, as ``fthsdp.examples.train`` writes them): ``{"event": "step", "step", "t",
+"incarnation", "joined", "loss", "step_s", "participants"}`` per committed step, ``{"event": "final",
+"param_hash"}`` at the end (parameters and AdamW state, bitwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from fthsdp.examples.data import batch
+from fthsdp.examples.gpt import GPT, GPTConfig
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="fthsdp.bench.baselines.torchft_train")
+    p.add_argument("--replica-index", type=int, required=True, help="this group's index: its data slot")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--model", default="reference")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", required=True)
+    p.add_argument("--incarnation", type=int, default=1)
+    p.add_argument("--kill-step", type=int, default=-1, help="SIGKILL this group (agent too) at this step")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="torchft Manager and Gloo timeout (collectives, should_commit, checkpoint transfer), s")
+    p.add_argument("--quorum-timeout", type=float, default=60.0)
+    p.add_argument("--min-replicas", type=int, default=2, help="Manager min_replica_size")
+    p.add_argument("--barrier", default="", help="directory: write ready-INDEX, wait for 'go' before step 0")
+    return p.parse_args(argv)
+
+
+def _loopback_manager_server() -> None:
+    """torchft's Manager binds its gRPC server on ``[::]``; keep it on loopback (nothing else changes)."""
+    import torchft.manager as tm
+
+    real = tm.ManagerServer
+
+    def on_loopback(**kw: Any) -> Any:
+        kw["bind"] = "127.0.0.1:" + kw["bind"].rsplit(":", 1)[1]
+        return real(**kw)
+
+    tm.ManagerServer = on_loopback  # type: ignore[assignment,misc]
+
+
+def _barrier(directory: str, index: int, timeout: float = 600.0) -> None:
+    d = pathlib.Path(directory)
+    (d / f"ready-{index}").touch()
+    end = time.monotonic() + timeout
+    while not (d / "go").exists():
+        if time.monotonic() > end:
+            sys.exit(f"no 'go' in {d} within {timeout}s")
+        time.sleep(0.01)  # polling a condition with a deadline
+
+
+def _state_hash(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor):
+                h.update(v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=os.environ.get("FTHSDP_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    torch.set_num_threads(1)
+    a = _args(argv)
+    from torchft import Manager, ProcessGroupGloo
+
+    _loopback_manager_server()
+    cfg = GPTConfig.named(a.model)
+    torch.manual_seed(a.seed)  # every group starts from the same weights (so init_sync=False)
+    model = GPT(cfg)
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW(params, lr=a.lr)
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+
+    timeout = timedelta(seconds=a.timeout)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+                      min_replica_size=a.min_replicas, replica_id=f"torchft_{a.replica_index}", timeout=timeout,
+                      quorum_timeout=timedelta(seconds=a.quorum_timeout), init_sync=False, hostname="127.0.0.1")
+    progress = open(a.progress, "a", buffering=1)
+
+    def write(**kv: Any) -> None:
+        progress.write(json.dumps({"replica": a.replica_index, "incarnation": a.incarnation, "mode": "torchft",
+                                   **kv, "t": time.time()}) + "\n")
+
+    write(event="start", pid=os.getpid(), host=socket.gethostname())
+    if a.barrier:
+        _barrier(a.barrier, a.replica_index)
+    sizes = [p.numel() for p in params]
+    while manager.current_step() < a.steps:
+        t0 = time.perf_counter()
+        manager.start_quorum()
+        step = manager.current_step()  # a healing group learns its real step at the quorum: it trains nothing
+        if 0 <= a.kill_step <= step:
+            write(event="kill", step=step)
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                os.kill(os.getppid(), signal.SIGKILL)  # the agent: the whole group dies, as a lost host would
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad(set_to_none=False)
+        loss = model.loss(batch(a.seed, step, a.replica_index, 0, a.batch, cfg.seq_len, cfg.vocab))
+        loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        manager.allreduce(flat).wait()  # averaged over participants; zeros from a healing group
+        healing = manager._healing  # torchft has no public accessor; True in the step a group heals
+        participants = manager.num_participants()
+        if manager.should_commit():  # applies a healing group's received state first
+            for p, g in zip(params, flat.split(sizes)):
+                p.grad.copy_(g.view_as(p))  # type: ignore[union-attr]
+            opt.step()
+            write(event="step", step=manager.current_step() - 1, joined=healing, participants=participants,
+                  loss=None if healing else float(loss.item()), step_s=time.perf_counter() - t0)
+    write(event="final", step=manager.current_step(), param_hash=_state_hash(model, opt))
+    progress.close()
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""``fthsdp bench recovery``: what a failure costs under fthsdp, on the reference workload (WORKLOAD.md).
+
+One run of R replica groups with a SIGKILL of group 1 at ``kill_step`` and its restart ``restart_delay_s``
+later. From the replicas' progress lines:
+
+- ``survivor_stall_s``: the survivors' longest gap between two commits after the failure, less their median
+  step (detection, the new epoch and the redo; ``fthsdp/bench/recovery_metrics.py``);
+- ``catchup_step_ratio``: the survivors' median step while the restarted replica catches up (from its first
+  exchange as a member to active) over their median step while it was down (the same replicas training,
+  before it entered): the catch-up's cost to them (target <= 1.1);
+- ``join_s``: the restarted group's process start to active (``join_from_registration_s``: from its
+  registration, once Python, torch and the model are up);
+- ``transfer_ratio``: the catch-up's throughput (rank 0's bytes over its transfer time) over a plain loopback
+  socket copy of the same bytes between two processes, measured in the same run while the job trains
+  (target >= 0.5).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pathlib
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
+
+_PIECE = 4 << 20
+
+
+def _receiver(port_q: "mp.Queue[Any]", nbytes: int, out_q: "mp.Queue[Any]") -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    got = 0
+    t0 = 0.0
+    while got < nbytes:
+        n = conn.recv_into(view[got:], min(_PIECE, nbytes - got))
+        if n == 0:
+            raise RuntimeError("sender closed early")
+        if got == 0:
+            t0 = time.perf_counter()
+        got += n
+    out_q.put(time.perf_counter() - t0)
+    conn.close()
+    srv.close()
+
+
+def socket_copy_mbps(nbytes: int, repeats: int = 3) -> float:
+    """Best throughput (MB/s) of copying ``nbytes`` from one process to another over a loopback socket: the
+    baseline of the catch-up transfer (no framing, no checksum, one stream)."""
+    ctx = mp.get_context("spawn")
+    best = 0.0
+    payload = bytes(nbytes)
+    for _ in range(repeats):
+        port_q: "mp.Queue[Any]" = ctx.Queue()
+        out_q: "mp.Queue[Any]" = ctx.Queue()
+        p = ctx.Process(target=_receiver, args=(port_q, nbytes, out_q), daemon=True)
+        p.start()
+        port = port_q.get(timeout=60)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            view = memoryview(payload)
+            for off in range(0, nbytes, _PIECE):
+                s.sendall(view[off:off + _PIECE])
+            seconds = out_q.get(timeout=120)
+        p.join(30)
+        best = max(best, nbytes / max(seconds, 1e-9) / 1e6)
+    return best
+
+
+def _steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [x for x in rows if x["event"] == "step"]
+
+
+def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup: int = 5) -> dict[str, Any]:
+    """The recovery figures of a finished run with one kill of replica 1 (see the module doc)."""
+    kill = next(e for e in report["events"] if e["event"] == "exit")
+    joiner = _steps(cluster.progress(cluster.groups[kill["replica"]]))
+    joined = next(x for x in joiner if x.get("joined") and x["t"] > kill["t"])
+    c = joined["catchup"]
+    launched = max(e["t"] for e in report["events"] if e["event"] == "start" and e["replica"] == kill["replica"]
+                   and e["t"] < joined["t"])
+    registered = next(x["t"] for x in reversed(cluster.progress(cluster.groups[kill["replica"]]))
+                      if x["event"] == "start" and x["t"] < joined["t"])
+    down: list[float] = []
+    catching_up: list[float] = []
+    for g in cluster.groups:
+        if g.index == kill["replica"]:
+            continue
+        rows = [x for x in _steps(cluster.progress(g)) if x["step"] >= warmup]
+        for a, b in zip(rows, rows[1:]):
+            if c["member_unix"] <= b["t"] <= joined["t"]:
+                catching_up.append(b["t"] - a["t"])
+            elif kill["t"] + 1.0 <= a["t"] and b["t"] <= c["entered_unix"]:
+                down.append(b["t"] - a["t"])  # the same replicas training, before the joiner entered
+    transfer_mbps = c["bytes"] / max(c["transfer_s"], 1e-9) / 1e6
+    down_s = statistics.median(down) if down else float("nan")
+    catchup_s = statistics.median(catching_up) if catching_up else float("nan")
+    return {
+        "survivor_stall_s": report["survivor_max_stall_s"],
+        "catchup_step_ratio": round(catchup_s / down_s, 3),
+        "join_s": round(joined["t"] - launched, 3),
+        "join_from_registration_s": round(joined["t"] - registered, 3),
+        "transfer_ratio": round(transfer_mbps / socket_mbps, 3),
+        "down_step_s": round(down_s, 4),
+        "catchup_step_s": round(catchup_s, 4),
+        "catchup_steps_observed": len(catching_up),
+        "catchup_bytes_rank0": c["bytes"],
+        "transfer_mbps": round(transfer_mbps, 1),
+        "socket_copy_mbps": round(socket_mbps, 1),
+        "catchup": c,
+        "rejoin_s": report["rejoin_s"],
+        "effective_training_time": report["effective_training_time"],
+        # The keys every system of ``bench recovery --vs torchft`` reports (fthsdp/bench/vs.py).
+        "step_s": report["median_step_s"],
+        "stall_s": report["survivor_max_stall_s"],
+        "ett": report["effective_training_time"],
+        "final_equal": len({f["param_hash"] for f in report["final"].values() if f}) == 1
+        and all(report["final"].values()),
+    }
+
+
+class _SocketBaseline:
+    """Measures the plain socket copy once the joiner has caught up, while the job trains: the same load on
+    the machine as during the catch-up (on 2 shared cores an idle-machine copy would be several times
+    faster than anything measured while training)."""
+
+    def __init__(self, replica: int) -> None:
+        self.replica = replica
+        self.mbps = 0.0
+
+    def __call__(self, cluster: Cluster) -> None:
+        if self.mbps:
+            return
+        joined = [x for x in cluster.progress(cluster.groups[self.replica]) if x.get("joined") and x.get("catchup")]
+        if joined:
+            self.mbps = socket_copy_mbps(joined[-1]["catchup"]["bytes"])
+
+
+def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step: int = 20, model: str = "reference",
+                   restart_delay_s: float = 2.0, workdir: str | None = None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="fthsdp-bench-recovery-") as tmp:
+        wd = pathlib.Path(workdir or tmp)
+        baseline = _SocketBaseline(1)
+        cluster = Cluster(ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model,
+                                        kills=(Kill(1, kill_step),), restart_delay_s=restart_delay_s), wd,
+                          on_tick=baseline)
+        report = cluster.run()
+        if not baseline.mbps:
+            raise RuntimeError("the restarted replica never caught up: no recovery to measure")
+        out = {"replicas": replicas, "ranks_per_replica": ranks, "steps": steps, "model": model,
+               "kill": f"1@{kill_step}", **measure(cluster, report, baseline.mbps)}
+    return out

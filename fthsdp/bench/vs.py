@@ -1,0 +1,119 @@
+"""``fthsdp bench recovery --vs torchft``: fthsdp's recovery run side by side with torchft and a whole-job restart
+on the same workload and failure schedule, and plain FSDP2-HSDP (no failure) as the steady-step baseline, all
+measured in the same invocation (these machines drift 10-15% between runs).
+
+``compare(fthsdp_result, workdir)`` runs plain, torchft and the restart baseline and returns the table;
+``fthsdp_result`` is fthsdp's own run (``fthsdp.bench.recovery``), a dict with at least ``step_s``, ``stall_s``,
+``rejoin_s`` and ``ett``. ``format_table`` renders the human table.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Any
+
+from fthsdp.bench.baselines import run_plain, run_restart, run_torchft
+
+COLUMNS = ("step_s", "step_ratio", "stall_s", "rejoin_s", "ett")
+
+
+def _row(name: str, r: dict[str, Any], plain_step: float) -> dict[str, Any]:
+    step = r.get("step_s")
+    return {
+        "system": name,
+        "step_s": step,
+        "step_ratio": round(step / plain_step, 3) if step and plain_step else None,
+        "stall_s": r.get("stall_s"),
+        "rejoin_s": r.get("rejoin_s"),
+        "ett": r.get("ett"),
+        "final_equal": r.get("final_equal"),
+    }
+
+
+def compare(fthsdp_result: dict[str, Any] | None, workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 20,
+            seed: int = 0, replicas: int = 3, keep_progress: bool = False) -> dict[str, Any]:
+    work = pathlib.Path(workdir)
+    t0 = time.time()
+    # Plain FSDP2 before and after the failure runs: the machine's load drifts (others' jobs share its 2 cores),
+    # and the baseline is their mean.
+    plain_before = run_plain(work / "plain", steps=steps, seed=seed, replicas=replicas)
+    torchft = run_torchft(work / "torchft", steps=steps, kill_step=kill_step, seed=seed, replicas=replicas)
+    restart = run_restart(work / "restart", steps=steps, kill_step=kill_step, seed=seed, replicas=replicas)
+    plain_after = run_plain(work / "plain-after", steps=steps, seed=seed, replicas=replicas)
+    plain = {**plain_before, "step_s": round((plain_before["step_s"] + plain_after["step_s"]) / 2, 4),
+             "runs_step_s": [plain_before["step_s"], plain_after["step_s"]],
+             "loadavg_1min": plain_before["loadavg_1min"] + plain_after["loadavg_1min"]}
+    if not keep_progress:
+        for r in (torchft, restart):
+            r.pop("progress", None)
+            r.pop("events", None)
+    base = plain["step_s"]
+    table = [_row("fthsdp", fthsdp_result or {}, base), _row("torchft", torchft, base),
+             _row("whole-job restart", restart, base),
+             {"system": "plain FSDP2-HSDP (no failure)", "step_s": base, "step_ratio": 1.0, "stall_s": None,
+              "rejoin_s": None, "ett": None, "final_equal": None}]
+    return {
+        "benchmark": "recovery_vs",
+        "workload": {"replicas": replicas, "ranks_per_replica": 1, "steps": steps, "kill": f"1@{kill_step}",
+                     "restart_delay_s": 2.0, "model": "reference", "batch": 8, "lr": 3e-4,
+                     "warmup_steps": 5},
+        "table": table,
+        "plain": plain,
+        "torchft": torchft,
+        "restart": restart,
+        "baselines_wall_s": round(time.time() - t0, 1),
+        "definitions": {
+            "step_s": "median gap between two commits of one replica, steps >= 5",
+            "step_ratio": "step_s / plain FSDP2-HSDP step_s (mean of a run before and one after the others)",
+            "stall_s": "survivors' longest gap after the failure less the median step (restart: kill -> first "
+                       "step after the restart + steps lost since the checkpoint x median step)",
+            "rejoin_s": "kill -> first committed step of the restarted replica (restart: of the restarted job)",
+            "ett": "distinct replica-steps trained x median step / (replicas x wall time first..last commit)",
+        },
+    }
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    return format(v, spec)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    w = result.get("workload", {})
+    lines = [f"{w.get('replicas', '?')} replicas x {w.get('ranks_per_replica', '?')} rank, {w.get('steps', '?')} "
+             f"steps, SIGKILL {w.get('kill', '?')}, restart after {w.get('restart_delay_s', '?')} s",
+             f"{'system':<30} {'step s':>8} {'vs plain':>8} {'stall s':>8} {'rejoin s':>9} {'ETT':>6} "
+             f"{'equal':>6}"]
+    for r in result["table"]:
+        lines.append(f"{r['system']:<30} {_fmt(r['step_s'], '.3f'):>8} {_fmt(r['step_ratio'], '.2f'):>8} "
+                     f"{_fmt(r['stall_s'], '.2f'):>8} {_fmt(r['rejoin_s'], '.2f'):>9} {_fmt(r['ett'], '.3f'):>6} "
+                     f"{_fmt(r.get('final_equal'), ''):>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m fthsdp.bench.vs [--fthsdp RESULT.json] --workdir DIR [--json]``: the baselines (plain, torchft,
+    whole-job restart) beside an fthsdp result measured elsewhere (or none: its row stays empty)."""
+    import argparse
+    import json
+    import tempfile
+
+    p = argparse.ArgumentParser(prog="fthsdp.bench.vs")
+    p.add_argument("--fthsdp", default="", help="fthsdp's recovery result (JSON with step_s, stall_s, ...)")
+    p.add_argument("--workdir", default="")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--kill-step", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    ft = json.loads(pathlib.Path(a.fthsdp).read_text()) if a.fthsdp else None
+    work = pathlib.Path(a.workdir or tempfile.mkdtemp(prefix="fthsdp-bench-vs-"))
+    result = compare(ft, work, steps=a.steps, kill_step=a.kill_step)
+    print(json.dumps(result, indent=2) if a.json else format_table(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""What tests and benchmarks share: the local launcher, process helpers, fault hooks, invariants. Harness."""

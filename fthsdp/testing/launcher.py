@@ -1,0 +1,306 @@
+"""Local launcher: a lighthouse and R replica groups (one torchrun of S ranks each) of the example trainer on
+loopback, with failure injection and restarts. ``fthsdp demo`` and the integration tests use it.
+
+A replica group that exits non-zero (killed, or asking to rejoin) is restarted after ``restart_delay_s`` as a
+new incarnation; it registers as joining and catches up. Every wait has a deadline (``timeout_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fthsdp.testing.faults import PHASES
+from fthsdp.testing.procutil import stop_process
+from fthsdp.bench.recovery_metrics import recovery_metrics
+from fthsdp.testing.lighthouse_process import start_lighthouse_process
+
+log = logging.getLogger("fthsdp.testing.launcher")
+
+
+class ReplicaFailed(RuntimeError):
+    """A replica group cannot go on: it reported a fatal error, or failed more than ``max_restarts`` times."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """SIGKILL of replica group ``replica`` when its rank 0 reaches ``phase`` of ``step``."""
+
+    replica: int
+    step: int
+    phase: str = "forward"
+
+    @classmethod
+    def parse(cls, spec: str) -> "Kill":
+        """``REPLICA@STEP[:PHASE]``."""
+        try:
+            replica, rest = spec.split("@", 1)
+            step, _, phase = rest.partition(":")
+            kill = cls(int(replica), int(step), phase or "forward")
+        except ValueError:
+            raise ValueError(f"--kill {spec!r}: expected REPLICA@STEP[:PHASE]") from None
+        if kill.phase not in PHASES:
+            raise ValueError(f"--kill {spec!r}: phase must be one of {PHASES}")
+        return kill
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    replicas: int = 3
+    ranks: int = 2
+    steps: int = 60
+    model: str = "reference"
+    batch: int = 8
+    lr: float = 3e-4
+    seed: int = 0
+    kills: tuple[Kill, ...] = ()
+    restart_delay_s: float = 2.0
+    timeout_s: float = 900.0
+    heartbeat_interval_s: float = 0.1
+    heartbeat_timeout_s: float = 5.0
+    confirm_age_s: float = 0.5
+    collective_timeout_s: float = 5.0
+    max_restarts: int = 10
+    """Restarts of one replica group before the job is given up."""
+    min_step_s: float = 0.0
+    """Pace the trainer's steps to at least this long (tests: keeps runs long enough for a rejoin)."""
+    checkpoint_every: int = 0
+    """Durable checkpoint every K steps (0: only on SIGTERM, if a directory is set)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (default with ``checkpoint_every``: ``<workdir>/checkpoints``); a job started with a
+    checkpoint there resumes from it."""
+    env: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Extra environment per replica group (tests: fault switches)."""
+
+
+@dataclass
+class Group:
+    index: int
+    progress: pathlib.Path
+    log_path: pathlib.Path
+    proc: subprocess.Popen[bytes] | None = None
+    incarnations: int = 0
+    started_at: float = 0.0
+    finished: bool = False
+    restart_at: float | None = None
+    pending_faults: list[Kill] = field(default_factory=list)
+    fault: Kill | None = None
+    """The kill armed in the current incarnation."""
+
+
+class Cluster:
+    """Run a job to completion; ``run()`` returns the report (see ``fthsdp demo --report``)."""
+
+    def __init__(self, config: ClusterConfig, workdir: pathlib.Path,
+                 on_tick: Callable[["Cluster"], None] | None = None) -> None:
+        for k in config.kills:
+            if not 0 <= k.replica < config.replicas:
+                raise ValueError(f"kill of replica {k.replica}: there are {config.replicas}")
+        self.config = config
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.on_tick = on_tick
+        self.events: list[dict[str, Any]] = []
+        self.groups = [Group(i, workdir / f"replica{i}.progress.jsonl", workdir / f"replica{i}.log",
+                             pending_faults=sorted((k for k in config.kills if k.replica == i),
+                                                   key=lambda k: k.step))
+                       for i in range(config.replicas)]
+        self.lighthouse: subprocess.Popen[bytes] | None = None
+        self.http = ""
+        self.addr = ""
+
+    def _event(self, kind: str, **kv: Any) -> None:
+        self.events.append({"t": time.time(), "event": kind, **kv})
+
+    def _start_group(self, g: Group) -> None:
+        c = self.config
+        env = {**os.environ, "FTHSDP_LIGHTHOUSE": self.addr, "FTHSDP_REPLICA_INDEX": str(g.index),
+               "FTHSDP_NUM_REPLICAS": str(c.replicas), "FTHSDP_PROGRESS": str(g.progress),
+               "FTHSDP_TIMEOUT": str(c.collective_timeout_s), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # torchrun never restarts a group here (the launcher does, as a new incarnation), so the workers keep
+        # sharing the agent's rendezvous store: a second store would bind a port that can be taken meanwhile.
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        if c.checkpoint_every or c.checkpoint_dir:
+            env.update(FTHSDP_CHECKPOINT_DIR=c.checkpoint_dir or str(self.workdir / "checkpoints"),
+                       FTHSDP_CHECKPOINT_EVERY=str(c.checkpoint_every))
+        env.update(c.env.get(g.index, {}))
+        env.pop("FTHSDP_FAULT", None)
+        g.fault = g.pending_faults.pop(0) if g.pending_faults else None
+        if g.fault is not None:
+            env["FTHSDP_FAULT"] = f"{g.fault.step}:{g.fault.phase}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(c.ranks),
+               "--max-restarts", "0", "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
+               "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s)]
+        out = open(g.log_path, "ab")
+        g.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+        g.incarnations += 1
+        g.started_at = time.time()
+        g.restart_at = None
+        self._event("start", replica=g.index, incarnation=g.incarnations, fault=env.get("FTHSDP_FAULT", ""))
+
+    def progress(self, g: Group) -> list[dict[str, Any]]:
+        try:
+            text = g.progress.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(x) for x in text.splitlines() if x.endswith("}")]
+
+    def status(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:
+            return json.load(r)  # type: ignore[no-any-return]
+
+    def lighthouse_args(self) -> list[str]:
+        c = self.config
+        return ["--heartbeat-interval", str(c.heartbeat_interval_s), "--heartbeat-timeout", str(c.heartbeat_timeout_s),
+                "--confirm-age", str(c.confirm_age_s), "--expected-replicas", str(c.replicas)]
+
+    def start_lighthouse(self) -> None:
+        """Start the lighthouse; set ``addr`` (what replicas get as ``FTHSDP_LIGHTHOUSE``) and ``http``. A subclass
+        may start several (HA: ``addr`` is then a comma-separated list)."""
+        self.lighthouse, self.addr, self.http = start_lighthouse_process(self.lighthouse_args(), self.workdir)
+
+    def stop_lighthouse(self) -> None:
+        if self.lighthouse is not None:
+            stop_process(self.lighthouse)
+
+    def run(self) -> dict[str, Any]:
+        c = self.config
+        self.start_lighthouse()
+        t_start = time.time()
+        deadline = time.monotonic() + c.timeout_s
+        try:
+            for g in self.groups:
+                self._start_group(g)
+            while not all(g.finished for g in self.groups):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the job did not finish within {c.timeout_s}s (logs in {self.workdir})")
+                for g in self.groups:
+                    self._supervise(g)
+                if self.on_tick is not None:
+                    self.on_tick(self)
+                time.sleep(0.02)  # supervision period
+            history = self.status()["history"]
+        finally:
+            for g in self.groups:
+                if g.proc is not None and g.proc.poll() is None:
+                    os.killpg(g.proc.pid, signal.SIGKILL)
+                    g.proc.wait()
+            self.stop_lighthouse()
+        return self._report(t_start, history)
+
+    def _supervise(self, g: Group) -> None:
+        if g.finished or g.proc is None:
+            return
+        if g.restart_at is not None:
+            if time.monotonic() >= g.restart_at:
+                self._start_group(g)
+            return
+        code = g.proc.poll()
+        if code is None:
+            return
+        if code == 0:
+            g.finished = True
+            self._event("finished", replica=g.index)
+            return
+        rows = [x for x in self.progress(g) if x["t"] >= g.started_at]
+        if any(x["event"] == "terminated" for x in rows):
+            # Stopped on request (SIGTERM) at a commit boundary, checkpoint written: done, not failed.
+            g.finished = True
+            self._event("terminated", replica=g.index, code=code)
+            return
+        self._event("exit", replica=g.index, code=code, killed=code == -signal.SIGKILL)
+        fatal = [x for x in rows if x["event"] == "fatal"]
+        if fatal:
+            raise ReplicaFailed(f"replica group {g.index} cannot go on: {fatal[-1]['error']} (log: {g.log_path})")
+        if g.incarnations > self.config.max_restarts:
+            raise ReplicaFailed(f"replica group {g.index} failed {g.incarnations} times (last exit status {code}); "
+                                f"see {g.log_path}")
+        # Killed, asked to rejoin (torchrun reports a worker's status 75 as 1), or crashed: restart it. An armed
+        # kill that did not happen (the group died some other way first) is armed again in the next incarnation.
+        if g.fault is not None and code != -signal.SIGKILL:
+            g.pending_faults.insert(0, g.fault)
+        g.restart_at = time.monotonic() + self.config.restart_delay_s
+
+    # --- the report ---------------------------------------------------------------------------------------------
+
+    def _report(self, t_start: float, history: list[dict[str, Any]]) -> dict[str, Any]:
+        c = self.config
+        per = {g.index: self.progress(g) for g in self.groups}
+        steps = {i: [x for x in rows if x["event"] == "step"] for i, rows in per.items()}
+        finals = {i: next((x for x in reversed(rows) if x["event"] == "final"), None) for i, rows in per.items()}
+        m = recovery_metrics(steps, [e for e in self.events if e["event"] == "exit"], c.replicas)
+        median_step, survivor_stall, ett = m["median_step_s"], m["survivor_max_stall_s"], m["effective_training_time"]
+        rejoin = m["rejoin_per_failure_s"]
+        return {
+            "replicas": c.replicas,
+            "ranks_per_replica": c.ranks,
+            "steps": c.steps,
+            "model": c.model,
+            "final": {str(i): ({"step": f["step"], "param_hash": f["param_hash"]} if f else None)
+                      for i, f in finals.items()},
+            "events": self.events + [{"t": h["time"], "event": "epoch", "epoch": h["epoch"], "reason": h["reason"],
+                                      "members": h["members"]} for h in history],
+            "median_step_s": round(median_step, 4),
+            "survivor_max_stall_s": round(survivor_stall, 3),
+            "rejoin_s": round(max(rejoin), 3) if rejoin else None,
+            "effective_training_time": round(ett, 3),
+            "loss": {str(i): [[x["step"], x["loss"]] for x in rows if x.get("loss") is not None]
+                     for i, rows in steps.items()},
+            "timeline": {str(i): _segments(rows, t_start) for i, rows in steps.items()},
+            "t_start": t_start,
+        }
+
+
+def _segments(rows: list[dict[str, Any]], t_start: float) -> list[list[list[float]]]:
+    """[time since start, step] points, one list per incarnation of the replica."""
+    out: list[list[list[float]]] = []
+    last = None
+    for x in rows:
+        if x.get("incarnation") != last:
+            out.append([])
+            last = x.get("incarnation")
+        out[-1].append([round(x["t"] - t_start, 3), x["step"]])
+    return out
+
+
+def plot_timeline(report: dict[str, Any], path: pathlib.Path) -> None:
+    """PNG: committed step vs time per replica, kills and restarts marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, lx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    t0 = report["t_start"]
+    for n, (replica, segments) in enumerate(report["timeline"].items()):
+        for k, points in enumerate(segments):
+            ax.plot([p[0] for p in points], [p[1] for p in points], ".-", ms=3, color=f"C{n}",
+                    label=f"replica {replica}" if k == 0 else None)
+    for e in report["events"]:
+        if e["event"] == "exit":
+            ax.axvline(e["t"] - t0, color="red", ls="--", lw=1)
+            ax.text(e["t"] - t0, 0, f" kill r{e['replica']}", color="red", rotation=90, va="bottom")
+        elif e["event"] == "start" and e["incarnation"] > 1:
+            ax.axvline(e["t"] - t0, color="green", ls=":", lw=1)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("committed step")
+    ax.set_title(f"{report['replicas']} replicas x {report['ranks_per_replica']} ranks")
+    ax.legend()
+    for n, (replica, points) in enumerate(report["loss"].items()):
+        lx.plot([p[0] for p in points], [p[1] for p in points], ".", ms=2, color=f"C{n}", label=f"replica {replica}")
+    lx.set_xlabel("step")
+    lx.set_ylabel("loss (rank 0 micro-batch)")
+    lx.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

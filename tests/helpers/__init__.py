@@ -1,0 +1,1 @@
+"""Helpers the unit and integration tests share (in-process lighthouse, etcd, TLS material, workers, checks)."""

@@ -1,0 +1,65 @@
+"""Checks of a local cluster's run (its report and the replicas' progress lines), shared by the end-to-end
+tests: asserting wrappers over ``fthsdp.testing.invariants`` (which returns violations instead of asserting)."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from fthsdp.testing import invariants as inv
+
+
+def progress(tmp: pathlib.Path, replica: int) -> list[dict[str, Any]]:
+    path = tmp / f"replica{replica}.progress.jsonl"
+    assert path.exists(), f"no progress file {path}"
+    return inv.read_progress(path)
+
+
+def _all(tmp: pathlib.Path, replicas: int) -> dict[int, list[dict[str, Any]]]:
+    return {r: progress(tmp, r) for r in range(replicas)}
+
+
+def _ok(violations: list[str]) -> None:
+    assert not violations, "\n".join(violations)
+
+
+def check_converged(report: dict[str, Any], steps: int) -> None:
+    _ok(inv.converged(report, steps))
+
+
+def check_survivor(tmp: pathlib.Path, replica: int, steps: int) -> None:
+    """A survivor commits every step exactly once, in order, with a finite loss."""
+    _ok(inv.survivor(progress(tmp, replica), steps))
+
+
+def committed(tmp: pathlib.Path, replicas: int) -> dict[int, dict[str, Any]]:
+    """Step -> a row of it, in the lineage that survived (see ``fthsdp.testing.invariants.committed``); every row of one
+    step must say the same batches were trained."""
+    rows, problems = inv.committed(_all(tmp, replicas))
+    _ok(problems)
+    return rows
+
+
+def check_exactly_once(tmp: pathlib.Path, replicas: int, steps: int) -> dict[int, int]:
+    """Every batch of every slot was trained exactly once, in order, with no gap. Returns batches trained per
+    slot."""
+    trained, problems = inv.exactly_once(_all(tmp, replicas), steps)
+    _ok(problems)
+    return trained
+
+
+def check_rejoined(tmp: pathlib.Path, replica: int, report: dict[str, Any]) -> None:
+    _ok(inv.rejoined(progress(tmp, replica), replica, report))
+
+
+def check_no_lost_step(tmp: pathlib.Path, replicas: int, steps: int) -> None:
+    _ok(inv.no_lost_step(_all(tmp, replicas), steps))
+
+
+def check_epochs_increasing(report: dict[str, Any]) -> None:
+    _ok(inv.epochs_increasing(report))
+
+
+def check_all(tmp: pathlib.Path, report: dict[str, Any], replicas: int, steps: int) -> None:
+    """Every invariant of ``fthsdp.testing.invariants.check_run``."""
+    _ok(inv.check_run(report, _all(tmp, replicas), steps))

@@ -1,0 +1,287 @@
+"""The lighthouse's page at ``/`` (lighthouse/page.py): the pure rendering, and the page of a live lighthouse
+with emulated replicas (one fails and rejoins) rendered by headless Chromium: the DOM after its script ran
+names the replicas, roles and epochs fetched live from ``/status``, and the screenshot shows the timeline."""
+
+from __future__ import annotations
+
+import asyncio
+import html.parser
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from tests.helpers.lighthouse import ServerThread, make_config, wait_until
+
+from lighthouse import membership as m
+from fthsdp.bench.emulate import Emulator
+from lighthouse.page import epoch_events, render_page
+
+T = TypeVar("T")
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# A 3 s heartbeat timeout: the killed replica is declared dead within seconds, and a loaded machine (the test
+# process hosts the lighthouse and the emulator) does not make the live ones miss it.
+POLICY = m.Policy(min_replicas=1, heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0, confirm_age_s=0.6,
+                  expected_replicas=3)
+# The page's colours (lighthouse/page.py :root) that the screenshot must contain.
+ACTIVE, FAILURE, REJOIN = (0x2E, 0x7D, 0x32), (0xC6, 0x28, 0x28), (0x15, 0x65, 0xC0)
+
+
+# --- the pure function ----------------------------------------------------------------------------------------
+
+
+def _status(**kw: Any) -> dict[str, Any]:
+    doc = {"job": "default", "leader": True, "epoch": 4, "min_replicas": 1, "heartbeat_timeout_s": 3.0,
+           "members": [{"replica_id": "r0", "incarnation": "a1", "role": "active", "in_epoch": True, "step": 12,
+                        "last_heartbeat_age_s": 0.1},
+                       {"replica_id": "r1", "incarnation": "b2", "role": "joining", "in_epoch": True, "step": 0,
+                        "last_heartbeat_age_s": 0.2}],
+           "history": [{"epoch": 1, "time": 1.7e9, "reason": "bootstrap", "members": ["r0", "r1"]},
+                       {"epoch": 2, "time": 1.7e9 + 5, "reason": "replica r1 dead (no heartbeat for 3.01s)",
+                        "members": ["r0"]},
+                       {"epoch": 3, "time": 1.7e9 + 9, "reason": "replica r1 ready to join", "members": ["r0", "r1"]}]}
+    doc.update(kw)
+    return doc
+
+
+class _Collect(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scripts: list[tuple[dict[str, str | None], str]] = []
+        self._in: dict[str, str | None] | None = None
+        self.external: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if tag == "script":
+            self._in = a
+            self.scripts.append((a, ""))
+        for key in ("src", "href"):
+            if a.get(key):
+                self.external.append(str(a[key]))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "script":
+            self._in = None
+
+    def handle_data(self, data: str) -> None:
+        if self._in is not None:
+            attrs, text = self.scripts[-1]
+            self.scripts[-1] = (attrs, text + data)
+
+
+def test_page_is_self_contained_and_embeds_the_status() -> None:
+    doc = _status()
+    page = render_page(doc)
+    p = _Collect()
+    p.feed(page)
+    assert p.external == []  # no external assets: works on an isolated cluster
+    embedded = [text for attrs, text in p.scripts if attrs.get("id") == "initial-status"]
+    assert len(embedded) == 1 and json.loads(embedded[0]) == doc
+    assert 'new URL("status"' in page and "fetch(url.href" in page  # refreshes itself from /status
+    # Without JavaScript: the same data as tables.
+    assert "<td>r1</td><td>joining</td>" in page and "replica r1 dead" in page
+
+
+def test_page_data_cannot_break_out_of_the_script() -> None:
+    evil = "</script><script>alert(1)</script><!--"
+    doc = _status(history=[{"epoch": 1, "time": 1.7e9, "reason": f"replica r0 left: {evil}", "members": []}])
+    page = render_page(doc)
+    assert evil not in page
+    assert page.count("</script>") == 2  # the JSON island's and the renderer's, nothing injected
+    p = _Collect()
+    p.feed(page)
+    embedded = [text for attrs, text in p.scripts if attrs.get("id") == "initial-status"]
+    assert json.loads(embedded[0])["history"][0]["reason"].endswith(evil)  # intact, only escaped
+
+
+def test_epoch_events_read_the_membership_reasons() -> None:
+    assert epoch_events("bootstrap") == []
+    assert epoch_events("replica r-1 dead (no heartbeat for 3.01s); replica r-2 dead (hung: reported in 3 "
+                        "consecutive re-formed epochs)") == [("r-1", "failure"), ("r-2", "failure")]
+    assert epoch_events("replica r3 restarted (incarnation ab dead); replica r3 registered as joining") == [
+        ("r3", "failure"), ("r3", "join")]
+    assert epoch_events("replica r3 ready to join") == [("r3", "rejoin")]
+    assert epoch_events("replica r3 caught up, now active") == [("r3", "active")]
+    assert epoch_events("replica r4 left: done") == [("r4", "leave")]
+
+
+# --- a live lighthouse in headless Chromium -------------------------------------------------------------------
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-emulator", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 20.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def _get_status(s: ServerThread) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://{s.http}/status", timeout=5) as r:
+        return json.load(r)  # type: ignore[no-any-return]
+
+
+def _history_has(s: ServerThread, needle: str) -> Callable[[], bool]:
+    return lambda: any(needle in e["reason"] for e in _get_status(s)["history"])
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ServerThread]:
+    """A lighthouse and 3 emulated replicas; replica page-00001 is killed, declared dead, and rejoins. Shared by
+    the tests of this module (they only read it)."""
+    server = ServerThread(make_config(POLICY))
+    lt = LoopThread()
+    emus: list[Emulator] = []
+    try:
+        async def make(n: int, keep: slice) -> Emulator:
+            emu = Emulator(server.addr, n, prefix="page")
+            emu.replicas = emu.replicas[keep]
+            emus.append(emu)
+            await emu.start()
+            return emu
+
+        first = lt.run(make(3, slice(None)))
+        wait_until(lambda: len(_get_status(server)["members"]) == 3 and _get_status(server)["epoch"] >= 1,
+                   timeout=15, what="3 replicas in an epoch")
+        lt.run(first.kill(first.replicas[1]))
+        wait_until(_history_has(server, "replica page-00001 dead"), timeout=15, what="page-00001 declared dead")
+        lt.run(make(2, slice(1, 2)))  # page-00001 again: a new incarnation, joining
+        wait_until(_history_has(server, "replica page-00001 caught up, now active"), timeout=15,
+                   what="page-00001 rejoined and active")
+        yield server
+    finally:
+        for emu in emus:
+            try:
+                lt.run(emu.close(), timeout=10)
+            except Exception as e:  # noqa: BLE001  a failed close must not hide the test's own failure
+                print(f"emulator close failed: {e!r}")
+        lt.stop()
+        server.stop()
+
+
+def _chromium(tmp: pathlib.Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} not found: `make setup` installs Debian's chromium (scripts/system-deps.sh)")
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           "--disable-dev-shm-usage", f"--user-data-dir={tmp / 'profile'}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          check=False)
+
+
+def test_live_page_in_chromium(cluster: ServerThread, tmp_path: pathlib.Path) -> None:
+    url = f"http://{cluster.http}/"
+    now = _get_status(cluster)
+    # The script fetches /status at once; the virtual-time budget lets it run (and redraw) before the dump.
+    r = _chromium(tmp_path, "--virtual-time-budget=5000", "--dump-dom", url)
+    dom = r.stdout
+    after = _get_status(cluster)
+    assert 'data-rendered="js"' in dom, f"the page's script did not render (stderr: {r.stderr[-2000:]})"
+    assert 'data-source="live"' in dom, "the page did not redraw from a live GET /status"
+    shown = int(re.search(r'id="epoch">(\d+)<', dom).group(1))  # type: ignore[union-attr]
+    assert now["epoch"] <= shown <= after["epoch"]
+    roles = {x["replica_id"]: {x["role"]} for x in now["members"]}
+    for x in after["members"]:
+        roles.setdefault(x["replica_id"], set()).add(x["role"])
+    for rid, possible in roles.items():
+        m_ = re.search(rf'<tr data-replica="{rid}" data-role="(\w+)"', dom)
+        assert m_ is not None and m_.group(1) in possible, (rid, possible)
+    assert 'class="role active">active<' in dom
+    for e in now["history"]:
+        assert f'<tr data-epoch="{e["epoch"]}">' in dom
+    # The timeline marks page-00001's failure and its rejoin, in the epochs whose reasons say so.
+    dead = next(e["epoch"] for e in now["history"] if "replica page-00001 dead" in e["reason"])
+    back = next(e["epoch"] for e in now["history"] if "replica page-00001 ready to join" in e["reason"])
+    row = re.search(r'<tr data-replica="page-00001"><td>page-00001</td>(.*?)</tr>', dom)
+    assert row is not None
+    assert f'data-epoch="{dead}" data-kind="failure"' in row.group(1)
+    assert f'data-epoch="{back}" data-kind="rejoin"' in row.group(1)
+    assert dead < back
+
+
+def _colours(png: pathlib.Path) -> tuple[Any, int]:
+    import matplotlib.image
+    import numpy as np
+
+    img = matplotlib.image.imread(str(png))
+    rgb = (img[..., :3] * 255).round().astype(np.int16) if img.dtype.kind == "f" else img[..., :3].astype(np.int16)
+    flat = rgb.reshape(-1, 3)
+    return flat, len(np.unique(flat, axis=0))
+
+
+def _has_colour(flat: Any, rgb: tuple[int, int, int], min_pixels: int = 50) -> bool:
+    import numpy as np
+
+    return int((np.abs(flat - np.array(rgb)).max(axis=1) <= 3).sum()) >= min_pixels
+
+
+def test_live_page_screenshot(cluster: ServerThread, tmp_path: pathlib.Path) -> None:
+    png = tmp_path / "page.png"
+    r = _chromium(tmp_path, "--virtual-time-budget=2500", "--window-size=1280,1400", "--hide-scrollbars",
+                  f"--screenshot={png}", f"http://{cluster.http}/")
+    assert png.exists() and png.stat().st_size > 0, f"no screenshot (stderr: {r.stderr[-2000:]})"
+    flat, distinct = _colours(png)
+    white = int((flat >= 250).all(axis=1).sum())
+    assert distinct >= 20, f"the screenshot is nearly blank ({distinct} colours)"
+    assert white < 0.98 * len(flat), "the screenshot is nearly all white"
+    # The timeline drew members (green), page-00001's failure (red) and its rejoin (blue).
+    assert _has_colour(flat, ACTIVE) and _has_colour(flat, FAILURE) and _has_colour(flat, REJOIN)
+
+
+def test_screenshot_check_can_fail(tmp_path: pathlib.Path) -> None:
+    """The check above can fail: a blank page has no timeline colours."""
+    blank = tmp_path / "blank.html"
+    blank.write_text("<!doctype html><html><body></body></html>")
+    png = tmp_path / "blank.png"
+    _chromium(tmp_path, "--window-size=400,300", f"--screenshot={png}", blank.as_uri())
+    flat, distinct = _colours(png)
+    assert distinct < 20
+    assert not _has_colour(flat, FAILURE)
+
+
+def test_lighthouse_metrics_count_the_failure_and_the_rejoin(cluster: ServerThread) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{cluster.http}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    counted = {s.labels["kind"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "fthsdp_lighthouse_membership_events_total"}
+    # Every epoch formed is still in the status history (fewer than 32): the counters must add up to it.
+    history = _get_status(cluster)["history"]
+    assert history[0]["epoch"] == 1
+    expected: dict[str, int] = {}
+    for e in history[1:]:  # the bootstrap epoch is not counted
+        for _, kind in epoch_events(e["reason"]):
+            expected[kind] = expected.get(kind, 0) + 1
+    assert expected.get("failure", 0) >= 1 and expected.get("rejoin", 0) >= 1  # page-00001 died and rejoined
+    assert {k: int(v) for k, v in counted.items() if v} == expected
+
+
+def test_page_with_a_job_token_in_chromium(start_server: Callable[..., ServerThread], tmp_path: pathlib.Path) -> None:
+    """With a job token every HTTP path needs it; a browser gives it as the Basic password (here in the URL),
+    and the page's own fetches of /status still work."""
+    from lighthouse.security import ServerSecurity
+
+    token = "page-test-token-0123456789"
+    server = start_server(POLICY, security=ServerSecurity(token=token))
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://{server.http}/", timeout=5)
+    assert refused.value.code == 401
+    r = _chromium(tmp_path, "--virtual-time-budget=5000", "--dump-dom", f"http://viewer:{token}@{server.http}/")
+    assert 'data-rendered="js"' in r.stdout, r.stderr[-2000:]
+    assert 'data-source="live"' in r.stdout, "the page could not fetch /status with the browser's credentials"

@@ -1,0 +1,64 @@
+"""fthsdp.bench.recovery_metrics on synthetic progress rows (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fthsdp.bench.recovery_metrics import median_step, recovery_metrics, whole_job_restart_metrics
+
+
+def rows(times: list[float], first_step: int = 0, incarnation: int = 1, joined_first: bool = False) -> list[dict]:
+    return [{"event": "step", "step": first_step + k, "t": t, "incarnation": incarnation,
+             "joined": joined_first and k == 0} for k, t in enumerate(times)]
+
+
+def test_one_failure_stall_rejoin_and_ett() -> None:
+    # Steps every 1 s; replica 1 dies at t=10.5 after committing steps 0..10; the survivors' step 11 takes 3 s
+    # (a 2 s stall); the restarted replica joins at step 16 (t=17.5 + ... ) and trains to the end.
+    survivor = [float(t) for t in range(0, 11)] + [13.0 + k for k in range(0, 19)]  # steps 0..29, last at t=31
+    killed = rows([float(t) for t in range(0, 11)]) + rows([18.0 + k for k in range(0, 14)], first_step=16,
+                                                             incarnation=2, joined_first=True)
+    steps = {0: rows(survivor), 1: killed, 2: rows(survivor)}
+    m = recovery_metrics(steps, [{"t": 10.5, "replica": 1}], replicas=3)
+    assert m["median_step_s"] == pytest.approx(1.0)
+    assert m["stall_per_failure_s"] == [pytest.approx(2.0)]
+    assert m["survivor_max_stall_s"] == pytest.approx(2.0)
+    assert m["lost_per_failure_s"] == [pytest.approx(2.0)]
+    assert m["rejoin_s"] == pytest.approx(18.0 - 10.5)
+    # trained: 30 + 30 steps of the survivors, 11 + 13 of replica 1 (its joined step excluded); wall 31 s
+    assert m["replica_steps_trained"] == 30 + 30 + 11 + 13
+    assert m["effective_training_time"] == pytest.approx(84 * 1.0 / (3 * 31.0))
+
+
+def test_warmup_excludes_early_gaps_and_incarnations_do_not_mix() -> None:
+    slow_start = rows([0.0, 5.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0])
+    assert median_step({0: slow_start}, warmup=0) == pytest.approx(1.0)
+    assert median_step({0: slow_start}, warmup=3) == pytest.approx(1.0)
+    assert median_step({0: slow_start[:4]}, warmup=3) == pytest.approx(1.0)
+    assert median_step({0: slow_start[:4]}, warmup=0) == pytest.approx(5.0)
+    # A gap between two incarnations is not a step.
+    two = rows([0.0, 1.0, 2.0]) + rows([100.0, 101.0], first_step=3, incarnation=2)
+    assert median_step({0: two}) == pytest.approx(1.0)
+
+
+def test_stalls_are_attributed_to_each_failure() -> None:
+    survivor = [0.0, 1.0, 2.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 14.0, 15.0]  # stalls of 2 s then 3 s
+    steps = {0: rows(survivor), 1: rows([0.0, 1.0, 2.0]), 2: rows([0.0, 1.0, 2.0, 5.0, 6.0, 7.0, 8.0, 9.0])}
+    m = recovery_metrics(steps, [{"t": 2.5, "replica": 1}, {"t": 9.5, "replica": 2}], replicas=3)
+    assert m["stall_per_failure_s"] == [pytest.approx(2.0), pytest.approx(3.0)]
+    assert m["rejoin_s"] is None  # nobody came back
+
+
+def test_whole_job_restart_counts_lost_steps() -> None:
+    # Checkpoint after step 14 (resume at 15); the kill at t=20.5 after step 19; the job resumes with step 15
+    # committed at t=27.5: 7 s to new progress + 5 lost steps x 1 s.
+    before = [float(t) for t in range(0, 20)]
+    after = [27.5 + k for k in range(0, 45)]  # steps 15..59
+    one = rows(before) + rows(after, first_step=15, incarnation=2)
+    m = whole_job_restart_metrics({0: one, 1: one, 2: one}, {"t": 20.5, "replica": 1}, replicas=3)
+    assert m["resume_s"] == pytest.approx(7.0)
+    assert m["lost_steps"] == 5
+    assert m["restart_from_step"] == 15
+    assert m["stall_per_failure_s"] == [pytest.approx(12.0)]
+    assert m["replica_steps_trained"] == 3 * 60  # a step trained twice counts once
+    assert m["effective_training_time"] == pytest.approx(180 * 1.0 / (3 * (27.5 + 44)))
