@@ -1,1 +1,1 @@
-"""The lighthouse: membership of a job's replicas in epochs, over gRPC (see DESIGN §4)."""
+"""The lighthouse: membership of a job's replicas in epochs, over gRPC (see docs/design.md §4)."""

@@ -1,4 +1,4 @@
-"""Typed errors of the lighthouse and its clients."""
+"""Typed errors of the lighthouse, its stores and its clients."""
 
 from __future__ import annotations
 
@@ -45,3 +45,11 @@ class NotLeader(LighthouseUnavailable):
     def __init__(self, message: str, leader: str = "") -> None:
         super().__init__(message)
         self.leader = leader
+
+
+class ValidationError(ValueError):
+    """A field of a request is malformed; the message names the field (answered as INVALID_ARGUMENT)."""
+
+
+class SecurityConfigError(ValueError):
+    """A TLS or token option is unusable (missing file, empty token, cert without key...)."""

@@ -1,11 +1,13 @@
-"""The membership decision: ``state + event -> new state + reason``, pure and without I/O.
+"""The membership decision: ``state + event -> new state + events``, pure and without I/O.
 
 The server (``lighthouse.server``) feeds events in one at a time and acts on the outcome (persist, push the
 epoch, answer the RPC). Nothing here reads a clock or a socket: time arrives inside the events, and liveness
 arrives as a mapping ``replica_id -> last heartbeat time`` that the edge keeps (heartbeats are the hot path and
-do not go through the state machine).
+do not go through the state machine). What happened comes out as structured events (``lighthouse.events``);
+an epoch's reason text is rendered from them. The state's types live in ``lighthouse.model`` and are exported
+from here too (``from lighthouse import membership as m``: ``m.Policy``, ``m.State``, ``m.JOINING``...).
 
-Rules (DESIGN §4):
+Rules (docs/design.md §4):
 - An epoch is (number, members with roles). Numbers only go up and are never reused: the next number is
   ``last_number + 1``, and ``last_number`` is durable state.
 - A new epoch forms whenever the wanted membership (live members that are in the data plane) differs from the
@@ -26,125 +28,35 @@ Rules (DESIGN §4):
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-ACTIVE = "active"
-JOINING = "joining"
-ROLES = (ACTIVE, JOINING)
+from lighthouse.events import REASON_LIMIT as REASON_LIMIT
+from lighthouse.events import (
+    DeathCause,
+    Died,
+    GuardHeld,
+    Left,
+    MembershipEvent,
+    ReadyToJoin,
+    Reformed,
+    Registered,
+    Restarted,
+    TurnedActive,
+    render_reason,
+)
+from lighthouse.model import ACTIVE as ACTIVE
+from lighthouse.model import HISTORY_LIMIT as HISTORY_LIMIT
+from lighthouse.model import JOINING as JOINING
+from lighthouse.model import ROLES as ROLES
+from lighthouse.model import Endpoints as Endpoints
+from lighthouse.model import Epoch as Epoch
+from lighthouse.model import EpochMember as EpochMember
+from lighthouse.model import Member as Member
+from lighthouse.model import Policy as Policy
+from lighthouse.model import State as State
 
-
-@dataclass(frozen=True)
-class Policy:
-    """Lighthouse settings that the decision depends on."""
-
-    min_replicas: int = 1
-    """Split-brain guard: no epoch with fewer members than this."""
-    heartbeat_interval_s: float = 0.5
-    """Advertised to clients: how often to heartbeat."""
-    heartbeat_timeout_s: float = 3.0
-    """A member with no heartbeat for this long is dead."""
-    confirm_age_s: float = 1.0
-    """A reported suspect whose last heartbeat is at least this old is confirmed dead."""
-    join_window_s: float = 0.0
-    """Bootstrap: after ``min_replicas`` registered, wait this long for more before forming the first epoch
-    (with ``expected_replicas`` set: at most this long for the expected count; 0 then waits for all of them)."""
-    expected_replicas: int = 0
-    """Bootstrap: form the first epoch as soon as this many registered (0: unknown)."""
-    max_reforms: int = 2
-    """A suspect that keeps heartbeating yet is reported again after this many consecutive re-formed epochs is
-    declared dead (hung: its heartbeat thread lives, its training does not). 0: never."""
-
-    def __post_init__(self) -> None:
-        if self.min_replicas < 1:
-            raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
-        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
-            raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
-        if not 0 < self.confirm_age_s <= self.heartbeat_timeout_s:
-            raise ValueError("need 0 < confirm_age_s <= heartbeat_timeout_s")
-        if self.join_window_s < 0 or self.expected_replicas < 0 or self.max_reforms < 0:
-            raise ValueError("join_window_s, expected_replicas and max_reforms must be >= 0")
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    data_plane: str = ""
-    catchup: str = ""
-    http: str = ""
-
-
-@dataclass(frozen=True)
-class Member:
-    """A registered, live replica."""
-
-    replica_id: str
-    incarnation: str
-    shard_count: int
-    endpoints: Endpoints
-    role: str
-    in_epoch: bool
-    registered_at: float
-    step: int = 0
-
-
-@dataclass(frozen=True)
-class EpochMember:
-    replica_id: str
-    incarnation: str
-    role: str
-    shard_count: int
-    endpoints: Endpoints
-
-
-@dataclass(frozen=True)
-class Epoch:
-    number: int
-    members: tuple[EpochMember, ...]
-    created_at: float
-    reason: str
-    plane: int = 0
-    """The epoch whose data-plane groups this one keeps (0: its own). Only a role change keeps them: the same
-    members with the same incarnations; a re-formed epoch (a suspected broken group) never does."""
-
-    @property
-    def data_plane(self) -> int:
-        return self.plane or self.number
-
-    def plane_key(self) -> tuple[tuple[str, str], ...]:
-        return tuple((m.replica_id, m.incarnation) for m in self.members)
-
-    def key(self) -> tuple[tuple[str, str, str], ...]:
-        return tuple((m.replica_id, m.incarnation, m.role) for m in self.members)
-
-    def replica_ids(self) -> tuple[str, ...]:
-        return tuple(m.replica_id for m in self.members)
-
-    def member(self, replica_id: str) -> EpochMember | None:
-        for m in self.members:
-            if m.replica_id == replica_id:
-                return m
-        return None
-
-
-@dataclass(frozen=True)
-class State:
-    """Everything the decision needs. ``members`` holds live registrations only; the dead are dropped."""
-
-    members: Mapping[str, Member] = field(default_factory=dict)
-    epoch: Epoch | None = None
-    last_number: int = 0
-    history: tuple[Epoch, ...] = ()
-    suspicions: Mapping[str, frozenset[str]] = field(default_factory=dict)
-    """suspect replica id -> reporters, within the current epoch."""
-    suspected_at: Mapping[str, float] = field(default_factory=dict)
-    """suspect replica id -> time of its first report in the current epoch."""
-    reforms: Mapping[str, int] = field(default_factory=dict)
-    """suspect replica id -> consecutive epochs re-formed because of it."""
-    min_reached_at: float | None = None
-    """Bootstrap: when ``min_replicas`` registrations were first reached."""
-
-
-# --- events -------------------------------------------------------------------------------------------------
+# --- inputs -------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -202,31 +114,24 @@ class Rejection:
 
 @dataclass(frozen=True)
 class Outcome:
+    """What an event did: the new state, what happened (empty when nothing did), or why it was refused."""
+
     state: State
-    reason: str = ""
-    """What changed (empty when nothing did)."""
+    events: tuple[MembershipEvent, ...] = ()
     rejection: Rejection | None = None
     confirmed: bool = False
     """Report only: the suspect was declared dead."""
+
+    @property
+    def reason(self) -> str:
+        """``events`` as text, for people and logs ('' when nothing happened)."""
+        return render_reason(self.events)
 
     def new_epoch(self, before: State) -> Epoch | None:
         """The epoch this outcome formed, if any."""
         if self.state.epoch is not None and self.state.epoch is not before.epoch:
             return self.state.epoch
         return None
-
-
-HISTORY_LIMIT = 256
-REASON_LIMIT = 1024
-"""An epoch's reason is clipped to this many characters (a burst of deaths would make it grow with the job,
-and it is pushed to every member and kept in the history)."""
-
-
-def _clip(reason: str) -> str:
-    if len(reason) <= REASON_LIMIT:
-        return reason
-    rest = reason.count("; ", REASON_LIMIT - 40) + 1
-    return f"{reason[: REASON_LIMIT - 40]}… (+{rest} more)"
 
 
 def decide(state: State, event: Event, policy: Policy) -> Outcome:
@@ -267,20 +172,20 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
     if old is not None and old.incarnation == ev.incarnation:
         return Outcome(state=state)  # a reconnect: idempotent
     members = dict(state.members)
-    reasons = []
+    events: list[MembershipEvent] = []
     if old is not None:
         del members[ev.replica_id]
-        reasons.append(f"replica {ev.replica_id} restarted (incarnation {old.incarnation} dead)")
+        events.append(Restarted(ev.replica_id, old.incarnation))
     bootstrap = state.epoch is None
     any_active = any(m.role == ACTIVE for m in members.values())
     role = ACTIVE if (bootstrap or not any_active) else JOINING
     members[ev.replica_id] = Member(ev.replica_id, ev.incarnation, ev.shard_count, ev.endpoints, role,
                                     in_epoch=(role == ACTIVE), registered_at=ev.now)
-    reasons.append(f"replica {ev.replica_id} registered as {role}")
+    events.append(Registered(ev.replica_id, role))
     suspicions = {k: v for k, v in state.suspicions.items() if k != ev.replica_id}
     suspected_at = {k: v for k, v in state.suspected_at.items() if k != ev.replica_id}
     new = dataclasses.replace(state, members=members, suspicions=suspicions, suspected_at=suspected_at)
-    return _reconcile(new, "; ".join(reasons), ev.now, policy)
+    return _reconcile(new, tuple(events), ev.now, policy)
 
 
 def _ready(state: State, ev: Ready, policy: Policy) -> Outcome:
@@ -303,7 +208,7 @@ def _ready(state: State, ev: Ready, policy: Policy) -> Outcome:
             # One joiner at a time: a second one re-forming the epoch mid-sync would make the first start over.
             return _reject(state, "ABORTED", f"replica {busy[0]} is joining; retry once it is active")
         updated = dataclasses.replace(member, in_epoch=True)
-        reason = f"replica {ev.replica_id} ready to join"
+        event: MembershipEvent = ReadyToJoin(ev.replica_id)
     else:
         if member.role == ACTIVE:
             return Outcome(state=state)
@@ -312,9 +217,9 @@ def _ready(state: State, ev: Ready, policy: Policy) -> Outcome:
             return _reject(state, "FAILED_PRECONDITION",
                            f"replica {ev.replica_id} must take part in an epoch as joining before turning active")
         updated = dataclasses.replace(member, role=ACTIVE)
-        reason = f"replica {ev.replica_id} caught up, now active"
+        event = TurnedActive(ev.replica_id)
     new = dataclasses.replace(state, members={**state.members, ev.replica_id: updated})
-    return _reconcile(new, reason, ev.now, policy)
+    return _reconcile(new, (event,), ev.now, policy)
 
 
 def _leave(state: State, ev: Leave, policy: Policy) -> Outcome:
@@ -322,8 +227,7 @@ def _leave(state: State, ev: Leave, policy: Policy) -> Outcome:
         return Outcome(state, rejection=rej)
     members = {k: v for k, v in state.members.items() if k != ev.replica_id}
     new = dataclasses.replace(state, members=members)
-    why = f": {ev.reason}" if ev.reason else ""
-    return _reconcile(new, f"replica {ev.replica_id} left{why}", ev.now, policy)
+    return _reconcile(new, (Left(ev.replica_id, ev.reason),), ev.now, policy)
 
 
 def _report(state: State, ev: Report, policy: Policy) -> Outcome:
@@ -359,22 +263,21 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
     if age < policy.confirm_age_s:
         suspected_at = {**state.suspected_at, ev.suspect: state.suspected_at.get(ev.suspect, ev.now)}
         return Outcome(state=dataclasses.replace(state, suspicions=suspicions, suspected_at=suspected_at))
-    cause = f"{why}, confirmed: no heartbeat for {age:.2f}s"
     members = {k: v for k, v in state.members.items() if k != ev.suspect}
     new = dataclasses.replace(state, members=members, suspicions=suspicions)
-    out = _reconcile(new, f"replica {ev.suspect} dead ({cause}; blamed by {ev.reporter})", ev.now, policy)
+    died = Died(ev.suspect, DeathCause.CONFIRMED, silent_s=age, reporters=(ev.reporter,), report=why)
+    out = _reconcile(new, (died,), ev.now, policy)
     return dataclasses.replace(out, confirmed=True)
 
 
 def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
-    dead: dict[str, str] = {}
+    dead: dict[str, Died] = {}
     for rid, m in state.members.items():
         age = ev.now - ev.last_seen.get(rid, m.registered_at)
         if age > policy.heartbeat_timeout_s:
-            dead[rid] = f"replica {rid} dead (no heartbeat for {age:.2f}s)"
+            dead[rid] = Died(rid, DeathCause.TIMEOUT, silent_s=age)
         elif rid in state.suspicions and age >= policy.confirm_age_s:
-            dead[rid] = (f"replica {rid} dead (reported by {','.join(sorted(state.suspicions[rid]))}, "
-                         f"no heartbeat for {age:.2f}s)")
+            dead[rid] = Died(rid, DeathCause.REPORTED, silent_s=age, reporters=tuple(sorted(state.suspicions[rid])))
     if not dead:
         # A suspect that kept heartbeating for confirm_age_s after it was reported is alive: the reporters' data
         # plane is still broken, so re-form the epoch with the same members and let everyone rebuild.
@@ -384,18 +287,17 @@ def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
             hung = [rid for rid in alive if policy.max_reforms and state.reforms.get(rid, 0) >= policy.max_reforms]
             if hung:
                 members = {k: v for k, v in state.members.items() if k not in hung}
-                reason = "; ".join(f"replica {rid} dead (hung: reported in {state.reforms[rid] + 1} consecutive "
-                                   "epochs while still heartbeating)" for rid in hung)
-                return _reconcile(dataclasses.replace(state, members=members), reason, ev.now, policy)
+                hung_events = tuple(Died(rid, DeathCause.HUNG, reported_epochs=state.reforms[rid] + 1)
+                                    for rid in hung)
+                return _reconcile(dataclasses.replace(state, members=members), hung_events, ev.now, policy)
             reforms = {rid: state.reforms.get(rid, 0) + 1 for rid in alive}
-            return _reconcile(dataclasses.replace(state, reforms=reforms),
-                              f"re-formed: {', '.join(alive)} reported but still heartbeating", ev.now, policy,
-                              force=True)
+            return _reconcile(dataclasses.replace(state, reforms=reforms), (Reformed(tuple(alive)),), ev.now,
+                              policy, force=True)
         # Only bootstrap waits on time alone (the join window); otherwise nothing changed.
-        return _reconcile(state, "", ev.now, policy) if state.epoch is None else Outcome(state=state)
+        return _reconcile(state, (), ev.now, policy) if state.epoch is None else Outcome(state=state)
     members = {k: v for k, v in state.members.items() if k not in dead}
     new = dataclasses.replace(state, members=members)
-    return _reconcile(new, "; ".join(dead.values()), ev.now, policy)
+    return _reconcile(new, tuple(dead.values()), ev.now, policy)
 
 
 def _wanted(state: State) -> tuple[EpochMember, ...]:
@@ -406,7 +308,8 @@ def _wanted(state: State) -> tuple[EpochMember, ...]:
     )
 
 
-def _reconcile(state: State, reason: str, now: float, policy: Policy, force: bool = False) -> Outcome:
+def _reconcile(state: State, events: tuple[MembershipEvent, ...], now: float, policy: Policy,
+               force: bool = False) -> Outcome:
     """Form a new epoch if the wanted membership differs from the current one (or ``force``) and the guards
     allow it."""
     if state.epoch is None:
@@ -426,21 +329,19 @@ def _reconcile(state: State, reason: str, now: float, policy: Policy, force: boo
         window_over = (min_reached_at is not None and now - min_reached_at >= policy.join_window_s
                        and (policy.join_window_s > 0 or not policy.expected_replicas))
         if not (full or window_over):
-            return Outcome(state=state, reason=reason)
+            return Outcome(state=state, events=events)
     wanted = _wanted(state)
     key = tuple((m.replica_id, m.incarnation, m.role) for m in wanted)
     if state.epoch is not None and key == state.epoch.key() and not force:
-        return Outcome(state=state, reason=reason)
+        return Outcome(state=state, events=events)
     if len(wanted) < policy.min_replicas or not any(m.role == ACTIVE for m in wanted):
-        guard = (f"min-replicas guard: {len(wanted)} live data-plane member(s), "
-                 f"{policy.min_replicas} required, with at least one active; epoch unchanged")
-        return Outcome(state=state, reason=f"{reason}; {guard}" if reason else guard)
+        return Outcome(state=state, events=(*events, GuardHeld(len(wanted), policy.min_replicas)))
     number = state.last_number + 1
     keeps = (state.epoch is not None and not force
              and tuple((m.replica_id, m.incarnation) for m in wanted) == state.epoch.plane_key())
-    epoch = Epoch(number=number, members=wanted, created_at=now, reason=_clip(reason) if reason else "bootstrap",
-                  plane=state.epoch.data_plane if keeps and state.epoch is not None else number)
+    epoch = Epoch(number=number, members=wanted, created_at=now, reason=render_reason(events) or "bootstrap",
+                  plane=state.epoch.data_plane if keeps and state.epoch is not None else number, events=events)
     history = (state.history + (epoch,))[-HISTORY_LIMIT:]
     new = dataclasses.replace(state, epoch=epoch, last_number=epoch.number, history=history, suspicions={},
                               suspected_at={}, reforms=state.reforms if force else {})
-    return Outcome(state=new, reason=epoch.reason)
+    return Outcome(state=new, events=events)

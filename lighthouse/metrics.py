@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from lighthouse import membership as m
-from lighthouse.page import epoch_events
+from lighthouse.events import replica_kinds
+from lighthouse.model import ROLES, State
 
 
 class LighthouseMetrics:
+    """The lighthouse's counters and gauges; ``render`` gives the Prometheus text of ``GET /metrics``."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -28,14 +30,15 @@ class LighthouseMetrics:
         self.membership_events = Counter("fthsdp_lighthouse_membership_events", "Replica failures, rejoins, "
                                          "leaves and joins named by the epochs formed", ["job", "kind"], registry=r)
 
-    def observe_epoch(self, job: str, number: int, state: m.State) -> None:
+    def observe_epoch(self, job: str, number: int, state: State) -> None:
+        """Epoch ``number`` of ``job`` is current: count it and the membership events that formed it."""
         self.epoch.labels(job).set(number)
         if number:
             self.epoch_changes.labels(job).inc()
             if number > 1 and state.epoch is not None and state.epoch.number == number:  # 1: bootstrap
-                for _, kind in epoch_events(state.epoch.reason):
+                for _, kind in replica_kinds(state.epoch.events):
                     self.membership_events.labels(job, kind).inc()
-        for role in m.ROLES:
+        for role in ROLES:
             self.members.labels(job, role).set(sum(1 for x in state.members.values() if x.role == role))
 
     def rpc_error(self, method: str, code: str) -> None:

@@ -3,7 +3,8 @@ one self-contained HTML page (inline CSS and JS, no external assets, so it works
 
 The page shows the job's summary (epoch, leader, live replicas), the replicas with role, step and heartbeat
 age, a timeline of the recent epochs as a grid (one row per replica, one column per epoch: active, joining,
-absent, and the epochs where it failed or rejoined), and the epochs with their reasons. A small inline script
+absent, and the epochs where it failed or rejoined, from each history entry's structured ``events``), and the
+epochs with their events and reasons. A small inline script
 draws all of that from the status document embedded in the page, then fetches ``/status`` every
 ``REFRESH_S`` seconds and redraws (same origin: a browser that authenticated for ``/`` sends the same
 credentials). Every string from the document reaches the DOM through ``textContent``, never as markup.
@@ -14,27 +15,10 @@ from __future__ import annotations
 
 import html
 import json
-import re
 import time
 from typing import Any
 
 REFRESH_S = 2.0
-
-# What an epoch's reason says happened to which replica (lighthouse.membership writes these phrases).
-_EVENT = re.compile(r"replica (\S+) (dead|restarted|ready to join|caught up, now active|left|registered as \w+)")
-EVENT_KINDS = {"dead": "failure", "restarted": "failure", "ready to join": "rejoin",
-               "caught up, now active": "active", "left": "leave"}
-
-
-def epoch_events(reason: str) -> list[tuple[str, str]]:
-    """``(replica_id, kind)`` for each membership event an epoch's reason names; kind is one of ``failure``
-    (declared dead, or replaced by a restarted incarnation), ``rejoin`` (a joiner entered the data plane),
-    ``active`` (a joiner caught up), ``leave``, ``join`` (registered)."""
-    out = []
-    for rid, what in _EVENT.findall(reason):
-        out.append((rid.rstrip(",;:"), EVENT_KINDS.get(what, "join")))
-    return out
-
 
 def _json_for_script(doc: dict[str, Any]) -> str:
     """JSON that cannot end the <script> element it sits in."""
@@ -79,21 +63,14 @@ th{background:#eceff1}
 margin-right:4px;vertical-align:-2px}
 """
 
-# The renderer: pure DOM building with textContent (no innerHTML of data). `EVENT` mirrors epoch_events().
+# The renderer: pure DOM building with textContent (no innerHTML of data). An epoch's events come from its history
+# entry: [{"replica_id", "kind"}], kind one of failure, rejoin, active, leave, join (lighthouse/events.py).
 _SCRIPT = r"""
 (function () {
   "use strict";
   var REFRESH_MS = %(refresh_ms)d;
-  var EVENT = /replica (\S+) (dead|restarted|ready to join|caught up, now active|left|registered as \w+)/g;
-  var KINDS = {"dead": "failure", "restarted": "failure", "ready to join": "rejoin",
-               "caught up, now active": "active", "left": "leave"};
-  function events(reason) {
-    var out = [], m;
-    EVENT.lastIndex = 0;
-    while ((m = EVENT.exec(reason || "")) !== null) {
-      out.push([m[1].replace(/[,;:]+$/, ""), KINDS[m[2]] || "join"]);
-    }
-    return out;
+  function events(e) {
+    return (e.events || []).map(function (x) { return [x.replica_id, x.kind]; });
   }
   function el(tag, attrs, text) {
     var e = document.createElement(tag);
@@ -123,7 +100,8 @@ _SCRIPT = r"""
     item("epoch", s.epoch, "epoch");
     item("live replicas", (s.members || []).length, "live");
     item("min replicas", s.min_replicas);
-    item("leader", s.leader ? "this lighthouse" : ("no" + (s.leader_address ? " (leader: " + s.leader_address + ")" : "")), "leader");
+    item("leader", s.leader ? "this lighthouse"
+                            : ("no" + (s.leader_address ? " (leader: " + s.leader_address + ")" : "")), "leader");
     var upd = el("span", {"class": "muted", "id": "updated"},
                  (source === "live" ? "updated " : "snapshot of ") + new Date().toTimeString().slice(0, 8));
     p.appendChild(upd);
@@ -146,7 +124,7 @@ _SCRIPT = r"""
     var hist = s.history || [];
     var ids = {};
     hist.forEach(function (e) { (e.members || []).forEach(function (r) { ids[r] = 1; });
-                                events(e.reason).forEach(function (ev) { ids[ev[0]] = 1; }); });
+                                events(e).forEach(function (ev) { ids[ev[0]] = 1; }); });
     (s.members || []).forEach(function (x) { ids[x.replica_id] = 1; });
     var t = el("table", {"class": "grid", "id": "timeline"});
     var head = [el("span", {}, "replica \u2193 / epoch \u2192")];
@@ -159,7 +137,7 @@ _SCRIPT = r"""
       hist.forEach(function (e) {
         var inEpoch = (e.members || []).indexOf(rid) >= 0;
         var kind = inEpoch ? "active" : "absent";
-        events(e.reason).forEach(function (ev) {
+        events(e).forEach(function (ev) {
           if (ev[0] === rid && (ev[1] === "failure" || ev[1] === "rejoin")) { kind = ev[1]; }
         });
         var td = el("td", {"class": "cell " + kind, "data-epoch": e.epoch, "data-kind": kind,
@@ -175,8 +153,10 @@ _SCRIPT = r"""
     t.appendChild(row(["epoch", "time", "members", "events", "reason"], true));
     (s.history || []).slice().reverse().forEach(function (e) {
       var evs = el("span");
-      var seen = events(e.reason);
-      if (!seen.length) { evs.appendChild(el("span", {"class": "kind other"}, e.epoch === 1 ? "bootstrap" : "re-formed")); }
+      var seen = events(e);
+      if (!seen.length) {
+        evs.appendChild(el("span", {"class": "kind other"}, e.epoch === 1 ? "bootstrap" : "re-formed"));
+      }
       seen.forEach(function (ev) { evs.appendChild(el("span", {"class": "kind " + ev[1]}, ev[1] + " " + ev[0])); });
       var tr = row([e.epoch, hhmmss(e.time), (e.members || []).length, evs, e.reason]);
       tr.setAttribute("data-epoch", e.epoch);

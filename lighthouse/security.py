@@ -12,11 +12,13 @@ import hmac
 import os
 import pathlib
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+from lighthouse.errors import SecurityConfigError as SecurityConfigError  # raised here: part of this API
 
 AUTH_HEADER = "authorization"
 BEARER = "Bearer "
@@ -24,14 +26,11 @@ LEADER_METADATA = "fthsdp-leader"
 """Trailing metadata of a follower's refusal: the leader's address (empty when no leader is known)."""
 TOKEN_MAX_BYTES = 4096
 
+# The environment variables a client's options come from (read by ``lighthouse.config.security_from_env``).
 ENV_TOKEN_FILE = "FTHSDP_TOKEN_FILE"
 ENV_TLS_CA = "FTHSDP_TLS_CA"
 ENV_TLS_CERT = "FTHSDP_TLS_CERT"
 ENV_TLS_KEY = "FTHSDP_TLS_KEY"
-
-
-class SecurityConfigError(ValueError):
-    """A TLS or token option is unusable (missing file, empty token, cert without key...)."""
 
 
 def read_token(path: str | os.PathLike[str]) -> str:
@@ -174,28 +173,22 @@ class ClientSecurity:
         return ctx
 
 
-def security_from_env(env: Mapping[str, str] | None = None) -> ClientSecurity:
-    """Client options from ``FTHSDP_TOKEN_FILE``, ``FTHSDP_TLS_CA``, ``FTHSDP_TLS_CERT``, ``FTHSDP_TLS_KEY``
-    (unset or empty: off) — how the launcher hands them to the training processes."""
-    e = os.environ if env is None else env
-    return ClientSecurity.from_files(e.get(ENV_TLS_CA) or None, e.get(ENV_TLS_CERT) or None,
-                                     e.get(ENV_TLS_KEY) or None, e.get(ENV_TOKEN_FILE) or None)
-
-
 # --- the server's token check ------------------------------------------------------------------------------------
 
 
-def _refusal(kind: str, message: str, on_refuse: Callable[[], None]) -> grpc.RpcMethodHandler:
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+def _refusal(kind: str, message: str, on_refuse: Callable[[], None]) -> grpc.RpcMethodHandler[Any, Any]:
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         on_refuse()
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         on_refuse()
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield b""  # pragma: no cover (makes this an async generator; abort raises first)
 
-    raw: Callable[[Any], Any] = lambda b: b
+    def raw(b: bytes) -> bytes:
+        return b
+
     if kind == "unary_unary":
         return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=raw, response_serializer=raw)
     if kind == "unary_stream":
@@ -205,7 +198,7 @@ def _refusal(kind: str, message: str, on_refuse: Callable[[], None]) -> grpc.Rpc
     return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=raw, response_serializer=raw)
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # not subscriptable at runtime
     """Refuses every call (the service, reflection, anything) without the job token: UNAUTHENTICATED, before
     the request is even parsed, so a refused call changes nothing."""
 
@@ -214,13 +207,13 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self._on_refuse = on_refuse
 
     async def intercept_service(self, continuation: Callable[[Any], Any],
-                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
         presented = None
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_HEADER:
                 presented = value if isinstance(value, str) else value.decode("ascii", "replace")
                 break
-        handler = await continuation(handler_call_details)
+        handler: grpc.RpcMethodHandler[Any, Any] = await continuation(handler_call_details)
         if token_matches(self._token, presented):
             return handler
         message = ("missing job token: send 'authorization: Bearer <token>' (fthsdp --token-file)" if not presented

@@ -3,15 +3,17 @@ The helpers they use live in ``tests/helpers``."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
 
 from lighthouse import membership as m
-from lighthouse.store import Store
+from lighthouse.stores.base import Store
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
-from tests.helpers.lighthouse import FAST_POLICY, SLOW_POLICY, ServerThread, make_config
+from tests.helpers.lighthouse import FAST_POLICY, SLOW_POLICY, TOKEN, ServerThread, make_config
+from tests.helpers.tls_certs import Certs, make_certs
 
 
 @pytest.fixture
@@ -67,10 +69,24 @@ def slow_stub(slow_server: ServerThread,
 @pytest.fixture(scope="session")
 def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real etcd for the session (tests isolate themselves by key prefix); fails if etcd is not installed."""
-    from tests.helpers.etcd_server import EtcdServer
+    from fthsdp.testing.etcd import EtcdCluster
 
-    server = EtcdServer(tmp_path_factory.mktemp("etcd")).start()
+    server = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made once for the session."""
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A file holding ``TOKEN`` (with a trailing newline, as editors write it)."""
+    p = tmp_path_factory.mktemp("token") / "token"
+    p.write_text(TOKEN + "\n")
+    return str(p)

@@ -200,17 +200,27 @@ class MemberStatus(_message.Message):
     step: int
     def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., in_epoch: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
+class ReplicaEvent(_message.Message):
+    __slots__ = ("replica_id", "kind")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    kind: str
+    def __init__(self, replica_id: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+
 class HistoryEntry(_message.Message):
-    __slots__ = ("epoch", "created_unix", "reason", "members")
+    __slots__ = ("epoch", "created_unix", "reason", "members", "events")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     created_unix: float
     reason: str
     members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[ReplicaEvent]
+    def __init__(self, epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("epoch", "members", "history", "leader")

@@ -4,22 +4,30 @@ and a deadline-bounded wait."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
+import ssl
 import threading
 import time
-from typing import Any, Callable, Coroutine, TypeVar
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
 from lighthouse import membership as m
-from lighthouse.server import Lighthouse, LighthouseConfig
-from lighthouse.store import Store
+from lighthouse.config import LighthouseConfig
+from lighthouse.server.app import Lighthouse
+from lighthouse.stores.base import Store
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
 JOB = "default"
+TOKEN = "s3cret-job-token-0123456789"
+"""The job token of the security tests."""
 # Fast liveness for tests: a missed heartbeat is noticed within ~0.8 s.
 FAST_POLICY = m.Policy(min_replicas=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.8, confirm_age_s=0.3)
 # For tests that drive heartbeats by hand and must not race the liveness check.
@@ -127,3 +135,17 @@ def heartbeat(stub: pb_grpc.LighthouseStub, replica_id: str, incarnation: str, j
 
 def status(stub: pb_grpc.LighthouseStub, job: str = JOB) -> pb.StatusResponse:
     return stub.Status(pb.StatusRequest(job_id=job), timeout=5)
+
+
+def https_get(addr: str, path: str, *, token: str | None = None, ctx: ssl.SSLContext | None = None,
+              basic: str | None = None) -> tuple[int, str, dict[str, str]]:
+    """GET from a lighthouse's HTTP side port (HTTPS with ``ctx``), with a Bearer token or HTTP Basic password."""
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    if basic is not None:
+        headers = {"Authorization": "Basic " + base64.b64encode(f"ops:{basic}".encode()).decode()}
+    req = urllib.request.Request(f"{'https' if ctx else 'http'}://{addr}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
+            return r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), dict(e.headers)

@@ -51,6 +51,9 @@ def make_certs(d: pathlib.Path) -> Certs:
     _leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
     _leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
     _leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
-    p = lambda n: str(d / n)
+
+    def p(name: str) -> str:
+        return str(d / name)
+
     return Certs(p("ca.pem"), p("server.pem"), p("server.key"), p("client.pem"), p("client.key"), p("rogue.pem"),
                  p("rogue.key"), p("rogue-ca.pem"))

@@ -16,16 +16,16 @@ from typing import Any
 
 import grpc
 import pytest
-from tests.helpers.lighthouse import JOB, ServerThread, register, wait_until
 
+from fthsdp.testing.lighthouse_process import start_lighthouse_process
 from fthsdp.testing.procutil import stop_process
-from lighthouse.v1 import lighthouse_pb2 as pb
-from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
-from fthsdp.testing.lighthouse_process import start_lighthouse_process
 from lighthouse.security import LEADER_METADATA
-from lighthouse.store import open_store
+from lighthouse.stores.factory import open_store
+from lighthouse.v1 import lighthouse_pb2 as pb
+from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
+from tests.helpers.lighthouse import JOB, ServerThread, register, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TTL = 2  # the election lease: the shortest etcd grants
@@ -70,7 +70,7 @@ def test_follower_refuses_naming_the_leader_and_status_says_who_leads(
     assert s1["epoch"] == s2["epoch"] == 1  # a follower reports what the store holds
     # One client call reaches the leader through the follower's hint, skipping the address list's order
     # (rotation alone would go to the dead address next and fail this call).
-    from tests.helpers.etcd_server import free_port
+    from fthsdp.testing.ports import free_port
     c = LighthouseClient(f"{second.addr},127.0.0.1:{free_port()},{first.addr}", JOB, "probe")
     try:
         assert c.status().epoch.number == 1 and c.aio.address == first.addr
@@ -90,9 +90,9 @@ def test_follower_refuses_naming_the_leader_and_status_says_who_leads(
 def test_leader_that_loses_etcd_refuses_changes_steps_down_and_leads_again_when_it_is_back(
         start_server: Callable[..., ServerThread], channel_to: Callable[[ServerThread], grpc.Channel],
         tmp_path: pathlib.Path) -> None:
-    from tests.helpers.etcd_server import EtcdServer
+    from fthsdp.testing.etcd import EtcdCluster
 
-    etcd = EtcdServer(tmp_path).start()  # its own etcd: this test stops it
+    etcd = EtcdCluster(tmp_path).start()  # its own etcd: this test stops it
     try:
         s = start_server(HA_POLICY, store=open_store(etcd.url("p")), election_ttl_s=TTL)
         assert s.lh.leading

@@ -1,11 +1,11 @@
-"""The lighthouse's page at ``/`` (lighthouse/page.py): the pure rendering, and the page of a live lighthouse
-with emulated replicas (one fails and rejoins) rendered by headless Chromium: the DOM after its script ran
-names the replicas, roles and epochs fetched live from ``/status``, and the screenshot shows the timeline."""
+"""The lighthouse's page at ``/`` (lighthouse/page.py) of a live lighthouse with emulated replicas (one fails
+and rejoins) rendered by headless Chromium: the DOM after its script ran names the replicas, roles and epochs
+fetched live from ``/status``, and the screenshot shows the timeline. (The pure rendering is tested in
+tests/unit/test_lighthouse_page.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-import html.parser
 import json
 import os
 import pathlib
@@ -19,11 +19,10 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from tests.helpers.lighthouse import ServerThread, make_config, wait_until
 
-from lighthouse import membership as m
 from fthsdp.bench.emulate import Emulator
-from lighthouse.page import epoch_events, render_page
+from lighthouse import membership as m
+from tests.helpers.lighthouse import ServerThread, make_config, wait_until
 
 T = TypeVar("T")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -33,85 +32,6 @@ POLICY = m.Policy(min_replicas=1, heartbeat_interval_s=0.2, heartbeat_timeout_s=
                   expected_replicas=3)
 # The page's colours (lighthouse/page.py :root) that the screenshot must contain.
 ACTIVE, FAILURE, REJOIN = (0x2E, 0x7D, 0x32), (0xC6, 0x28, 0x28), (0x15, 0x65, 0xC0)
-
-
-# --- the pure function ----------------------------------------------------------------------------------------
-
-
-def _status(**kw: Any) -> dict[str, Any]:
-    doc = {"job": "default", "leader": True, "epoch": 4, "min_replicas": 1, "heartbeat_timeout_s": 3.0,
-           "members": [{"replica_id": "r0", "incarnation": "a1", "role": "active", "in_epoch": True, "step": 12,
-                        "last_heartbeat_age_s": 0.1},
-                       {"replica_id": "r1", "incarnation": "b2", "role": "joining", "in_epoch": True, "step": 0,
-                        "last_heartbeat_age_s": 0.2}],
-           "history": [{"epoch": 1, "time": 1.7e9, "reason": "bootstrap", "members": ["r0", "r1"]},
-                       {"epoch": 2, "time": 1.7e9 + 5, "reason": "replica r1 dead (no heartbeat for 3.01s)",
-                        "members": ["r0"]},
-                       {"epoch": 3, "time": 1.7e9 + 9, "reason": "replica r1 ready to join", "members": ["r0", "r1"]}]}
-    doc.update(kw)
-    return doc
-
-
-class _Collect(html.parser.HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.scripts: list[tuple[dict[str, str | None], str]] = []
-        self._in: dict[str, str | None] | None = None
-        self.external: list[str] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = dict(attrs)
-        if tag == "script":
-            self._in = a
-            self.scripts.append((a, ""))
-        for key in ("src", "href"):
-            if a.get(key):
-                self.external.append(str(a[key]))
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag == "script":
-            self._in = None
-
-    def handle_data(self, data: str) -> None:
-        if self._in is not None:
-            attrs, text = self.scripts[-1]
-            self.scripts[-1] = (attrs, text + data)
-
-
-def test_page_is_self_contained_and_embeds_the_status() -> None:
-    doc = _status()
-    page = render_page(doc)
-    p = _Collect()
-    p.feed(page)
-    assert p.external == []  # no external assets: works on an isolated cluster
-    embedded = [text for attrs, text in p.scripts if attrs.get("id") == "initial-status"]
-    assert len(embedded) == 1 and json.loads(embedded[0]) == doc
-    assert 'new URL("status"' in page and "fetch(url.href" in page  # refreshes itself from /status
-    # Without JavaScript: the same data as tables.
-    assert "<td>r1</td><td>joining</td>" in page and "replica r1 dead" in page
-
-
-def test_page_data_cannot_break_out_of_the_script() -> None:
-    evil = "</script><script>alert(1)</script><!--"
-    doc = _status(history=[{"epoch": 1, "time": 1.7e9, "reason": f"replica r0 left: {evil}", "members": []}])
-    page = render_page(doc)
-    assert evil not in page
-    assert page.count("</script>") == 2  # the JSON island's and the renderer's, nothing injected
-    p = _Collect()
-    p.feed(page)
-    embedded = [text for attrs, text in p.scripts if attrs.get("id") == "initial-status"]
-    assert json.loads(embedded[0])["history"][0]["reason"].endswith(evil)  # intact, only escaped
-
-
-def test_epoch_events_read_the_membership_reasons() -> None:
-    assert epoch_events("bootstrap") == []
-    assert epoch_events("replica r-1 dead (no heartbeat for 3.01s); replica r-2 dead (hung: reported in 3 "
-                        "consecutive re-formed epochs)") == [("r-1", "failure"), ("r-2", "failure")]
-    assert epoch_events("replica r3 restarted (incarnation ab dead); replica r3 registered as joining") == [
-        ("r3", "failure"), ("r3", "join")]
-    assert epoch_events("replica r3 ready to join") == [("r3", "rejoin")]
-    assert epoch_events("replica r3 caught up, now active") == [("r3", "active")]
-    assert epoch_events("replica r4 left: done") == [("r4", "leave")]
 
 
 # --- a live lighthouse in headless Chromium -------------------------------------------------------------------
@@ -266,8 +186,8 @@ def test_lighthouse_metrics_count_the_failure_and_the_rejoin(cluster: ServerThre
     assert history[0]["epoch"] == 1
     expected: dict[str, int] = {}
     for e in history[1:]:  # the bootstrap epoch is not counted
-        for _, kind in epoch_events(e["reason"]):
-            expected[kind] = expected.get(kind, 0) + 1
+        for ev in e["events"]:
+            expected[ev["kind"]] = expected.get(ev["kind"], 0) + 1
     assert expected.get("failure", 0) >= 1 and expected.get("rejoin", 0) >= 1  # page-00001 died and rejoined
     assert {k: int(v) for k, v in counted.items() if v} == expected
 

@@ -4,11 +4,11 @@ registration-first start, against a real lighthouse on loopback."""
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
-from lighthouse import membership as m
-from fthsdp.bench.lighthouse import auto_interval
 from fthsdp.bench.emulate import Emulator
+from fthsdp.bench.lighthouse import auto_interval
+from lighthouse import membership as m
 from tests.helpers.lighthouse import ServerThread
 
 

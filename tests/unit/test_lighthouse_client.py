@@ -3,28 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
 
-from tests.helpers.lighthouse import JOB, ServerThread, register, wait_until
+from fthsdp.bench.emulate import Emulator
+from fthsdp.testing.ports import free_port
+from lighthouse import membership as m
+from lighthouse.client import LighthouseClient
+from lighthouse.client_rpc import parse_addresses
+from lighthouse.client_session import AsyncLighthouseClient
+from lighthouse.errors import FencedOut, InvalidRequest, LighthouseUnavailable, UnknownTarget
+from lighthouse.stores.memory import InMemoryStore
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
-from lighthouse import membership as m
-from lighthouse.client import AsyncLighthouseClient, LighthouseClient, parse_addresses
-from fthsdp.bench.emulate import Emulator
-from lighthouse.errors import FencedOut, InvalidRequest, LighthouseUnavailable, UnknownTarget
-from lighthouse.store import InMemoryStore
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.helpers.lighthouse import JOB, ServerThread, register, wait_until
 
 
 def test_parse_addresses() -> None:
@@ -109,7 +106,7 @@ def test_client_errors_are_typed(server: ServerThread) -> None:
             make(rid="bad id").start(deadline_s=5)
         started = time.monotonic()
         with pytest.raises(LighthouseUnavailable):
-            make(addr=f"127.0.0.1:{_free_port()}", rpc_timeout_s=0.5).start(deadline_s=1.0)
+            make(addr=f"127.0.0.1:{free_port()}", rpc_timeout_s=0.5).start(deadline_s=1.0)
         assert time.monotonic() - started < 5.0
         good = make(rid="good")
         good.start(deadline_s=5)
@@ -129,7 +126,7 @@ def test_client_follows_a_lighthouse_restart_on_a_durable_store(start_server: Ca
                                                                 ) -> None:
     policy = m.Policy(min_replicas=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, confirm_age_s=1.0)
     store = InMemoryStore()
-    port = _free_port()
+    port = free_port()
     first = start_server(policy, store=store, bind=f"127.0.0.1:{port}")
     c = LighthouseClient(f"127.0.0.1:{port}", JOB, "r")
     try:

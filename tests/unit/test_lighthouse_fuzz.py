@@ -10,14 +10,14 @@ from typing import Any
 
 import grpc
 import pytest
-from tests.helpers.lighthouse import JOB, SLOW_POLICY, ServerThread, make_config
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse import membership as m
-from lighthouse import wire
+from lighthouse import validate
 from lighthouse.security import ClientSecurity, ServerSecurity
+from lighthouse.v1 import lighthouse_pb2 as pb
+from tests.helpers.lighthouse import JOB, SLOW_POLICY, ServerThread, make_config
 
 TOKEN = "fuzz-token-42"
 GOOD = ClientSecurity(token=TOKEN).metadata()
@@ -99,7 +99,8 @@ def test_random_bytes_get_a_clear_error_and_change_nothing(target: Target, metho
 
 
 @settings(max_examples=8, deadline=None)
-@given(size=st.integers(wire.MAX_MESSAGE_BYTES + 1, 4 * wire.MAX_MESSAGE_BYTES), method=st.sampled_from(sorted(UNARY)))
+@given(size=st.integers(validate.MAX_MESSAGE_BYTES + 1, 4 * validate.MAX_MESSAGE_BYTES),
+       method=st.sampled_from(sorted(UNARY)))
 def test_oversized_messages_are_resource_exhausted(target: Target, size: int, method: str) -> None:
     before = target.state()
     raw = pb.RegisterRequest(job_id=JOB, replica_id="z", incarnation="z", shard_count=1,
@@ -121,24 +122,24 @@ def test_watch_with_malformed_or_unknown_requests_is_refused(target: Target, raw
 
 # --- well-formed messages with invalid fields ----------------------------------------------------------------------
 
-VALID_ID = st.from_regex(wire.ID_RE, fullmatch=True)
+VALID_ID = st.from_regex(validate.ID_RE, fullmatch=True)
 BAD_ID = st.one_of(
     st.just(""),
     st.text(string.ascii_letters, min_size=129, max_size=400),
-    st.text(min_size=1, max_size=40).filter(lambda s: not wire.ID_RE.fullmatch(s)),
+    st.text(min_size=1, max_size=40).filter(lambda s: not validate.ID_RE.fullmatch(s)),
 )
-LONG = st.text(min_size=wire.ENDPOINT_MAX + 1, max_size=wire.ENDPOINT_MAX + 300)
+LONG = st.text(min_size=validate.ENDPOINT_MAX + 1, max_size=validate.ENDPOINT_MAX + 300)
 
 
 @FAST
 @given(data=st.data(), bad=st.sampled_from(["replica_id", "incarnation", "shard_count", "endpoint"]))
 def test_register_with_an_invalid_field_is_invalid_argument(target: Target, data: st.DataObject, bad: str) -> None:
     req = pb.RegisterRequest(job_id=JOB, replica_id=data.draw(VALID_ID), incarnation=data.draw(VALID_ID),
-                             shard_count=data.draw(st.integers(1, wire.SHARD_MAX)))
+                             shard_count=data.draw(st.integers(1, validate.SHARD_MAX)))
     if bad in ("replica_id", "incarnation"):
         setattr(req, bad, data.draw(BAD_ID))
     elif bad == "shard_count":
-        req.shard_count = data.draw(st.one_of(st.just(0), st.integers(wire.SHARD_MAX + 1, 2**32 - 1)))
+        req.shard_count = data.draw(st.one_of(st.just(0), st.integers(validate.SHARD_MAX + 1, 2**32 - 1)))
     else:
         setattr(req.endpoints, data.draw(st.sampled_from(["data_plane", "catchup", "http"])), data.draw(LONG))
     before = target.state()
@@ -195,7 +196,8 @@ HEADER_TEXT = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max
 
 @FAST
 @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "HEAD", "BREW"]),
-       path=st.sampled_from(["/", "/status", "/metrics", "/healthz", "/nope"]) | HEADER_TEXT.map(lambda s: "/" + s.replace(" ", "%20")),
+       path=st.sampled_from(["/", "/status", "/metrics", "/healthz", "/nope"])
+       | HEADER_TEXT.map(lambda s: "/" + s.replace(" ", "%20")),
        auth=st.one_of(st.none(), st.just(f"Bearer {TOKEN}"), HEADER_TEXT, HEADER_TEXT.map(lambda s: "Basic " + s)))
 def test_http_side_port_gives_clear_answers_and_changes_nothing(target: Target, method: str, path: str,
                                                                 auth: str | None) -> None:

@@ -11,6 +11,7 @@ Runs on its own thread (pyetcd is blocking) and reports changes through ``on_cha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -20,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lighthouse.store_etcd import _ETCD_ERRORS, EtcdStore
+from lighthouse.stores.base import Election
+from lighthouse.stores.etcd_client import ETCD_ERRORS
 
 log = logging.getLogger("fthsdp.lighthouse.election")
 
@@ -48,16 +50,17 @@ class LeaderInfo:
             return None
 
 
-class Election:
-    """Campaign for, hold and give up leadership of the lighthouses on ``store``'s prefix."""
+class EtcdElection(Election):
+    """Campaign for, hold and give up the leader key ``key`` through the pyetcd ``client``. On winning it calls
+    ``set_guard(key, value)``, which fences the store's writes on still holding the key."""
 
-    def __init__(self, store: EtcdStore, address: str, http: str, on_change: Callable[[bool, str], None],
-                 ttl_s: int = 5) -> None:
+    def __init__(self, client: Any, key: str, set_guard: Callable[[str, bytes], None], address: str, http: str,
+                 on_change: Callable[[bool, str], None], ttl_s: int = 5) -> None:
         if ttl_s < 2:
             raise ValueError("election ttl_s must be at least 2 (etcd rounds shorter leases up)")
-        self.store = store
-        self.client = store.client
-        self.key = store.key("leader")
+        self.client = client
+        self.key = key
+        self._set_guard = set_guard
         self.me = LeaderInfo(address, http, uuid.uuid4().hex)
         self._mine = self.me.encode()
         self.ttl_s = ttl_s
@@ -94,7 +97,7 @@ class Election:
         if self._lease is not None:
             try:
                 self._lease.revoke()
-            except _ETCD_ERRORS as e:
+            except ETCD_ERRORS as e:
                 log.info("election: revoking the lease failed (it will expire): %r", e)
             self._lease = None
         self._set(False, "")
@@ -112,7 +115,7 @@ class Election:
                 self._renew()
             else:
                 self._campaign()
-        except _ETCD_ERRORS as e:
+        except ETCD_ERRORS as e:
             log.warning("election: etcd unreachable: %r", e)
             if self._leading and time.monotonic() - self._last_renewed > self.ttl_s:
                 # Our lease has surely expired by now: someone else may lead.
@@ -132,14 +135,12 @@ class Election:
         if ok:
             self._lease = lease
             self._last_renewed = time.monotonic()
-            self.store.set_guard(self.key, self._mine)
+            self._set_guard(self.key, self._mine)
             log.info("election: this lighthouse (%s) leads", self.me.address)
             self._set(True, self.me.address)
             return
-        try:
+        with contextlib.suppress(*ETCD_ERRORS):  # it expires on its own
             lease.revoke()
-        except _ETCD_ERRORS:
-            pass  # it expires on its own
         got = responses[0]
         holder = LeaderInfo.decode(got[0][0] if got else None)
         self._set(False, holder.address if holder else "")

@@ -1,6 +1,7 @@
 """The lighthouse's HTTP side port: ``/status`` (JSON), ``/metrics`` (Prometheus), ``/`` (a page for people).
 
-Runs a stdlib threading HTTP server; each request asks the server's event loop for a consistent snapshot.
+Runs a stdlib threading HTTP server; each request asks for a consistent snapshot (``snapshot``, which the
+lighthouse answers on its event loop) of the status view (``lighthouse.server.status``).
 With TLS configured it serves HTTPS (client certificates required with a client CA); with a job token every
 path but ``/healthz`` (for probes; it says only "ok") needs ``Authorization: Bearer <token>`` (or HTTP Basic with
 the token as password, for browsers).
@@ -8,22 +9,19 @@ the token as password, for browsers).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import json
 import logging
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lighthouse import page
-from lighthouse.security import BEARER, token_matches
+from lighthouse.metrics import LighthouseMetrics
+from lighthouse.security import BEARER, ServerSecurity, token_matches
 
-if TYPE_CHECKING:
-    from lighthouse.server import Lighthouse
-
-SNAPSHOT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 10.0
 """A connection that sends nothing (or stalls its TLS handshake) this long is dropped."""
 log = logging.getLogger("fthsdp.lighthouse.http")
@@ -53,11 +51,12 @@ class _QuietServer(ThreadingHTTPServer):
 
 
 class StatusHTTPServer:
-    def __init__(self, lighthouse: "Lighthouse", address: str) -> None:
-        host, port = address.rsplit(":", 1)
-        lh = lighthouse
+    """Serves on ``address`` until ``close``; ``snapshot()`` gives the status JSON (raising when it cannot)."""
 
-        sec = lh.config.security
+    def __init__(self, address: str, security: ServerSecurity, metrics: LighthouseMetrics,
+                 snapshot: Callable[[], dict[str, Any]]) -> None:
+        host, port = address.rsplit(":", 1)
+        sec = security
 
         class Handler(BaseHTTPRequestHandler):
             timeout = REQUEST_TIMEOUT_S
@@ -78,7 +77,7 @@ class StatusHTTPServer:
                     self._send(200, b'{"ok": true}', "application/json")
                     return
                 if not authorized(sec.token, self.headers.get("Authorization")):
-                    lh.metrics.rpc_error("http", "UNAUTHENTICATED")
+                    metrics.rpc_error("http", "UNAUTHENTICATED")
                     body = json.dumps({"error": "unauthenticated: send 'Authorization: Bearer <job token>'"
                                        if self.headers.get("Authorization") is None else
                                        "unauthenticated: wrong job token"}).encode()
@@ -90,17 +89,14 @@ class StatusHTTPServer:
                     self.wfile.write(body)
                     return
                 if path == "/metrics":
-                    self._send(200, lh.metrics.render(), "text/plain; version=0.0.4")
+                    self._send(200, metrics.render(), "text/plain; version=0.0.4")
                     return
                 if path not in ("/", "/status"):
                     self._send(404, b'{"error": "not found"}', "application/json")
                     return
-                assert lh.loop is not None
-                fut = asyncio.run_coroutine_threadsafe(lh.status_dict(), lh.loop)
                 try:
-                    status = fut.result(SNAPSHOT_TIMEOUT_S)
+                    status = snapshot()
                 except Exception as e:
-                    fut.cancel()
                     self._send(503, json.dumps({"error": f"no snapshot: {e!r}"}).encode(), "application/json")
                     return
                 if path == "/status":

@@ -5,7 +5,7 @@ Layout under the prefix (default ``/fthsdp``)::
 
     {prefix}/jobs/{job_id}/number   the highest epoch number issued, as decimal text (the fence)
     {prefix}/jobs/{job_id}/state    the job document (JSON), written in the same transaction
-    {prefix}/leader                 the election key (see ``lighthouse.election``), bound to the leader's lease
+    {prefix}/leader                 the election key (see ``lighthouse.stores.election``), bound to the leader's lease
 
 Heartbeats are not written here (they would cost a write per replica per interval); liveness of replicas stays
 in the leader's memory, and a new leader gives the restored members a grace period instead.
@@ -17,57 +17,21 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
-import pyetcd
-from pyetcd import exceptions as etcd_exc
-
 from lighthouse.errors import EpochFenced, StoreUnavailable
-from lighthouse.store import Store, check_monotonic
+from lighthouse.stores.base import Capabilities, Election, Store, check_monotonic
+from lighthouse.stores.election import EtcdElection
+from lighthouse.stores.etcd_client import ETCD_ERRORS, ETCD_TIMEOUT_S, EtcdTarget, connect
 
 log = logging.getLogger("fthsdp.lighthouse.store")
 T = TypeVar("T")
 
-DEFAULT_PREFIX = "/fthsdp"
-ETCD_TIMEOUT_S = 5.0
-"""Deadline of one etcd call: a store call never waits longer."""
-_ETCD_ERRORS = (etcd_exc.Etcd3Exception, grpc.RpcError, ValueError)
-"""What a pyetcd call raises when etcd cannot answer (ValueError: pyetcd's 'failed node' when not failing over)."""
-
-
-@dataclass(frozen=True)
-class EtcdTarget:
-    """Where the store lives: ``etcd://host:port[,host:port...][/prefix]``."""
-
-    endpoints: tuple[tuple[str, int], ...]
-    prefix: str = DEFAULT_PREFIX
-
-    @classmethod
-    def parse(cls, url: str) -> EtcdTarget:
-        if not url.startswith("etcd://"):
-            raise ValueError(f"not an etcd URL: {url!r} (want etcd://host:port[,host:port...][/prefix])")
-        rest = url[len("etcd://"):]
-        hosts, _, prefix = rest.partition("/")
-        endpoints: list[tuple[str, int]] = []
-        for item in hosts.split(","):
-            host, sep, port = item.strip().rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"bad etcd endpoint {item!r} in {url!r}: want host:port")
-            endpoints.append((host.strip("[]"), int(port)))
-        prefix = "/" + prefix.strip("/") if prefix.strip("/") else DEFAULT_PREFIX
-        return cls(tuple(endpoints), prefix)
-
-
-def connect(target: EtcdTarget, timeout_s: float = ETCD_TIMEOUT_S) -> pyetcd.MultiEndpointEtcd3Client:
-    """A pyetcd client over every endpoint, failing over between them (a failed one is retried after 1 s)."""
-    eps = [pyetcd.Endpoint(host, port, secure=False, time_retry=1.0) for host, port in target.endpoints]
-    return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
-
 
 class EtcdStore(Store):
     """Job documents in etcd. Thread-safe (pyetcd's client is); each call has a deadline."""
+
+    capabilities = Capabilities(durable=True, election=True, in_process=False)
 
     def __init__(self, target: EtcdTarget | str, timeout_s: float = ETCD_TIMEOUT_S) -> None:
         self.target = EtcdTarget.parse(target) if isinstance(target, str) else target
@@ -100,7 +64,7 @@ class EtcdStore(Store):
         for _ in range(len(self.target.endpoints)):
             try:
                 return call()
-            except _ETCD_ERRORS as e:
+            except ETCD_ERRORS as e:
                 last = e
         raise StoreUnavailable(f"etcd {what} failed on every endpoint: {last!r}")
 
@@ -133,7 +97,7 @@ class EtcdStore(Store):
                         success=[tx.put(number_key, new_number), tx.put(state_key, raw)],
                         failure=[tx.get(number_key), tx.get(state_key)]
                         + ([tx.get(guard[0])] if guard is not None else []))
-                except _ETCD_ERRORS:
+                except ETCD_ERRORS:
                     failures += 1
                     raise
 
@@ -152,6 +116,11 @@ class EtcdStore(Store):
                 break
         raise EpochFenced(f"job {job_id}: stored epoch {int(stored) if stored else 0}, writer expected "
                           f"{expected_last_number}")
+
+    def election(self, address: str, http: str, on_change: Callable[[bool, str], None],
+                 ttl_s: int) -> Election:
+        """Leadership among the lighthouses on this prefix; while it leads, every write is fenced on it."""
+        return EtcdElection(self.client, self.key("leader"), self.set_guard, address, http, on_change, ttl_s)
 
     def close(self) -> None:
         try:

@@ -1,0 +1,263 @@
+"""The lighthouse's RPCs from one replica, on the caller's event loop (``LighthouseRpc``): every call has a
+deadline; an UNAVAILABLE moves on to the next lighthouse address, or straight to the leader a follower named
+(trailing metadata ``fthsdp-leader``, HA on etcd). gRPC status codes become typed errors (``lighthouse.errors``).
+TLS and the job token come in a ``ClientSecurity``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from lighthouse.epoch_view import EpochView
+from lighthouse.errors import (
+    Busy,
+    FencedOut,
+    InvalidRequest,
+    LighthouseError,
+    LighthouseUnavailable,
+    NotLeader,
+    Unauthenticated,
+    UnknownTarget,
+)
+from lighthouse.model import ACTIVE, JOINING, Endpoints
+from lighthouse.proto_codec import ROLE_FROM_PB, ROLE_TO_PB, endpoints_to_pb, epoch_from_bytes, epoch_from_pb
+from lighthouse.security import LEADER_METADATA, ClientSecurity
+from lighthouse.v1 import lighthouse_pb2 as pb
+from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
+from lighthouse.validate import REASON_MAX
+
+log = logging.getLogger("fthsdp.lighthouse.client")
+WATCH_METHOD = "/fthsdp.v1.Lighthouse/Watch"
+NO_ENDPOINTS = Endpoints()
+
+_ERRORS: dict[grpc.StatusCode, type[LighthouseError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: UnknownTarget,
+    grpc.StatusCode.FAILED_PRECONDITION: FencedOut,
+    grpc.StatusCode.ABORTED: Busy,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: Unauthenticated,
+}
+
+
+def parse_addresses(addresses: str | Sequence[str]) -> list[str]:
+    """``"h1:p1,h2:p2"`` or a list -> list; refuses an empty one."""
+    items = addresses.split(",") if isinstance(addresses, str) else list(addresses)
+    items = [a.strip() for a in items if a.strip()]
+    if not items:
+        raise ValueError("no lighthouse address given")
+    return items
+
+
+def _leader_hint(e: grpc.aio.AioRpcError) -> str | None:
+    """The leader a follower named in its refusal (None: not a follower's refusal; '': no leader known)."""
+    try:
+        # grpc's Metadata iterates (key, value) pairs (its stubs call it a Mapping).
+        md = cast(Iterable[tuple[str, str | bytes]], e.trailing_metadata() or ())
+    except Exception:
+        return None
+    for key, value in md:
+        if key == LEADER_METADATA:
+            return value if isinstance(value, str) else value.decode("ascii", "replace")
+    return None
+
+
+def _translate(e: grpc.aio.AioRpcError, what: str) -> LighthouseError:
+    code = e.code()
+    hint = _leader_hint(e) if code == grpc.StatusCode.UNAVAILABLE else None
+    if hint is not None:
+        return NotLeader(f"{what}: {code.name}: {e.details()}", hint)
+    cls = _ERRORS.get(code, LighthouseUnavailable)
+    return cls(f"{what}: {code.name}: {e.details()}")
+
+
+def _cancelled_by_grpc() -> bool:
+    """Whether a CancelledError being handled came from grpc (a call cancelled because its channel closed)
+    rather than from a cancellation of the running task, which must propagate."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
+@dataclass(frozen=True)
+class Registration:
+    incarnation: str
+    role: str
+    epoch: EpochView
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    resume: bool = False
+    """The job trained before and nobody is left to catch up from: resume from a checkpoint."""
+
+
+@dataclass(frozen=True)
+class ReportResult:
+    confirmed: bool
+    detail: str
+    epoch: int
+
+
+class LighthouseRpc:
+    """One replica's calls to the lighthouse, on the caller's event loop."""
+
+    def __init__(self, addresses: str | Sequence[str], job_id: str, replica_id: str, *, shard_count: int = 1,
+                 endpoints: Endpoints = NO_ENDPOINTS, incarnation: str | None = None,
+                 rpc_timeout_s: float = 2.0, security: ClientSecurity | None = None) -> None:
+        self.addresses = parse_addresses(addresses)
+        self.security = security or ClientSecurity()
+        self._metadata = self.security.metadata()
+        self.job_id = job_id
+        self.replica_id = replica_id
+        self.shard_count = shard_count
+        self.endpoints = endpoints
+        self.incarnation = incarnation or uuid.uuid4().hex[:16]
+        self.rpc_timeout_s = rpc_timeout_s
+        self.heartbeat_interval_s = 0.5
+        self.role = ""
+        self.heartbeats = 0
+        """Heartbeats the lighthouse accepted."""
+        self._index = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.LighthouseStub | None = None
+
+    # --- connection -------------------------------------------------------------------------------------
+
+    def _stub_now(self) -> pb_grpc.LighthouseStub:
+        if self._stub is None:
+            self._channel = self.security.channel(self.addresses[self._index % len(self.addresses)])
+            self._stub = pb_grpc.LighthouseStub(self._channel)  # type: ignore[no-untyped-call]
+        return self._stub
+
+    @property
+    def address(self) -> str:
+        """The lighthouse address in use now."""
+        return self.addresses[self._index % len(self.addresses)]
+
+    async def _rotate(self, failed: grpc.aio.Channel | None, leader: str = "") -> bool:
+        """Drop the channel ``failed`` and move on (after an UNAVAILABLE): to ``leader`` when a follower named
+        one of our addresses, else to the next address. True when it moved to a named leader.
+
+        Only if it is still the current one: the heartbeat and the watch share the channel, and both may see
+        the same outage; the second must not throw away the fresh channel the first one made."""
+        if failed is None or failed is not self._channel:
+            return False
+        self._channel, self._stub = None, None
+        to_leader = bool(leader) and leader in self.addresses and leader != self.address
+        if to_leader:
+            log.info("replica=%s lighthouse %s does not lead; going to the leader %s", self.replica_id,
+                     self.address, leader)
+            self._index = self.addresses.index(leader)
+        else:
+            self._index += 1
+        await failed.close(grace=None)
+        return to_leader
+
+    async def _call(self, method: str, request: object, timeout: float | None = None) -> object:
+        for attempt in (1, 2):  # a second, at once, only after a redirect to the named leader
+            stub = self._stub_now()
+            channel = self._channel
+            try:
+                return await getattr(stub, method)(request, timeout=timeout or self.rpc_timeout_s,
+                                                   metadata=self._metadata)
+            except grpc.aio.AioRpcError as e:
+                err = _translate(e, f"{method} for replica {self.replica_id} at {self.address}")
+                if isinstance(err, LighthouseUnavailable):
+                    moved = await self._rotate(channel, err.leader if isinstance(err, NotLeader) else "")
+                    if moved and attempt == 1:
+                        continue
+                raise err from None
+            except asyncio.CancelledError:
+                if not _cancelled_by_grpc():
+                    raise
+                raise LighthouseUnavailable(f"{method} for replica {self.replica_id}: call cancelled "
+                                            "(its channel was closed)") from None
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+        self._channel = self._stub = None
+
+    # --- calls --------------------------------------------------------------------------------------------
+
+    async def register(self) -> Registration:
+        resp = await self._call("Register", pb.RegisterRequest(
+            job_id=self.job_id, replica_id=self.replica_id, shard_count=self.shard_count,
+            incarnation=self.incarnation,
+            endpoints=endpoints_to_pb(self.endpoints)))
+        assert isinstance(resp, pb.RegisterResponse)
+        self.role = ROLE_FROM_PB.get(resp.role, JOINING)
+        self.heartbeat_interval_s = resp.heartbeat_interval_s or self.heartbeat_interval_s
+        return Registration(resp.incarnation, self.role, epoch_from_pb(resp.epoch),
+                            resp.heartbeat_interval_s, resp.heartbeat_timeout_s, resp.resume)
+
+    async def heartbeat(self, step: int = 0, epoch: int = 0) -> int:
+        resp = await self._call("Heartbeat", pb.HeartbeatRequest(
+            job_id=self.job_id, replica_id=self.replica_id, incarnation=self.incarnation, step=step, epoch=epoch))
+        assert isinstance(resp, pb.HeartbeatResponse)
+        self.heartbeats += 1
+        return resp.epoch
+
+    async def report_failure(self, suspect: str, epoch: int, reason: str) -> ReportResult:
+        resp = await self._call("ReportFailure", pb.FailureReport(
+            job_id=self.job_id, reporter_replica_id=self.replica_id, reporter_incarnation=self.incarnation,
+            suspect_replica_id=suspect, epoch=epoch, reason=reason[: REASON_MAX]))
+        assert isinstance(resp, pb.FailureReportResponse)
+        return ReportResult(resp.confirmed, resp.detail, resp.epoch)
+
+    async def ready(self, role: str) -> int:
+        resp = await self._call("Ready", pb.ReadyRequest(job_id=self.job_id, replica_id=self.replica_id,
+                                                         incarnation=self.incarnation, role=ROLE_TO_PB[role]))
+        assert isinstance(resp, pb.ReadyResponse)
+        if role == ACTIVE:
+            self.role = ACTIVE
+        return resp.epoch
+
+    async def leave(self, reason: str = "") -> int:
+        resp = await self._call("Leave", pb.LeaveRequest(job_id=self.job_id, replica_id=self.replica_id,
+                                                         incarnation=self.incarnation, reason=reason))
+        assert isinstance(resp, pb.LeaveResponse)
+        return resp.epoch
+
+    async def status(self) -> pb.StatusResponse:
+        resp = await self._call("Status", pb.StatusRequest(job_id=self.job_id))
+        assert isinstance(resp, pb.StatusResponse)
+        return resp
+
+    async def watch(self, after_epoch: int = 0) -> AsyncIterator[EpochView]:
+        """Yield every epoch newer than ``after_epoch`` as it is pushed; raises when the stream breaks."""
+        self._stub_now()
+        channel = self._channel
+        assert channel is not None
+        # Raw bytes (no response deserializer): the views are memoized by content, see proto_codec.epoch_from_bytes.
+        call = channel.unary_stream(WATCH_METHOD, request_serializer=pb.WatchRequest.SerializeToString,
+                                    response_deserializer=None)(
+            pb.WatchRequest(job_id=self.job_id, after_epoch=after_epoch), metadata=self._metadata)
+        try:
+            async for raw in call:
+                try:
+                    view = epoch_from_bytes(raw)
+                except DecodeError as e:
+                    raise LighthouseUnavailable(f"Watch for replica {self.replica_id}: bad epoch: {e}") from None
+                yield view
+        except grpc.aio.AioRpcError as e:
+            err = _translate(e, f"Watch for replica {self.replica_id} at {self.address}")
+            if isinstance(err, LighthouseUnavailable):
+                await self._rotate(channel, err.leader if isinstance(err, NotLeader) else "")
+            raise err from None
+        except asyncio.CancelledError:
+            # The heartbeat closed the shared channel (rotation): the stream broke, the watch loop goes on.
+            if not _cancelled_by_grpc():
+                raise
+            raise LighthouseUnavailable(f"Watch for replica {self.replica_id}: stream cancelled "
+                                        "(its channel was closed)") from None
+        finally:
+            call.cancel()

@@ -1,0 +1,54 @@
+"""The settings of a lighthouse process (``LighthouseConfig``), and the one place the lighthouse package reads
+the environment (``security_from_env``: how the launcher hands TLS and the job token to training processes)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lighthouse.model import Policy
+from lighthouse.security import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN_FILE, ClientSecurity, ServerSecurity
+
+
+@dataclass(frozen=True)
+class LighthouseConfig:
+    """How to run a lighthouse. Addresses are ``host:port``; port 0 picks a free one."""
+
+    bind: str = "127.0.0.1:29510"
+    """The gRPC address to serve on."""
+    http: str | None = "127.0.0.1:29511"
+    """HTTP side port for /status, /metrics and the page at /; None: off."""
+    jobs: tuple[str, ...] = ("default",)
+    """Jobs this lighthouse serves; a request for any other job is NOT_FOUND."""
+    policy: Policy = field(default_factory=Policy)
+    """The membership rules (liveness, the split-brain guard, bootstrap)."""
+    store: str = "memory://"
+    """Where durable job state lives (``lighthouse.stores.factory.open_store``), unless a store object is
+    given to the lighthouse: ``memory://`` or ``etcd://host:port[,host:port...][/prefix]`` (HA)."""
+    rendezvous: bool = True
+    """Host a TCPStore for the epochs' data-plane rendezvous (so no replica holds it)."""
+    tick_s: float = 0.05
+    """How often liveness is checked."""
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    """TLS (gRPC and HTTP) and the job token; the default is plaintext without a token (embedded use)."""
+    advertise: str = ""
+    """The gRPC address other lighthouses name as the leader's (HA); default: the bind host and bound port."""
+    election_ttl_s: int = 5
+    """HA on an etcd store: the leader's lease; a dead leader is replaced within about this long."""
+    failover_grace_s: float | None = None
+    """A lighthouse that takes over gives restored members this long on top of the heartbeat timeout to find
+    it (clients back off and rotate addresses); None: one heartbeat timeout."""
+
+    @property
+    def host(self) -> str:
+        """The host part of ``bind``."""
+        return self.bind.rsplit(":", 1)[0]
+
+
+def security_from_env(env: Mapping[str, str] | None = None) -> ClientSecurity:
+    """Client options from ``FTHSDP_TOKEN_FILE``, ``FTHSDP_TLS_CA``, ``FTHSDP_TLS_CERT``, ``FTHSDP_TLS_KEY``
+    (unset or empty: off) — how the launcher hands them to the training processes."""
+    e = os.environ if env is None else env
+    return ClientSecurity.from_files(e.get(ENV_TLS_CA) or None, e.get(ENV_TLS_CERT) or None,
+                                     e.get(ENV_TLS_KEY) or None, e.get(ENV_TOKEN_FILE) or None)

@@ -1,0 +1,41 @@
+"""An epoch as a client sees it (what the watch stream delivers to the runtime and FTAR)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from lighthouse.model import ACTIVE, EpochMember
+
+
+@dataclass(frozen=True)
+class EpochView:
+    """An epoch as a client sees it."""
+
+    job_id: str
+    number: int
+    members: tuple[EpochMember, ...]
+    rendezvous: str
+    created_unix: float
+    reason: str
+    plane: int = 0
+    """The epoch whose data-plane groups this one keeps (see ``Epoch.plane`` in the proto)."""
+
+    @property
+    def data_plane(self) -> int:
+        return self.plane or self.number
+
+    @property
+    def replica_ids(self) -> tuple[str, ...]:
+        return tuple(x.replica_id for x in self.members)
+
+    @functools.cached_property
+    def _by_id(self) -> dict[str, EpochMember]:
+        return {x.replica_id: x for x in self.members}
+
+    def member(self, replica_id: str) -> EpochMember | None:
+        return self._by_id.get(replica_id)
+
+    @property
+    def contributors(self) -> int:
+        return sum(1 for x in self.members if x.role == ACTIVE)

@@ -1,0 +1,159 @@
+"""What happened to the members, as structured data: the membership decision's output (``Outcome.events``, kept
+on every ``Epoch`` it forms). An epoch's reason text is rendered from them here, in one place; the status view,
+the page and the metrics read the events themselves, never the text.
+
+Not to be confused with the decision's *inputs* (``lighthouse.membership.Event``: Register, Ready, Leave, Report,
+Tick).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import ClassVar
+
+REASON_LIMIT = 1024
+"""An epoch's reason is clipped to this many characters (a burst of deaths would make it grow with the job,
+and it is pushed to every member). The events themselves are never clipped."""
+
+
+class DeathCause(StrEnum):
+    """Why the lighthouse declared a member dead."""
+
+    TIMEOUT = "timeout"
+    """No heartbeat for ``heartbeat_timeout_s``."""
+    CONFIRMED = "confirmed"
+    """A failure report, confirmed at once: the suspect's last heartbeat was at least ``confirm_age_s`` old."""
+    REPORTED = "reported"
+    """Reported earlier in the epoch, then silent for ``confirm_age_s`` (confirmed at a later tick)."""
+    HUNG = "hung"
+    """Reported again after ``max_reforms`` re-formed epochs while still heartbeating (training is stuck)."""
+
+
+@dataclass(frozen=True)
+class Died:
+    """A member was declared dead."""
+
+    replica_id: str
+    cause: DeathCause
+    silent_s: float = 0.0
+    """Seconds since its last heartbeat (TIMEOUT, CONFIRMED, REPORTED)."""
+    reporters: tuple[str, ...] = ()
+    """Who blamed it (CONFIRMED, REPORTED)."""
+    report: str = ""
+    """The reporter's words (CONFIRMED)."""
+    reported_epochs: int = 0
+    """HUNG: consecutive epochs it was reported in."""
+    kind: ClassVar[str] = "failure"
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """A new incarnation registered under a member's id: the old one is dead."""
+
+    replica_id: str
+    old_incarnation: str
+    kind: ClassVar[str] = "failure"
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A replica registered, with the role it was given."""
+
+    replica_id: str
+    role: str
+    kind: ClassVar[str] = "join"
+
+
+@dataclass(frozen=True)
+class ReadyToJoin:
+    """A joiner entered the data plane (it syncs state in the epoch this forms)."""
+
+    replica_id: str
+    kind: ClassVar[str] = "rejoin"
+
+
+@dataclass(frozen=True)
+class TurnedActive:
+    """A joiner caught up and now contributes gradients."""
+
+    replica_id: str
+    kind: ClassVar[str] = "active"
+
+
+@dataclass(frozen=True)
+class Left:
+    """A member left gracefully."""
+
+    replica_id: str
+    reason: str = ""
+    kind: ClassVar[str] = "leave"
+
+
+MemberEvent = Died | Restarted | Registered | ReadyToJoin | TurnedActive | Left
+"""An event about one replica; its class's ``kind`` is what the page and the metrics count it as: ``failure``,
+``rejoin``, ``active``, ``leave`` or ``join``."""
+
+
+@dataclass(frozen=True)
+class Reformed:
+    """The epoch was re-formed with the same members: these suspects were reported but kept heartbeating."""
+
+    suspects: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GuardHeld:
+    """No epoch formed: the min-replicas guard (at least ``required`` members, one of them active) held."""
+
+    live: int
+    required: int
+
+
+MembershipEvent = MemberEvent | Reformed | GuardHeld
+MEMBER_EVENTS = (Died, Restarted, Registered, ReadyToJoin, TurnedActive, Left)
+
+
+def replica_kinds(events: tuple[MembershipEvent, ...]) -> list[tuple[str, str]]:
+    """``(replica_id, kind)`` of each event about one replica, in order."""
+    return [(e.replica_id, e.kind) for e in events if isinstance(e, MEMBER_EVENTS)]
+
+
+def phrase(event: MembershipEvent) -> str:
+    """The words for one event in an epoch's reason."""
+    match event:
+        case Died(cause=DeathCause.TIMEOUT):
+            return f"replica {event.replica_id} dead (no heartbeat for {event.silent_s:.2f}s)"
+        case Died(cause=DeathCause.CONFIRMED):
+            return (f"replica {event.replica_id} dead ({event.report}, confirmed: no heartbeat for "
+                    f"{event.silent_s:.2f}s; blamed by {','.join(event.reporters)})")
+        case Died(cause=DeathCause.REPORTED):
+            return (f"replica {event.replica_id} dead (reported by {','.join(event.reporters)}, no heartbeat for "
+                    f"{event.silent_s:.2f}s)")
+        case Died():
+            return (f"replica {event.replica_id} dead (hung: reported in {event.reported_epochs} consecutive "
+                    "epochs while still heartbeating)")
+        case Restarted():
+            return f"replica {event.replica_id} restarted (incarnation {event.old_incarnation} dead)"
+        case Registered():
+            return f"replica {event.replica_id} registered as {event.role}"
+        case ReadyToJoin():
+            return f"replica {event.replica_id} ready to join"
+        case TurnedActive():
+            return f"replica {event.replica_id} caught up, now active"
+        case Left():
+            return f"replica {event.replica_id} left" + (f": {event.reason}" if event.reason else "")
+        case Reformed():
+            return f"re-formed: {', '.join(event.suspects)} reported but still heartbeating"
+        case GuardHeld():
+            return (f"min-replicas guard: {event.live} live data-plane member(s), {event.required} required, "
+                    "with at least one active; epoch unchanged")
+
+
+def render_reason(events: tuple[MembershipEvent, ...]) -> str:
+    """The human reason text of ``events`` ('' for none), clipped to about ``REASON_LIMIT`` characters."""
+    reason = "; ".join(phrase(e) for e in events)
+    if len(reason) <= REASON_LIMIT:
+        return reason
+    rest = reason.count("; ", REASON_LIMIT - 40) + 1
+    return f"{reason[: REASON_LIMIT - 40]}… (+{rest} more)"

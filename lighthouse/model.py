@@ -1,0 +1,136 @@
+"""The membership state the decision works on (``lighthouse.membership``): roles, the policy, members, epochs.
+Plain frozen dataclasses, no behaviour beyond lookups."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lighthouse.events import MembershipEvent
+
+ACTIVE = "active"
+JOINING = "joining"
+ROLES = (ACTIVE, JOINING)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Lighthouse settings that the decision depends on."""
+
+    min_replicas: int = 1
+    """Split-brain guard: no epoch with fewer members than this."""
+    heartbeat_interval_s: float = 0.5
+    """Advertised to clients: how often to heartbeat."""
+    heartbeat_timeout_s: float = 3.0
+    """A member with no heartbeat for this long is dead."""
+    confirm_age_s: float = 1.0
+    """A reported suspect whose last heartbeat is at least this old is confirmed dead."""
+    join_window_s: float = 0.0
+    """Bootstrap: after ``min_replicas`` registered, wait this long for more before forming the first epoch
+    (with ``expected_replicas`` set: at most this long for the expected count; 0 then waits for all of them)."""
+    expected_replicas: int = 0
+    """Bootstrap: form the first epoch as soon as this many registered (0: unknown)."""
+    max_reforms: int = 2
+    """A suspect that keeps heartbeating yet is reported again after this many consecutive re-formed epochs is
+    declared dead (hung: its heartbeat thread lives, its training does not). 0: never."""
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
+        if not 0 < self.confirm_age_s <= self.heartbeat_timeout_s:
+            raise ValueError("need 0 < confirm_age_s <= heartbeat_timeout_s")
+        if self.join_window_s < 0 or self.expected_replicas < 0 or self.max_reforms < 0:
+            raise ValueError("join_window_s, expected_replicas and max_reforms must be >= 0")
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a replica can be reached (``host:port``; empty: not offered)."""
+
+    data_plane: str = ""
+    catchup: str = ""
+    http: str = ""
+
+
+@dataclass(frozen=True)
+class Member:
+    """A registered, live replica."""
+
+    replica_id: str
+    incarnation: str
+    shard_count: int
+    endpoints: Endpoints
+    role: str
+    in_epoch: bool
+    registered_at: float
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class EpochMember:
+    """A member as an epoch lists it."""
+
+    replica_id: str
+    incarnation: str
+    role: str
+    shard_count: int
+    endpoints: Endpoints
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One membership epoch: numbers only go up and are never reused."""
+
+    number: int
+    members: tuple[EpochMember, ...]
+    created_at: float
+    reason: str
+    """What formed it, for people: rendered from ``events`` (``lighthouse.events.render_reason``)."""
+    plane: int = 0
+    """The epoch whose data-plane groups this one keeps (0: its own). Only a role change keeps them: the same
+    members with the same incarnations; a re-formed epoch (a suspected broken group) never does."""
+    events: tuple[MembershipEvent, ...] = ()
+    """What happened to the members to form it (none for a bootstrap epoch formed by the join window)."""
+
+    @property
+    def data_plane(self) -> int:
+        return self.plane or self.number
+
+    def plane_key(self) -> tuple[tuple[str, str], ...]:
+        return tuple((m.replica_id, m.incarnation) for m in self.members)
+
+    def key(self) -> tuple[tuple[str, str, str], ...]:
+        return tuple((m.replica_id, m.incarnation, m.role) for m in self.members)
+
+    def replica_ids(self) -> tuple[str, ...]:
+        return tuple(m.replica_id for m in self.members)
+
+    def member(self, replica_id: str) -> EpochMember | None:
+        for m in self.members:
+            if m.replica_id == replica_id:
+                return m
+        return None
+
+
+@dataclass(frozen=True)
+class State:
+    """Everything the decision needs. ``members`` holds live registrations only; the dead are dropped."""
+
+    members: Mapping[str, Member] = field(default_factory=dict)
+    epoch: Epoch | None = None
+    last_number: int = 0
+    history: tuple[Epoch, ...] = ()
+    suspicions: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    """suspect replica id -> reporters, within the current epoch."""
+    suspected_at: Mapping[str, float] = field(default_factory=dict)
+    """suspect replica id -> time of its first report in the current epoch."""
+    reforms: Mapping[str, int] = field(default_factory=dict)
+    """suspect replica id -> consecutive epochs re-formed because of it."""
+    min_reached_at: float | None = None
+    """Bootstrap: when ``min_replicas`` registrations were first reached."""
+
+
+HISTORY_LIMIT = 256
+"""Epochs kept in the live state's history."""

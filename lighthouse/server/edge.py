@@ -1,0 +1,85 @@
+"""The membership decision at the edge: apply one event to a job (decide, persist a new epoch, publish it to
+the watchers) and keep liveness in step with the membership."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from lighthouse import membership as m
+from lighthouse.errors import EpochFenced, StoreUnavailable
+from lighthouse.metrics import LighthouseMetrics
+from lighthouse.server.jobs import Job, clock
+from lighthouse.state_doc import state_to_doc
+from lighthouse.stores.base import Store
+
+log = logging.getLogger("fthsdp.lighthouse")
+STORE_ERROR_LOG_S = 5.0
+"""At most one log line per job this often about failed store writes (the tick retries 20 times a second)."""
+
+
+class Edge:
+    """Feeds events into ``membership.decide`` for the jobs of one lighthouse."""
+
+    def __init__(self, store: Store, policy: m.Policy, metrics: LighthouseMetrics) -> None:
+        self.store = store
+        self.policy = policy
+        self.metrics = metrics
+        self._store_error_logged: dict[str, float] = {}
+
+    async def apply(self, job: Job, event: m.Event) -> m.Outcome:
+        """Decide ``event``; persist and publish the epoch it forms. A write the store refuses (fenced, or
+        unavailable) changes nothing and comes back as an UNAVAILABLE rejection."""
+        async with job.write_lock:
+            before = job.state
+            out = m.decide(before, event, self.policy)
+            if out.rejection is not None or out.state is before:
+                return out
+            new_epoch = out.new_epoch(before)
+            if new_epoch is not None:
+                try:
+                    await self._save(job, before, out.state)
+                except EpochFenced as e:
+                    self._store_error(job, "fenced", f"store write fenced, change dropped: {e}")
+                    return m.Outcome(before, rejection=m.Rejection("UNAVAILABLE", f"store write fenced: {e}"))
+                except StoreUnavailable as e:
+                    self._store_error(job, "unavailable", f"store unavailable, change waits: {e}")
+                    return m.Outcome(before, rejection=m.Rejection("UNAVAILABLE", f"store unavailable: {e}"))
+            job.state = out.state
+            for rid in out.state.members.keys() - before.members.keys():
+                job.last_seen.setdefault(rid, clock())
+            for rid in before.members.keys() - out.state.members.keys():
+                job.last_seen.pop(rid, None)
+                job.steps.pop(rid, None)
+        if new_epoch is not None:
+            self._publish(job, new_epoch)
+        elif out.events:
+            log.info("lighthouse job=%s epoch=%d %s", job.job_id, job.number, out.reason)
+        return out
+
+    async def tick(self, job: Job) -> None:
+        """One liveness check of ``job``."""
+        await self.apply(job, m.Tick(now=clock(), last_seen=job.last_seen))
+
+    def _store_error(self, job: Job, kind: str, message: str) -> None:
+        """Count every failed write; log at most one line per job every ``STORE_ERROR_LOG_S``."""
+        self.metrics.store_errors.labels(job.job_id, kind).inc()
+        now = time.monotonic()
+        if now - self._store_error_logged.get(job.job_id, -1e9) >= STORE_ERROR_LOG_S:
+            self._store_error_logged[job.job_id] = now
+            log.error("lighthouse job=%s %s", job.job_id, message)
+
+    async def _save(self, job: Job, before: m.State, after: m.State) -> None:
+        doc = state_to_doc(after)
+        if self.store.capabilities.in_process:
+            self.store.save(job.job_id, before.last_number, doc)
+        else:
+            await asyncio.to_thread(self.store.save, job.job_id, before.last_number, doc)
+
+    def _publish(self, job: Job, epoch: m.Epoch) -> None:
+        job.set_epoch(epoch)
+        self.metrics.observe_epoch(job.job_id, job.number, job.state)
+        log.info("lighthouse job=%s epoch=%d members=%s reason=%s", job.job_id, epoch.number,
+                 ",".join(f"{x.replica_id}:{x.role}" for x in epoch.members), epoch.reason)
+        job.wake()

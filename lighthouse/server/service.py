@@ -1,0 +1,200 @@
+"""The gRPC handlers of ``fthsdp.v1.Lighthouse``: validate each request, turn it into a membership event for the
+edge (``lighthouse.server.edge``), and answer from the outcome. Refusals carry a clear status and change
+nothing; a follower refuses everything with a redirect to the leader."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from lighthouse import membership as m
+from lighthouse.errors import ValidationError
+from lighthouse.metrics import LighthouseMetrics
+from lighthouse.proto_codec import ROLE_TO_PB, endpoints_from_pb, role_from_pb
+from lighthouse.server import status
+from lighthouse.server.edge import Edge
+from lighthouse.server.jobs import Job, clock
+from lighthouse.server.leadership import Leadership
+from lighthouse.v1 import lighthouse_pb2 as pb
+from lighthouse.validate import check_id, check_shard_count, check_text
+
+SERVICE = "fthsdp.v1.Lighthouse"
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+class _Malformed:
+    """A request whose bytes did not parse (answered as INVALID_ARGUMENT by the handler)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _parser(cls: Any) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return cls.FromString(raw)
+        except (DecodeError, ValueError) as e:
+            return _Malformed(e)
+    return parse
+
+
+def _passthrough(x: bytes | Any) -> bytes:
+    return x if isinstance(x, bytes) else x.SerializeToString()
+
+
+class LighthouseService:
+    """The handlers, over the jobs of one lighthouse."""
+
+    def __init__(self, jobs: dict[str, Job], edge: Edge, leadership: Leadership, metrics: LighthouseMetrics,
+                 policy: m.Policy, stopping: Callable[[], bool]) -> None:
+        self.jobs = jobs
+        self.edge = edge
+        self.leadership = leadership
+        self.metrics = metrics
+        self.policy = policy
+        self._stopping = stopping
+
+    def handlers(self) -> grpc.GenericRpcHandler[Any, Any]:
+        def unary(fn: Callable[[Any, Context], Awaitable[Any]], req: Any, resp: Any) -> grpc.RpcMethodHandler[Any, Any]:
+            return grpc.unary_unary_rpc_method_handler(
+                self._guard(fn.__name__, fn), request_deserializer=_parser(req),
+                response_serializer=resp.SerializeToString)
+
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Register": unary(self.Register, pb.RegisterRequest, pb.RegisterResponse),
+            "Heartbeat": unary(self.Heartbeat, pb.HeartbeatRequest, pb.HeartbeatResponse),
+            "ReportFailure": unary(self.ReportFailure, pb.FailureReport, pb.FailureReportResponse),
+            "Ready": unary(self.Ready, pb.ReadyRequest, pb.ReadyResponse),
+            "Leave": unary(self.Leave, pb.LeaveRequest, pb.LeaveResponse),
+            "Status": unary(self.Status, pb.StatusRequest, pb.StatusResponse),
+            "Watch": grpc.unary_stream_rpc_method_handler(
+                self.Watch, request_deserializer=_parser(pb.WatchRequest), response_serializer=_passthrough),
+        })
+
+    def _guard(self, name: str, fn: Callable[[Any, Context], Awaitable[Any]]) -> Callable[[Any, Context],
+                                                                                         Awaitable[Any]]:
+        """Redirect while following; turn malformed input and validation errors into INVALID_ARGUMENT."""
+
+        async def handler(request: Any, context: Context) -> Any:
+            if not self.leadership.leading:
+                await self.leadership.refuse(context, name)
+            if isinstance(request, _Malformed):
+                self.metrics.rpc_error(name, "INVALID_ARGUMENT")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
+            try:
+                return await fn(request, context)
+            except ValidationError as e:
+                self.metrics.rpc_error(name, "INVALID_ARGUMENT")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+        return handler
+
+    async def _job(self, job_id: str, context: Context, method: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            self.metrics.rpc_error(method, "NOT_FOUND")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"unknown job {job_id[:64]!r}: this lighthouse serves {sorted(self.jobs)}")
+        return job
+
+    async def _refuse(self, rej: m.Rejection, context: Context, method: str) -> None:
+        self.metrics.rpc_error(method, rej.code)
+        await context.abort(getattr(grpc.StatusCode, rej.code), rej.message)
+
+    async def Register(self, req: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
+        job = await self._job(req.job_id, context, "Register")
+        check_id("replica_id", req.replica_id)
+        check_id("incarnation", req.incarnation)
+        check_shard_count(req.shard_count)
+        endpoints = endpoints_from_pb(req.endpoints)
+        bootstrap = job.state.epoch is None
+        out = await self.edge.apply(job, m.Register(req.replica_id, req.incarnation, req.shard_count, endpoints,
+                                                    clock()))
+        if out.rejection is not None:
+            await self._refuse(out.rejection, context, "Register")
+        job.last_seen[req.replica_id] = clock()
+        member = job.state.members[req.replica_id]
+        return pb.RegisterResponse(incarnation=member.incarnation, role=ROLE_TO_PB[member.role],
+                                   epoch=job.epoch_pb, heartbeat_interval_s=self.policy.heartbeat_interval_s,
+                                   heartbeat_timeout_s=self.policy.heartbeat_timeout_s,
+                                   resume=member.role == m.ACTIVE and not bootstrap)
+
+    async def Heartbeat(self, req: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatResponse:
+        job = await self._job(req.job_id, context, "Heartbeat")
+        member = job.state.members.get(req.replica_id)
+        if member is None:
+            check_id("replica_id", req.replica_id)
+            await self._refuse(m.Rejection("NOT_FOUND", f"replica {req.replica_id!r} is not registered "
+                                           "(or was declared dead): register again"), context, "Heartbeat")
+        elif member.incarnation != req.incarnation:
+            await self._refuse(m.Rejection("FAILED_PRECONDITION", f"incarnation {req.incarnation[:64]!r} of "
+                                           f"replica {req.replica_id!r} was replaced"), context, "Heartbeat")
+        job.last_seen[req.replica_id] = clock()
+        job.steps[req.replica_id] = req.step
+        self.metrics.heartbeats.inc()
+        return pb.HeartbeatResponse(epoch=job.number)
+
+    async def Watch(self, req: pb.WatchRequest | _Malformed, context: Context) -> AsyncIterator[bytes]:
+        if not self.leadership.leading:
+            await self.leadership.refuse(context, "Watch")
+        if isinstance(req, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {req.error}")
+            return
+        job = await self._job(req.job_id, context, "Watch")
+        sent = req.after_epoch
+        self.metrics.watchers.inc()
+        try:
+            while not self._stopping():
+                if not self.leadership.leading:
+                    await self.leadership.refuse(context, "Watch")
+                if job.number > sent:
+                    sent = job.number
+                    yield job.epoch_bytes
+                    continue
+                # No await between the check above and taking the event: a publish cannot slip in between.
+                await job.changed.wait()
+        finally:
+            self.metrics.watchers.dec()
+
+    async def ReportFailure(self, req: pb.FailureReport, context: Context) -> pb.FailureReportResponse:
+        job = await self._job(req.job_id, context, "ReportFailure")
+        check_id("reporter_replica_id", req.reporter_replica_id)
+        check_id("suspect_replica_id", req.suspect_replica_id)
+        check_text("reason", req.reason)
+        out = await self.edge.apply(job, m.Report(req.reporter_replica_id, req.reporter_incarnation,
+                                                  req.suspect_replica_id, req.epoch, req.reason, clock(),
+                                                  job.last_seen))
+        if out.rejection is not None:
+            self.metrics.reports.labels("refused").inc()
+            await self._refuse(out.rejection, context, "ReportFailure")
+        self.metrics.reports.labels("confirmed" if out.confirmed else "pending").inc()
+        detail = out.reason or ("suspect already declared dead" if out.confirmed else
+                                "recorded; not confirmed yet (suspect still heartbeating)")
+        return pb.FailureReportResponse(confirmed=out.confirmed, detail=detail, epoch=job.number)
+
+    async def Ready(self, req: pb.ReadyRequest, context: Context) -> pb.ReadyResponse:
+        job = await self._job(req.job_id, context, "Ready")
+        check_id("replica_id", req.replica_id)
+        out = await self.edge.apply(job, m.Ready(req.replica_id, req.incarnation, role_from_pb(req.role), clock()))
+        if out.rejection is not None:
+            await self._refuse(out.rejection, context, "Ready")
+        return pb.ReadyResponse(epoch=job.number)
+
+    async def Leave(self, req: pb.LeaveRequest, context: Context) -> pb.LeaveResponse:
+        job = await self._job(req.job_id, context, "Leave")
+        check_id("replica_id", req.replica_id)
+        check_text("reason", req.reason)
+        out = await self.edge.apply(job, m.Leave(req.replica_id, req.incarnation, req.reason, clock()))
+        if out.rejection is not None:
+            await self._refuse(out.rejection, context, "Leave")
+        return pb.LeaveResponse(epoch=job.number)
+
+    async def Status(self, req: pb.StatusRequest, context: Context) -> pb.StatusResponse:
+        job = await self._job(req.job_id, context, "Status")
+        view = status.build(job.job_id, job.state, last_seen=job.last_seen, steps=job.steps,
+                            rendezvous=job.epoch_pb.rendezvous, policy=self.policy,
+                            leader=self.leadership.view(), now=clock())
+        return status.to_pb(view, job.epoch_pb)

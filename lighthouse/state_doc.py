@@ -1,0 +1,119 @@
+"""The store's JSON document of a job: the durable part of the membership state, and back. Pure functions."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lighthouse.events import (
+    DeathCause,
+    Died,
+    GuardHeld,
+    Left,
+    MembershipEvent,
+    ReadyToJoin,
+    Reformed,
+    Registered,
+    Restarted,
+    TurnedActive,
+)
+from lighthouse.model import Endpoints, Epoch, EpochMember, Member, State
+
+DOC_HISTORY_LIMIT = 16
+"""Epochs of history kept in the stored document (the live state keeps ``model.HISTORY_LIMIT``). The document
+is written on every epoch change, on the lighthouse's event loop, so it must stay small."""
+DOC_EVENTS_LIMIT = 64
+"""Events kept per epoch in the stored document (a burst of deaths in a large job must not make every write
+huge; the live state keeps them all, and the stored reason text names the rest)."""
+
+_EVENT_TYPES: dict[str, type[MembershipEvent]] = {
+    "died": Died, "restarted": Restarted, "registered": Registered, "ready_to_join": ReadyToJoin,
+    "turned_active": TurnedActive, "left": Left, "reformed": Reformed, "guard_held": GuardHeld,
+}
+_EVENT_NAMES = {cls: name for name, cls in _EVENT_TYPES.items()}
+
+
+def _endpoints_to_doc(e: Endpoints) -> dict[str, str]:
+    return {"data_plane": e.data_plane, "catchup": e.catchup, "http": e.http}
+
+
+def event_to_doc(e: MembershipEvent) -> list[Any]:
+    """An event as compact JSON: its type's name, then its fields in order (tuples as lists)."""
+    values = (getattr(e, f.name) for f in dataclasses.fields(e))
+    return [_EVENT_NAMES[type(e)], *(list(v) if isinstance(v, tuple) else v for v in values)]
+
+
+def event_from_doc(d: list[Any]) -> MembershipEvent:
+    """The event ``event_to_doc`` wrote."""
+    name, *values = d
+    cls = _EVENT_TYPES[name]
+    args: list[Any] = [tuple(v) if isinstance(v, list) else v for v in values]
+    if cls is Died:
+        args[1] = DeathCause(args[1])
+    return cls(*args)
+
+
+def _events_to_doc(events: tuple[MembershipEvent, ...]) -> list[list[Any]]:
+    return [event_to_doc(e) for e in events[:DOC_EVENTS_LIMIT]]
+
+
+def _epoch_to_doc(e: Epoch) -> dict[str, Any]:
+    # Written out by hand: dataclasses.asdict deep-copies recursively and is ~10x slower on 1000 members.
+    return {
+        "number": e.number,
+        "members": [{"replica_id": x.replica_id, "incarnation": x.incarnation, "role": x.role,
+                     "shard_count": x.shard_count, "endpoints": _endpoints_to_doc(x.endpoints)}
+                    for x in e.members],
+        "created_at": e.created_at,
+        "reason": e.reason,
+        "plane": e.data_plane,
+        "events": _events_to_doc(e.events),
+    }
+
+
+def _history_to_doc(e: Epoch) -> dict[str, Any]:
+    """A history entry: who was in the epoch (replica ids only: no roles, incarnations or endpoints)."""
+    return {"number": e.number, "members": [x.replica_id for x in e.members], "created_at": e.created_at,
+            "reason": e.reason, "events": _events_to_doc(e.events)}
+
+
+def _epoch_from_doc(d: dict[str, Any]) -> Epoch:
+    members = []
+    for x in d["members"]:
+        if isinstance(x, dict):
+            members.append(EpochMember(x["replica_id"], x["incarnation"], x["role"], int(x["shard_count"]),
+                                       Endpoints(**x["endpoints"])))
+        else:  # a history entry: the replica id only
+            members.append(EpochMember(str(x), "", "", 0, Endpoints()))
+    return Epoch(number=int(d["number"]), members=tuple(members), created_at=float(d["created_at"]),
+                 reason=str(d["reason"]), plane=int(d.get("plane", 0)),
+                 events=tuple(event_from_doc(e) for e in d.get("events", ())))
+
+
+def state_to_doc(state: State) -> dict[str, Any]:
+    """The durable part of the state: the epoch counter, the current epoch and recent history.
+
+    Registrations outside the epoch and heartbeat times are volatile: clients re-register when a lighthouse
+    answers NOT_FOUND. History entries keep the replica ids only (restored with empty roles and incarnations),
+    for the last ``DOC_HISTORY_LIMIT`` epochs.
+    """
+    return {
+        "last_number": state.last_number,
+        "epoch": None if state.epoch is None else _epoch_to_doc(state.epoch),
+        "history": [_history_to_doc(e) for e in state.history[-DOC_HISTORY_LIMIT:]],
+    }
+
+
+def state_from_doc(doc: dict[str, Any], now: float) -> State:
+    """Rebuild the state from a stored document; the epoch's members count as registered at ``now``."""
+    epoch = None if doc["epoch"] is None else _epoch_from_doc(doc["epoch"])
+    members = {}
+    for x in epoch.members if epoch is not None else ():
+        members[x.replica_id] = Member(x.replica_id, x.incarnation, x.shard_count, x.endpoints, x.role,
+                                       in_epoch=True, registered_at=now)
+    return State(
+        members=members,
+        epoch=epoch,
+        last_number=int(doc["last_number"]),
+        history=tuple(_epoch_from_doc(e) for e in doc["history"]),
+    )

@@ -1,0 +1,40 @@
+"""Validation of what arrives on the wire: identifiers, free text and the size limits the lighthouse enforces.
+Pure functions; a bad field raises ``ValidationError`` naming it (answered as INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+import re
+
+from lighthouse.errors import ValidationError
+
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+"""Matched with ``fullmatch`` (a ``$`` anchor would let a trailing newline through)."""
+ENDPOINT_MAX = 256
+REASON_MAX = 1024
+SHARD_MAX = 1 << 20
+MAX_MESSAGE_BYTES = 64 * 1024
+"""Largest request the server accepts; larger ones get RESOURCE_EXHAUSTED before any handler runs."""
+
+
+def check_id(field: str, value: str) -> str:
+    """``value`` if it is a valid identifier (job, replica, incarnation)."""
+    if not value:
+        raise ValidationError(f"{field} is empty")
+    if not ID_RE.fullmatch(value):
+        raise ValidationError(f"{field} {value[:40]!r}{'…' if len(value) > 40 else ''} is not 1-128 characters of "
+                              "letters, digits, '.', '_', ':' or '-' (starting with a letter or digit)")
+    return value
+
+
+def check_text(field: str, value: str, limit: int = REASON_MAX) -> str:
+    """``value`` if it is at most ``limit`` characters."""
+    if len(value) > limit:
+        raise ValidationError(f"{field} is longer than {limit} characters")
+    return value
+
+
+def check_shard_count(value: int) -> int:
+    """``value`` if it is a usable shard count."""
+    if not 1 <= value <= SHARD_MAX:
+        raise ValidationError(f"shard_count must be in 1..{SHARD_MAX}, got {value}")
+    return value

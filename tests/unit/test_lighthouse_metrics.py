@@ -1,0 +1,70 @@
+"""The lighthouse's metrics and status view count membership events from the structured events, never from the
+reason text: a burst of deaths whose reason is clipped is still counted whole."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from lighthouse import membership as m
+from lighthouse.metrics import LighthouseMetrics
+from lighthouse.server import status
+
+N = 300  # deaths in one burst: their reason text is far over REASON_LIMIT
+
+
+def _burst() -> m.State:
+    """Epoch 1 of N + 1 replicas, then epoch 2 after all but r0000 went silent at once."""
+    policy = m.Policy(min_replicas=1, expected_replicas=N + 1, heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0,
+                      confirm_age_s=0.5)
+    state = m.State()
+    for i in range(N + 1):
+        state = m.decide(state, m.Register(f"r{i:04d}", f"i{i}", 1, m.Endpoints(), 0.0), policy).state
+    assert state.epoch is not None and state.epoch.number == 1
+    state = m.decide(state, m.Tick(now=5.0, last_seen={"r0000": 4.9}), policy).state
+    assert state.epoch is not None and state.epoch.number == 2
+    return state
+
+
+def _counted(metrics: LighthouseMetrics) -> dict[str, float]:
+    text = metrics.render().decode()
+    return {s.labels["kind"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "fthsdp_lighthouse_membership_events_total" and s.labels["job"] == "job"}
+
+
+def test_a_burst_of_deaths_is_counted_whole_though_the_reason_is_clipped() -> None:
+    state = _burst()
+    epoch = state.epoch
+    assert epoch is not None
+    assert len(epoch.reason) <= m.REASON_LIMIT + 40 and "more)" in epoch.reason  # the text is clipped...
+    assert len(epoch.events) == N  # ...the events are not
+    metrics = LighthouseMetrics()
+    metrics.observe_epoch("job", epoch.number, state)
+    assert _counted(metrics) == {"failure": N}
+
+
+def test_the_bootstrap_epoch_counts_no_events() -> None:
+    state = _burst()
+    first = state.history[0]
+    metrics = LighthouseMetrics()
+    metrics.observe_epoch("job", 1, m.State(members=state.members, epoch=first, last_number=1, history=(first,)))
+    assert _counted(metrics) == {}
+
+
+def test_status_view_lists_every_event_for_grpc_and_http_alike() -> None:
+    state = _burst()
+    view = status.build("job", state, last_seen={"r0000": 4.9}, steps={"r0000": 7}, rendezvous="",
+                        policy=m.Policy(), leader=status.Leader(True, "lh:1", "lh:1"), now=5.0)
+    doc = status.to_json(view)
+    assert [h["epoch"] for h in doc["history"]] == [1, 2]
+    assert doc["history"][0]["events"] == [{"replica_id": f"r{N:04d}", "kind": "join"}]  # the last to register
+    assert doc["history"][1]["events"] == [{"replica_id": f"r{i:04d}", "kind": "failure"} for i in range(1, N + 1)]
+    assert doc["members"] == [{"replica_id": "r0000", "incarnation": "i0", "role": "active", "in_epoch": True,
+                               "last_heartbeat_age_s": 0.1, "step": 7}]
+    from lighthouse.v1 import lighthouse_pb2 as pb
+
+    answer = status.to_pb(view, pb.Epoch(job_id="job", number=2))
+    assert [(h.epoch, h.reason, list(h.members), [(x.replica_id, x.kind) for x in h.events])
+            for h in answer.history] == \
+        [(h["epoch"], h["reason"], h["members"], [(x["replica_id"], x["kind"]) for x in h["events"]])
+         for h in doc["history"]]
+    assert [(x.replica_id, x.step, x.in_epoch) for x in answer.members] == [("r0000", 7, True)] and answer.leader

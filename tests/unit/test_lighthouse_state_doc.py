@@ -1,0 +1,49 @@
+"""The store's JSON document of a job (``lighthouse.state_doc``): it round-trips the durable state, with the
+membership events, and stays small whatever the history."""
+
+from __future__ import annotations
+
+import json
+
+from lighthouse import membership as m
+from lighthouse import state_doc
+from lighthouse.stores.memory import InMemoryStore
+from tests.helpers.lighthouse import JOB
+
+
+def test_state_document_round_trips_and_stays_small() -> None:
+    state = m.State()
+    ep = m.Endpoints("127.0.0.1:1", "127.0.0.1:2", "")
+    state = m.decide(state, m.Register("a", "a1", 2, ep, 0.0), m.Policy()).state
+    for i in range(100):  # 101 epochs: restarts of b
+        state = m.decide(state, m.Register("b", f"b{i}", 2, ep, float(i)), m.Policy()).state
+        state = m.decide(state, m.Ready("b", f"b{i}", m.JOINING, float(i)), m.Policy()).state
+    assert state.last_number > 100
+    d = state_doc.state_to_doc(state)
+    assert len(d["history"]) == state_doc.DOC_HISTORY_LIMIT
+    back = state_doc.state_from_doc(d, now=123.0)
+    assert back.last_number == state.last_number and back.epoch == state.epoch
+    assert {k: (v.incarnation, v.role, v.in_epoch) for k, v in back.members.items()} == \
+        {x.replica_id: (x.incarnation, x.role, True) for x in state.epoch.members}  # type: ignore[union-attr]
+    assert all(v.registered_at == 123.0 for v in back.members.values())
+    assert [(e.number, e.replica_ids(), e.reason, e.created_at) for e in back.history] == \
+        [(e.number, e.replica_ids(), e.reason, e.created_at) for e in state.history[-state_doc.DOC_HISTORY_LIMIT:]]
+    # The document is bounded: the current epoch in full, then replica ids of a bounded history.
+    assert len(json.dumps(d)) < 4096
+    # And through a store (JSON).
+    s = InMemoryStore()
+    s.save(JOB, 0, d)
+    assert state_doc.state_from_doc(s.load(JOB), now=123.0) == back  # type: ignore[arg-type]
+
+
+def test_state_document_size_does_not_grow_with_history() -> None:
+    members = tuple(m.EpochMember(f"replica-{i:04d}", f"inc-{i}", m.ACTIVE, 1, m.Endpoints()) for i in range(1000))
+
+    def doc_size(epochs: int) -> int:
+        history = tuple(m.Epoch(n, members, float(n), "r") for n in range(1, epochs + 1))
+        state = m.State(epoch=history[-1], last_number=epochs, history=history[-m.HISTORY_LIMIT:])
+        return len(json.dumps(state_doc.state_to_doc(state)))
+
+    bounded = doc_size(state_doc.DOC_HISTORY_LIMIT)
+    assert doc_size(m.HISTORY_LIMIT) < bounded + 100  # only the digits of the numbers differ
+    assert doc_size(m.HISTORY_LIMIT + 50) < bounded + 100
