@@ -47,3 +47,15 @@ class AttemptsExhausted(FTARError):
 
 class EngineClosed(FTARError):
     """The engine was closed while the exchange was pending."""
+
+
+# --- inside the engine: how an attempt ends, never delivered to a caller ---------------------------------------
+
+
+class Abandoned(Exception):
+    """The attempt was given up without a peer at fault: a newer epoch was pushed, the engine closed, or the
+    replica was excluded."""
+
+
+class PeerFailure(Exception):
+    """The attempt's collective (or rendezvous) failed or missed its deadline: a peer is to blame."""

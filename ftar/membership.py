@@ -1,27 +1,42 @@
-"""What FTAR needs from membership: the current epoch, a way to wait for the next, failure reports, and a
-push notification when the epoch changes (to abandon an in-flight collective at once)."""
+"""What FTAR needs from membership (docs/design.md §4, §5): the current epoch, a way to wait for the next, failure
+reports, and a push notification when the epoch changes (to abandon an in-flight collective at once).
+
+``Membership`` is the interface the lane engine depends on; ``LighthouseMembership`` implements it over a
+``LighthouseClient``, with an ``EpochFeed`` fanning the client's pushed epochs out to the engines' listeners."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from lighthouse.client import LighthouseClient
+from lighthouse.epoch_view import EpochView
 from lighthouse.errors import LighthouseError
-from lighthouse.wire import EpochView
 
 log = logging.getLogger("fthsdp.ftar")
 
 
 class Membership(Protocol):
+    """The membership a ``LaneEngine`` runs under. Every method is called from the engine's own threads and must
+    be thread-safe; none may block longer than asked."""
+
     replica_id: str
+    """This replica, as the epochs name it."""
 
-    def current(self) -> EpochView | None: ...
+    def current(self) -> EpochView | None:
+        """The newest epoch known, or ``None`` before the first; never blocks."""
+        ...
 
-    def wait_epoch(self, after: int, timeout: float) -> EpochView | None: ...
+    def wait_epoch(self, after: int, timeout: float) -> EpochView | None:
+        """The first known epoch numbered above ``after``, waiting up to ``timeout`` seconds; ``None`` if none
+        came."""
+        ...
 
-    def report(self, suspect: str, epoch: int, reason: str) -> None: ...
+    def report(self, suspect: str, epoch: int, reason: str) -> None:
+        """Report ``suspect`` as failed in ``epoch`` (blame); a report the lighthouse refuses is not an error."""
+        ...
 
     def add_listener(self, fn: Callable[[EpochView], None]) -> Callable[[], None]:
         """Call ``fn`` on every new epoch; returns a function that removes it."""

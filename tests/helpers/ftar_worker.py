@@ -14,11 +14,21 @@ import threading
 
 import torch
 
-from ftar.engine import FTARConfig, Handle, LaneEngine
-from ftar.errors import FTARError, InputsConsumed
-from ftar.membership import EpochFeed, LighthouseMembership
+from ftar import EpochFeed, FTARConfig, FTARError, Handle, InputsConsumed, LaneEngine, LighthouseMembership
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
+
+
+def inputs(a: argparse.Namespace, step: int, lane: int) -> list[torch.Tensor]:
+    """What replica ``a.index`` exchanges on ``lane`` at ``step``."""
+    t = torch.full((a.numel,), float((a.index + 1) * (step + 1) + 1000 * lane), dtype=torch.float64)
+    return [t] if a.direct else [t, t[:10].to(torch.int64)]
+
+
+def start(a: argparse.Namespace, step: int, lane: int, eng: LaneEngine) -> Handle:
+    if a.direct:
+        return eng.allreduce(inputs(a, step, lane), op=a.op, tag=step, inplace=True, keep_inputs=False)
+    return eng.allreduce(inputs(a, step, lane), contribute=not a.zero, op=a.op, tag=step)
 
 
 def main() -> None:
@@ -40,46 +50,37 @@ def main() -> None:
     feed = EpochFeed()
     client = LighthouseClient(a.lighthouse, "default", rid, shard_count=a.lanes, on_epoch=feed.publish)
     reg = client.start()
-    out = open(a.out, "a", buffering=1)
-    if reg is not None and reg.role == m.JOINING:
-        client.ready(m.JOINING)
-    membership = LighthouseMembership(client, feed)
-    cfg = FTARConfig(timeout_s=a.timeout, connect_timeout_s=5.0, epoch_wait_s=20.0)
-    engines = [LaneEngine(membership, lane, cfg) for lane in range(a.lanes)]
-    code = 0
-    try:
-        for step in range(a.steps):
-            out.write(json.dumps({"entering": step}) + "\n")
-            def inputs(lane: int) -> list[torch.Tensor]:
-                t = torch.full((a.numel,), float((a.index + 1) * (step + 1) + 1000 * lane), dtype=torch.float64)
-                return [t] if a.direct else [t, t[:10].to(torch.int64)]
-
-            def start(lane: int, eng: LaneEngine) -> Handle:
-                if a.direct:
-                    return eng.allreduce(inputs(lane), op=a.op, tag=step, inplace=True, keep_inputs=False)
-                return eng.allreduce(inputs(lane), contribute=not a.zero, op=a.op, tag=step)
-
-            handles = [start(lane, eng) for lane, eng in enumerate(engines)]
-            for lane, h in enumerate(handles):
-                try:
-                    r = h.wait(timeout=60)
-                except InputsConsumed:
-                    out.write(json.dumps({"recomputed": step, "lane": lane}) + "\n")
-                    r = start(lane, engines[lane]).wait(timeout=60)
-                out.write(json.dumps({"step": step, "lane": lane, "epoch": r.epoch, "contributors": r.contributors,
-                                      "attempts": r.attempts, "value": r.tensors[0][0].item(),
-                                      "uniform": bool((r.tensors[0] == r.tensors[0][0]).all()),
-                                      "int_value": int(r.tensors[-1][0].item())}) + "\n")
-    except FTARError as e:
-        out.write(json.dumps({"error": type(e).__name__, "detail": str(e)}) + "\n")
-        code = 3
-    finally:
-        for eng in engines:
-            eng.close()
-        client.close()
-    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-    out.write(json.dumps({"done": True, "threads_left": left}) + "\n")
-    out.close()
+    with open(a.out, "a", buffering=1) as out:
+        if reg is not None and reg.role == m.JOINING:
+            client.ready(m.JOINING)
+        membership = LighthouseMembership(client, feed)
+        cfg = FTARConfig(timeout_s=a.timeout, connect_timeout_s=5.0, epoch_wait_s=20.0)
+        engines = [LaneEngine(membership, lane, cfg) for lane in range(a.lanes)]
+        code = 0
+        try:
+            for step in range(a.steps):
+                out.write(json.dumps({"entering": step}) + "\n")
+                handles = [start(a, step, lane, eng) for lane, eng in enumerate(engines)]
+                for lane, h in enumerate(handles):
+                    try:
+                        r = h.wait(timeout=60)
+                    except InputsConsumed:
+                        out.write(json.dumps({"recomputed": step, "lane": lane}) + "\n")
+                        r = start(a, step, lane, engines[lane]).wait(timeout=60)
+                    out.write(json.dumps({"step": step, "lane": lane, "epoch": r.epoch,
+                                          "contributors": r.contributors, "attempts": r.attempts,
+                                          "value": r.tensors[0][0].item(),
+                                          "uniform": bool((r.tensors[0] == r.tensors[0][0]).all()),
+                                          "int_value": int(r.tensors[-1][0].item())}) + "\n")
+        except FTARError as e:
+            out.write(json.dumps({"error": type(e).__name__, "detail": str(e)}) + "\n")
+            code = 3
+        finally:
+            for eng in engines:
+                eng.close()
+            client.close()
+        left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+        out.write(json.dumps({"done": True, "threads_left": left}) + "\n")
     sys.exit(code)
 
 

@@ -13,15 +13,19 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
+from lighthouse.config import LighthouseConfig
 from lighthouse.membership import Policy
-from lighthouse.server import Lighthouse, LighthouseConfig
+from lighthouse.server.app import Lighthouse
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "helpers" / "ftar_worker.py"
+WORKER = "tests.helpers.ftar_worker"
+"""Run as a module from the root: run as a script, its folder would come first on the path, where
+``tests/helpers/lighthouse.py`` hides the ``lighthouse`` package."""
 TIMEOUT_S = 2.0  # the engines' collective deadline in these tests
 # grpc's process-wide aio poller thread is created by grpc itself, once per process; it is not ours to stop.
 GRPC_THREADS = ("_poll_wrapper",)
@@ -60,7 +64,7 @@ class Cluster:
     def spawn(self, index: int, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.procs[index] = subprocess.Popen(
-            [sys.executable, str(WORKER), "--lighthouse", self.addr, "--index", str(index),
+            [sys.executable, "-m", WORKER, "--lighthouse", self.addr, "--index", str(index),
              "--timeout", str(TIMEOUT_S), "--out", str(self.out(index)), *args],
             cwd=ROOT, env=env)
 
@@ -87,7 +91,8 @@ class Cluster:
 
     def finish(self, indices: list[int], timeout: float = 90) -> None:
         for i in indices:
-            assert self.procs[i].wait(timeout) == 0, f"replica {i} exited {self.procs[i].returncode}: {self.lines(i)[-3:]}"
+            code = self.procs[i].wait(timeout)
+            assert code == 0, f"replica {i} exited {code}: {self.lines(i)[-3:]}"
             done = self.lines(i)[-1]
             assert done.get("done") is True
             assert [t for t in done["threads_left"] if not any(g in t for g in GRPC_THREADS)] == [], done

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from ftar.engine import FTARConfig, LaneEngine
-from ftar.errors import EngineClosed, NoEpoch
-from lighthouse.wire import EpochView
+from ftar import EngineClosed, Excluded, FTARConfig, LaneEngine, NoEpoch
+from lighthouse.epoch_view import EpochView
 
 
 class NoMembership:
@@ -31,7 +30,7 @@ class NoMembership:
 
 
 @pytest.fixture
-def engine() -> LaneEngine:
+def engine() -> Iterator[LaneEngine]:
     eng = LaneEngine(NoMembership(), 0, FTARConfig(epoch_wait_s=0.2))
     yield eng
     eng.close()
@@ -61,3 +60,9 @@ def test_closed_engine_refuses_and_leaves_no_thread() -> None:
     with pytest.raises(EngineClosed):
         eng.allreduce([torch.ones(1)]).wait(1)
     assert not [t for t in threading.enumerate() if t.name.startswith("ftar-lane3")]
+
+
+def test_an_excluded_replica_fails_at_once(engine: LaneEngine) -> None:
+    engine.exclude("dropped by the lighthouse")
+    with pytest.raises(Excluded, match="dropped by the lighthouse"):
+        engine.allreduce([torch.ones(2)]).wait(1)  # well inside epoch_wait_s: no waiting for an epoch

@@ -1,0 +1,77 @@
+"""The values of an FTAR exchange (docs/design.md §5): the engine's settings, a request as queued, its result and the
+handle the caller waits on."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+OPS = ("avg", "sum")
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class FTARConfig:
+    """Deadlines and limits of a lane engine."""
+
+    backend: str = "gloo"
+    """``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors)."""
+    timeout_s: float = 5.0
+    """Deadline of one collective (and of the data plane's own timeout): a hung peer is given up after this."""
+    connect_timeout_s: float = 10.0
+    """Deadline of the rendezvous of a new epoch's group."""
+    epoch_wait_s: float = 30.0
+    """How long to wait for the next epoch after a failure."""
+    blame_grace_s: float = 0.2
+    """After a failure, how long to wait for the other members to check in before blaming those that did not."""
+    max_attempts: int = 10
+    """Epochs an exchange is tried in before it gives up."""
+    abandon_grace_s: float = 1.0
+    """A collective in flight when a newer epoch that keeps all of its members arrives gets this long to finish
+    before it is abandoned (one that lost a member is abandoned at once)."""
+
+
+@dataclass(frozen=True)
+class ExchangeResult:
+    """A completed exchange."""
+
+    tensors: list[torch.Tensor]
+    """The averaged (or summed) tensors: new tensors, the inputs are not modified."""
+    epoch: int
+    """The epoch the result was computed in."""
+    contributors: int
+    """How many replicas contributed (zero-gradient joiners are not counted): the divisor of ``avg``."""
+    attempts: int
+    tag: int
+    """The tag (step) the members agreed on: a joiner that called with ``tag=None`` learns it here."""
+
+
+class Handle:
+    """A pending exchange."""
+
+    def __init__(self, future: Future[ExchangeResult]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> ExchangeResult:
+        """The result; raises the exchange's ``FTARError``, or ``TimeoutError`` at the deadline."""
+        return self._future.result(timeout)
+
+
+@dataclass
+class Request:
+    """An exchange as queued for the lane's worker (the arguments of ``LaneEngine.allreduce``)."""
+
+    tensors: list[torch.Tensor]
+    contribute: bool
+    op: str
+    tag: int | None
+    inplace: bool
+    keep_inputs: bool
+    redo: bool
+    new_epoch_ok: bool
+    future: Future[ExchangeResult]

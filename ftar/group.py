@@ -1,0 +1,179 @@
+"""One epoch's data plane of a lane (docs/design.md §5): the rendezvous on the lighthouse-hosted store, the torchft
+process group (Gloo or NCCL) built for the epoch in the same process, its collectives, the check-in keys blame is
+read from, and the release of a group that is given up.
+
+A Gloo group has no shutdown: its abort blocks until a pending collective reaches its own timeout
+(pytorch#130345, docs/design.md §10), so groups are released on reaper threads, never on the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
+
+from ftar.errors import Abandoned, PeerFailure
+from ftar.packing import Staging
+from ftar.rules import missing
+from lighthouse.epoch_view import EpochView
+
+log = logging.getLogger("fthsdp.ftar")
+
+ARRIVED = "arrived"
+"""Store key prefix a member sets (``arrived/<rank>``) when it starts the rendezvous of an epoch's group."""
+FAILED = "failed"
+"""Store key prefix a member sets (``failed/<seq>/<rank>``) when exchange ``seq`` failed for it."""
+POLL_S = 0.02
+"""How often the rendezvous checks whether it was superseded."""
+
+
+def device_for(backend: str) -> torch.device:
+    """Where a backend's tensors live: the CPU for Gloo, the calling thread's current CUDA device for NCCL."""
+    return torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+
+
+def _abort(pg: Any) -> None:
+    try:
+        pg.abort(errored=False)
+    except Exception:  # abort of a broken group: nothing more to release
+        log.debug("abort failed", exc_info=True)
+
+
+class Reaper:
+    """Releases process groups on threads of their own, and lets the owner wait for them when it closes (an
+    abandoned group ends by its own collective timeout)."""
+
+    def __init__(self, lane: int) -> None:
+        self.lane = lane
+        self._threads: list[threading.Thread] = []
+
+    def reap(self, pg: Any, after: threading.Thread | None = None) -> None:
+        """Abort ``pg`` (once ``after`` has finished, if given) without waiting for it."""
+
+        def run() -> None:
+            if after is not None:
+                after.join()
+            _abort(pg)
+
+        self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(target=run, name=f"ftar-reap-lane{self.lane}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for each pending release."""
+        for thread in self._threads:
+            thread.join(timeout)
+
+
+class EpochGroup:
+    """A lane's process group for one epoch: rank ``rank`` of ``world`` (the epoch's members, in order), with
+    the epoch-lane store and the staging buffers of its exchanges."""
+
+    def __init__(self, epoch: EpochView, rank: int, store: Any, pg: Any, staging: Staging) -> None:
+        self.epoch = epoch
+        self.rank = rank
+        self.world = len(epoch.replica_ids)
+        self.store = store
+        self.pg = pg
+        self.staging = staging
+        self.seq = 0
+        """Exchanges started in this group; names the failure check-in key."""
+
+    @classmethod
+    def open(cls, epoch: EpochView, replica_id: str, lane: int, backend: str, connect_timeout_s: float,
+             reaper: Reaper, superseded: Callable[[], bool]) -> EpochGroup:
+        """Rendezvous under ``<epoch's rendezvous>/lane<lane>`` and build the group. Raises ``Abandoned`` as
+        soon as ``superseded()`` (a member that never arrives would otherwise hold everyone for the whole connect
+        timeout), ``PeerFailure`` (naming the members that did not arrive) if the rendezvous fails."""
+        ids = epoch.replica_ids
+        rank = ids.index(replica_id)
+        prefix = f"{epoch.rendezvous}/lane{lane}"
+        timeout = timedelta(seconds=connect_timeout_s)
+        store: Any = None
+        try:
+            store = create_store_client(prefix, timeout=timeout)
+            store.set(f"{ARRIVED}/{rank}", b"1")
+            pg_cls = ProcessGroupGloo if backend == "gloo" else ProcessGroupNCCL
+            # The group's own timeout bounds its rendezvous; each collective gets its timeout through its options.
+            pg = pg_cls(timeout=timeout)
+            _configure(pg, f"{prefix}/pg", replica_id, rank, len(ids), lane, reaper, superseded)
+        except Abandoned:
+            raise
+        except Exception as e:
+            absent = missing(ids, replica_id, _present(store, ARRIVED, rank, len(ids)) if store is not None else None)
+            raise PeerFailure(f"rendezvous of epoch {epoch.number} failed ({e}); not arrived: {absent}") from e
+        return cls(epoch, rank, store, pg, Staging(device_for(backend)))
+
+    def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, timeout_s: float) -> Any:
+        """Start an all-reduce of ``tensor`` with a deadline; returns its work."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(op)
+        opts.timeout = timedelta(seconds=timeout_s)
+        return self.pg.allreduce([tensor], opts)
+
+    def start_exchange(self, buffers: list[torch.Tensor], timeout_s: float) -> list[Any]:
+        """Start the SUM all-reduces of one exchange; returns their works."""
+        self.seq += 1
+        return [self.allreduce(b, dist.ReduceOp.SUM, timeout_s) for b in buffers]
+
+    def failure_key(self) -> str:
+        """The key the members check in under after the current exchange failed."""
+        return f"{FAILED}/{self.seq}"
+
+    def check_in(self, key: str) -> None:
+        """Set ``key/<rank>``; an unreachable store is logged, not raised."""
+        try:
+            self.store.set(f"{key}/{self.rank}", b"1")
+        except Exception:
+            log.debug("cannot check in on the store", exc_info=True)
+
+    def present(self, key: str) -> set[int] | None:
+        """The other ranks that have set ``key/<rank>``; ``None`` if the store cannot be read."""
+        return _present(self.store, key, self.rank, self.world)
+
+    def release(self, reaper: Reaper) -> None:
+        """Give the group up without waiting for it."""
+        reaper.reap(self.pg)
+
+
+def _present(store: Any, key: str, rank: int, world: int) -> set[int] | None:
+    present: set[int] = set()
+    for r in range(world):
+        if r == rank:
+            continue
+        try:
+            if store.check([f"{key}/{r}"]):
+                present.add(r)
+        except Exception:  # the store itself is unreachable: nobody can be blamed from here
+            return None
+    return present
+
+
+def _configure(pg: Any, prefix: str, replica_id: str, rank: int, world: int, lane: int, reaper: Reaper,
+               superseded: Callable[[], bool]) -> None:
+    """``pg.configure`` on a thread of its own, abandoned (``Abandoned``) as soon as ``superseded()``: the
+    group is then left to finish (or time out) on its own and released by ``reaper``."""
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pg.configure(prefix, replica_id, rank, world)
+        except BaseException as e:  # handed to the waiting thread
+            error.append(e)
+
+    t = threading.Thread(target=run, name=f"ftar-connect-lane{lane}", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(POLL_S)
+        if t.is_alive() and superseded():
+            reaper.reap(pg, after=t)
+            raise Abandoned()
+    if error:
+        raise error[0]
