@@ -8,13 +8,14 @@ fetched again; a source that breaks gives its unfinished chunks back to the queu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
@@ -74,7 +75,7 @@ class Fetch:
         self._manifest: Manifest | None = None
         self._buffers: list[torch.Tensor] = []
         self._views: list[memoryview] = []
-        self._work: "queue.Queue[list[tuple[int, int, int]]]" = queue.Queue()
+        self._work: queue.Queue[list[tuple[int, int, int]]] = queue.Queue()
         self._remaining = -1
         self._alive = len(self.sources)
         self._error: str = "" if self.sources else "no healthy replica to fetch from"
@@ -89,7 +90,7 @@ class Fetch:
         self._threads = [threading.Thread(target=self._run_source, args=(s,), daemon=True,
                                           name=f"catchup-fetch-r{rank}-{s.replica_id}") for s in self.sources]
 
-    def start(self) -> "Fetch":
+    def start(self) -> Fetch:
         for t in self._threads:
             t.start()
         return self
@@ -105,10 +106,8 @@ class Fetch:
             socks = list(self._socks)
             self._lock.notify_all()
         for s in socks:
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def _cut_others(self, mine: socket.socket | None) -> None:
         """Everything is in: end the other sessions now (a source still waiting for its snapshot, or idle), so
@@ -116,10 +115,8 @@ class Fetch:
         with self._lock:
             others = [s for s in self._socks if s is not mine]
         for s in others:
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def result(self, timeout: float | None = None) -> FetchResult:
         """Wait for the fetch; raises ``FetchFailed`` if no source could complete it."""
@@ -139,7 +136,7 @@ class Fetch:
         for t in self._threads:
             t.join(2.0)
         m = self._manifest
-        return FetchResult(m.step, {e.name: b for e, b in zip(m.entries, self._buffers)},
+        return FetchResult(m.step, {e.name: b for e, b in zip(m.entries, self._buffers, strict=True)},
                            sum(e.nbytes for e in m.entries), self._t_done - self._t_manifest,
                            self._t_manifest - self._t0, dict(self._per_source), list(self._failures),
                            self._refetched)
@@ -163,7 +160,7 @@ class Fetch:
                 self._accept_manifest(wire.parse_manifest(obj))
                 return sock
             sock.close()
-            address = wire._str(obj, "addr", 300)
+            address = wire.str_field(obj, "addr", 300)
         raise ProtocolError("redirected more than once")
 
     def _accept_manifest(self, m: Manifest) -> None:
@@ -177,7 +174,7 @@ class Fetch:
             if self.expected is not None:
                 got = [(e.name, e.dtype, e.shape) for e in m.entries]
                 if got != self.expected:
-                    diff = next((f"{g} vs {w}" for g, w in zip(got, self.expected) if g != w),
+                    diff = next((f"{g} vs {w}" for g, w in zip(got, self.expected, strict=False) if g != w),
                                 f"{len(got)} vs {len(self.expected)} tensors")
                     raise wire.CatchupError(f"snapshot layout differs from this replica's (source vs mine: {diff}): "
                                             "same model, shard count and optimizer needed")
@@ -215,7 +212,7 @@ class Fetch:
     def _run_source(self, src: Source) -> None:
         sock = None
         pending: dict[tuple[int, int], int] = {}
-        received: "queue.Queue[tuple[int, int, int, int] | None]" = queue.Queue()
+        received: queue.Queue[tuple[int, int, int, int] | None] = queue.Queue()
         dropped: list[str] = []
         verifier = threading.Thread(target=self._verify, args=(src, received, dropped), daemon=True,
                                     name=f"catchup-verify-r{self.hello.rank}-{src.replica_id}")
@@ -272,7 +269,7 @@ class Fetch:
                 self._alive -= 1
                 self._lock.notify_all()
 
-    def _verify(self, src: Source, received: "queue.Queue[tuple[int, int, int, int] | None]",
+    def _verify(self, src: Source, received: queue.Queue[tuple[int, int, int, int] | None],
                 dropped: list[str]) -> None:
         """Check each received chunk's CRC-32C: count a good one, send a bad one back to the work queue (a
         source that sends ``MAX_CORRUPT_PER_SOURCE`` bad ones is dropped)."""

@@ -13,8 +13,8 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ SnapshotFn = Callable[[], Sequence[tuple[str, torch.Tensor]]]
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a CPU contiguous tensor, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 def _linger_close(conn: socket.socket) -> None:
@@ -129,7 +129,7 @@ class CatchupServer:
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

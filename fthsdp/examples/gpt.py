@@ -1,5 +1,5 @@
 """A GPT-style decoder (pre-norm, causal self-attention, GELU MLP). The reference workload of the benchmarks
-(shared/WORKLOAD.md) is ``GPTConfig()``: 4 layers, d_model 256, 4 heads, sequence 128, vocabulary 2,048."""
+(docs/design.md §12) is ``GPTConfig()``: 4 layers, d_model 256, 4 heads, sequence 128, vocabulary 2,048."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class GPTConfig:
     vocab: int = 2048
 
     @classmethod
-    def named(cls, name: str) -> "GPTConfig":
+    def named(cls, name: str) -> GPTConfig:
         """``reference`` (the benchmark workload) or ``tiny`` (for tests: same shape, far less compute)."""
         if name == "reference":
             return cls()

@@ -5,16 +5,16 @@
 With ``FTHSDP_*`` set (the launcher does it) it trains under fthsdp; with ``--plain`` it is the same training
 with plain FSDP2 (``--hsdp-replicas R``: plain FSDP2-HSDP over R×S ranks, torch's replicate dimension), the
 baseline of the benchmarks and of the bitwise tests. Rank 0 of each replica appends JSON lines to
-``--progress``: one per committed step, and a final one with the state hash.
+``--progress`` (default ``FTHSDP_PROGRESS``): one per committed step, and a final one with the state hash.
+``FTHSDP_LOG_LEVEL`` sets the log level (default ``WARNING``); ``fthsdp.runtime.config.TrainerSettings`` reads
+both.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
-import os
 import sys
 import time
 import warnings
@@ -25,16 +25,20 @@ import torch.distributed as dist
 
 from fthsdp.examples.data import batch
 from fthsdp.examples.gpt import GPT, GPTConfig
+from fthsdp.runtime.config import TrainerSettings
+from fthsdp.runtime.state import local_tensor
+from fthsdp.testing.progress import ProgressRow
 
 
-def _args(argv: list[str] | None) -> argparse.Namespace:
+def _args(argv: list[str] | None, settings: TrainerSettings) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="fthsdp.examples.train")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--model", default="reference", help="reference (the benchmark workload) or tiny")
     p.add_argument("--batch", type=int, default=8, help="sequences per replica per step (split over its ranks)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--progress", default=os.environ.get("FTHSDP_PROGRESS", ""))
+    p.add_argument("--progress", default=settings.progress, help="rank 0 appends JSON lines here "
+                   "(default: FTHSDP_PROGRESS)")
     p.add_argument("--plain", action="store_true", help="plain FSDP2 (no fault tolerance): the baseline")
     p.add_argument("--hsdp-replicas", type=int, default=1, help="with --plain: replicas of an HSDP mesh")
     p.add_argument("--min-step-s", type=float, default=0.0,
@@ -44,12 +48,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 class Progress:
     def __init__(self, path: str, enabled: bool, **common: Any) -> None:
-        self.file = open(path, "a", buffering=1) if path and enabled else None
+        self.file = open(path, "a", buffering=1) if path and enabled else None  # noqa: SIM115 - the run's lifetime
         self.common = common
 
     def write(self, **kv: Any) -> None:
         if self.file is not None:
-            self.file.write(json.dumps({**self.common, **kv, "t": time.time()}) + "\n")
+            self.file.write(ProgressRow.from_json({**self.common, **kv, "t": time.time()}).line())
 
 
 def _pace(min_step_s: float, t0: float) -> None:
@@ -94,21 +98,28 @@ def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
         progress.write(event="step", step=step, loss=float(loss.item()), step_s=time.perf_counter() - t0)
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().to_local().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(local_tensor(p.detach()).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     progress.write(event="final", step=a.steps, local_param_hash=h.hexdigest())
     dist.destroy_process_group()
 
 
-def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig) -> None:
+def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings) -> None:
+    from fthsdp.runtime import (
+        EXIT_REJOIN,
+        NoStateToResume,
+        RejoinRequired,
+        Replica,
+        SlotConflict,
+        StateMismatch,
+        Terminated,
+    )
     from fthsdp.runtime.config import ConfigError
-    from fthsdp.runtime import (EXIT_REJOIN, NoStateToResume, RejoinRequired, Replica, SlotConflict, StateMismatch,
-                                Terminated)
 
     try:
         ft = Replica()
     except (NoStateToResume, ConfigError, StateMismatch) as e:
         # Restarting would not help: tell the launcher (a "fatal" line) and stop.
-        Progress(a.progress, os.environ.get("RANK", "0") == "0").write(event="fatal", error=str(e))
+        Progress(a.progress, settings.rank0).write(event="fatal", error=str(e))
         raise
     model = _model(cfg, a.seed)
     ft.shard(model, blocks=model.blocks)
@@ -142,17 +153,17 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=os.environ.get("FTHSDP_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = TrainerSettings.from_env()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     torch.set_num_threads(1)
     # FSDP2 warns that the root returns a view (the logits); nothing here changes it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    a = _args(argv)
+    a = _args(argv, settings)
     cfg = GPTConfig.named(a.model)
     if a.plain:
         run_plain(a, cfg)
     else:
-        run_fthsdp(a, cfg)
+        run_fthsdp(a, cfg, settings)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,19 @@
-"""The trainer-facing runtime: FSDP2 inside the replica, FTAR across replicas, and the commit protocol."""
+"""The trainer-facing runtime: FSDP2 inside the replica, FTAR across replicas, and the commit protocol.
 
-from fthsdp.runtime.replica import (EXIT_REJOIN, NoStateToResume, RejoinRequired, Replica, SlotConflict,
-                                    StateMismatch, StepResult, Terminated)
+``Replica`` (``replica``) is the front object; beside it: ``buckets`` (the bucket plan, the FSDP2 hook, the bucket
+tag), ``commit`` (the commit protocol, a pure state machine), ``join`` (catching up), ``state`` (the state layout,
+snapshot and hash), ``startup`` (taking a place in the job), ``errors``, ``config`` (the settings, read from the
+environment), ``lr``, ``checkpoint`` and ``metrics``."""
+
+from fthsdp.runtime.errors import (
+    EXIT_REJOIN,
+    NoStateToResume,
+    RejoinRequired,
+    SlotConflict,
+    StateMismatch,
+    Terminated,
+)
+from fthsdp.runtime.replica import Replica, StepResult
 
 __all__ = ["EXIT_REJOIN", "NoStateToResume", "RejoinRequired", "Replica", "SlotConflict", "StateMismatch",
            "StepResult", "Terminated"]

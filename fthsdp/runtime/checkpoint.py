@@ -18,6 +18,7 @@ import os
 import pathlib
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,6 @@ def save(directory: str | os.PathLike[str], step: int, slot: int, model: nn.Modu
 def load(ck: Checkpoint, model: nn.Module, opt: torch.optim.Optimizer) -> None:
     """Read a checkpoint into the (already sharded) model and its optimizer, on every rank of the replica."""
     model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(ck.path))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])

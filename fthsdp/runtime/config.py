@@ -1,11 +1,17 @@
-"""Runtime settings, read from the environment of each training process (torchrun provides the rank and
-world size inside a replica; the launcher provides the rest)."""
+"""Settings of a training process, read from its environment here and nowhere else (torchrun provides the rank
+and world size inside a replica; the launcher provides the rest): ``RuntimeConfig`` for the runtime, with the
+test-only fault hooks' ``FaultSettings`` and the lighthouse client's security; ``TrainerSettings`` for the
+example trainer (``fthsdp.examples.train``)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from fthsdp.testing.faults import FaultSettings
+from lighthouse.config import security_from_env
+from lighthouse.security import ClientSecurity
 
 LR_RULES = ("sqrt", "linear", "none")
 
@@ -35,6 +41,37 @@ def _float(env: dict[str, str], name: str, default: str) -> float:
         return float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
+
+
+def _environ(env: Mapping[str, str] | None) -> dict[str, str]:
+    """The process environment (or ``env``, for tests): the one place settings are read from."""
+    return dict(os.environ if env is None else env)
+
+
+def _metrics_port(e: dict[str, str], local_rank: int | None) -> int | None:
+    """``FTHSDP_METRICS_PORT + LOCAL_RANK`` (so the ranks of one host do not collide); 0: any free port; None: no
+    exporter."""
+    raw = e.get("FTHSDP_METRICS_PORT", "")
+    if not raw:
+        return None
+    try:
+        base = int(raw)
+    except ValueError:
+        raise ConfigError(f"FTHSDP_METRICS_PORT={raw!r} (LOCAL_RANK={e.get('LOCAL_RANK')!r}) is not an "
+                          "integer") from None
+    local = local_rank or 0
+    if not 0 <= base + local <= 65535 or base < 0:
+        raise ConfigError(f"FTHSDP_METRICS_PORT={base} + LOCAL_RANK={local} is not a port")
+    return base + local if base else 0
+
+
+def _faults(e: dict[str, str]) -> FaultSettings:
+    """The fault hooks' settings (``fthsdp.testing.faults``: tests and demos only)."""
+    slow, corrupt = "FTHSDP_FAULT_SLOW_SERVE_S", "FTHSDP_FAULT_CORRUPT_CHUNKS"
+    return FaultSettings(spec=e.get("FTHSDP_FAULT", ""), path=e.get("FTHSDP_FAULT_FILE", ""),
+                         slow_serve_s=_float(e, slow, "0") if e.get(slow) else 0.0,
+                         corrupt_chunks=_int(e, corrupt) if e.get(corrupt) else 0,
+                         kill_agent="TORCHELASTIC_RUN_ID" in e)
 
 
 @dataclass(frozen=True)
@@ -81,10 +118,28 @@ class RuntimeConfig:
     max_replay: int = 256
     """``FTHSDP_CATCHUP_MAX_REPLAY``: a joiner keeps the averaged gradients of at most this many steps while it
     fetches (one gradient shard each); a fetch slower than that makes it restart (exit 75) and try again."""
+    local_rank: int | None = None
+    """``LOCAL_RANK`` (torchrun): the rank on this host (None: unset); picks the GPU (default: ``rank``)."""
+    metrics_port: int | None = None
+    """``FTHSDP_METRICS_PORT``: this rank's Prometheus exporter listens on that port + ``LOCAL_RANK`` (0: any
+    free port; unset: no exporter)."""
+    under_torchrun: bool = False
+    """``TORCHELASTIC_RUN_ID`` is set: a worker ends with its torchrun agent (a SIGKILLed replica group leaves no
+    worker behind)."""
+    security: ClientSecurity = field(default_factory=ClientSecurity)
+    """TLS and the token for the lighthouse (``lighthouse.config.security_from_env``: the ``FTHSDP_TLS_*``
+    variables and the token file)."""
+    faults: FaultSettings = field(default_factory=FaultSettings)
+    """Fault injection for tests and demos (``fthsdp.testing.faults``, its variables documented there)."""
+
+    @property
+    def device_index(self) -> int:
+        """The GPU of this rank (with ``nccl``)."""
+        return self.rank if self.local_rank is None else self.local_rank
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "RuntimeConfig":
-        e = dict(os.environ if env is None else env)
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RuntimeConfig:
+        e = _environ(env)
         index = _int(e, "FTHSDP_REPLICA_INDEX")
         num = _int(e, "FTHSDP_NUM_REPLICAS")
         if not 0 <= index < num:
@@ -111,6 +166,7 @@ class RuntimeConfig:
                 raise ConfigError(f"FTHSDP_TOKEN_FILE={e['FTHSDP_TOKEN_FILE']!r} cannot be read: {err}") from None
             if not token:
                 raise ConfigError(f"FTHSDP_TOKEN_FILE={e['FTHSDP_TOKEN_FILE']!r} is empty")
+        local_rank = _int(e, "LOCAL_RANK") if e.get("LOCAL_RANK") else None
         every = _int(e, "FTHSDP_CHECKPOINT_EVERY", "0")
         if every < 0:
             raise ConfigError(f"FTHSDP_CHECKPOINT_EVERY={every} must be >= 0")
@@ -132,4 +188,28 @@ class RuntimeConfig:
             checkpoint_every=every,
             max_replay=_int(e, "FTHSDP_CATCHUP_MAX_REPLAY", "256"),
             join_warmup=_int(e, "FTHSDP_JOIN_WARMUP", "1") != 0,
+            local_rank=local_rank,
+            metrics_port=_metrics_port(e, local_rank),
+            under_torchrun="TORCHELASTIC_RUN_ID" in e,
+            security=security_from_env(e),
+            faults=_faults(e),
         )
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The example trainer's own settings, read before (and apart from) the runtime's: it must report a
+    malformed runtime setting, and its ``--plain`` baseline runs without one."""
+
+    progress: str = ""
+    """``FTHSDP_PROGRESS``: rank 0 appends one JSON line per committed step to this file (``--progress``)."""
+    log_level: str = "WARNING"
+    """``FTHSDP_LOG_LEVEL``: the Python log level."""
+    rank0: bool = True
+    """``RANK`` is 0 (or unset): this process writes the progress lines."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TrainerSettings:
+        e = _environ(env)
+        return cls(progress=e.get("FTHSDP_PROGRESS", ""), log_level=e.get("FTHSDP_LOG_LEVEL", "WARNING"),
+                   rank0=e.get("RANK", "0") == "0")

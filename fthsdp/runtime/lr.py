@@ -1,5 +1,5 @@
 """Degraded-mode learning rate: fewer replicas contributing means a smaller effective batch, so the step is
-scaled down by ``f(N_contributing / N_total)`` (DESIGN §7). Pure functions."""
+scaled down by ``f(N_contributing / N_total)`` (docs/design.md §7). Pure functions."""
 
 from __future__ import annotations
 

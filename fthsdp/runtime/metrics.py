@@ -2,8 +2,9 @@
 
 Each rank owns a ``ReplicaMetrics``: its own registry (several can live in one process, as in tests), every
 series labelled ``replica`` and ``rank``, and, when ``FTHSDP_METRICS_PORT`` is set, an HTTP exporter on
-``FTHSDP_METRICS_PORT + LOCAL_RANK`` (so the ranks of one host do not collide) serving ``/metrics``. The
-runtime calls the typed ``on_*`` methods; they are cheap (a few counter updates, no I/O) and thread-safe.
+``FTHSDP_METRICS_PORT + LOCAL_RANK`` (so the ranks of one host do not collide; ``RuntimeConfig.metrics_port``
+works it out) serving ``/metrics``. The runtime calls the typed ``on_*`` methods; they are cheap (a few counter
+updates, no I/O) and thread-safe.
 
 Series (all prefixed ``fthsdp_replica_``):
 
@@ -22,9 +23,7 @@ Series (all prefixed ``fthsdp_replica_``):
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -84,24 +83,6 @@ class ReplicaMetrics:
         if port is not None:
             self._server, self._thread = start_http_server(port, addr=addr, registry=r)
             self.port = self._server.server_port
-
-    @classmethod
-    def from_env(cls, replica: str, rank: int, env: Mapping[str, str] | None = None,
-                 addr: str = "0.0.0.0") -> ReplicaMetrics:
-        """Exporter on ``FTHSDP_METRICS_PORT + LOCAL_RANK`` if ``FTHSDP_METRICS_PORT`` is set, else none."""
-        e = os.environ if env is None else env
-        raw = e.get("FTHSDP_METRICS_PORT", "")
-        if not raw:
-            return cls(replica, rank)
-        try:
-            base = int(raw)
-            local = int(e.get("LOCAL_RANK", "0"))
-        except ValueError:
-            raise ValueError(f"FTHSDP_METRICS_PORT={raw!r} (LOCAL_RANK={e.get('LOCAL_RANK')!r}) is not an "
-                             "integer") from None
-        if not 0 <= base + local <= 65535 or base < 0:
-            raise ValueError(f"FTHSDP_METRICS_PORT={base} + LOCAL_RANK={local} is not a port")
-        return cls(replica, rank, port=base + local if base else 0, addr=addr)
 
     # --- what the runtime reports -------------------------------------------------------------------------------
 

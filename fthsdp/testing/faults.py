@@ -1,21 +1,64 @@
 """Failure injection for tests and demos: ``FTHSDP_FAULT=STEP:PHASE`` makes rank 0 SIGKILL its whole replica
 group (the torchrun agent, hence every worker) when it reaches PHASE of STEP or of the first step after it (a
-replica that joins late starts past STEP). Phases: forward, backward, exchange, vote, optimizer; ``serve``
-(while this replica streams a catch-up snapshot to a joiner, STEP being the snapshot's step) and ``fetch`` (while
-this joining replica fetches one).
+replica that joins late starts past STEP). Phases (``Phase``): the step's forward, backward, exchange, vote,
+optimizer (``STEP_PHASES``); and catch-up's (``CATCHUP_PHASES``) ``serve`` (while this replica streams a
+catch-up snapshot to a joiner, STEP being the snapshot's step) and ``fetch`` (while this joining replica
+fetches one).
 
 ``FTHSDP_FAULT_FILE=PATH`` (the chaos runner's switch) arms a fault while the replica runs: rank 0 reads
 ``STEP:PHASE`` from PATH whenever the file changes (one ``stat`` per phase) and fires as above; an absent or empty
-file disarms it."""
+file disarms it.
+
+Every rank's catch-up server also takes two test hooks: ``FTHSDP_FAULT_SLOW_SERVE_S`` (a slow link: sleep that
+long after every chunk sent) and ``FTHSDP_FAULT_CORRUPT_CHUNKS=N`` (flip a byte in the first N chunks sent; the
+joiner must detect them and fetch them again).
+
+The runtime's settings builder (``fthsdp.runtime.config``) reads these variables into ``FaultSettings``."""
 
 from __future__ import annotations
 
+import enum
 import os
 import signal
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-PHASES = ("forward", "backward", "exchange", "vote", "optimizer", "serve", "fetch")
+
+class Phase(enum.StrEnum):
+    """Where a fault can fire."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    EXCHANGE = "exchange"
+    VOTE = "vote"
+    OPTIMIZER = "optimizer"
+    SERVE = "serve"
+    FETCH = "fetch"
+
+
+STEP_PHASES: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.EXCHANGE, Phase.VOTE, Phase.OPTIMIZER)
+"""The phases of a training step, in order."""
+CATCHUP_PHASES: tuple[Phase, ...] = (Phase.SERVE, Phase.FETCH)
+"""The phases of a catch-up: a source serving a snapshot, a joiner fetching it."""
+PHASES: tuple[Phase, ...] = STEP_PHASES + CATCHUP_PHASES
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """The fault hooks' settings (tests and demos only; all off by default)."""
+
+    spec: str = ""
+    """``FTHSDP_FAULT``: ``STEP[:PHASE]``, parsed by rank 0 only."""
+    path: str = ""
+    """``FTHSDP_FAULT_FILE``: a file to read a fault from while running."""
+    slow_serve_s: float = 0.0
+    """``FTHSDP_FAULT_SLOW_SERVE_S``: sleep after every catch-up chunk sent."""
+    corrupt_chunks: int = 0
+    """``FTHSDP_FAULT_CORRUPT_CHUNKS``: flip a byte in the first N catch-up chunks sent."""
+    kill_agent: bool = False
+    """Under torchrun (``TORCHELASTIC_RUN_ID`` set): a fault kills the agent too (its workers follow)."""
 
 
 @dataclass(frozen=True)
@@ -25,17 +68,19 @@ class FaultInjector:
     armed: bool = False
     path: str = ""
     """``FTHSDP_FAULT_FILE``: a fault armed from outside while running."""
+    kill_agent: bool = False
+    slow_serve_s: float = 0.0
+    corrupt_chunks: int = 0
     _file: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What ``path`` held when last read: its inode, mtime and size, and the fault parsed from it (or None)."""
 
     @classmethod
-    def from_env(cls, rank: int) -> FaultInjector:
-        spec = os.environ.get("FTHSDP_FAULT", "")
-        path = os.environ.get("FTHSDP_FAULT_FILE", "") if rank == 0 else ""
-        if not spec or rank != 0:
-            return cls(path=path)
-        step, phase = _parse(spec)
-        return cls(step, phase, True, path=path)
+    def for_rank(cls, settings: FaultSettings, rank: int) -> FaultInjector:
+        """Rank 0 fires faults (``spec``, ``path``); every rank's catch-up server takes the serve hooks."""
+        armed = bool(settings.spec) and rank == 0
+        step, phase = _parse(settings.spec) if armed else (-1, "")
+        return cls(step, phase, armed, settings.path if rank == 0 else "", kill_agent=settings.kill_agent,
+                   slow_serve_s=settings.slow_serve_s, corrupt_chunks=settings.corrupt_chunks)
 
     def _from_file(self) -> tuple[int, str] | None:
         try:
@@ -57,23 +102,43 @@ class FaultInjector:
             self._file.update(key=key, fault=fault)
         return self._file.get("fault")  # type: ignore[no-any-return]
 
-    def at(self, step: int, phase: str) -> None:
+    def at(self, step: int, phase: Phase) -> None:
         fault = self._from_file() if self.path else None
         if fault is not None and step >= fault[0] and phase == fault[1]:
             self._kill()
         if self.armed and step >= self.step and phase == self.phase:
             self._kill()
 
-    @staticmethod
-    def _kill() -> None:
-        if "TORCHELASTIC_RUN_ID" in os.environ:
+    def _kill(self) -> None:
+        if self.kill_agent:
             os.kill(os.getppid(), signal.SIGKILL)  # the agent; workers follow (PDEATHSIG)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_chunk_sent(self, step: int, nbytes: int) -> None:
+        """After each chunk a catch-up server sends: the ``serve`` fault, and the slow link."""
+        self.at(step, Phase.SERVE)
+        if self.slow_serve_s > 0:
+            time.sleep(self.slow_serve_s)  # a simulated slow link, not synchronisation
+
+    def corrupter(self) -> Callable[[int, int, bytearray], bool] | None:
+        """The catch-up server's ``corrupt`` hook: flips a byte in the first ``corrupt_chunks`` chunks."""
+        if self.corrupt_chunks <= 0:
+            return None
+        left = [self.corrupt_chunks]
+
+        def corrupt(entry: int, offset: int, data: bytearray) -> bool:
+            if left[0] <= 0 or not data:
+                return False
+            left[0] -= 1
+            data[len(data) // 2] ^= 0xFF
+            return True
+
+        return corrupt
 
 
 def _parse(spec: str) -> tuple[int, str]:
     step, _, phase = spec.partition(":")
     phase = phase or "forward"
     if phase not in PHASES:
-        raise ValueError(f"FTHSDP_FAULT phase {phase!r} is not one of {PHASES}")
+        raise ValueError(f"FTHSDP_FAULT phase {phase!r} is not one of {tuple(str(p) for p in PHASES)}")
     return int(step), phase

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.cluster_checks import check_converged, check_exactly_once, check_rejoined, check_survivor, progress
 from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
+from fthsdp.testing.progress import ProgressRow
+from tests.helpers.cluster_checks import check_converged, check_exactly_once, check_rejoined, check_survivor, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -22,8 +23,8 @@ def _config(**kw: Any) -> ClusterConfig:
     return ClusterConfig(**{**base, **kw})
 
 
-def _steps(tmp: pathlib.Path, replica: int) -> list[dict[str, Any]]:
-    return [x for x in progress(tmp, replica) if x["event"] == "step"]
+def _steps(tmp: pathlib.Path, replica: int) -> list[ProgressRow]:
+    return [x for x in progress(tmp, replica) if x.event == "step"]
 
 
 def test_survivors_do_not_wait_while_a_replica_catches_up(tmp_path: pathlib.Path) -> None:
@@ -36,10 +37,11 @@ def test_survivors_do_not_wait_while_a_replica_catches_up(tmp_path: pathlib.Path
                              env={0: corrupt, 2: corrupt}), tmp_path).run()
     check_converged(report, steps)
     check_rejoined(tmp_path, 1, report)
-    joined = [x for x in _steps(tmp_path, 1) if x.get("joined")][-1]
-    catchup = joined["catchup"]
+    joined = [x for x in _steps(tmp_path, 1) if x.joined][-1]
+    catchup = joined.catchup
+    assert catchup is not None and joined.step is not None
     assert catchup["refetched_chunks"] >= 1, catchup
-    assert catchup["bytes"] > 0 and catchup["snapshot_step"] <= joined["step"]
+    assert catchup["bytes"] > 0 and catchup["snapshot_step"] <= joined.step
     # From the restarted replica's first exchange as a member until it is active: the fetch, the replay and
     # turning active. (Entering the data plane is a membership change: one group rebuild, at most one redo of
     # the step in flight, like any epoch change; its cost is bench recovery's catchup_step_ratio.)
@@ -47,9 +49,9 @@ def test_survivors_do_not_wait_while_a_replica_catches_up(tmp_path: pathlib.Path
     for r in (0, 2):
         check_survivor(tmp_path, r, steps)
         rows = _steps(tmp_path, r)
-        gaps = [(b["t"] - a["t"], b["step"]) for a, b in zip(rows, rows[1:])]
+        gaps = [(b.t - a.t, b.step) for a, b in zip(rows, rows[1:], strict=False)]
         median = statistics.median(g for g, _ in gaps)
-        during = [(g, s) for (g, s), b in zip(gaps, rows[1:]) if restart <= b["t"] <= joined["t"] + median]
+        during = [(g, s) for (g, s), b in zip(gaps, rows[1:], strict=True) if restart <= b.t <= joined.t + median]
         assert len(during) >= 3, "the catch-up window holds almost no survivor step: nothing was measured"
         worst = max(during)
         assert worst[0] <= 1.5 * median, f"replica {r} stalled {worst[0]:.3f}s at step {worst[1]} during the " \
@@ -69,7 +71,8 @@ def test_source_killed_mid_transfer_joiner_switches_source(tmp_path: pathlib.Pat
     check_survivor(tmp_path, 2, steps)
     check_rejoined(tmp_path, 1, report)
     check_rejoined(tmp_path, 0, report)
-    first_join = [x for x in _steps(tmp_path, 1) if x.get("joined")][0]["catchup"]
+    first_join = [x for x in _steps(tmp_path, 1) if x.joined][0].catchup
+    assert first_join is not None
     assert any(f.startswith("replica-0") for f in first_join["source_failures"]), first_join
     assert first_join["sources"].get("replica-2", 0) > 0
     exits = [e for e in report["events"] if e["event"] == "exit"]
@@ -86,13 +89,14 @@ def test_every_replica_dies_job_resumes_from_checkpoint(tmp_path: pathlib.Path) 
     report = Cluster(_config(replicas=2, steps=steps, checkpoint_every=5, restart_delay_s=6.0,
                              kills=(Kill(0, 12, "forward"), Kill(1, 12, "forward"))), tmp_path).run()
     check_converged(report, steps)
-    starts = [x for r in (0, 1) for x in progress(tmp_path, r) if x["event"] == "start"]
-    resumed = [x for x in starts if x.get("resumed_from") is not None]
-    assert [x["resumed_from"] for x in resumed] == [10], starts
-    r = resumed[0]["replica"]
+    starts = [x for r in (0, 1) for x in progress(tmp_path, r) if x.event == "start"]
+    resumed = [x for x in starts if x.resumed_from is not None]
+    assert [x.resumed_from for x in resumed] == [10], starts
+    r = resumed[0].replica
+    assert r is not None
     rows = _steps(tmp_path, r)
-    before, after = [x for x in rows if x["step"] == 10 and x.get("loss") is not None][:2]
-    assert before["incarnation"] != after["incarnation"] and before["loss"] == after["loss"]
+    before, after = [x for x in rows if x.step == 10 and x.loss is not None][:2]
+    assert before.incarnation != after.incarnation and before.loss == after.loss
     trained = check_exactly_once(tmp_path, 2, steps)
     assert trained[r] == steps and trained[1 - r] < steps
 
@@ -106,7 +110,7 @@ def test_sigterm_checkpoints_and_the_next_run_resumes_bitwise(tmp_path: pathlib.
 
     def sigterm_at_step_4(cluster: Cluster) -> None:
         g = cluster.groups[0]
-        if not sent and g.proc is not None and any(x["event"] == "step" and x["step"] >= 4
+        if not sent and g.proc is not None and any(x.event == "step" and x.step is not None and x.step >= 4
                                                    for x in cluster.progress(g)):
             sent.append(g.proc.pid)
             os.killpg(g.proc.pid, signal.SIGTERM)  # what a scheduler's preemption does
@@ -114,10 +118,11 @@ def test_sigterm_checkpoints_and_the_next_run_resumes_bitwise(tmp_path: pathlib.
     first = Cluster(_config(replicas=1, steps=steps, checkpoint_dir=ckpt, min_step_s=0.2), tmp_path / "a",
                     on_tick=sigterm_at_step_4)
     first.run()
-    done = [x for x in progress(tmp_path / "a", 0) if x["event"] == "terminated"]
-    assert sent and len(done) == 1 and 4 < done[0]["step"] < steps and done[0]["checkpoint"], done
+    done = [x for x in progress(tmp_path / "a", 0) if x.event == "terminated"]
+    assert sent and len(done) == 1 and done[0].step is not None and 4 < done[0].step < steps \
+        and done[0].checkpoint, done
     resumed = Cluster(_config(replicas=1, steps=steps, checkpoint_dir=ckpt), tmp_path / "b").run()
-    start = [x for x in progress(tmp_path / "b", 0) if x["event"] == "start"]
-    assert start[0]["resumed_from"] == done[0]["step"]
+    start = [x for x in progress(tmp_path / "b", 0) if x.event == "start"]
+    assert start[0].resumed_from == done[0].step
     straight = Cluster(_config(replicas=1, steps=steps), tmp_path / "c").run()
     assert resumed["final"]["0"]["param_hash"] == straight["final"]["0"]["param_hash"]

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.cluster_checks import check_converged, check_exactly_once, check_rejoined, check_survivor
 from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
+from tests.helpers.cluster_checks import check_converged, check_exactly_once, check_rejoined, check_survivor
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

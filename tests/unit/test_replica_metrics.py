@@ -10,7 +10,17 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.metrics import ReplicaMetrics
+
+BASE_ENV = {"FTHSDP_LIGHTHOUSE": "127.0.0.1:1", "FTHSDP_REPLICA_INDEX": "0", "FTHSDP_NUM_REPLICAS": "1",
+            "FTHSDP_BACKEND": "gloo"}
+
+
+def from_env(replica: str, rank: int, env: dict[str, str]) -> ReplicaMetrics:
+    """The metrics as the runtime makes them: the port from the settings (``FTHSDP_METRICS_PORT + LOCAL_RANK``)."""
+    return ReplicaMetrics(replica, rank, port=RuntimeConfig.from_env({**BASE_ENV, **env}).metrics_port,
+                          addr="127.0.0.1")
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -108,8 +118,7 @@ def _free_port_pair() -> int:
 
 def test_from_env_exports_on_base_port_plus_local_rank() -> None:
     base = _free_port_pair()
-    m = ReplicaMetrics.from_env("replica-1", 5, {"FTHSDP_METRICS_PORT": str(base), "LOCAL_RANK": "1"},
-                                addr="127.0.0.1")
+    m = from_env("replica-1", 5, {"FTHSDP_METRICS_PORT": str(base), "LOCAL_RANK": "1"})
     try:
         assert m.port == base + 1
         m.on_commit(step=4, epoch=3, contributors=2)
@@ -121,7 +130,7 @@ def test_from_env_exports_on_base_port_plus_local_rank() -> None:
 
 
 def test_from_env_without_port_has_no_exporter_but_counts() -> None:
-    m = ReplicaMetrics.from_env("replica-2", 0, {})
+    m = from_env("replica-2", 0, {})
     assert m.port is None
     m.on_commit(step=0, epoch=1, contributors=1)
     assert b'fthsdp_replica_commits_total{rank="0",replica="replica-2"} 1.0' in m.render()
@@ -132,4 +141,4 @@ def test_from_env_without_port_has_no_exporter_but_counts() -> None:
                                  {"FTHSDP_METRICS_PORT": "65535", "LOCAL_RANK": "3"}])
 def test_from_env_rejects_a_bad_port(env: dict[str, str]) -> None:
     with pytest.raises(ValueError, match="FTHSDP_METRICS_PORT"):
-        ReplicaMetrics.from_env("replica-0", 0, env)
+        from_env("replica-0", 0, env)

@@ -1,0 +1,197 @@
+"""Gradient buckets: which gradient shards travel across replicas together, the FSDP2 hook that hands each bucket
+to FTAR as soon as its shards exist (so the exchange overlaps the rest of the backward pass), and the tag that
+names one bucket of one step on the wire."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import torch
+from torch import nn
+
+from ftar import ExchangeResult, Excluded, FTARError, Handle, Interrupted, LaneEngine, Misaligned
+from fthsdp.runtime.commit import CommitProtocol, Exchanged, Failed, Failure
+from fthsdp.runtime.errors import RejoinRequired
+from fthsdp.runtime.state import local_tensor
+
+T = TypeVar("T")
+
+
+class LogFn(Protocol):
+    """The replica's structured log (every line says replica, rank, epoch and step)."""
+
+    def __call__(self, level: int, msg: str, *args: object) -> None: ...
+
+
+@dataclass(frozen=True)
+class BucketTag:
+    """Bucket ``bucket`` of step ``step``. On the wire (FTAR's tag) it is ``step * buckets + bucket``: the same on
+    every replica, increasing in exchange order. Encoded and decoded only here."""
+
+    step: int
+    bucket: int
+
+    def encode(self, buckets: int) -> int:
+        if not 0 <= self.bucket < buckets:
+            raise ValueError(f"bucket {self.bucket} of {buckets}")
+        return self.step * buckets + self.bucket
+
+    @classmethod
+    def decode(cls, tag: int, buckets: int) -> BucketTag:
+        step, bucket = divmod(tag, buckets)
+        return cls(step, bucket)
+
+    def __str__(self) -> str:
+        return f"step {self.step} bucket {self.bucket}"
+
+
+def failure_of(e: FTARError) -> Failure:
+    """What an exchange's error means to the commit protocol."""
+    if isinstance(e, Misaligned):
+        return Failure.BEHIND if e.tag < e.highest else Failure.MISALIGNED
+    if isinstance(e, Excluded):
+        return Failure.EXCLUDED
+    return Failure.INTERRUPTED if isinstance(e, Interrupted) else Failure.ERROR
+
+
+def plan_buckets(params: Sequence[T], blocks: Sequence[Sequence[T]]) -> list[list[T]]:
+    """The buckets, in exchange order: each block's parameters (the blocks last to first: backward produces
+    their gradients in that order), then the root's own parameters (those of ``params`` in no block). Empty
+    buckets are dropped. The same on every replica."""
+    in_blocks = {id(p) for block in blocks for p in block}
+    buckets = [list(block) for block in reversed(blocks)]
+    buckets.append([p for p in params if id(p) not in in_blocks])
+    return [b for b in buckets if b]
+
+
+def slot_mask(slot: int, slots: int, contribute: bool, device: torch.device) -> torch.Tensor:
+    """Rides at the end of the last bucket: averaged, slot i is 1/contributors if its replica contributed to the
+    step, 0 if not (``fthsdp.runtime.commit.contributing_slots`` reads it back)."""
+    mask = torch.zeros(slots, dtype=torch.float32, device=device)
+    if contribute:
+        mask[slot] = 1.0
+    return mask
+
+
+class BucketExchange:
+    """One rank's buckets and their exchanges in flight. During backward the FSDP2 hook launches each bucket
+    once its gradient shards are all there; a redo (or a joiner's zero contribution) launches them all, in
+    order. Every bucket but the first stays in the epoch its step began in (FTAR's ``new_epoch_ok``)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], blocks: Sequence[Sequence[nn.Parameter]],
+                 engine: LaneEngine, *, slot: int, slots: int, device: torch.device, wait_s: float) -> None:
+        self.buckets = plan_buckets(params, blocks)
+        self.engine = engine
+        self.slot, self.slots, self.device = slot, slots, device
+        self.wait_s = wait_s
+        """How long a joiner waits for its first bucket to learn the step."""
+        self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        self._pending: list[Handle | None] = [None] * len(self.buckets)
+        self._filled = [0] * len(self.buckets)
+        self._launched = 0
+        self._armed: int | None = None
+        """The step whose buckets the hook launches (None: the hook does nothing)."""
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    @contextmanager
+    def armed(self, step: int) -> Iterator[None]:
+        """While inside, gradient shards that FSDP2 finishes go out as buckets of ``step``."""
+        self._pending = [None] * len(self.buckets)
+        self._filled = [0] * len(self.buckets)
+        self._launched = 0
+        self._armed = step
+        try:
+            yield
+        finally:
+            self._armed = None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """FSDP2 finished this parameter's gradient shard: launch every bucket that is now complete, in order."""
+        if self._armed is None:
+            return
+        self._filled[self._bucket_of[id(p)]] += 1
+        while self._launched < len(self.buckets) and \
+                self._filled[self._launched] == len(self.buckets[self._launched]):
+            self._launch(self._launched, self._armed, True)
+
+    def _launch(self, k: int, step: int | None, contribute: bool) -> Handle:
+        bucket = self.buckets[k]
+        grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in bucket]
+        if k == len(self.buckets) - 1:
+            grads.append(slot_mask(self.slot, self.slots, contribute, self.device))
+        tag = None if step is None else BucketTag(step, k).encode(len(self.buckets))
+        handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False, new_epoch_ok=k == 0)
+        self._pending[k] = handle
+        self._launched = k + 1
+        return handle
+
+    def launch_rest(self, step: int) -> list[Handle | None]:
+        """After backward: launch the buckets the hook did not (parameters that got no gradient: zeros)."""
+        while self._launched < len(self.buckets):
+            self._launch(self._launched, step, True)
+        return list(self._pending)
+
+    def exchange_all(self, step: int | None, contribute: bool) -> tuple[list[Handle | None], int | None]:
+        """Exchange every bucket in order from the gradients at hand (a redo, or a joiner's zeros). A joiner that
+        does not know the step yet (``step`` None) learns it from its first bucket; the others then carry it.
+        Returns (the handles, None where a bucket was not launched; the step learned, if it was)."""
+        self._pending = [None] * len(self.buckets)
+        self._launched = 0
+        first = self._launch(0, step, contribute)
+        learned = None
+        if step is None:
+            try:
+                step = learned = BucketTag.decode(first.wait(self.wait_s).tag, len(self.buckets)).step
+            except FTARError:
+                return list(self._pending), None  # collecting the handles reports it
+        for k in range(1, len(self.buckets)):
+            self._launch(k, step, contribute)
+        return list(self._pending), learned
+
+    def collect(self, handles: Sequence[Handle | None], protocol: CommitProtocol, wait_s: float,
+                log: LogFn) -> list[ExchangeResult]:
+        """Wait for every bucket of an exchange attempt, in order, telling ``protocol`` what became of each;
+        returns the results of those exchanged. Raises ``RejoinRequired`` when the protocol says so."""
+        results = []
+        for h in handles:
+            if h is None:
+                protocol.lane(Failed(Failure.NOT_SENT))
+                continue
+            try:
+                r = h.wait(wait_s)
+            except FTARError as e:
+                why = failure_of(e)
+                if why is Failure.ERROR:
+                    log(logging.WARNING, "exchange failed: %s", e)
+                rejoin = protocol.lane(Failed(why))
+                if rejoin is not None:
+                    raise RejoinRequired(f"{rejoin.reason}: {e}") from e
+            else:
+                results.append(r)
+                protocol.lane(Exchanged(r.epoch, self.step_of(r)))
+        return results
+
+    def step_of(self, result: ExchangeResult) -> int:
+        """The step an exchanged bucket belongs to."""
+        return BucketTag.decode(result.tag, len(self.buckets)).step
+
+    def install(self, results: Sequence[ExchangeResult]) -> None:
+        """Put a step's averaged gradients (every bucket's result) into the parameters' ``.grad``."""
+        for bucket, res in zip(self.buckets, results, strict=True):
+            for p, g in zip(bucket, res.tensors, strict=False):  # the last bucket's slot mask has no parameter
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                local_tensor(p.grad).copy_(g)
+
+    @staticmethod
+    def mask_of(results: Sequence[ExchangeResult]) -> list[float]:
+        """The averaged slot mask of a step (see ``slot_mask``)."""
+        return [float(x) for x in results[-1].tensors[-1].detach().cpu().tolist()]

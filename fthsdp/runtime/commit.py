@@ -1,0 +1,242 @@
+"""The commit protocol of one step (docs/design.md §3), as a pure state machine: events in, decisions out.
+
+A step's exchange is one FTAR all-reduce per bucket on this rank's lane. The runtime tells the machine what
+became of each bucket (``lane``: exchanged in epoch E under the tag of step S, or failed, and why), takes this
+rank's ``ballot``, runs the replica-local vote (one MAX all-reduce of the encoded ballots over the replica's
+ranks) and hands the ``Tally`` back (``vote``). The decision:
+
+- ``Commit``: every rank exchanged every bucket, all in one epoch, for the same step: apply the step.
+- ``Keep``: the vote failed, but this lane has the whole step in the newest epoch any rank of the replica saw.
+  Its partners in that epoch have it too and will not exchange it again, so this lane keeps its result and
+  votes again on it, while the other lanes of the replica redo theirs (the keep-a-lane rule).
+- ``Redo``: the vote failed: abandon the exchange and redo it, in bucket order, under the next epoch from the
+  same local gradients. Nothing was applied: no data cursor moves.
+- ``Rejoin``: this replica can no longer follow the others (declared dead, behind them, or no consistent
+  exchange in ``MAX_ATTEMPTS``): it must restart and catch up as a joiner.
+
+SIGTERM rides the same vote: once ``sigterm()`` was called, this rank's ballots carry it, and the commit whose
+tally carries it tells every rank of the replica to stop at that commit boundary.
+
+Also here, the data-slot rule: which slots contributed to a committed step (the mask riding with the last
+bucket), hence which data cursors advance (on commit only).
+
+Nothing here does I/O (no collectives, threads or clocks): ``fthsdp.runtime.replica`` drives the machine.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fthsdp.runtime.errors import SlotConflict
+
+MAX_ATTEMPTS = 20
+"""Votes one step may fail before the replica gives up and rejoins."""
+
+
+class Failure(enum.Enum):
+    """Why one bucket's exchange did not complete on this lane."""
+
+    NOT_SENT = "not sent"
+    """Never handed to FTAR (a joiner's later buckets, when its first one could not learn the step)."""
+    INTERRUPTED = "interrupted"
+    """FTAR abandoned it (an epoch change or a failed peer): redo it under the next epoch."""
+    ERROR = "error"
+    """Any other FTAR error (worth a warning): redo it."""
+    MISALIGNED = "misaligned"
+    """The lane's members disagreed on the step and this replica is not the one behind: redo it."""
+    BEHIND = "behind"
+    """The lane's members are past this replica's step: its state is stale."""
+    EXCLUDED = "excluded"
+    """This replica is not a member any more (declared dead while alive)."""
+
+    @property
+    def needs_rejoin(self) -> bool:
+        return self in (Failure.BEHIND, Failure.EXCLUDED)
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """A bucket exchanged in ``epoch``, under the tag of ``step``."""
+
+    epoch: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A bucket not exchanged."""
+
+    why: Failure
+
+
+LaneEvent = Exchanged | Failed
+
+
+@dataclass(frozen=True)
+class Ballot:
+    """One rank's vote: whether its lane failed, the newest and oldest epoch its buckets went in, the step
+    they agreed on (-1: none), and whether it got SIGTERM."""
+
+    failed: bool
+    newest: int
+    oldest: int
+    step: int
+    stop: bool
+
+    def encode(self) -> list[int]:
+        """The ints whose element-wise MAX over the replica's ranks is the tally (minima ride negated)."""
+        return [int(self.failed), self.newest, -self.oldest, self.step, -self.step, int(self.stop)]
+
+
+@dataclass(frozen=True)
+class Tally:
+    """The vote of every rank of the replica, combined."""
+
+    failed: bool
+    """Some rank's lane failed."""
+    newest: int
+    oldest: int
+    """The newest and oldest epoch any rank's buckets went in."""
+    highest_step: int
+    lowest_step: int
+    stop: bool
+    """Some rank got SIGTERM."""
+
+    @classmethod
+    def decode(cls, maxed: Sequence[int]) -> Tally:
+        """From the element-wise MAX of every rank's ``Ballot.encode()``."""
+        failed, newest, oldest, highest, lowest, stop = (int(x) for x in maxed)
+        return cls(failed != 0, newest, -oldest, highest, -lowest, stop != 0)
+
+    @classmethod
+    def of(cls, ballots: Sequence[Ballot]) -> Tally:
+        """What the vote's all-reduce computes from these ballots."""
+        return cls.decode([max(column) for column in zip(*(b.encode() for b in ballots), strict=True)])
+
+    @property
+    def passed(self) -> bool:
+        """Every rank exchanged every bucket, all in one epoch, for the same step."""
+        return not self.failed and self.newest == self.oldest and self.highest_step == self.lowest_step
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Apply step ``step``, exchanged in ``epoch``, after ``attempts`` exchanges; ``stop``: then stop (SIGTERM)."""
+
+    step: int
+    epoch: int
+    attempts: int
+    stop: bool
+
+
+@dataclass(frozen=True)
+class Keep:
+    """The vote failed; keep this lane's result (all of it in the newest epoch, ``epoch``) and vote again."""
+
+    epoch: int
+    epochs: tuple[int, ...]
+    """The epochs this lane's buckets went in."""
+
+    @property
+    def reason(self) -> str:
+        """Why the step is retried, as a short fixed word (a metrics label)."""
+        return "epoch_change"
+
+
+@dataclass(frozen=True)
+class Redo:
+    """The vote failed; redo this lane's exchange of the step under the next epoch."""
+
+    epochs: tuple[int, ...]
+    failed: bool
+    """This lane failed (else: the epochs or steps of the replica's lanes differed)."""
+
+    @property
+    def reason(self) -> str:
+        return "failure" if self.failed else "epoch_change"
+
+
+@dataclass(frozen=True)
+class Rejoin:
+    """This replica must restart and catch up."""
+
+    reason: str
+
+
+Decision = Commit | Keep | Redo | Rejoin
+
+
+class CommitProtocol:
+    """One rank's commit protocol. Per step: ``begin``, then per exchange attempt a ``lane`` event for every bucket
+    in order, ``ballot`` and ``vote``, until the decision is ``Commit`` or ``Rejoin``."""
+
+    def __init__(self, max_attempts: int = MAX_ATTEMPTS) -> None:
+        self.max_attempts = max_attempts
+        self._stop = False
+        self._attempts = 1
+        self._lanes: list[LaneEvent] = []
+
+    def begin(self) -> None:
+        """A step's first exchange."""
+        self._attempts = 1
+        self._lanes = []
+
+    def sigterm(self) -> None:
+        """This rank got SIGTERM: from the next ballot on, ask the replica to stop at its next commit."""
+        self._stop = True
+
+    def lane(self, event: LaneEvent) -> Rejoin | None:
+        """What became of the next bucket. A failure that means this replica's state is stale ends the step."""
+        self._lanes.append(event)
+        if isinstance(event, Failed) and event.why.needs_rejoin:
+            return Rejoin("this replica is behind the others" if event.why is Failure.BEHIND
+                          else "this replica was declared dead")
+        return None
+
+    def _summary(self) -> tuple[bool, tuple[int, ...], int]:
+        """(failed, the epochs of the exchanged buckets (0 for none), the step they agree on or -1)."""
+        done = [e for e in self._lanes if isinstance(e, Exchanged)]
+        agreed = done[0].step if done and len({e.step for e in done}) == 1 else -1
+        failed = len(done) != len(self._lanes) or agreed < 0
+        return failed, tuple(e.epoch for e in done) or (0,), agreed
+
+    def ballot(self) -> Ballot:
+        """This rank's vote on the attempt whose buckets were reported."""
+        failed, epochs, agreed = self._summary()
+        return Ballot(failed, max(epochs), min(epochs), agreed, self._stop)
+
+    def vote(self, tally: Tally) -> Decision:
+        """The replica's vote is in: commit, keep this lane's result, redo, or give up. The next attempt's
+        buckets are reported afresh (a kept lane reports the same results again)."""
+        failed, epochs, agreed = self._summary()
+        self._lanes = []
+        if tally.passed:
+            return Commit(agreed, max(epochs), self._attempts, tally.stop)
+        if self._attempts >= self.max_attempts:
+            return Rejoin(f"no consistent exchange in {self._attempts} attempts")
+        self._attempts += 1
+        if not failed and min(epochs) == tally.newest:
+            return Keep(tally.newest, epochs)
+        return Redo(epochs, failed)
+
+
+def contributing_slots(mask: Sequence[float], contributors: int, step: int) -> tuple[int, ...]:
+    """The data slots that contributed to ``step``, from the averaged slot mask (slot i is 1/contributors if its
+    replica contributed, else 0). Two replicas on one slot (or disagreeing slot counts) is a ``SlotConflict``."""
+    counts = [round(m * contributors) for m in mask]
+    if sum(counts) != contributors or any(c > 1 for c in counts):
+        raise SlotConflict(f"step {step}: slot counts {counts} for {contributors} contributors: two replicas have "
+                           "the same FTHSDP_REPLICA_INDEX, or the job's FTHSDP_NUM_REPLICAS differs between replicas")
+    return tuple(i for i, c in enumerate(counts) if c)
+
+
+def advance_cursors(cursors: Sequence[int], slots: Sequence[int]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """A commit's data cursors: each contributing slot moves past the batch it trained. Returns (the new cursors,
+    (slot, batch index) of every batch the step trained)."""
+    batches = tuple((s, int(cursors[s])) for s in slots)
+    new = [int(c) for c in cursors]
+    for s in slots:
+        new[s] += 1
+    return new, batches

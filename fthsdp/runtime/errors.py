@@ -1,0 +1,32 @@
+"""Typed errors of the runtime, and the exit status that asks the launcher for a restart as a joiner."""
+
+from __future__ import annotations
+
+EXIT_REJOIN = 75
+"""Exit status of a replica whose state fell behind the others (or that was declared dead while alive): the
+launcher restarts it, and it catches up as a joiner."""
+
+
+class RejoinRequired(RuntimeError):
+    """This replica's state can no longer be trusted to match the others'; restart it (exit ``EXIT_REJOIN``)."""
+
+
+class NoStateToResume(RuntimeError):
+    """This replica would start the job over: every other replica is gone and there is no checkpoint."""
+
+
+class StateMismatch(RuntimeError):
+    """A joiner's model or optimizer does not have the layout of the state it was sent."""
+
+
+class SlotConflict(RuntimeError):
+    """Two live replicas train the same data slot (the same ``FTHSDP_REPLICA_INDEX``)."""
+
+
+class Terminated(SystemExit):
+    """SIGTERM: the replica wrote a checkpoint at a commit boundary (if a directory is configured) and stops."""
+
+    def __init__(self, step: int, path: str | None) -> None:
+        super().__init__(0)
+        self.step = step
+        self.path = path

@@ -1,0 +1,180 @@
+"""Joining (docs/design.md §6): a replica that starts while the others train catches up without stalling them.
+
+It warms up (one thrown-away step, so its slow first step is not paid in the data plane), enters the data plane
+(``Ready(JOINING)``), and from then on exchanges every step as a zero contributor, keeping the averaged gradients
+it receives, while background threads fetch the snapshot of a step S just ahead of the others from the healthy
+replicas' catch-up servers. Once every rank has its snapshot, the replica loads it and replays the kept steps
+S, S+1, ... with the same optimizer step, so it ends bitwise identical to the others; then it turns active.
+Replay, not re-fetching a newer snapshot: a fetch slower than a step would chase the others forever, while
+replaying a step (an optimizer step, no forward or backward) is always faster than training one.
+
+``Joiner`` holds the bookkeeping of that; the replica (``fthsdp.runtime.replica``) drives the exchanges.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ftar import ExchangeResult
+from fthsdp.catchup.client import Fetch, FetchResult, Source
+from fthsdp.catchup.wire import FetchFailed
+from fthsdp.runtime.buckets import LogFn
+from fthsdp.runtime.config import RuntimeConfig
+from fthsdp.runtime.errors import RejoinRequired
+from fthsdp.runtime.startup import all_ranks
+from fthsdp.testing.faults import FaultInjector, Phase
+from lighthouse import membership as m
+from lighthouse.client import LighthouseClient
+from lighthouse.errors import Busy
+
+MAX_FETCHES = 5
+"""Failed fetches of one catch-up before the replica gives up (and restarts to try again)."""
+
+
+def fetch_sources(members: Sequence[m.EpochMember], replica_id: str, slot: int) -> list[Source]:
+    """The catch-up servers to fetch from: every other active member's. Each joiner starts on a different one
+    (by its slot); the fetch's shared work queue balances the rest."""
+    sources = [Source(x.replica_id, x.endpoints.catchup) for x in members
+               if x.role == m.ACTIVE and x.replica_id != replica_id and x.endpoints.catchup]
+    k = slot % len(sources) if sources else 0
+    return sources[k:] + sources[:k]
+
+
+class Joiner:
+    """One replica's joining: entering the data plane once, then per catch-up the kept averaged gradients (per
+    step, from the snapshot's step on) and the fetch of the snapshot."""
+
+    def __init__(self, config: RuntimeConfig, rank: int, slot: int, client: LighthouseClient,
+                 faults: FaultInjector, device: torch.device, log: LogFn) -> None:
+        self.config, self.rank, self.slot = config, rank, slot
+        self.client, self.faults, self.device, self.log = client, faults, device, log
+        self.announced = False
+        """Rank 0 told the lighthouse this replica is ready to enter the data plane."""
+        self.kept: dict[int, list[ExchangeResult]] = {}
+        self.fetch: Fetch | None = None
+        self.target = -1
+        """The step of the snapshot being fetched (the state after committing ``target - 1``)."""
+        self.fetches = 0
+        self.attempts = 0
+        self.member_unix = 0.0
+        """When this replica first exchanged a step (the others' groups include it from there)."""
+
+    def enter(self, opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor]) -> float:
+        """Start a catch-up: warm up, then (rank 0) enter the data plane: the others wait for this replica from
+        then on. Returns when it was ready to enter (Unix time)."""
+        self.kept, self.fetch, self.target, self.fetches, self.attempts, self.member_unix = {}, None, -1, 0, 0, 0.0
+        if self.config.join_warmup and not self.announced:
+            warm_up(opt, closure, self.log)
+        entered = time.time()
+        if self.rank == 0 and not self.announced:
+            self._announce()
+            self.announced = True
+        return entered
+
+    def _announce(self) -> None:
+        """Ready(JOINING), retried while another replica is joining (one at a time), up to epoch_wait_s."""
+        deadline = time.monotonic() + self.config.epoch_wait_s
+        while True:
+            try:
+                self.client.ready(m.JOINING)
+                return
+            except Busy as e:
+                if time.monotonic() > deadline:
+                    raise RejoinRequired(f"could not enter the data plane: {e}") from e
+                self.log(logging.INFO, "waiting to join: %s", e)
+                time.sleep(0.2)  # retry pacing, bounded by the deadline
+
+    def exchanged(self, step: int, results: list[ExchangeResult], attempts: int) -> FetchResult | None:
+        """Step ``step`` was exchanged (zeros in, averaged gradients kept). Starts the fetch on the first step;
+        returns the snapshot once every rank of the replica has its own (a collective: every rank calls it
+        after every step), or None to go on exchanging."""
+        self.member_unix = self.member_unix or time.time()
+        self.attempts += attempts
+        self.kept[step] = results
+        if self.fetch is None:
+            # The others cannot commit step+1 without us: step+2 is ahead of every source.
+            self.target = step + 2
+            self.fetch = self._start_fetch(self.target)
+            self.fetches += 1
+        for s in [s for s in self.kept if s < self.target]:
+            del self.kept[s]
+        if len(self.kept) > self.config.max_replay:
+            raise RejoinRequired(f"the catch-up fetch is {len(self.kept)} steps behind (FTHSDP_CATCHUP_MAX_REPLAY="
+                                 f"{self.config.max_replay})")
+        if not all_ranks(self.fetch.done(), self.device):
+            return None
+        try:
+            got: FetchResult | None = self.fetch.result(timeout=0)
+        except FetchFailed as e:
+            self.log(logging.WARNING, "catch-up fetch of step %d failed: %s", self.target, e)
+            got = None
+        if not all_ranks(got is not None, self.device):
+            self.fetch = None  # every rank starts over with a newer step
+            self.kept.clear()
+            if self.fetches >= MAX_FETCHES:
+                raise RejoinRequired(f"catch-up failed {self.fetches} times")
+            return None
+        return got
+
+    def _start_fetch(self, step: int) -> Fetch:
+        epoch = self.client.epoch
+        sources = fetch_sources(epoch.members if epoch is not None else (), self.config.replica_id, self.slot)
+        self.log(logging.INFO, "fetching the snapshot of step %d from %s", step, [s.replica_id for s in sources])
+        return Fetch(sources, job=self.config.job_id, replica_id=self.config.replica_id, rank=self.rank, step=step,
+                     token=self.config.token, wait_s=self.config.epoch_wait_s,
+                     on_chunk=lambda s, n: self.faults.at(s, Phase.FETCH)).start()
+
+    def replay(self, last: int) -> list[tuple[int, list[ExchangeResult]]]:
+        """The kept steps to apply after loading the snapshot: from its step to ``last``, in order."""
+        return [(s, self.kept[s]) for s in range(self.target, last + 1)]
+
+    def report(self, got: FetchResult, replayed: int, t_start: float, t_in: float, t_applied: float,
+               entered: float) -> dict[str, object]:
+        """How the catch-up went (``StepResult.catchup``): ``t_start`` when it started, ``t_in`` when the snapshot
+        was in, ``t_applied`` when it was loaded and replayed (``time.perf_counter``); ``entered`` when the
+        replica was ready to enter the data plane (Unix time)."""
+        now = time.perf_counter()
+        return {"bytes": got.bytes, "transfer_s": round(got.transfer_s, 4), "wait_s": round(got.wait_s, 4),
+                "sources": got.sources, "source_failures": got.source_failures,
+                "refetched_chunks": got.refetched_chunks, "snapshot_step": got.step, "replayed": replayed,
+                "fetches": self.fetches, "apply_s": round(t_applied - t_in, 4), "active_s": round(now - t_applied, 4),
+                "catchup_s": round(now - t_start, 4), "entered_unix": entered, "member_unix": self.member_unix}
+
+    def turn_active(self) -> None:
+        """Rank 0: Ready(ACTIVE), off the critical path: the role change keeps the data plane (the epoch's
+        plane), so training does not wait for the lighthouse; a slow or failing-over one only delays the role."""
+        if self.rank == 0:
+            threading.Thread(target=self._ready_active, name="fthsdp-ready-active", daemon=True).start()
+
+    def _ready_active(self) -> None:
+        """Ready(ACTIVE), retried (bounded by epoch_wait_s) while the lighthouse does not answer."""
+        deadline = time.monotonic() + self.config.epoch_wait_s
+        while True:
+            try:
+                self.client.ready(m.ACTIVE)
+                return
+            except Exception as e:  # noqa: BLE001 - a background retry loop: log, retry, give up at the deadline
+                if time.monotonic() > deadline:
+                    self.log(logging.ERROR, "could not tell the lighthouse this replica is active: %s", e)
+                    return
+                self.log(logging.WARNING, "Ready(active) failed (%s); retrying", e)
+                time.sleep(0.5)  # retry pacing, bounded by the deadline
+
+
+def warm_up(opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor], log: LogFn) -> None:
+    """One forward, backward and optimizer step, thrown away, before entering the data plane: a process's first
+    step is slow (FSDP2's lazy init, the optimizer's first step, first allocations), and once this replica is
+    a member the others would wait for it. Nothing is exchanged; what the optimizer step changes is
+    overwritten by the snapshot (every parameter and optimizer-state tensor). The closure must not consume data
+    (index the data by ``cursor``)."""
+    t0 = time.perf_counter()
+    loss = closure()
+    loss.backward()  # type: ignore[no-untyped-call]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    log(logging.INFO, "warm-up step before joining took %.3fs", time.perf_counter() - t0)

@@ -1,0 +1,89 @@
+"""How a training process takes its place: it ends with its torchrun agent, agrees with the other ranks of its
+replica on the replica's incarnation and every rank's catch-up address, and learns the replica's role (rank 0
+registers with the lighthouse and tells the others). Every function but ``die_with_parent`` is a collective
+over the replica's ranks (torchrun's process group): call it on every rank, in the same order."""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import signal
+import sys
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from lighthouse import membership as m
+from lighthouse.client import LighthouseClient
+
+ADDR_BYTES = 256
+"""Longest catch-up address (``host:port``) a rank may have."""
+
+
+class Role(enum.IntEnum):
+    """How a replica starts (an int: it is broadcast over the replica's ranks)."""
+
+    ACTIVE = 0
+    """It trains: the job starts, or the others are gone (it resumes from a checkpoint if there is one)."""
+    JOINING = 1
+    """The others are training: it catches up with them."""
+    RESUME = 2
+    """The job trained before and no replica is left to catch up from: it must resume from a checkpoint."""
+
+
+def die_with_parent(under_torchrun: bool) -> None:
+    """Under torchrun, end with the agent: a SIGKILLed replica group then leaves no worker behind."""
+    if not under_torchrun or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the agent died before prctl took effect
+        os._exit(1)
+
+
+def agree_incarnation(rank: int, device: torch.device) -> str:
+    """A fresh id for this run of the replica, drawn by rank 0."""
+    raw = torch.zeros(16, dtype=torch.uint8, device=device)
+    if rank == 0:
+        raw.copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
+    dist.broadcast(raw, 0)
+    return bytes(raw.cpu().tolist()).hex()
+
+
+def gather_addresses(mine: str, world_size: int, device: torch.device) -> list[str]:
+    """Every rank's catch-up address (the lighthouse only carries rank 0's; it redirects joiners)."""
+    raw = mine.encode()
+    if len(raw) > ADDR_BYTES:
+        raise ValueError(f"catch-up address {mine!r} is longer than {ADDR_BYTES} bytes")
+    buf = torch.zeros(ADDR_BYTES, dtype=torch.uint8, device=device)
+    buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = [torch.empty_like(buf) for _ in range(world_size)]
+    dist.all_gather(out, buf)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in out]
+
+
+def register(client: LighthouseClient, rank: int, wait_s: float, device: torch.device) -> Role:
+    """Start the lighthouse session (rank 0 registers the replica, the others only watch the epochs) and agree
+    on the role the lighthouse gave the replica."""
+    role = Role.ACTIVE
+    if rank == 0:
+        reg = client.start(register=True, deadline_s=wait_s)
+        assert reg is not None
+        role = Role.JOINING if reg.role == m.JOINING else Role.ACTIVE
+        if reg.resume:
+            role = Role.RESUME
+    else:
+        client.start(register=False)
+    flag = torch.tensor([int(role)], dtype=torch.int64, device=device)
+    dist.broadcast(flag, 0)
+    return Role(int(flag.item()))
+
+
+def all_ranks(flag: bool, device: torch.device) -> bool:
+    """True on every rank if ``flag`` is true on every rank."""
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())

@@ -1,0 +1,161 @@
+"""Gradient buckets (fthsdp/runtime/buckets.py): the tag encodes (step, bucket) and decodes back, the plan orders
+the buckets as backward produces them, and the hook hands complete buckets to FTAR in order. A recording
+stand-in for the lane engine: no processes, no FSDP."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ftar import ExchangeResult, Handle, Interrupted
+from fthsdp.runtime.buckets import BucketExchange, BucketTag, plan_buckets, slot_mask
+
+CPU = torch.device("cpu")
+
+
+# --- the tag ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("buckets", [1, 3, 7])
+def test_tag_round_trips_and_grows_in_exchange_order(buckets: int) -> None:
+    tags = [BucketTag(step, k).encode(buckets) for step in range(5) for k in range(buckets)]
+    assert tags == list(range(5 * buckets))  # step-major, bucket-minor: the order buckets go out
+    assert [BucketTag.decode(t, buckets) for t in tags] == [BucketTag(s, k) for s in range(5) for k in range(buckets)]
+
+
+def test_tag_refuses_a_bucket_outside_the_plan() -> None:
+    with pytest.raises(ValueError):
+        BucketTag(3, 4).encode(4)
+
+
+def test_tag_prints_as_step_and_bucket() -> None:
+    assert str(BucketTag.decode(23, 4)) == "step 5 bucket 3"
+
+
+# --- the plan --------------------------------------------------------------------------------------------------
+
+
+def test_plan_is_the_blocks_last_to_first_then_the_root() -> None:
+    params = ["emb", "b0.w", "b0.b", "b1.w", "head"]
+    blocks = [["b0.w", "b0.b"], ["b1.w"]]
+    assert plan_buckets(params, blocks) == [["b1.w"], ["b0.w", "b0.b"], ["emb", "head"]]
+
+
+def test_plan_drops_empty_buckets() -> None:
+    assert plan_buckets(["a", "b"], [["a", "b"], []]) == [["a", "b"]]
+    assert plan_buckets(["a"], []) == [["a"]]
+
+
+def test_slot_mask_marks_this_slot_when_contributing() -> None:
+    assert slot_mask(2, 4, True, CPU).tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert slot_mask(2, 4, False, CPU).tolist() == [0.0] * 4
+
+
+# --- launching -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeEngine:
+    """Records every allreduce; answers at once (the average of one contributor: the inputs) in ``epoch``, under
+    the tag of ``learn`` for a caller that passes none."""
+
+    epoch: int = 3
+    learn: int = 11
+    fail_first: bool = False
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def allreduce(self, tensors: Sequence[torch.Tensor], **kw: Any) -> Handle:
+        self.calls.append({"tensors": [t.clone() for t in tensors], **kw})
+        future: Future[ExchangeResult] = Future()
+        if self.fail_first and len(self.calls) == 1:
+            future.set_exception(Interrupted("peer died", self.epoch))
+        else:
+            tag = kw["tag"] if kw["tag"] is not None else self.learn * 3
+            future.set_result(ExchangeResult([t.clone() for t in tensors], self.epoch, 1, 1, tag))
+        return Handle(future)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(2, 2)
+        self.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+        self.unused = nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.emb(x)
+        for b in self.blocks:
+            x = b(x)
+        return x.sum()
+
+
+def exchange(model: Model, engine: FakeEngine) -> BucketExchange:
+    return BucketExchange(list(model.parameters()), [list(b.parameters()) for b in model.blocks],
+                          engine, slot=1, slots=3, device=CPU, wait_s=5.0)  # type: ignore[arg-type]
+
+
+def test_backward_hands_buckets_to_ftar_in_order_tagged_with_the_step() -> None:
+    torch.manual_seed(0)
+    model, engine = Model(), FakeEngine()
+    buckets = exchange(model, engine)
+    assert len(buckets) == 3  # block 1, block 0, root (emb + the unused parameter)
+    with buckets.armed(step=4):
+        model(torch.ones(1, 2)).backward()
+    # The two blocks were complete during backward; the root waits for its unused parameter.
+    assert [BucketTag.decode(c["tag"], 3) for c in engine.calls] == [BucketTag(4, 0), BucketTag(4, 1)]
+    assert [c["new_epoch_ok"] for c in engine.calls] == [True, False]
+    assert all(c["contribute"] and c["redo"] is False for c in engine.calls)
+    handles = buckets.launch_rest(4)
+    assert len(engine.calls) == 3 and all(h is not None for h in handles)
+    last = engine.calls[-1]["tensors"]
+    assert torch.equal(last[-1], torch.tensor([0.0, 1.0, 0.0]))  # the slot mask rides last
+    unused = [i for i, p in enumerate(buckets.buckets[-1]) if p is model.unused]
+    assert len(unused) == 1 and torch.equal(last[unused[0]], torch.zeros(2))  # no gradient: zeros
+    results = [h.wait() for h in handles if h is not None]
+    assert [buckets.step_of(r) for r in results] == [4, 4, 4]
+    assert buckets.mask_of(results) == [0.0, 1.0, 0.0]
+
+
+def test_the_hook_does_nothing_unless_armed() -> None:
+    model, engine = Model(), FakeEngine()
+    exchange(model, engine)
+    model(torch.ones(1, 2)).backward()
+    assert engine.calls == []
+
+
+def test_install_puts_the_averaged_gradients_into_grad() -> None:
+    model, engine = Model(), FakeEngine()
+    buckets = exchange(model, engine)
+    handles, _ = buckets.exchange_all(2, contribute=True)
+    results = [h.wait() for h in handles if h is not None]
+    for r in results:
+        for t in r.tensors:
+            t.fill_(0.5)
+    buckets.install(results)
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters() if p.grad is not None)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_joiner_learns_the_step_from_its_first_bucket() -> None:
+    model, engine = Model(), FakeEngine(learn=11)
+    buckets = exchange(model, engine)
+    handles, learned = buckets.exchange_all(None, contribute=False)
+    assert learned == 11
+    assert [c["tag"] for c in engine.calls] == [None, BucketTag(11, 1).encode(3), BucketTag(11, 2).encode(3)]
+    assert not any(c["contribute"] for c in engine.calls)
+    assert torch.equal(engine.calls[-1]["tensors"][-1], torch.zeros(3))  # a zero contributor's mask is empty
+    assert all(h is not None for h in handles)
+
+
+def test_a_joiner_that_cannot_learn_the_step_launches_nothing_more() -> None:
+    model, engine = Model(), FakeEngine(fail_first=True)
+    buckets = exchange(model, engine)
+    handles, learned = buckets.exchange_all(None, contribute=False)
+    assert learned is None and len(engine.calls) == 1
+    assert handles[0] is not None and handles[1:] == [None, None]

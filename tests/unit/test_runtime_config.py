@@ -1,0 +1,88 @@
+"""The training process's settings (fthsdp/runtime/config.py), read from the environment in one place, and what
+they configure: the fault hooks (fthsdp/testing/faults.py) and the joiner's choice of sources."""
+
+from __future__ import annotations
+
+import pytest
+
+from fthsdp.runtime.config import ConfigError, RuntimeConfig, TrainerSettings
+from fthsdp.runtime.join import fetch_sources
+from fthsdp.testing.faults import CATCHUP_PHASES, PHASES, STEP_PHASES, FaultInjector, FaultSettings, Phase
+from lighthouse import membership as m
+
+BASE = {"FTHSDP_LIGHTHOUSE": "127.0.0.1:1", "FTHSDP_REPLICA_INDEX": "1", "FTHSDP_NUM_REPLICAS": "3",
+        "FTHSDP_BACKEND": "gloo"}
+
+
+def test_defaults() -> None:
+    cfg = RuntimeConfig.from_env(BASE)
+    assert (cfg.replica_index, cfg.num_replicas, cfg.replica_id, cfg.rank, cfg.world_size) == (1, 3, "replica-1", 0, 1)
+    assert cfg.metrics_port is None and cfg.local_rank is None and cfg.device_index == 0
+    assert not cfg.under_torchrun and cfg.faults == FaultSettings()
+
+
+def test_torchrun_variables() -> None:
+    cfg = RuntimeConfig.from_env({**BASE, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                                  "TORCHELASTIC_RUN_ID": "x", "FTHSDP_METRICS_PORT": "9400"})
+    assert (cfg.rank, cfg.world_size, cfg.local_rank, cfg.device_index) == (3, 4, 1, 1)
+    assert cfg.under_torchrun and cfg.faults.kill_agent
+    assert cfg.metrics_port == 9401
+
+
+def test_fault_settings() -> None:
+    cfg = RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT": "5:vote", "FTHSDP_FAULT_FILE": "/f",
+                                  "FTHSDP_FAULT_SLOW_SERVE_S": "0.05", "FTHSDP_FAULT_CORRUPT_CHUNKS": "2"})
+    assert cfg.faults == FaultSettings(spec="5:vote", path="/f", slow_serve_s=0.05, corrupt_chunks=2)
+    with pytest.raises(ConfigError, match="FTHSDP_FAULT_CORRUPT_CHUNKS"):
+        RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_CORRUPT_CHUNKS": "many"})
+
+
+def test_trainer_settings() -> None:
+    assert TrainerSettings.from_env({}) == TrainerSettings("", "WARNING", True)
+    s = TrainerSettings.from_env({"FTHSDP_PROGRESS": "/p", "FTHSDP_LOG_LEVEL": "INFO", "RANK": "1"})
+    assert s == TrainerSettings("/p", "INFO", False)
+
+
+# --- fault hooks -----------------------------------------------------------------------------------------------
+
+
+def test_phases_are_the_step_then_the_catchup_phases() -> None:
+    assert PHASES == STEP_PHASES + CATCHUP_PHASES
+    assert [str(p) for p in STEP_PHASES] == ["forward", "backward", "exchange", "vote", "optimizer"]
+    assert set(CATCHUP_PHASES) == {"serve", "fetch"} and Phase("fetch") is Phase.FETCH
+
+
+def test_only_rank_zero_arms_a_fault() -> None:
+    settings = FaultSettings(spec="5:vote", path="/f", corrupt_chunks=1)
+    zero, one = FaultInjector.for_rank(settings, 0), FaultInjector.for_rank(settings, 1)
+    assert (zero.armed, zero.step, zero.phase, zero.path) == (True, 5, "vote", "/f")
+    assert (one.armed, one.path) == (False, "")
+    assert one.corrupter() is not None  # every rank's catch-up server takes the serve hooks
+    assert FaultInjector.for_rank(FaultSettings(spec="7"), 0).phase == "forward"
+    with pytest.raises(ValueError, match="FTHSDP_FAULT phase"):
+        FaultInjector.for_rank(FaultSettings(spec="5:lunch"), 0)
+
+
+def test_corrupter_flips_a_byte_in_the_first_chunks_only() -> None:
+    corrupt = FaultInjector(corrupt_chunks=1).corrupter()
+    assert corrupt is not None and FaultInjector().corrupter() is None
+    data = bytearray(b"\x00" * 4)
+    assert corrupt(0, 0, data) and data == bytearray(b"\x00\x00\xff\x00")
+    assert not corrupt(0, 4, bytearray(4))
+
+
+# --- the joiner's sources --------------------------------------------------------------------------------------
+
+
+def member(rid: str, role: str = m.ACTIVE, catchup: str = "h:1") -> m.EpochMember:
+    return m.EpochMember(rid, "inc", role, 2, m.Endpoints(catchup=catchup))
+
+
+def test_fetch_sources_are_the_other_active_members_rotated_by_slot() -> None:
+    members = [member("replica-0"), member("replica-1", role=m.JOINING), member("replica-2"),
+               member("replica-3"), member("replica-4", catchup="")]
+    ids = [s.replica_id for s in fetch_sources(members, "replica-3", slot=3)]
+    assert ids == ["replica-2", "replica-0"]  # 3 % 2 = 1: start on the second
+    assert [s.replica_id for s in fetch_sources(members, "replica-1", slot=1)] == ["replica-2", "replica-3",
+                                                                                  "replica-0"]
+    assert fetch_sources([], "replica-1", slot=1) == []
