@@ -1,4 +1,5 @@
-"""Generate the Python gRPC code from protos/ into the package tree (``lighthouse/v1/*_pb2*.py``; the wire package stays ``fthsdp.v1``).
+"""Generate the Python gRPC code from protos/ into the package tree (``lighthouse/v1/*_pb2*.py``; the wire package
+stays ``fthsdp.v1``).
 
 Usage: ``python scripts/gen_protos.py [--out DIR]``. With ``--out`` it writes elsewhere (the staleness test
 generates into a temporary folder and compares).
@@ -16,8 +17,8 @@ PROTOS = ROOT / "protos"
 
 def generate(out: pathlib.Path) -> list[pathlib.Path]:
     """Run protoc (grpc_tools) on every .proto under protos/; return the files written."""
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     files = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))

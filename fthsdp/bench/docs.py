@@ -26,7 +26,6 @@ import argparse
 import json
 import pathlib
 import shutil
-import sys
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -86,7 +85,7 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
     assert doc is not None
     w = doc.get("workload") or (doc.get("vs") or {}).get("workload") or {}
     out += [f"`fthsdp bench recovery --vs torchft --json` (data: `docs/bench-data/{source}`). The reference workload "
-            f"(`/work/shared/WORKLOAD.md`): {w.get('replicas', 3)} replica groups x {w.get('ranks_per_replica', 1)} "
+            f"(docs/design.md §12): {w.get('replicas', 3)} replica groups x {w.get('ranks_per_replica', 1)} "
             f"rank, GPT 4.24 M parameters, batch 8, AdamW, {w.get('steps', 60)} steps, SIGKILL of group "
             f"{w.get('kill', '1@20')} (the whole group), restarted {w.get('restart_delay_s', 2.0)} s later, Gloo "
             "on loopback, 2 shared CPU cores. Every figure of one table comes from the same invocation; the step "
@@ -127,7 +126,7 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
                 "`manager.allreduce` on one flat bucket after backward, optimizer step only when "
                 "`manager.should_commit()` (torchft's DDP wrapper crashed the survivors on a kill on this stack). "
                 "torchft trains the plain module, without FSDP2: with one rank per group there is nothing to shard, "
-                "and torchft 0.2.0's asynchronous quorum reads FSDP2 state mid-forward (DESIGN.md section 10); that "
+                "and torchft 0.2.0's asynchronous quorum reads FSDP2 state mid-forward (docs/design.md §10); that "
                 "makes its step lighter than FSDP2-HSDP's and fthsdp's, which run FSDP2 even on one rank. "
                 "The restarted group heals from a live one (torchft's HTTP checkpoint transport)."
                 + (f" Survivors' total excess over the failure window: {fmt(tft.get('lost_s'), '.2f')} s." if
@@ -169,7 +168,8 @@ def _plot_recovery(table: list[dict[str, Any]], fthsdp_real: bool, path: pathlib
     rows = [r for r in rows if not (r["system"] == "fthsdp" and not fthsdp_real) and "plain" not in r["system"]]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     for ax, key, title in zip(axes, ("stall_s", "rejoin_s", "ett"),
-                              ("survivors' stall per failure (s)", "rejoin (s)", "effective training time")):
+                              ("survivors' stall per failure (s)", "rejoin (s)", "effective training time"),
+                              strict=True):
         names = [r["system"] for r in rows]
         vals = [r.get(key) or 0.0 for r in rows]
         ax.bar(names, vals, color=[f"C{i}" for i in range(len(rows))])
@@ -229,7 +229,8 @@ def section_lighthouse(lh: dict[str, Any] | None, sat: dict[str, Any] | None, no
         out += [f"Heartbeat intake, `fthsdp.bench.lighthouse.saturation` (data: `docs/bench-data/saturation.json`): "
                 f"{r0['replicas']:,} emulated replicas heartbeating faster and faster:", "",
                 "| interval (s) | offered / s | accepted / s | accepted / offered | lighthouse CPU % | "
-                "emulator CPU % | lighthouse CPU per heartbeat (µs) |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "emulator CPU % | lighthouse CPU per heartbeat (µs) |",
+                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in sat["results"]:
             out.append(f"| {r['heartbeat_interval_s']:g} | {r['offered_per_s']:,.0f} | {r['accepted_per_s']:,.0f} | "
                        f"{r['ratio']:.2f} | {r['lighthouse_cpu_pct']} | {r['emulator_cpu_pct']} | "
@@ -287,10 +288,10 @@ def section_sim(rec: dict[str, Any] | None, base: dict[str, Any] | None, img: pa
     table, _, fthsdp_real = recovery_table(rec, base)
     p = PAPER
     out = ["## At 100K GPUs: `fthsdp sim` with the measured stalls", "",
-           f"`fthsdp sim` (`fthsdp/bench/sim.py`) at the FT-HSDP paper's scale point: {p['gpus']:,} GPUs in replicas of "
-           f"{p['replica_gpus']:,}, a failure every {p['mtbf_min']:g} min (fixed arrivals; Poisson in the last "
-           f"column), a whole-job restart costing {p['sync_recovery_min']:g} min. Our measured survivors' stall per "
-           "failure is fed in as the stall: it is what the lighthouse, FTAR and the Gloo data plane cost the "
+           f"`fthsdp sim` (`fthsdp/bench/sim.py`) at the FT-HSDP paper's scale point: {p['gpus']:,} GPUs in "
+           f"replicas of {p['replica_gpus']:,}, a failure every {p['mtbf_min']:g} min (fixed arrivals; Poisson in the "
+           f"last column), a whole-job restart costing {p['sync_recovery_min']:g} min. Our measured survivors' stall "
+           "per failure is fed in as the stall: it is what the lighthouse, FTAR and the Gloo data plane cost the "
            "survivors, which does not grow with the replica's size. The rejoin is not: at this scale a failed "
            f"replica needs a replaced host and a {p['replica_gpus']:,}-GPU restart, so the rejoin is taken as the "
            f"paper's {p['rejoin_min']:g} min (our measured rejoin, seconds here, is process start-up on 2 cores); a "
@@ -319,11 +320,11 @@ def section_sim(rec: dict[str, Any] | None, base: dict[str, Any] | None, img: pa
             continue
         ett = {}
         for arrivals in ("fixed", "poisson"):
-            c = SimConfig(gpus=p["gpus"], replica_gpus=p["replica_gpus"], mtbf_min=p["mtbf_min"],
+            c = SimConfig(gpus=int(p["gpus"]), replica_gpus=int(p["replica_gpus"]), mtbf_min=p["mtbf_min"],
                           sync_recovery_min=p["sync_recovery_min"] if not sync else stall,
                           stall_min=stall, rejoin_min=rejoin, arrivals=arrivals, hours=2000)
             s = simulate(c)
-            ett[arrivals] = s["sync"]["ett"] if sync else s["fthsdp"]["ett"]
+            ett[arrivals] = s.sync.ett if sync else s.fthsdp.ett
         out.append(f"| {name} | {stall:.3f} | {rejoin:g} | {ett['fixed']:.3f} | {ett['poisson']:.3f} |")
         curves.append((name, stall, rejoin, sync))
     out += ["", "The command for one row (fthsdp's measured stall in minutes):", "",
@@ -343,16 +344,16 @@ def _plot_sim(curves: list[tuple[str, float, float, bool]], path: pathlib.Path) 
     import matplotlib.pyplot as plt
 
     p = PAPER
-    gpus = [p["replica_gpus"] * k for k in range(2, 17)]
+    gpus = [int(p["replica_gpus"]) * k for k in range(2, 17)]
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, stall, rejoin, sync in curves:
         ys = []
         for g in gpus:
-            c = SimConfig(gpus=g, replica_gpus=p["replica_gpus"], mtbf_min=p["mtbf_min"] * p["gpus"] / g,
+            c = SimConfig(gpus=g, replica_gpus=int(p["replica_gpus"]), mtbf_min=p["mtbf_min"] * p["gpus"] / g,
                           sync_recovery_min=stall if sync else p["sync_recovery_min"], stall_min=stall,
                           rejoin_min=rejoin, arrivals="fixed", hours=2000)
             s = simulate(c)
-            ys.append(s["sync"]["ett"] if sync else s["fthsdp"]["ett"])
+            ys.append(s.sync.ett if sync else s.fthsdp.ett)
         ax.plot([g / 1000 for g in gpus], ys, "o-", ms=3, label=name)
     ax.axvline(p["gpus"] / 1000, color="gray", ls=":", lw=1)
     ax.set_xlabel("GPUs (thousands), replicas of 8,192")

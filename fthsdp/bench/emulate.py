@@ -6,15 +6,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine
+from typing import Any
 
-from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse import membership as m
-from lighthouse.client import AsyncLighthouseClient, Backoff, ReportResult
+from lighthouse.backoff import Backoff
+from lighthouse.client_rpc import ReportResult
+from lighthouse.client_session import AsyncLighthouseClient
+from lighthouse.epoch_view import EpochView
 from lighthouse.errors import Busy, LighthouseError, LighthouseUnavailable, UnknownTarget
 from lighthouse.security import ClientSecurity
-from lighthouse.wire import EpochView
+from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 
 log = logging.getLogger("fthsdp.emulate")
 

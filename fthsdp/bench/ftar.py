@@ -23,6 +23,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from fthsdp.bench.results import FtarResult
+
 ROUNDS = 3  # baseline/FTAR alternations, so drift hits both alike
 
 
@@ -33,12 +35,11 @@ def _member(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from ftar.engine import FTARConfig, LaneEngine
-    from ftar.membership import EpochFeed, LighthouseMembership
+    from ftar import EpochFeed, FTARConfig, LaneEngine, LighthouseMembership
     from lighthouse.client import LighthouseClient
 
     torch.set_num_threads(1)
-    out = open(a.out, "a", buffering=1)
+    out = open(a.out, "a", buffering=1)  # noqa: SIM115 (written to until the process exits)
 
     def emit(**kv: Any) -> None:
         out.write(json.dumps(kv) + "\n")
@@ -79,11 +80,11 @@ def _member(a: argparse.Namespace) -> None:
     for _ in range(ROUNDS):
         for _ in range(a.iters):
             timed("base_sum", lambda: dist.all_reduce(y))
-            timed("ftar_sum", lambda: engine.allreduce([g], op="sum", tag=step, inplace=True,
-                                                       keep_inputs=False).wait(120))
+            timed("ftar_sum", lambda tag=step: engine.allreduce([g], op="sum", tag=tag, inplace=True,
+                                                                keep_inputs=False).wait(120))
             step += 1
             timed("base_avg", average)
-            timed("ftar_avg", lambda: engine.allreduce([g], tag=step, inplace=True).wait(120))
+            timed("ftar_avg", lambda tag=step: engine.allreduce([g], tag=tag, inplace=True).wait(120))
             step += 1
             y.fill_(1.0)
             g.fill_(1.0)
@@ -122,9 +123,10 @@ def _wait(cond: Any, timeout: float, what: str) -> None:
 
 
 def bench_ftar(members: int = 4, mb: float = 64.0, iters: int = 3, kill_iters: int = 6,
-               timeout_s: float = 5.0) -> dict[str, Any]:
+               timeout_s: float = 5.0) -> FtarResult:
+    from lighthouse.config import LighthouseConfig
     from lighthouse.membership import Policy
-    from lighthouse.server import Lighthouse, LighthouseConfig
+    from lighthouse.server.app import Lighthouse
 
     if members < 2:
         raise ValueError("need at least 2 members")
@@ -169,26 +171,24 @@ def bench_ftar(members: int = 4, mb: float = 64.0, iters: int = 3, kill_iters: i
     stall = statistics.median(x["seconds"] for x in killed) - normal
     after = [ex[-1] for ex in exchanges]
     size = mb * 2**20
-    return {
-        "benchmark": "ftar",
-        "backend": "gloo",
-        "members": members,
-        "mb": mb,
-        "baseline_allreduce_s": round(med["base_sum"], 4),
-        "ftar_allreduce_s": round(med["ftar_sum"], 4),
-        "baseline_gbps": round(size * 8 / med["base_sum"] / 1e9, 3),
-        "ftar_gbps": round(size * 8 / med["ftar_sum"] / 1e9, 3),
-        "throughput_ratio": round(med["base_sum"] / med["ftar_sum"], 3),
-        "baseline_average_s": round(med["base_avg"], 4),
-        "ftar_average_keep_inputs_s": round(med["ftar_avg"], 4),
-        "average_keep_inputs_ratio": round(med["base_avg"] / med["ftar_avg"], 3),
-        "rebuild_s": round(statistics.median(x["rebuild_s"] for x in after), 4),
-        "first_build_s": round(statistics.median(next(x for x in r if x.get("event") == "rebuild")["seconds"]
+    return FtarResult(
+        members=members,
+        mb=mb,
+        baseline_allreduce_s=round(med["base_sum"], 4),
+        ftar_allreduce_s=round(med["ftar_sum"], 4),
+        baseline_gbps=round(size * 8 / med["base_sum"] / 1e9, 3),
+        ftar_gbps=round(size * 8 / med["ftar_sum"] / 1e9, 3),
+        throughput_ratio=round(med["base_sum"] / med["ftar_sum"], 3),
+        baseline_average_s=round(med["base_avg"], 4),
+        ftar_average_keep_inputs_s=round(med["ftar_avg"], 4),
+        average_keep_inputs_ratio=round(med["base_avg"] / med["ftar_avg"], 3),
+        rebuild_s=round(statistics.median(x["rebuild_s"] for x in after), 4),
+        first_build_s=round(statistics.median(next(x for x in r if x.get("event") == "rebuild")["seconds"]
                                                  for r in rows), 4),
-        "kill_stall_s": round(stall, 3),
-        "normal_exchange_s": round(normal, 4),
-        "contributors_after_kill": after[0]["contributors"],
-    }
+        kill_stall_s=round(stall, 3),
+        normal_exchange_s=round(normal, 4),
+        contributors_after_kill=after[0]["contributors"],
+    )
 
 
 def main() -> None:

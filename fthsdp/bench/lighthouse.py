@@ -20,9 +20,10 @@ import tempfile
 import time
 from typing import Any
 
-from fthsdp.testing.procutil import stop_process
 from fthsdp.bench.emulate import Emulator
+from fthsdp.bench.results import LighthouseResult, LighthouseRun
 from fthsdp.testing.lighthouse_process import start_lighthouse_process
+from fthsdp.testing.procutil import stop_process
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -42,7 +43,7 @@ def _own_cpu_seconds() -> float:
     return t.user + t.system
 
 
-async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejoins: bool = True) -> dict[str, Any]:
+async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejoins: bool = True) -> LighthouseRun:
     with tempfile.TemporaryDirectory(prefix="fthsdp-bench-lh-") as tmp:
         # The heartbeat timeout also covers the bootstrap: the emulator registers everyone before any heartbeat
         # (registering thousands one by one keeps the lighthouse busy for tens of seconds on 2 cores). Deaths are
@@ -83,8 +84,12 @@ async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejo
                 killed_at = time.time()
                 await emu.kill(victim)
                 await emu.report(reporter, victim)
-                ok = await emu.wait_all_have(lambda e: e.number > before and e.member(victim.replica_id) is None,
-                                             timeout=10 * interval + 5 + n / 200)
+                gone = victim.replica_id
+
+                def without_victim(e: Any, before: int = before, gone: str = gone) -> bool:
+                    return e.number > before and e.member(gone) is None
+
+                ok = await emu.wait_all_have(without_victim, timeout=10 * interval + 5 + n / 200)
                 if not ok:
                     raise RuntimeError(f"death {i}: the new epoch did not reach every member")
                 epoch = reporter.epoch
@@ -113,34 +118,34 @@ async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejo
                     rejoin_push += [g - epoch.created_unix for g in got]
                     rejoin_total.append(max(got) - t_reg)
             churn_cpu1, churn_w1, churn_own1 = _cpu_seconds(proc.pid), time.perf_counter(), _own_cpu_seconds()
-            return {
-                "replicas": n,
-                "heartbeat_interval_s": interval,
-                "heartbeat_timeout_s": timeout,
-                "bootstrap_s": round(bootstrap_s, 3),
-                "epoch_message_bytes": epoch_bytes,
-                "heartbeats_per_s": round((hb1 - hb0) / (w1 - w0), 1),
-                "heartbeats_offered_per_s": round(n / interval, 1),
-                "heartbeat_ratio": round((hb1 - hb0) / (w1 - w0) / (n / interval), 3),
-                "lighthouse_cpu_pct": round(100 * (cpu1 - cpu0) / (w1 - w0), 1),
-                "emulator_cpu_pct": round(100 * (own1 - own0) / (w1 - w0), 1),
-                "deaths": deaths,
-                "detect_p50_s": round(statistics.median(detect), 4),
-                "push_p50_s": round(_pct(push, 0.5), 4),
-                "push_p99_s": round(_pct(push, 0.99), 4),
-                "death_to_all_p50_s": round(_pct(total, 0.5), 4),
-                "death_to_all_p99_s": round(_pct(total, 0.99), 4),
-                "rejoins": len(rejoin_total),
-                "rejoin_to_all_p50_s": round(_pct(rejoin_total, 0.5), 4) if rejoin_total else None,
-                "rejoin_to_all_p99_s": round(_pct(rejoin_total, 0.99), 4) if rejoin_total else None,
-                "rejoin_push_p50_s": round(_pct(rejoin_push, 0.5), 4) if rejoin_push else None,
-                "rejoin_push_p99_s": round(_pct(rejoin_push, 0.99), 4) if rejoin_push else None,
-                "lighthouse_cpu_pct_churn": round(100 * (churn_cpu1 - churn_cpu0) / (churn_w1 - churn_w0), 1),
-                "emulator_cpu_pct_churn": round(100 * (churn_own1 - churn_own0) / (churn_w1 - churn_w0), 1),
-                "churn_s": round(churn_w1 - churn_w0, 2),
-                "loadavg_1min": round(os.getloadavg()[0], 2),
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
+            return LighthouseRun(
+                replicas=n,
+                heartbeat_interval_s=interval,
+                heartbeat_timeout_s=timeout,
+                bootstrap_s=round(bootstrap_s, 3),
+                epoch_message_bytes=epoch_bytes,
+                heartbeats_per_s=round((hb1 - hb0) / (w1 - w0), 1),
+                heartbeats_offered_per_s=round(n / interval, 1),
+                heartbeat_ratio=round((hb1 - hb0) / (w1 - w0) / (n / interval), 3),
+                lighthouse_cpu_pct=round(100 * (cpu1 - cpu0) / (w1 - w0), 1),
+                emulator_cpu_pct=round(100 * (own1 - own0) / (w1 - w0), 1),
+                deaths=deaths,
+                detect_p50_s=round(statistics.median(detect), 4),
+                push_p50_s=round(_pct(push, 0.5), 4),
+                push_p99_s=round(_pct(push, 0.99), 4),
+                death_to_all_p50_s=round(_pct(total, 0.5), 4),
+                death_to_all_p99_s=round(_pct(total, 0.99), 4),
+                rejoins=len(rejoin_total),
+                rejoin_to_all_p50_s=round(_pct(rejoin_total, 0.5), 4) if rejoin_total else None,
+                rejoin_to_all_p99_s=round(_pct(rejoin_total, 0.99), 4) if rejoin_total else None,
+                rejoin_push_p50_s=round(_pct(rejoin_push, 0.5), 4) if rejoin_push else None,
+                rejoin_push_p99_s=round(_pct(rejoin_push, 0.99), 4) if rejoin_push else None,
+                lighthouse_cpu_pct_churn=round(100 * (churn_cpu1 - churn_cpu0) / (churn_w1 - churn_w0), 1),
+                emulator_cpu_pct_churn=round(100 * (churn_own1 - churn_own0) / (churn_w1 - churn_w0), 1),
+                churn_s=round(churn_w1 - churn_w0, 2),
+                loadavg_1min=round(os.getloadavg()[0], 2),
+                measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            )
         finally:
             gc.unfreeze()
             await emu.close()
@@ -158,11 +163,11 @@ def auto_interval(n: int, budget: float = HEARTBEAT_BUDGET_PER_S) -> float:
 
 
 def bench_lighthouse(replicas: list[int], deaths: int = 5, window_s: float = 5.0,
-                     interval: float = 1.0, rejoins: bool = True) -> dict[str, Any]:
+                     interval: float = 1.0, rejoins: bool = True) -> LighthouseResult:
     """``interval`` 0: automatic (``auto_interval``) per replica count."""
     results = [asyncio.run(_bench_one(n, deaths, window_s, interval or auto_interval(n), rejoins))
                for n in replicas]
-    return {"benchmark": "lighthouse", "cpus": os.cpu_count(), "results": results}
+    return LighthouseResult(cpus=os.cpu_count(), results=results)
 
 
 async def _saturation_one(n: int, interval: float, window_s: float) -> dict[str, Any]:

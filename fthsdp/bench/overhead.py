@@ -5,22 +5,21 @@ are excluded from its median."""
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import statistics
 import subprocess
-import sys
 import tempfile
-from typing import Any
 
+from fthsdp.bench.results import OverheadResult
 from fthsdp.testing.launcher import Cluster, ClusterConfig
+from fthsdp.testing.procutil import child_env, torchrun
+from fthsdp.testing.progress import progress_path, read_progress, steps_of
 
 
 def _median_step(progress: pathlib.Path, warmup: int, replica: int | None = None) -> float:
-    rows = [json.loads(x) for x in progress.read_text().splitlines()]
-    times = [x["step_s"] for x in rows if x["event"] == "step" and x["step"] >= warmup
-             and (replica is None or x["replica"] == replica)]
+    times = [x.step_s for x in steps_of(read_progress(progress))
+             if x.step is not None and x.step >= warmup and x.step_s is not None
+             and (replica is None or x.replica == replica)]
     if not times:
         raise RuntimeError(f"no steps after warm-up in {progress}")
     return statistics.median(times)
@@ -29,11 +28,10 @@ def _median_step(progress: pathlib.Path, warmup: int, replica: int | None = None
 def _baseline(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: str, batch: int, warmup: int) -> float:
     progress = tmp / "baseline.jsonl"
     progress.unlink(missing_ok=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                    str(replicas * ranks), "-m", "fthsdp.examples.train", "--plain", "--hsdp-replicas", str(replicas),
-                    "--model", model, "--steps", str(steps), "--batch", str(batch), "--progress", str(progress)],
-                   check=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([*torchrun(replicas * ranks), "-m", "fthsdp.examples.train", "--plain", "--hsdp-replicas",
+                    str(replicas), "--model", model, "--steps", str(steps), "--batch", str(batch),
+                    "--progress", str(progress)],
+                   check=True, timeout=1800, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return statistics.median(_median_step(progress, warmup, r) for r in range(replicas))
 
 
@@ -41,11 +39,11 @@ def _fthsdp(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: str
     work = tmp / f"fthsdp{len(list(tmp.glob('fthsdp*')))}"
     Cluster(ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model, batch=batch,
                           timeout_s=1800), work).run()
-    return statistics.median(_median_step(work / f"replica{r}.progress.jsonl", warmup) for r in range(replicas))
+    return statistics.median(_median_step(progress_path(work, r), warmup) for r in range(replicas))
 
 
 def bench_overhead(replicas: int = 3, ranks: int = 2, steps: int = 60, model: str = "reference", batch: int = 8,
-                   warmup: int = 5, rounds: int = 1) -> dict[str, Any]:
+                   warmup: int = 5, rounds: int = 1) -> OverheadResult:
     if steps <= warmup:
         raise ValueError(f"--steps must exceed the {warmup} warm-up steps")
     base, ft = [], []
@@ -55,18 +53,7 @@ def bench_overhead(replicas: int = 3, ranks: int = 2, steps: int = 60, model: st
             base.append(_baseline(t, replicas, ranks, steps, model, batch, warmup))
             ft.append(_fthsdp(t, replicas, ranks, steps, model, batch, warmup))
     b, f = statistics.median(base), statistics.median(ft)
-    return {
-        "benchmark": "overhead",
-        "replicas": replicas,
-        "ranks_per_replica": ranks,
-        "model": model,
-        "steps": steps,
-        "warmup_steps": warmup,
-        "rounds": rounds,
-        "baseline": "plain FSDP2-HSDP (replicate x shard mesh, one torchrun)",
-        "baseline_step_s": round(b, 4),
-        "fthsdp_step_s": round(f, 4),
-        "step_time_ratio": round(f / b, 3),
-        "baseline_runs_s": [round(x, 4) for x in base],
-        "fthsdp_runs_s": [round(x, 4) for x in ft],
-    }
+    return OverheadResult(replicas=replicas, ranks_per_replica=ranks, model=model, steps=steps, warmup_steps=warmup,
+                          rounds=rounds, baseline_step_s=round(b, 4), fthsdp_step_s=round(f, 4),
+                          step_time_ratio=round(f / b, 3), baseline_runs_s=[round(x, 4) for x in base],
+                          fthsdp_runs_s=[round(x, 4) for x in ft])

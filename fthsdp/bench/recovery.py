@@ -1,4 +1,4 @@
-"""``fthsdp bench recovery``: what a failure costs under fthsdp, on the reference workload (WORKLOAD.md).
+"""``fthsdp bench recovery``: what a failure costs under fthsdp, on the reference workload (docs/design.md §12).
 
 One run of R replica groups with a SIGKILL of group 1 at ``kill_step`` and its restart ``restart_delay_s``
 later. From the replicas' progress lines:
@@ -23,14 +23,17 @@ import socket
 import statistics
 import tempfile
 import time
+from itertools import pairwise
 from typing import Any
 
+from fthsdp.bench.results import RecoveryResult
 from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
+from fthsdp.testing.progress import steps_of
 
 _PIECE = 4 << 20
 
 
-def _receiver(port_q: "mp.Queue[Any]", nbytes: int, out_q: "mp.Queue[Any]") -> None:
+def _receiver(port_q: mp.Queue[Any], nbytes: int, out_q: mp.Queue[Any]) -> None:
     srv = socket.create_server(("127.0.0.1", 0))
     port_q.put(srv.getsockname()[1])
     conn, _ = srv.accept()
@@ -57,8 +60,8 @@ def socket_copy_mbps(nbytes: int, repeats: int = 3) -> float:
     best = 0.0
     payload = bytes(nbytes)
     for _ in range(repeats):
-        port_q: "mp.Queue[Any]" = ctx.Queue()
-        out_q: "mp.Queue[Any]" = ctx.Queue()
+        port_q: mp.Queue[Any] = ctx.Queue()
+        out_q: mp.Queue[Any] = ctx.Queue()
         p = ctx.Process(target=_receiver, args=(port_q, nbytes, out_q), daemon=True)
         p.start()
         port = port_q.get(timeout=60)
@@ -72,39 +75,37 @@ def socket_copy_mbps(nbytes: int, repeats: int = 3) -> float:
     return best
 
 
-def _steps(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [x for x in rows if x["event"] == "step"]
-
-
 def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup: int = 5) -> dict[str, Any]:
     """The recovery figures of a finished run with one kill of replica 1 (see the module doc)."""
     kill = next(e for e in report["events"] if e["event"] == "exit")
-    joiner = _steps(cluster.progress(cluster.groups[kill["replica"]]))
-    joined = next(x for x in joiner if x.get("joined") and x["t"] > kill["t"])
-    c = joined["catchup"]
+    joiner = steps_of(cluster.progress(cluster.groups[kill["replica"]]))
+    joined = next(x for x in joiner if x.joined and x.t > kill["t"])
+    c = joined.catchup
+    if c is None:
+        raise RuntimeError(f"the joiner's step {joined.step} records no catch-up")
     launched = max(e["t"] for e in report["events"] if e["event"] == "start" and e["replica"] == kill["replica"]
-                   and e["t"] < joined["t"])
-    registered = next(x["t"] for x in reversed(cluster.progress(cluster.groups[kill["replica"]]))
-                      if x["event"] == "start" and x["t"] < joined["t"])
+                   and e["t"] < joined.t)
+    registered = next(x.t for x in reversed(cluster.progress(cluster.groups[kill["replica"]]))
+                      if x.event == "start" and x.t < joined.t)
     down: list[float] = []
     catching_up: list[float] = []
     for g in cluster.groups:
         if g.index == kill["replica"]:
             continue
-        rows = [x for x in _steps(cluster.progress(g)) if x["step"] >= warmup]
-        for a, b in zip(rows, rows[1:]):
-            if c["member_unix"] <= b["t"] <= joined["t"]:
-                catching_up.append(b["t"] - a["t"])
-            elif kill["t"] + 1.0 <= a["t"] and b["t"] <= c["entered_unix"]:
-                down.append(b["t"] - a["t"])  # the same replicas training, before the joiner entered
+        rows = [x for x in steps_of(cluster.progress(g)) if x.step is not None and x.step >= warmup]
+        for a, b in pairwise(rows):
+            if c["member_unix"] <= b.t <= joined.t:
+                catching_up.append(b.t - a.t)
+            elif kill["t"] + 1.0 <= a.t and b.t <= c["entered_unix"]:
+                down.append(b.t - a.t)  # the same replicas training, before the joiner entered
     transfer_mbps = c["bytes"] / max(c["transfer_s"], 1e-9) / 1e6
     down_s = statistics.median(down) if down else float("nan")
     catchup_s = statistics.median(catching_up) if catching_up else float("nan")
     return {
         "survivor_stall_s": report["survivor_max_stall_s"],
         "catchup_step_ratio": round(catchup_s / down_s, 3),
-        "join_s": round(joined["t"] - launched, 3),
-        "join_from_registration_s": round(joined["t"] - registered, 3),
+        "join_s": round(joined.t - launched, 3),
+        "join_from_registration_s": round(joined.t - registered, 3),
         "transfer_ratio": round(transfer_mbps / socket_mbps, 3),
         "down_step_s": round(down_s, 4),
         "catchup_step_s": round(catchup_s, 4),
@@ -136,13 +137,13 @@ class _SocketBaseline:
     def __call__(self, cluster: Cluster) -> None:
         if self.mbps:
             return
-        joined = [x for x in cluster.progress(cluster.groups[self.replica]) if x.get("joined") and x.get("catchup")]
-        if joined:
-            self.mbps = socket_copy_mbps(joined[-1]["catchup"]["bytes"])
+        catchups = [x.catchup for x in cluster.progress(cluster.groups[self.replica]) if x.joined and x.catchup]
+        if catchups:
+            self.mbps = socket_copy_mbps(catchups[-1]["bytes"])
 
 
 def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step: int = 20, model: str = "reference",
-                   restart_delay_s: float = 2.0, workdir: str | None = None) -> dict[str, Any]:
+                   restart_delay_s: float = 2.0, workdir: str | None = None) -> RecoveryResult:
     with tempfile.TemporaryDirectory(prefix="fthsdp-bench-recovery-") as tmp:
         wd = pathlib.Path(workdir or tmp)
         baseline = _SocketBaseline(1)
@@ -152,6 +153,5 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
         report = cluster.run()
         if not baseline.mbps:
             raise RuntimeError("the restarted replica never caught up: no recovery to measure")
-        out = {"replicas": replicas, "ranks_per_replica": ranks, "steps": steps, "model": model,
-               "kill": f"1@{kill_step}", **measure(cluster, report, baseline.mbps)}
-    return out
+        return RecoveryResult(replicas=replicas, ranks_per_replica=ranks, steps=steps, model=model,
+                              kill=f"1@{kill_step}", **measure(cluster, report, baseline.mbps))

@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import Any
+
+from fthsdp.bench.results import ModeEtt, SimResult
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def _union(intervals: list[tuple[float, float]], horizon: float) -> float:
     return total
 
 
-def simulate(c: SimConfig) -> dict[str, Any]:
+def simulate(c: SimConfig) -> SimResult:
     """Run both modes over the same failures; ETT of each, with the closed forms beside them."""
     # Fixed arrivals: a whole number of gaps, so the simulation matches the closed form exactly.
     horizon = c.hours * 60
@@ -104,13 +105,7 @@ def simulate(c: SimConfig) -> dict[str, Any]:
         down = [(t, t + c.rejoin_min) for t, hit in failures if hit == r]
         lost += _union(sorted(stalls + down), horizon)
     forms = closed_form(c)
-    return {
-        "config": asdict(c),
-        "replicas": c.replicas,
-        "horizon_min": horizon,
-        "failures": len(failures),
-        "sync": {"ett": 1 - sync_down / horizon, "closed_form_fixed": forms["sync_fixed"],
-                 "poisson_limit": forms["sync_poisson_limit"]},
-        "fthsdp": {"ett": 1 - lost / (c.replicas * horizon), "closed_form_fixed": forms["fthsdp_fixed"],
-                   "poisson_limit": forms["fthsdp_poisson_limit"]},
-    }
+    return SimResult(config=asdict(c), replicas=c.replicas, horizon_min=horizon, failures=len(failures),
+                     sync=ModeEtt(1 - sync_down / horizon, forms["sync_fixed"], forms["sync_poisson_limit"]),
+                     fthsdp=ModeEtt(1 - lost / (c.replicas * horizon), forms["fthsdp_fixed"],
+                                    forms["fthsdp_poisson_limit"]))

@@ -4,7 +4,7 @@ measured in the same invocation (these machines drift 10-15% between runs).
 
 ``compare(fthsdp_result, workdir)`` runs plain, torchft and the restart baseline and returns the table;
 ``fthsdp_result`` is fthsdp's own run (``fthsdp.bench.recovery``), a dict with at least ``step_s``, ``stall_s``,
-``rejoin_s`` and ``ett``. ``format_table`` renders the human table.
+``rejoin_s`` and ``ett``. ``fthsdp.bench.results.format_vs_table`` renders the human table.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from fthsdp.bench.baselines import run_plain, run_restart, run_torchft
+from fthsdp.bench.results import format_vs_table
 
 COLUMNS = ("step_s", "step_ratio", "stall_s", "rejoin_s", "ett")
 
@@ -74,27 +75,6 @@ def compare(fthsdp_result: dict[str, Any] | None, workdir: pathlib.Path | str, s
     }
 
 
-def _fmt(v: Any, spec: str) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "NO"
-    return format(v, spec)
-
-
-def format_table(result: dict[str, Any]) -> str:
-    w = result.get("workload", {})
-    lines = [f"{w.get('replicas', '?')} replicas x {w.get('ranks_per_replica', '?')} rank, {w.get('steps', '?')} "
-             f"steps, SIGKILL {w.get('kill', '?')}, restart after {w.get('restart_delay_s', '?')} s",
-             f"{'system':<30} {'step s':>8} {'vs plain':>8} {'stall s':>8} {'rejoin s':>9} {'ETT':>6} "
-             f"{'equal':>6}"]
-    for r in result["table"]:
-        lines.append(f"{r['system']:<30} {_fmt(r['step_s'], '.3f'):>8} {_fmt(r['step_ratio'], '.2f'):>8} "
-                     f"{_fmt(r['stall_s'], '.2f'):>8} {_fmt(r['rejoin_s'], '.2f'):>9} {_fmt(r['ett'], '.3f'):>6} "
-                     f"{_fmt(r.get('final_equal'), ''):>6}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m fthsdp.bench.vs [--fthsdp RESULT.json] --workdir DIR [--json]``: the baselines (plain, torchft,
     whole-job restart) beside an fthsdp result measured elsewhere (or none: its row stays empty)."""
@@ -112,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ft = json.loads(pathlib.Path(a.fthsdp).read_text()) if a.fthsdp else None
     work = pathlib.Path(a.workdir or tempfile.mkdtemp(prefix="fthsdp-bench-vs-"))
     result = compare(ft, work, steps=a.steps, kill_step=a.kill_step)
-    print(json.dumps(result, indent=2) if a.json else format_table(result))
+    print(json.dumps(result, indent=2) if a.json else format_vs_table(result))
 
 
 if __name__ == "__main__":

@@ -3,14 +3,19 @@ loopback; injects the failures asked for, shows live progress, and writes a JSON
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import shutil
+import sys
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fthsdp.testing.launcher import Cluster, ClusterConfig, plot_timeline
+from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, ReplicaFailed
+
+if TYPE_CHECKING:
+    from fthsdp.cli.common import Subparsers
 
 
 class LiveView:
@@ -28,18 +33,18 @@ class LiveView:
         self.last = now
         cells = []
         for g in cluster.groups:
-            rows = [x for x in cluster.progress(g) if x["event"] in ("step", "start")]
+            rows = [x for x in cluster.progress(g) if x.event in ("step", "start")]
             last = rows[-1] if rows else None
             alive = g.proc is not None and g.proc.poll() is None
             if not alive and not g.finished:
                 cells.append(f"r{g.index}: DOWN (restarting)")
-            elif last is None or last["event"] == "start" or last["t"] < g.started_at:
-                cells.append(f"r{g.index}: starting" + (" (joining)" if last and last.get("joining") else ""))
+            elif last is None or last.event == "start" or last.t < g.started_at:
+                cells.append(f"r{g.index}: starting" + (" (joining)" if last and last.joining else ""))
             else:
-                role = "joined" if last.get("joined") else "active"
-                loss = "-" if last["loss"] is None else f"{last['loss']:.3f}"
+                role = "joined" if last.joined else "active"
+                loss = "-" if last.loss is None else f"{last.loss:.3f}"
                 done = " done" if g.finished else ""
-                cells.append(f"r{g.index}: step {last['step']:>3} epoch {last['epoch']} {role} loss {loss}{done}")
+                cells.append(f"r{g.index}: step {last.step:>3} epoch {last.epoch} {role} loss {loss}{done}")
         print(f"[{now - self.t0:6.1f}s] " + " | ".join(cells), flush=True)
 
 
@@ -52,9 +57,9 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
               f"{config.steps} steps; kills: {kills}; restart after {config.restart_delay_s}s", flush=True)
         cluster = Cluster(config, workdir, on_tick=LiveView())
         report = cluster.run()
-        report["resumed"] = [{"replica": x["replica"], "from_step": x["resumed_from"], "t": x["t"]}
+        report["resumed"] = [{"replica": x.replica, "from_step": x.resumed_from, "t": x.t}
                              for g in cluster.groups for x in cluster.progress(g)
-                             if x["event"] == "start" and x.get("resumed_from") is not None]
+                             if x.event == "start" and x.resumed_from is not None]
     finally:
         if keep_logs is not None:
             shutil.copytree(workdir, keep_logs, dirs_exist_ok=True)
@@ -78,3 +83,77 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
         plot_timeline(report, plot_path)
         print(f"timeline: {plot_path}")
     return report
+
+
+def plot_timeline(report: dict[str, Any], path: pathlib.Path) -> None:
+    """PNG: committed step vs time per replica, kills and restarts marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, lx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    t0 = report["t_start"]
+    for n, (replica, segments) in enumerate(report["timeline"].items()):
+        for k, points in enumerate(segments):
+            ax.plot([p[0] for p in points], [p[1] for p in points], ".-", ms=3, color=f"C{n}",
+                    label=f"replica {replica}" if k == 0 else None)
+    for e in report["events"]:
+        if e["event"] == "exit":
+            ax.axvline(e["t"] - t0, color="red", ls="--", lw=1)
+            ax.text(e["t"] - t0, 0, f" kill r{e['replica']}", color="red", rotation=90, va="bottom")
+        elif e["event"] == "start" and e["incarnation"] > 1:
+            ax.axvline(e["t"] - t0, color="green", ls=":", lw=1)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("committed step")
+    ax.set_title(f"{report['replicas']} replicas x {report['ranks_per_replica']} ranks")
+    ax.legend()
+    for n, (replica, points) in enumerate(report["loss"].items()):
+        lx.plot([p[0] for p in points], [p[1] for p in points], ".", ms=2, color=f"C{n}", label=f"replica {replica}")
+    lx.set_xlabel("step")
+    lx.set_ylabel("loss (rank 0 micro-batch)")
+    lx.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def cmd_demo(a: argparse.Namespace) -> None:
+    specs = [] if a.no_kill else (a.kill or ["1@20"])
+    try:
+        kills = tuple(Kill.parse(k) for k in specs)
+        delay = a.restart_delay
+        if a.kill_all is not None:
+            kills += tuple(Kill(r, a.kill_all) for r in range(a.replicas))
+            # Come back once the lighthouse has declared the dead incarnations dead: the first replica back then
+            # resumes from the newest checkpoint and the others catch up from it.
+            delay = max(delay, ClusterConfig.heartbeat_timeout_s + 1.0)
+        config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model,
+                               kills=kills, restart_delay_s=delay, timeout_s=a.timeout,
+                               checkpoint_every=a.checkpoint_every)
+        run_demo(config, pathlib.Path(a.report) if a.report else None, pathlib.Path(a.plot) if a.plot else None,
+                 pathlib.Path(a.keep_logs) if a.keep_logs else None)
+    except (ValueError, ReplicaFailed, TimeoutError) as e:
+        sys.exit(f"fthsdp demo: {e}")
+
+
+def register(sub: Subparsers) -> None:
+    dm = sub.add_parser("demo", help="train the example model on R replica groups with failures injected")
+    dm.add_argument("--replicas", type=int, default=3)
+    dm.add_argument("--ranks", type=int, default=2, help="ranks per replica group (FSDP2 shards)")
+    dm.add_argument("--steps", type=int, default=60)
+    dm.add_argument("--model", default="reference", help="reference (the benchmark workload) or tiny")
+    dm.add_argument("--kill", action="append", default=None,
+                    help="REPLICA@STEP[:PHASE], repeatable: SIGKILL that replica group at that step "
+                         "(phase: forward, backward, exchange, vote, optimizer); default 1@20")
+    dm.add_argument("--no-kill", action="store_true", help="run without failures")
+    dm.add_argument("--kill-all", type=int, default=None, metavar="STEP",
+                    help="also SIGKILL every replica group at STEP: the job resumes from the newest checkpoint")
+    dm.add_argument("--checkpoint-every", type=int, default=10,
+                    help="durable checkpoint (torch.distributed.checkpoint) every K steps; 0: none")
+    dm.add_argument("--restart-delay", type=float, default=2.0, help="seconds before a killed group restarts")
+    dm.add_argument("--report", default="", help="write the JSON report here")
+    dm.add_argument("--plot", default="", help="write the PNG timeline here")
+    dm.add_argument("--keep-logs", default="", help="copy the replicas' logs and progress files here")
+    dm.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    dm.set_defaults(fn=cmd_demo)

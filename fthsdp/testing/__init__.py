@@ -1,1 +1,3 @@
-"""What tests and benchmarks share: the local launcher, process helpers, fault hooks, invariants. Harness."""
+"""What tests and benchmarks share: the local launcher (``launcher``), process and port helpers (``procutil``,
+``ports``), a lighthouse child process (``lighthouse_process``), real etcd on loopback (``etcd``), fault hooks
+(``faults``), the typed progress rows (``progress``) and the invariant checks over a run (``invariants``). Harness."""

@@ -1,9 +1,9 @@
-"""The invariants of a run (DESIGN §8), checked after the fact over what a local cluster leaves behind: the
-replicas' progress lines (``replica<i>.progress.jsonl``, one JSON object per line) and the launcher's report.
+"""The invariants of a run (docs/design.md §8), checked after the fact over what a local cluster leaves behind: the
+replicas' progress rows (``fthsdp.testing.progress``) and the launcher's report.
 
-Every check is a pure function over rows and report dicts and returns a list of violations (human-readable
+Every check is a pure function over rows and the report dict and returns a list of violations (human-readable
 strings; empty when the invariant holds) instead of asserting, so that the chaos runner can collect them all and
-the tests can assert on them (``tests/cluster_checks.py``).
+the tests can assert on them (``tests/helpers/cluster_checks.py``).
 
 Checked here:
 
@@ -19,37 +19,18 @@ Checked here:
 
 from __future__ import annotations
 
-import json
 import pathlib
-from collections.abc import Iterable
 from itertools import pairwise
 from typing import Any
 
-Row = dict[str, Any]
+from fthsdp.testing.progress import ProgressRow, progress_path, read_progress, steps_of
+
+Rows = dict[int, list[ProgressRow]]
+"""Replica index -> its progress rows, in file order."""
 
 
-def read_progress(path: pathlib.Path) -> list[Row]:
-    """A progress file's rows; a torn last line (a process killed mid-write) is skipped."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        if line.endswith("}"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
-def load_run(workdir: pathlib.Path, replicas: int) -> dict[int, list[Row]]:
-    return {r: read_progress(workdir / f"replica{r}.progress.jsonl") for r in range(replicas)}
-
-
-def steps_of(rows: Iterable[Row]) -> list[Row]:
-    return [x for x in rows if x.get("event") == "step"]
+def load_run(workdir: pathlib.Path, replicas: int) -> Rows:
+    return {r: read_progress(progress_path(workdir, r)) for r in range(replicas)}
 
 
 # --- §8.1: bitwise-equal state ---------------------------------------------------------------------------------
@@ -67,53 +48,52 @@ def converged(report: dict[str, Any], steps: int) -> list[str]:
 
 # --- §8.3: survivors and committed steps ------------------------------------------------------------------------
 
-def survivor(rows: list[Row], steps: int) -> list[str]:
+def survivor(rows: list[ProgressRow], steps: int) -> list[str]:
     """A survivor (one incarnation all along) commits every step exactly once, in order, with a finite loss."""
     s = steps_of(rows)
     out = []
-    got = [x["step"] for x in s]
+    got = [x.step for x in s if x.step is not None]
     if got != list(range(steps)):
         out.append(f"survivor's committed steps are not 0..{steps - 1} in order: {_summary(got)}")
-    bad = [x["step"] for x in s if not (x.get("loss") is not None and x["loss"] == x["loss"] and x["loss"] < 20)]
+    bad = [x.step for x in s if not (x.loss is not None and x.loss == x.loss and x.loss < 20)]
     if bad:
         out.append(f"survivor has steps with no or a non-finite loss: {bad[:10]}")
-    incarnations = {x.get("incarnation") for x in s}
+    incarnations = {x.incarnation for x in s}
     if len(incarnations) > 1:
         out.append(f"survivor ran as several incarnations: {sorted(map(str, incarnations))}")
     return out
 
 
-def survivors(per_replica: dict[int, list[Row]], report: dict[str, Any]) -> list[int]:
+def survivors(per_replica: Rows, report: dict[str, Any]) -> list[int]:
     """Replicas that never died: no ``exit`` event in the report, one incarnation in their progress lines."""
     died = {e["replica"] for e in report.get("events", []) if e.get("event") == "exit"}
     died |= {r for r, rows in per_replica.items()
-             if len({x.get("incarnation") for x in rows if x.get("event") in ("start", "step")}) > 1}
+             if len({x.incarnation for x in rows if x.event in ("start", "step")}) > 1}
     return [r for r in sorted(per_replica) if r not in died]
 
 
-def committed(per_replica: dict[int, list[Row]]) -> tuple[dict[int, Row], list[str]]:
+def committed(per_replica: Rows) -> tuple[dict[int, ProgressRow], list[str]]:
     """Step -> a row of it, in the lineage that survived, and the disagreements found.
 
     A resume from a checkpoint of step R at time T drops the rows of steps >= R written before T (that work was
     lost with every replica). Every remaining row of one step, from any replica and incarnation, must say the
     same batches were trained. Rows of a joiner's zero-gradient step (``joined``) name no batch of their own."""
     rows = [x for r in sorted(per_replica) for x in per_replica[r]]
-    resumes = [(x["resumed_from"], x["t"]) for x in rows
-               if x.get("event") == "start" and x.get("resumed_from") is not None]
-    out: dict[int, Row] = {}
+    resumes = [(x.resumed_from, x.t) for x in rows if x.event == "start" and x.resumed_from is not None]
+    out: dict[int, ProgressRow] = {}
     problems: list[str] = []
     for x in rows:
-        if x.get("event") != "step" or x.get("joined"):
+        if x.event != "step" or x.joined or x.step is None:
             continue
-        if any(x["step"] >= step and x["t"] < t for step, t in resumes):
+        if any(x.step >= step and x.t < t for step, t in resumes):
             continue
-        old = out.setdefault(x["step"], x)
-        if old["batches"] != x["batches"]:
-            problems.append(f"step {x['step']}: rows disagree on the batches trained: {old} vs {x}")
+        old = out.setdefault(x.step, x)
+        if old.batches != x.batches:
+            problems.append(f"step {x.step}: rows disagree on the batches trained: {old} vs {x}")
     return out, problems
 
 
-def exactly_once(per_replica: dict[int, list[Row]], steps: int) -> tuple[dict[int, int], list[str]]:
+def exactly_once(per_replica: Rows, steps: int) -> tuple[dict[int, int], list[str]]:
     """Every batch of every slot was trained exactly once, in order, with no gap: per slot, the batch indices of
     the committed steps are 0, 1, 2, ... Returns (batches trained per slot, violations)."""
     rows, problems = committed(per_replica)
@@ -125,7 +105,7 @@ def exactly_once(per_replica: dict[int, list[Row]], steps: int) -> tuple[dict[in
         problems.append(f"step(s) committed past the last one: {_summary(extra)}")
     seen: dict[int, list[int]] = {r: [] for r in per_replica}
     for step in sorted(rows):
-        for slot, index in rows[step]["batches"]:
+        for slot, index in rows[step].batches or []:
             seen.setdefault(slot, []).append(index)
     for slot, indices in sorted(seen.items()):
         if indices != list(range(len(indices))):
@@ -133,7 +113,7 @@ def exactly_once(per_replica: dict[int, list[Row]], steps: int) -> tuple[dict[in
     return {slot: len(v) for slot, v in seen.items()}, problems
 
 
-def no_lost_step(per_replica: dict[int, list[Row]], steps: int) -> list[str]:
+def no_lost_step(per_replica: Rows, steps: int) -> list[str]:
     """No committed step lost, nobody going backwards: every step 0..N-1 is committed in the surviving lineage,
     and within one incarnation a replica's committed steps go up by exactly one (a commit is never undone or
     skipped by a live process); a restarted incarnation never starts behind its own previous commits unless the
@@ -143,12 +123,12 @@ def no_lost_step(per_replica: dict[int, list[Row]], steps: int) -> list[str]:
     missing = sorted(set(range(steps)) - set(rows))
     if missing:
         problems.append(f"lost committed step(s): {_summary(missing)}")
-    resumed = any(x.get("event") == "start" and x.get("resumed_from") is not None
-                  for rs in per_replica.values() for x in rs)
+    resumed = any(x.event == "start" and x.resumed_from is not None for rs in per_replica.values() for x in rs)
     for r, rs in sorted(per_replica.items()):
-        by_inc: dict[Any, list[int]] = {}
+        by_inc: dict[str | int | None, list[int]] = {}
         for x in steps_of(rs):
-            by_inc.setdefault(x.get("incarnation"), []).append(x["step"])
+            if x.step is not None:
+                by_inc.setdefault(x.incarnation, []).append(x.step)
         last_max = -1
         for inc, got in by_inc.items():  # in order of first appearance (the file is appended to)
             for a, b in pairwise(got):
@@ -164,14 +144,14 @@ def no_lost_step(per_replica: dict[int, list[Row]], steps: int) -> list[str]:
     return problems
 
 
-def rejoined(rows: list[Row], replica: int, report: dict[str, Any]) -> list[str]:
+def rejoined(rows: list[ProgressRow], replica: int, report: dict[str, Any]) -> list[str]:
     """A killed replica came back as a new incarnation through a zero-gradient joining step."""
     s = steps_of(rows)
     problems = []
-    if len({x.get("incarnation") for x in s}) < 2:
+    if len({x.incarnation for x in s}) < 2:
         problems.append(f"replica {replica} never came back")
-    joined = [x for x in s if x.get("joined")]
-    if not joined or joined[-1]["loss"] is not None:
+    joined = [x for x in s if x.joined]
+    if not joined or joined[-1].loss is not None:
         problems.append(f"replica {replica} has no zero-gradient joining step")
     if not any(e["event"] == "exit" and e["replica"] == replica and e["killed"] for e in report["events"]):
         problems.append(f"replica {replica} was never killed")
@@ -209,7 +189,7 @@ def epochs_increasing(report: dict[str, Any]) -> list[str]:
 
 # --- all of them -----------------------------------------------------------------------------------------------
 
-def check_run(report: dict[str, Any], per_replica: dict[int, list[Row]], steps: int) -> list[str]:
+def check_run(report: dict[str, Any], per_replica: Rows, steps: int) -> list[str]:
     """Every invariant over one finished run; each violation is prefixed with the invariant's name."""
     out = [f"converged: {v}" for v in converged(report, steps)]
     for r in survivors(per_replica, report):

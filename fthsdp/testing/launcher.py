@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pathlib
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
+from fthsdp.bench.recovery_metrics import Failure, recovery_metrics
 from fthsdp.testing.faults import PHASES
-from fthsdp.testing.procutil import stop_process
-from fthsdp.bench.recovery_metrics import recovery_metrics
 from fthsdp.testing.lighthouse_process import start_lighthouse_process
+from fthsdp.testing.procutil import child_env, kill_group, stop_process, torchrun
+from fthsdp.testing.progress import ProgressRow, progress_path, read_progress, steps_of
 
 log = logging.getLogger("fthsdp.testing.launcher")
 
@@ -40,7 +40,7 @@ class Kill:
     phase: str = "forward"
 
     @classmethod
-    def parse(cls, spec: str) -> "Kill":
+    def parse(cls, spec: str) -> Kill:
         """``REPLICA@STEP[:PHASE]``."""
         try:
             replica, rest = spec.split("@", 1)
@@ -55,20 +55,36 @@ class Kill:
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    """The settings of one local job: the trainer's, the lighthouse's and the replicas' (``replica_env`` turns them
+    into each replica group's environment, the one place the launcher writes ``FTHSDP_*``)."""
+
     replicas: int = 3
+    """Replica groups (one torchrun each)."""
     ranks: int = 2
+    """Ranks per replica group (FSDP2 shards)."""
     steps: int = 60
+    """Steps the job trains (``fthsdp.examples.train --steps``)."""
     model: str = "reference"
+    """``reference`` (the benchmark workload) or ``tiny``."""
     batch: int = 8
+    """Sequences per replica per step."""
     lr: float = 3e-4
     seed: int = 0
+    """The model's initial weights and the data."""
     kills: tuple[Kill, ...] = ()
+    """SIGKILLs injected through ``FTHSDP_FAULT``, one per incarnation of their group, in step order."""
     restart_delay_s: float = 2.0
+    """A group that exited non-zero is restarted this long after."""
     timeout_s: float = 900.0
+    """The whole job's deadline."""
     heartbeat_interval_s: float = 0.1
+    """The lighthouse's ``--heartbeat-interval``."""
     heartbeat_timeout_s: float = 5.0
+    """The lighthouse's ``--heartbeat-timeout``."""
     confirm_age_s: float = 0.5
+    """The lighthouse's ``--confirm-age``."""
     collective_timeout_s: float = 5.0
+    """The replicas' ``FTHSDP_TIMEOUT``."""
     max_restarts: int = 10
     """Restarts of one replica group before the job is given up."""
     min_step_s: float = 0.0
@@ -81,9 +97,30 @@ class ClusterConfig:
     env: dict[int, dict[str, str]] = field(default_factory=dict)
     """Extra environment per replica group (tests: fault switches)."""
 
+    def replica_env(self, index: int, lighthouse: str, progress: pathlib.Path, workdir: pathlib.Path,
+                    fault: Kill | None) -> dict[str, str]:
+        """The environment of replica group ``index``'s torchrun: this process's, less a stray ``FTHSDP_FAULT``,
+        plus the replica's settings, ``env[index]`` and the fault armed in this incarnation."""
+        env = child_env(FTHSDP_LIGHTHOUSE=lighthouse, FTHSDP_REPLICA_INDEX=str(index),
+                        FTHSDP_NUM_REPLICAS=str(self.replicas), FTHSDP_PROGRESS=str(progress),
+                        FTHSDP_TIMEOUT=str(self.collective_timeout_s))
+        # torchrun never restarts a group here (the launcher does, as a new incarnation), so the workers keep
+        # sharing the agent's rendezvous store: a second store would bind a port that can be taken meanwhile.
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        if self.checkpoint_every or self.checkpoint_dir:
+            env.update(FTHSDP_CHECKPOINT_DIR=self.checkpoint_dir or str(workdir / "checkpoints"),
+                       FTHSDP_CHECKPOINT_EVERY=str(self.checkpoint_every))
+        env.update(self.env.get(index, {}))
+        env.pop("FTHSDP_FAULT", None)
+        if fault is not None:
+            env["FTHSDP_FAULT"] = f"{fault.step}:{fault.phase}"
+        return env
+
 
 @dataclass
 class Group:
+    """One replica group under supervision: its current process and incarnation count."""
+
     index: int
     progress: pathlib.Path
     log_path: pathlib.Path
@@ -101,7 +138,7 @@ class Cluster:
     """Run a job to completion; ``run()`` returns the report (see ``fthsdp demo --report``)."""
 
     def __init__(self, config: ClusterConfig, workdir: pathlib.Path,
-                 on_tick: Callable[["Cluster"], None] | None = None) -> None:
+                 on_tick: Callable[[Cluster], None] | None = None) -> None:
         for k in config.kills:
             if not 0 <= k.replica < config.replicas:
                 raise ValueError(f"kill of replica {k.replica}: there are {config.replicas}")
@@ -110,7 +147,7 @@ class Cluster:
         workdir.mkdir(parents=True, exist_ok=True)
         self.on_tick = on_tick
         self.events: list[dict[str, Any]] = []
-        self.groups = [Group(i, workdir / f"replica{i}.progress.jsonl", workdir / f"replica{i}.log",
+        self.groups = [Group(i, progress_path(workdir, i), workdir / f"replica{i}.log",
                              pending_faults=sorted((k for k in config.kills if k.replica == i),
                                                    key=lambda k: k.step))
                        for i in range(config.replicas)]
@@ -118,42 +155,26 @@ class Cluster:
         self.http = ""
         self.addr = ""
 
-    def _event(self, kind: str, **kv: Any) -> None:
+    def event(self, kind: str, **kv: Any) -> None:
+        """Record an event of the run (its report's ``events``)."""
         self.events.append({"t": time.time(), "event": kind, **kv})
 
     def _start_group(self, g: Group) -> None:
         c = self.config
-        env = {**os.environ, "FTHSDP_LIGHTHOUSE": self.addr, "FTHSDP_REPLICA_INDEX": str(g.index),
-               "FTHSDP_NUM_REPLICAS": str(c.replicas), "FTHSDP_PROGRESS": str(g.progress),
-               "FTHSDP_TIMEOUT": str(c.collective_timeout_s), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        # torchrun never restarts a group here (the launcher does, as a new incarnation), so the workers keep
-        # sharing the agent's rendezvous store: a second store would bind a port that can be taken meanwhile.
-        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-        if c.checkpoint_every or c.checkpoint_dir:
-            env.update(FTHSDP_CHECKPOINT_DIR=c.checkpoint_dir or str(self.workdir / "checkpoints"),
-                       FTHSDP_CHECKPOINT_EVERY=str(c.checkpoint_every))
-        env.update(c.env.get(g.index, {}))
-        env.pop("FTHSDP_FAULT", None)
         g.fault = g.pending_faults.pop(0) if g.pending_faults else None
-        if g.fault is not None:
-            env["FTHSDP_FAULT"] = f"{g.fault.step}:{g.fault.phase}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(c.ranks),
-               "--max-restarts", "0", "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
+        env = c.replica_env(g.index, self.addr, g.progress, self.workdir, g.fault)
+        cmd = [*torchrun(c.ranks), "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
                "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s)]
-        out = open(g.log_path, "ab")
-        g.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        out.close()
+        with open(g.log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+            g.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         g.incarnations += 1
         g.started_at = time.time()
         g.restart_at = None
-        self._event("start", replica=g.index, incarnation=g.incarnations, fault=env.get("FTHSDP_FAULT", ""))
+        self.event("start", replica=g.index, incarnation=g.incarnations, fault=env.get("FTHSDP_FAULT", ""))
 
-    def progress(self, g: Group) -> list[dict[str, Any]]:
-        try:
-            text = g.progress.read_text()
-        except FileNotFoundError:
-            return []
-        return [json.loads(x) for x in text.splitlines() if x.endswith("}")]
+    def progress(self, g: Group) -> list[ProgressRow]:
+        """Group ``g``'s progress rows so far."""
+        return read_progress(g.progress)
 
     def status(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:
@@ -192,9 +213,7 @@ class Cluster:
             history = self.status()["history"]
         finally:
             for g in self.groups:
-                if g.proc is not None and g.proc.poll() is None:
-                    os.killpg(g.proc.pid, signal.SIGKILL)
-                    g.proc.wait()
+                kill_group(g.proc)
             self.stop_lighthouse()
         return self._report(t_start, history)
 
@@ -210,18 +229,18 @@ class Cluster:
             return
         if code == 0:
             g.finished = True
-            self._event("finished", replica=g.index)
+            self.event("finished", replica=g.index)
             return
-        rows = [x for x in self.progress(g) if x["t"] >= g.started_at]
-        if any(x["event"] == "terminated" for x in rows):
+        rows = [x for x in self.progress(g) if x.t >= g.started_at]
+        if any(x.event == "terminated" for x in rows):
             # Stopped on request (SIGTERM) at a commit boundary, checkpoint written: done, not failed.
             g.finished = True
-            self._event("terminated", replica=g.index, code=code)
+            self.event("terminated", replica=g.index, code=code)
             return
-        self._event("exit", replica=g.index, code=code, killed=code == -signal.SIGKILL)
-        fatal = [x for x in rows if x["event"] == "fatal"]
+        self.event("exit", replica=g.index, code=code, killed=code == -signal.SIGKILL)
+        fatal = [x for x in rows if x.event == "fatal"]
         if fatal:
-            raise ReplicaFailed(f"replica group {g.index} cannot go on: {fatal[-1]['error']} (log: {g.log_path})")
+            raise ReplicaFailed(f"replica group {g.index} cannot go on: {fatal[-1].error} (log: {g.log_path})")
         if g.incarnations > self.config.max_restarts:
             raise ReplicaFailed(f"replica group {g.index} failed {g.incarnations} times (last exit status {code}); "
                                 f"see {g.log_path}")
@@ -236,9 +255,10 @@ class Cluster:
     def _report(self, t_start: float, history: list[dict[str, Any]]) -> dict[str, Any]:
         c = self.config
         per = {g.index: self.progress(g) for g in self.groups}
-        steps = {i: [x for x in rows if x["event"] == "step"] for i, rows in per.items()}
-        finals = {i: next((x for x in reversed(rows) if x["event"] == "final"), None) for i, rows in per.items()}
-        m = recovery_metrics(steps, [e for e in self.events if e["event"] == "exit"], c.replicas)
+        steps = {i: steps_of(rows) for i, rows in per.items()}
+        finals = {i: next((x for x in reversed(rows) if x.event == "final"), None) for i, rows in per.items()}
+        exits = [Failure(e["t"], e["replica"]) for e in self.events if e["event"] == "exit"]
+        m = recovery_metrics(steps, exits, c.replicas)
         median_step, survivor_stall, ett = m["median_step_s"], m["survivor_max_stall_s"], m["effective_training_time"]
         rejoin = m["rejoin_per_failure_s"]
         return {
@@ -246,7 +266,7 @@ class Cluster:
             "ranks_per_replica": c.ranks,
             "steps": c.steps,
             "model": c.model,
-            "final": {str(i): ({"step": f["step"], "param_hash": f["param_hash"]} if f else None)
+            "final": {str(i): ({"step": f.step, "param_hash": f.param_hash} if f else None)
                       for i, f in finals.items()},
             "events": self.events + [{"t": h["time"], "event": "epoch", "epoch": h["epoch"], "reason": h["reason"],
                                       "members": h["members"]} for h in history],
@@ -254,53 +274,20 @@ class Cluster:
             "survivor_max_stall_s": round(survivor_stall, 3),
             "rejoin_s": round(max(rejoin), 3) if rejoin else None,
             "effective_training_time": round(ett, 3),
-            "loss": {str(i): [[x["step"], x["loss"]] for x in rows if x.get("loss") is not None]
+            "loss": {str(i): [[x.step, x.loss] for x in rows if x.loss is not None]
                      for i, rows in steps.items()},
             "timeline": {str(i): _segments(rows, t_start) for i, rows in steps.items()},
             "t_start": t_start,
         }
 
 
-def _segments(rows: list[dict[str, Any]], t_start: float) -> list[list[list[float]]]:
+def _segments(rows: list[ProgressRow], t_start: float) -> list[list[list[float]]]:
     """[time since start, step] points, one list per incarnation of the replica."""
     out: list[list[list[float]]] = []
-    last = None
-    for x in rows:
-        if x.get("incarnation") != last:
+    last: str | int | None = None
+    for i, x in enumerate(rows):
+        if i == 0 or x.incarnation != last:
             out.append([])
-            last = x.get("incarnation")
-        out[-1].append([round(x["t"] - t_start, 3), x["step"]])
+            last = x.incarnation
+        out[-1].append([round(x.t - t_start, 3), x.step or 0])
     return out
-
-
-def plot_timeline(report: dict[str, Any], path: pathlib.Path) -> None:
-    """PNG: committed step vs time per replica, kills and restarts marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, lx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    t0 = report["t_start"]
-    for n, (replica, segments) in enumerate(report["timeline"].items()):
-        for k, points in enumerate(segments):
-            ax.plot([p[0] for p in points], [p[1] for p in points], ".-", ms=3, color=f"C{n}",
-                    label=f"replica {replica}" if k == 0 else None)
-    for e in report["events"]:
-        if e["event"] == "exit":
-            ax.axvline(e["t"] - t0, color="red", ls="--", lw=1)
-            ax.text(e["t"] - t0, 0, f" kill r{e['replica']}", color="red", rotation=90, va="bottom")
-        elif e["event"] == "start" and e["incarnation"] > 1:
-            ax.axvline(e["t"] - t0, color="green", ls=":", lw=1)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("committed step")
-    ax.set_title(f"{report['replicas']} replicas x {report['ranks_per_replica']} ranks")
-    ax.legend()
-    for n, (replica, points) in enumerate(report["loss"].items()):
-        lx.plot([p[0] for p in points], [p[1] for p in points], ".", ms=2, color=f"C{n}", label=f"replica {replica}")
-    lx.set_xlabel("step")
-    lx.set_ylabel("loss (rank 0 micro-batch)")
-    lx.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

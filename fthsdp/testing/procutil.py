@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
 import subprocess
+import sys
 import time
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a trainer child: this process's, one thread per process (the cores are shared),
+    unbuffered output, ``extra``; never a stray ``FTHSDP_FAULT`` from the caller's environment."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+    env.pop("FTHSDP_FAULT", None)
+    return env
+
+
+def torchrun(nproc: int, *, max_restarts: int = 0) -> list[str]:
+    """The command line of a standalone torchrun of ``nproc`` workers (the module and its flags follow)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts)]
 
 
 class ProcessDied(RuntimeError):
@@ -45,3 +61,27 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def kill_group(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL our own child's process group (started with ``start_new_session``) and reap it."""
+    if proc is not None and proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_to_completion(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, timeout_s: float,
+                      what: str) -> None:
+    """Run ``cmd`` in its own session, output appended to ``log_path``, until it exits (its process group is
+    killed at the end either way); raise if it fails or outlasts ``timeout_s``."""
+    with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{what} did not finish in {timeout_s}s (log: {log_path})") from None
+    finally:
+        kill_group(proc)
+    if code != 0:
+        raise RuntimeError(f"{what} exited with {code} (log: {log_path})")

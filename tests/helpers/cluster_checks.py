@@ -7,15 +7,16 @@ import pathlib
 from typing import Any
 
 from fthsdp.testing import invariants as inv
+from fthsdp.testing.progress import ProgressRow, progress_path, read_progress
 
 
-def progress(tmp: pathlib.Path, replica: int) -> list[dict[str, Any]]:
-    path = tmp / f"replica{replica}.progress.jsonl"
+def progress(tmp: pathlib.Path, replica: int) -> list[ProgressRow]:
+    path = progress_path(tmp, replica)
     assert path.exists(), f"no progress file {path}"
-    return inv.read_progress(path)
+    return read_progress(path)
 
 
-def _all(tmp: pathlib.Path, replicas: int) -> dict[int, list[dict[str, Any]]]:
+def _all(tmp: pathlib.Path, replicas: int) -> inv.Rows:
     return {r: progress(tmp, r) for r in range(replicas)}
 
 
@@ -32,7 +33,7 @@ def check_survivor(tmp: pathlib.Path, replica: int, steps: int) -> None:
     _ok(inv.survivor(progress(tmp, replica), steps))
 
 
-def committed(tmp: pathlib.Path, replicas: int) -> dict[int, dict[str, Any]]:
+def committed(tmp: pathlib.Path, replicas: int) -> dict[int, ProgressRow]:
     """Step -> a row of it, in the lineage that survived (see ``fthsdp.testing.invariants.committed``); every row of one
     step must say the same batches were trained."""
     rows, problems = inv.committed(_all(tmp, replicas))

@@ -117,7 +117,8 @@ def test_replica_groups_are_an_indexed_job_that_restarts() -> None:
     svc = _find("Service", lighthouse["spec"]["serviceName"])
     assert svc["spec"]["clusterIP"] == "None"
     port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc")
-    names = [f"lighthouse-{i}.{svc['metadata']['name']}.fthsdp.svc:{port}" for i in range(lighthouse["spec"]["replicas"])]
+    names = [f"lighthouse-{i}.{svc['metadata']['name']}.fthsdp.svc:{port}"
+             for i in range(lighthouse["spec"]["replicas"])]
     assert env["FTHSDP_LIGHTHOUSE"].split(",") == names
     assert _flag(lh_args, "--advertise") == f"$(POD_NAME).{svc['metadata']['name']}.fthsdp.svc:{port}"
 
@@ -220,7 +221,7 @@ def _env_table() -> dict[str, str]:
 
 def test_env_table_matches_config() -> None:
     table = _env_table()
-    config = set(re.findall(r"``(FTHSDP_[A-Z_]+)``", (ROOT / "fthsdp" / "config.py").read_text()))
+    config = set(re.findall(r"``(FTHSDP_[A-Z_]+)``", (ROOT / "fthsdp" / "runtime" / "config.py").read_text()))
     assert config, "fthsdp/runtime/config.py documents no FTHSDP_* variable"
     missing = config - table.keys()
     assert not missing, f"deploy/torchrun/README.md does not document {sorted(missing)}"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from fthsdp.bench.recovery_metrics import median_step, recovery_metrics, whole_job_restart_metrics
+from fthsdp.bench.recovery_metrics import Failure, median_step, recovery_metrics, whole_job_restart_metrics
+from fthsdp.testing.progress import ProgressRow
 
 
-def rows(times: list[float], first_step: int = 0, incarnation: int = 1, joined_first: bool = False) -> list[dict]:
-    return [{"event": "step", "step": first_step + k, "t": t, "incarnation": incarnation,
-             "joined": joined_first and k == 0} for k, t in enumerate(times)]
+def rows(times: list[float], first_step: int = 0, incarnation: int = 1,
+         joined_first: bool = False) -> list[ProgressRow]:
+    return [ProgressRow("step", t, step=first_step + k, incarnation=incarnation, joined=joined_first and k == 0)
+            for k, t in enumerate(times)]
 
 
 def test_one_failure_stall_rejoin_and_ett() -> None:
@@ -19,7 +21,7 @@ def test_one_failure_stall_rejoin_and_ett() -> None:
     killed = rows([float(t) for t in range(0, 11)]) + rows([18.0 + k for k in range(0, 14)], first_step=16,
                                                              incarnation=2, joined_first=True)
     steps = {0: rows(survivor), 1: killed, 2: rows(survivor)}
-    m = recovery_metrics(steps, [{"t": 10.5, "replica": 1}], replicas=3)
+    m = recovery_metrics(steps, [Failure(10.5, 1)], replicas=3)
     assert m["median_step_s"] == pytest.approx(1.0)
     assert m["stall_per_failure_s"] == [pytest.approx(2.0)]
     assert m["survivor_max_stall_s"] == pytest.approx(2.0)
@@ -44,7 +46,7 @@ def test_warmup_excludes_early_gaps_and_incarnations_do_not_mix() -> None:
 def test_stalls_are_attributed_to_each_failure() -> None:
     survivor = [0.0, 1.0, 2.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 14.0, 15.0]  # stalls of 2 s then 3 s
     steps = {0: rows(survivor), 1: rows([0.0, 1.0, 2.0]), 2: rows([0.0, 1.0, 2.0, 5.0, 6.0, 7.0, 8.0, 9.0])}
-    m = recovery_metrics(steps, [{"t": 2.5, "replica": 1}, {"t": 9.5, "replica": 2}], replicas=3)
+    m = recovery_metrics(steps, [Failure(2.5, 1), Failure(9.5, 2)], replicas=3)
     assert m["stall_per_failure_s"] == [pytest.approx(2.0), pytest.approx(3.0)]
     assert m["rejoin_s"] is None  # nobody came back
 
@@ -55,7 +57,7 @@ def test_whole_job_restart_counts_lost_steps() -> None:
     before = [float(t) for t in range(0, 20)]
     after = [27.5 + k for k in range(0, 45)]  # steps 15..59
     one = rows(before) + rows(after, first_step=15, incarnation=2)
-    m = whole_job_restart_metrics({0: one, 1: one, 2: one}, {"t": 20.5, "replica": 1}, replicas=3)
+    m = whole_job_restart_metrics({0: one, 1: one, 2: one}, Failure(20.5, 1), replicas=3)
     assert m["resume_s"] == pytest.approx(7.0)
     assert m["lost_steps"] == 5
     assert m["restart_from_step"] == 15

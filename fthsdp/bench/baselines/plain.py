@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import pathlib
 import statistics
-import subprocess
 import time
 from typing import Any
 
-from fthsdp.bench.baselines.common import WARMUP_STEPS, child_env, kill_group, read_rows, torchrun
-from fthsdp.bench.recovery_metrics import recovery_metrics
+from fthsdp.bench.recovery_metrics import WARMUP_STEPS, recovery_metrics
+from fthsdp.testing.procutil import child_env, run_to_completion, torchrun
+from fthsdp.testing.progress import read_progress
 
 
 def run_plain(workdir: pathlib.Path | str, steps: int = 60, seed: int = 0, replicas: int = 3, ranks: int = 1,
@@ -27,20 +27,12 @@ def run_plain(workdir: pathlib.Path | str, steps: int = 60, seed: int = 0, repli
            "--model", model, "--steps", str(steps), "--batch", str(batch), "--lr", str(lr), "--seed", str(seed),
            "--progress", str(progress)]
     load0 = os.getloadavg()[0]
-    with open(work / "plain.log", "ab") as out:
-        proc = subprocess.Popen(cmd, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        code = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise TimeoutError(f"plain baseline did not finish in {timeout_s}s (log: {work / 'plain.log'})")
-    finally:
-        kill_group(proc)
-    if code != 0:
-        raise RuntimeError(f"plain baseline exited with {code} (log: {work / 'plain.log'})")
-    rows = read_rows(progress)
-    steps_rows = {r: [x for x in rows if x["event"] == "step" and x["replica"] == r] for r in range(replicas)}
+    run_to_completion(cmd, child_env(), work / "plain.log", timeout_s, "plain baseline")
+    rows = read_progress(progress)
+    steps_rows = {r: [x for x in rows if x.event == "step" and x.replica == r] for r in range(replicas)}
     m = recovery_metrics(steps_rows, [], replicas, warmup=warmup)
-    compute = [x["step_s"] for v in steps_rows.values() for x in v if x["step"] >= warmup]
+    compute = [x.step_s for v in steps_rows.values() for x in v
+               if x.step is not None and x.step >= warmup and x.step_s is not None]
     return {
         "system": "plain FSDP2-HSDP",
         "step_s": round(m["median_step_s"], 4),

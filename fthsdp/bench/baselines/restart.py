@@ -1,11 +1,11 @@
 """The whole-job restart baseline (what torchrun elastic does): one torchrun of every rank of every replica
 training plain FSDP2-HSDP with a DCP checkpoint every 5 steps (``fthsdp.bench.baselines.restart_train``); one worker
 is SIGKILLed at ``kill_step``; torchrun (``--max-restarts 1``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` so that
-the restarted workers do not read the dead ones' addresses, DESIGN.md section 10) stops and restarts every
+the restarted workers do not read the dead ones' addresses, docs/design.md §10) stops and restarts every
 worker, which reload the newest checkpoint and train on.
 
 There are no survivors: the stall is the time from the kill to the first step committed after the restart
-(``resume_s``) plus the steps lost since the last checkpoint times the median step (WORKLOAD.md's definition).
+(``resume_s``) plus the steps lost since the last checkpoint times the median step (docs/design.md §12).
 ``stall_measured_s`` counts the steps this run lost (none when the kill lands right after a checkpoint, as at
 step 20 with one every 5); ``stall_s`` counts the average loss of a failure at a random time,
 ``checkpoint_every / 2`` steps. ``rejoin_s`` is ``resume_s``. torchrun restarts at once (no
@@ -17,12 +17,12 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
-import subprocess
 import time
 from typing import Any
 
-from fthsdp.bench.baselines.common import WARMUP_STEPS, child_env, kill_group, read_rows, torchrun
-from fthsdp.bench.recovery_metrics import whole_job_restart_metrics
+from fthsdp.bench.recovery_metrics import WARMUP_STEPS, Failure, recovery_metrics, whole_job_restart_metrics
+from fthsdp.testing.procutil import child_env, run_to_completion, torchrun
+from fthsdp.testing.progress import progress_path, read_progress, steps_of
 
 
 def run_restart(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 20, seed: int = 0,
@@ -45,25 +45,18 @@ def run_restart(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
     env = child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     t_start = time.time()
     load0 = os.getloadavg()[0]
-    with open(work / "torchrun.log", "ab") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        code = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise TimeoutError(f"restart baseline did not finish in {timeout_s}s (log: {work / 'torchrun.log'})")
-    finally:
-        kill_group(proc)
-    if code != 0:
-        raise RuntimeError(f"restart baseline exited with {code} (log: {work / 'torchrun.log'})")
-    per = {i: read_rows(work / f"replica{i}.progress.jsonl") for i in range(replicas)}
-    steps_rows = {i: [x for x in rows if x["event"] == "step"] for i, rows in per.items()}
-    kills = [x for rows in per.values() for x in rows if x["event"] == "kill"]
-    finals = [next((x for x in reversed(rows) if x["event"] == "final"), None) for rows in per.values()]
-    restored = [x for rows in per.values() for x in rows if x["event"] == "restored"]
-    saves = [x["save_s"] for rows in per.values() for x in rows if x["event"] == "checkpoint"]
+    run_to_completion(cmd, env, work / "torchrun.log", timeout_s, "restart baseline")
+    per = {i: read_progress(progress_path(work, i)) for i in range(replicas)}
+    steps_rows = {i: steps_of(rows) for i, rows in per.items()}
+    kills = [x for rows in per.values() for x in rows if x.event == "kill"]
+    finals = [next((x for x in reversed(rows) if x.event == "final"), None) for rows in per.values()]
+    restored = [x for rows in per.values() for x in rows if x.event == "restored"]
+    saves = [x.extra["save_s"] for rows in per.values() for x in rows if x.event == "checkpoint"]
     result: dict[str, Any] = {"system": "whole-job restart"}
     if kills:
-        m = whole_job_restart_metrics(steps_rows, kills[0], replicas, warmup=warmup)
+        kill = kills[0]
+        m = whole_job_restart_metrics(steps_rows, Failure(kill.t, kill.replica or 0, kill.incarnation), replicas,
+                                      warmup=warmup)
         # The kill lands at a fixed step, so the steps lost since the last checkpoint depend on where the
         # schedule puts checkpoints (at step 20 with one every 5: none). A failure at a random time loses
         # checkpoint_every / 2 steps on average: that is the stall reported; the measured one is beside it.
@@ -72,23 +65,21 @@ def run_restart(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
                       rejoin_s=round(m["rejoin_s"], 3), resume_s=round(m["resume_s"], 3),
                       lost_steps=m["lost_steps"], restart_from_step=m["restart_from_step"])
     else:
-        from fthsdp.bench.recovery_metrics import recovery_metrics
-
         m = recovery_metrics(steps_rows, [], replicas, warmup=warmup)
         result.update(stall_s=0.0, rejoin_s=None)
-    hashes = {f["local_param_hash"] for f in finals if f}
+    hashes = {f.local_param_hash for f in finals if f}
     result.update(
         step_s=round(m["median_step_s"], 4), ett=round(m["effective_training_time"], 3),
         final_equal=len(hashes) == 1 and all(finals), wall_s=round(m["wall_s"], 2),
         replica_steps_trained=m["replica_steps_trained"], failures=len(kills),
         checkpoint_save_s=round(sorted(saves)[len(saves) // 2], 3) if saves else None,
-        checkpoint_load_s=round(max(x["load_s"] for x in restored), 3) if restored else None,
+        checkpoint_load_s=round(max(x.extra["load_s"] for x in restored), 3) if restored else None,
         t_start=t_start, loadavg_1min=[round(load0, 2), round(os.getloadavg()[0], 2)],
         settings={"replicas": replicas, "ranks_per_replica": ranks, "steps": steps,
                   "kill": f"{kill_replica}@{kill_step}", "checkpoint_every": checkpoint_every, "model": model,
                   "batch": batch, "lr": lr, "warmup_steps": warmup, "torchrun_max_restarts": 1,
                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "restart_delay_s": 0.0},
-        progress={str(i): rows for i, rows in steps_rows.items()},
+        progress={str(i): [x.to_json() for x in rows] for i, rows in steps_rows.items()},
     )
     return result
 

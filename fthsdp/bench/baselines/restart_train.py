@@ -6,7 +6,7 @@ torchrun-elastic job does after a failure):
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 3 --max-restarts 1 \\
         -m fthsdp.bench.baselines.restart_train --hsdp-replicas 3 --checkpoint-dir ckpt --progress-dir out
 
-The reference workload (WORKLOAD.md): same model, data (slot = replica index), optimizer as
+The reference workload (docs/design.md §12): same model, data (slot = replica index), optimizer as
 ``fthsdp.examples.train --plain``. ``--kill REPLICA@STEP``: in the first incarnation, rank 0 of that replica
 SIGKILLs itself when it reaches STEP (the agent then stops and restarts every worker). Rank 0 of each replica
 appends JSON lines to ``PROGRESS_DIR/replica{R}.progress.jsonl``: ``start`` (with the step it resumed at),
@@ -24,10 +24,11 @@ import signal
 import sys
 import time
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     from fthsdp.examples.data import batch
     from fthsdp.examples.gpt import GPT, GPTConfig
     from fthsdp.testing.procutil import write_atomic
+    from fthsdp.testing.progress import progress_path
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
     kill_replica, kill_step = (int(x) for x in a.kill.split("@")) if a.kill else (-1, -1)
 
-    out = open(pathlib.Path(a.progress_dir) / f"replica{slot}.progress.jsonl", "a", buffering=1) if srank == 0 else None
+    path = progress_path(pathlib.Path(a.progress_dir), slot)
+    out = open(path, "a", buffering=1) if srank == 0 else None  # noqa: SIM115 (written to until the process exits)
 
     def write(**kv: Any) -> None:
         if out is not None:
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         start = int(latest.read_text())
         model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(ckpt / f"step-{start}"))
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         write(event="restored", step=start, load_s=time.perf_counter() - t0)
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
             write(event="checkpoint", step=step + 1, save_s=time.perf_counter() - t1)
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().to_local().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(cast(DTensor, p.detach()).to_local().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     write(event="final", step=a.steps, local_param_hash=h.hexdigest())
     dist.destroy_process_group()
 

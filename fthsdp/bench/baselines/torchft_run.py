@@ -5,7 +5,7 @@ restarted ``restart_delay_s`` later; it heals from a live group and trains on.
 
 torchft settings (documented in the result's ``settings``): lighthouse ``--min_replicas 2 --join_timeout_ms 1000
 --heartbeat_timeout_ms 5000 --quorum_tick_ms 100`` (torchft's default join timeout is 60 s, which stalls the
-survivors that long at each failure; WORKLOAD.md measured 1.25 s with 1 s and 5.3 s with the defaults it used),
+survivors that long at each failure; docs/design.md §12 measured 1.25 s with 1 s and 5.3 s with the defaults it used),
 Manager and Gloo timeouts 5 s (fthsdp's collective deadline), asynchronous quorum, ``init_sync=False`` (all groups
 seed the same weights), ``min_replica_size=2``.
 """
@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fthsdp.bench.baselines.common import (WARMUP_STEPS, child_env, free_port, kill_group, read_rows, torchrun,
-                                     wait_port)
-from fthsdp.bench.recovery_metrics import recovery_metrics
+from fthsdp.bench.recovery_metrics import WARMUP_STEPS, Failure, recovery_metrics
+from fthsdp.testing.ports import free_port, wait_port
+from fthsdp.testing.procutil import child_env, kill_group, torchrun
+from fthsdp.testing.progress import read_progress, steps_of
 
 JOIN_TIMEOUT_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -67,12 +68,11 @@ def run_torchft(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
         g.progress.unlink(missing_ok=True)
     events: list[dict[str, Any]] = []
     port = free_port()
-    lh_log = open(work / "lighthouse.log", "wb")
-    lighthouse = subprocess.Popen([_lighthouse_binary(), "--bind", f"127.0.0.1:{port}", "--min_replicas", "2",
-                                   "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms",
-                                   str(HEARTBEAT_TIMEOUT_MS), "--quorum_tick_ms", str(QUORUM_TICK_MS)],
-                                  stdout=lh_log, stderr=subprocess.STDOUT, start_new_session=True)
-    lh_log.close()
+    with open(work / "lighthouse.log", "wb") as lh_log:  # the child keeps its own copy of the descriptor
+        lighthouse = subprocess.Popen([_lighthouse_binary(), "--bind", f"127.0.0.1:{port}", "--min_replicas", "2",
+                                       "--join_timeout_ms", str(join_timeout_ms), "--heartbeat_timeout_ms",
+                                       str(HEARTBEAT_TIMEOUT_MS), "--quorum_tick_ms", str(QUORUM_TICK_MS)],
+                                      stdout=lh_log, stderr=subprocess.STDOUT, start_new_session=True)
     env = child_env(TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}", RUST_LOG="warn")
     # torchrun never restarts a group here (this launcher does): the workers share the agent's store.
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
@@ -139,12 +139,12 @@ def run_torchft(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
         for g in groups:
             kill_group(g.proc)
         kill_group(lighthouse)
-    per = {g.index: read_rows(g.progress) for g in groups}
-    steps_rows = {i: [x for x in rows if x["event"] == "step"] for i, rows in per.items()}
-    finals = [next((x for x in reversed(rows) if x["event"] == "final"), None) for rows in per.values()]
-    failures = [e for e in events if e["event"] == "exit"]
+    per = {g.index: read_progress(g.progress) for g in groups}
+    steps_rows = {i: steps_of(rows) for i, rows in per.items()}
+    finals = [next((x for x in reversed(rows) if x.event == "final"), None) for rows in per.values()]
+    failures = [Failure(e["t"], e["replica"]) for e in events if e["event"] == "exit"]
     m = recovery_metrics(steps_rows, failures, replicas, warmup=warmup)
-    hashes = {f["param_hash"] for f in finals if f}
+    hashes = {f.param_hash for f in finals if f}
     return {
         "system": "torchft",
         "step_s": round(m["median_step_s"], 4),
@@ -158,16 +158,17 @@ def run_torchft(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
         "replica_steps_trained": m["replica_steps_trained"],
         "failures": len(failures),
         "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
-        "final_steps": [f["step"] if f else None for f in finals],
-        "settings": {"replicas": replicas, "ranks_per_replica": 1, "steps": steps, "kill": f"{kill_replica}@{kill_step}",
-                     "restart_delay_s": restart_delay_s, "model": model, "batch": batch, "lr": lr,
+        "final_steps": [f.step if f else None for f in finals],
+        "settings": {"replicas": replicas, "ranks_per_replica": 1, "steps": steps,
+                     "kill": f"{kill_replica}@{kill_step}", "restart_delay_s": restart_delay_s, "model": model,
+                     "batch": batch, "lr": lr,
                      "warmup_steps": warmup, "join_timeout_ms": join_timeout_ms,
                      "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS,
                      "lighthouse_min_replicas": 2, "manager_min_replica_size": 2,
                      "timeout_s": collective_timeout_s, "async_quorum": True,
                      "gradient_exchange": "manager.allreduce of one flat bucket after backward + should_commit"},
         "events": events,
-        "progress": {str(i): rows for i, rows in steps_rows.items()},
+        "progress": {str(i): [x.to_json() for x in rows] for i, rows in steps_rows.items()},
     }
 
 

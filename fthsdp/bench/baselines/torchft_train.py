@@ -1,10 +1,10 @@
-"""The reference workload (``/work/shared/WORKLOAD.md``) trained with torchft 0.2.0: its ``Manager``, its
+"""The reference workload (docs/design.md §12) trained with torchft 0.2.0: its ``Manager``, its
 lighthouse and its reconfigurable ``ProcessGroupGloo``. One replica group = one torchrun of one rank here:
 
     TORCHFT_LIGHTHOUSE=http://127.0.0.1:PORT torchrun --standalone --nproc-per-node 1 \\
         -m fthsdp.bench.baselines.torchft_train --replica-index 0 --progress r0.jsonl
 
-torchft's DDP wrapper crashed the survivors on a kill on this stack (WORKLOAD.md), so the gradients are averaged
+torchft's DDP wrapper crashed the survivors on a kill on this stack (docs/design.md §12), so the gradients are averaged
 with ``manager.allreduce`` on one flat bucket after the backward pass, and the optimizer steps only when
 ``manager.should_commit()`` agrees: the loop of torchft's ``train_ddp.py`` without the wrapper. The quorum is
 asynchronous (torchft's default: it runs during the forward pass). A restarted group heals from a live one at
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
                       min_replica_size=a.min_replicas, replica_id=f"torchft_{a.replica_index}", timeout=timeout,
                       quorum_timeout=timedelta(seconds=a.quorum_timeout), init_sync=False, hostname="127.0.0.1")
-    progress = open(a.progress, "a", buffering=1)
+    progress = open(a.progress, "a", buffering=1)  # noqa: SIM115 (written to until the process exits)
 
     def write(**kv: Any) -> None:
         progress.write(json.dumps({"replica": a.replica_index, "incarnation": a.incarnation, "mode": "torchft",
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         healing = manager._healing  # torchft has no public accessor; True in the step a group heals
         participants = manager.num_participants()
         if manager.should_commit():  # applies a healing group's received state first
-            for p, g in zip(params, flat.split(sizes)):
+            for p, g in zip(params, flat.split(sizes), strict=True):
                 p.grad.copy_(g.view_as(p))  # type: ignore[union-attr]
             opt.step()
             write(event="step", step=manager.current_step() - 1, joined=healing, participants=participants,

@@ -1,0 +1,269 @@
+"""The benchmarks' results, typed, and their human tables: what ``fthsdp bench ...`` and ``fthsdp sim`` print.
+``to_json()`` gives the JSON document (``--json``; the keys ``docs/bench-data/*.json`` hold and ``fthsdp.bench.docs``
+reads); ``format_*`` the table."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+
+class Result(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
+class _AsJson:
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document: every field, in order."""
+        out: dict[str, Any] = dataclasses.asdict(cast(Any, self))
+        return out
+
+
+# --- bench lighthouse -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LighthouseRun(_AsJson):
+    """One replica count of ``fthsdp bench lighthouse`` (``fthsdp.bench.lighthouse``'s module doc)."""
+
+    replicas: int
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    bootstrap_s: float
+    epoch_message_bytes: int
+    heartbeats_per_s: float
+    heartbeats_offered_per_s: float
+    heartbeat_ratio: float
+    lighthouse_cpu_pct: float
+    emulator_cpu_pct: float
+    deaths: int
+    detect_p50_s: float
+    push_p50_s: float
+    push_p99_s: float
+    death_to_all_p50_s: float
+    death_to_all_p99_s: float
+    rejoins: int
+    rejoin_to_all_p50_s: float | None
+    rejoin_to_all_p99_s: float | None
+    rejoin_push_p50_s: float | None
+    rejoin_push_p99_s: float | None
+    lighthouse_cpu_pct_churn: float
+    emulator_cpu_pct_churn: float
+    churn_s: float
+    loadavg_1min: float
+    measured_at: str
+
+
+@dataclass(frozen=True)
+class LighthouseResult(_AsJson):
+    cpus: int | None
+    results: list[LighthouseRun]
+    benchmark: str = "lighthouse"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"benchmark": self.benchmark, "cpus": self.cpus, "results": [r.to_json() for r in self.results]}
+
+
+def format_lighthouse(r: LighthouseResult) -> str:
+    lines = [f"{'replicas':>8} {'hb int':>6} {'hb/s':>9} {'hb ratio':>8} {'lh cpu%':>7} {'detect p50':>10} "
+             f"{'push p50':>9} {'push p99':>9} {'death->all p50/p99':>19} {'rejoin->all p50/p99':>20} "
+             f"{'churn lh cpu%':>13}"]
+    for x in r.results:
+        lines.append(f"{x.replicas:>8} {x.heartbeat_interval_s:>6} {x.heartbeats_per_s:>9} "
+                     f"{x.heartbeat_ratio:>8} {x.lighthouse_cpu_pct:>7} {x.detect_p50_s:>10} "
+                     f"{x.push_p50_s:>9} {x.push_p99_s:>9} "
+                     f"{x.death_to_all_p50_s:>9}/{x.death_to_all_p99_s:<9} "
+                     f"{x.rejoin_to_all_p50_s!s:>9}/{x.rejoin_to_all_p99_s!s:<10} "
+                     f"{x.lighthouse_cpu_pct_churn:>13}")
+    return "\n".join(lines)
+
+
+# --- bench ftar -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FtarResult(_AsJson):
+    """``fthsdp bench ftar`` (``fthsdp.bench.ftar``'s module doc)."""
+
+    members: int
+    mb: float
+    baseline_allreduce_s: float
+    ftar_allreduce_s: float
+    baseline_gbps: float
+    ftar_gbps: float
+    throughput_ratio: float
+    baseline_average_s: float
+    ftar_average_keep_inputs_s: float
+    average_keep_inputs_ratio: float
+    rebuild_s: float
+    first_build_s: float
+    kill_stall_s: float
+    normal_exchange_s: float
+    contributors_after_kill: int
+    benchmark: str = "ftar"
+    backend: str = "gloo"
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return {"benchmark": d.pop("benchmark"), "backend": d.pop("backend"), **d}
+
+
+def format_ftar(r: FtarResult) -> str:
+    return "\n".join([
+        f"FTAR vs torch.distributed.all_reduce, {r.members} members, {r.mb} MB, {r.backend}",
+        f"  all_reduce {r.baseline_allreduce_s}s  FTAR {r.ftar_allreduce_s}s  throughput ratio {r.throughput_ratio}",
+        f"  rebuild for a new epoch {r.rebuild_s}s  stall on SIGKILL mid-exchange {r.kill_stall_s}s"])
+
+
+# --- bench overhead -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OverheadResult(_AsJson):
+    """``fthsdp bench overhead`` (``fthsdp.bench.overhead``'s module doc)."""
+
+    replicas: int
+    ranks_per_replica: int
+    model: str
+    steps: int
+    warmup_steps: int
+    rounds: int
+    baseline_step_s: float
+    fthsdp_step_s: float
+    step_time_ratio: float
+    baseline_runs_s: list[float]
+    fthsdp_runs_s: list[float]
+    benchmark: str = "overhead"
+    baseline: str = "plain FSDP2-HSDP (replicate x shard mesh, one torchrun)"
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        head = {"benchmark": d.pop("benchmark")}
+        head.update((k, d.pop(k)) for k in ("replicas", "ranks_per_replica", "model", "steps", "warmup_steps",
+                                            "rounds", "baseline"))
+        return {**head, **d}
+
+
+def format_overhead(r: OverheadResult) -> str:
+    return "\n".join([
+        f"{r.replicas} replicas x {r.ranks_per_replica} ranks, {r.model} model, median of steps >= {r.warmup_steps}",
+        f"  plain FSDP2-HSDP {r.baseline_step_s}s/step  fthsdp {r.fthsdp_step_s}s/step  ratio {r.step_time_ratio}"])
+
+
+# --- bench recovery -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RecoveryResult(_AsJson):
+    """fthsdp's run of ``fthsdp bench recovery`` (``fthsdp.bench.recovery``'s module doc)."""
+
+    replicas: int
+    ranks_per_replica: int
+    steps: int
+    model: str
+    kill: str
+    survivor_stall_s: float
+    catchup_step_ratio: float
+    join_s: float
+    join_from_registration_s: float
+    transfer_ratio: float
+    down_step_s: float
+    catchup_step_s: float
+    catchup_steps_observed: int
+    catchup_bytes_rank0: int
+    transfer_mbps: float
+    socket_copy_mbps: float
+    catchup: dict[str, Any]
+    """The joiner's catch-up record, as its progress row has it."""
+    rejoin_s: float | None
+    effective_training_time: float
+    # The keys every system of ``bench recovery --vs torchft`` reports (fthsdp/bench/vs.py).
+    step_s: float
+    stall_s: float
+    ett: float
+    final_equal: bool
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """``fthsdp bench recovery``: fthsdp's run and, with ``--vs torchft``, the side-by-side comparison
+    (``fthsdp.bench.vs.compare``'s document, merged at the top level)."""
+
+    fthsdp: RecoveryResult
+    vs: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fthsdp": self.fthsdp.to_json(), **(self.vs or {})}
+
+
+def format_recovery(r: RecoveryReport) -> str:
+    f = r.fthsdp
+    lines = [f"fthsdp recovery: {f.replicas} replicas x {f.ranks_per_replica} ranks, {f.model} model, "
+             f"kill {f.kill}; final states equal: {f.final_equal}",
+             f"  survivors' stall at the failure   {f.survivor_stall_s:>8} s",
+             f"  step-time ratio during catch-up   {f.catchup_step_ratio:>8}   (target <= 1.1; "
+             f"{f.catchup_steps_observed} survivor steps)",
+             f"  joiner start -> active            {f.join_s:>8} s   (from its registration: "
+             f"{f.join_from_registration_s} s)",
+             f"  transfer / plain socket copy      {f.transfer_ratio:>8}   ({f.transfer_mbps} vs "
+             f"{f.socket_copy_mbps} MB/s; target >= 0.5)"]
+    if r.vs is not None and "table" in r.vs:
+        lines += ["", format_vs_table(r.vs)]
+    return "\n".join(lines)
+
+
+def _cell(v: Any, spec: str) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    return format(v, spec)
+
+
+def format_vs_table(result: dict[str, Any]) -> str:
+    """The side-by-side table of ``fthsdp.bench.vs.compare``'s document."""
+    w = result.get("workload", {})
+    lines = [f"{w.get('replicas', '?')} replicas x {w.get('ranks_per_replica', '?')} rank, {w.get('steps', '?')} "
+             f"steps, SIGKILL {w.get('kill', '?')}, restart after {w.get('restart_delay_s', '?')} s",
+             f"{'system':<30} {'step s':>8} {'vs plain':>8} {'stall s':>8} {'rejoin s':>9} {'ETT':>6} "
+             f"{'equal':>6}"]
+    for r in result["table"]:
+        lines.append(f"{r['system']:<30} {_cell(r['step_s'], '.3f'):>8} {_cell(r['step_ratio'], '.2f'):>8} "
+                     f"{_cell(r['stall_s'], '.2f'):>8} {_cell(r['rejoin_s'], '.2f'):>9} {_cell(r['ett'], '.3f'):>6} "
+                     f"{_cell(r.get('final_equal'), ''):>6}")
+    return "\n".join(lines)
+
+
+# --- sim ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModeEtt(_AsJson):
+    """One mode's effective training time, simulated, beside its closed forms."""
+
+    ett: float
+    closed_form_fixed: float
+    poisson_limit: float
+
+
+@dataclass(frozen=True)
+class SimResult(_AsJson):
+    """``fthsdp sim`` (``fthsdp.bench.sim``'s module doc): whole-job restarts (``sync``) vs fthsdp."""
+
+    config: dict[str, Any]
+    """The ``SimConfig``'s fields."""
+    replicas: int
+    horizon_min: float
+    failures: int
+    sync: ModeEtt
+    fthsdp: ModeEtt
+
+
+def format_sim(r: SimResult) -> str:
+    lines = [f"{r.replicas} replicas, {r.failures} failures over {r.horizon_min / 60:.0f} h "
+             f"({r.config['arrivals']} arrivals)"]
+    for mode, x in (("sync", r.sync), ("fthsdp", r.fthsdp)):
+        lines.append(f"  {mode:<7} ETT {x.ett:.3f}  (closed form, fixed arrivals {x.closed_form_fixed:.3f}; "
+                     f"Poisson limit {x.poisson_limit:.3f})")
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""The settings of a chaos run (``fthsdp chaos``): the schedule's, the local cluster's and the replicas'. The run
+turns them into the launcher's ``ClusterConfig`` (``cluster_config``), the one place they reach the processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fthsdp.chaos.schedule import HA_KINDS, REPLICA_KINDS
+from fthsdp.testing.launcher import ClusterConfig
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    seed: int = 0
+    """The schedule's seed (``soak``: run i uses seed + i)."""
+    replicas: int = 3
+    """Replica groups."""
+    steps: int = 400
+    """Steps per run: enough for the last fault's replica to be back before the others finish."""
+    kinds: tuple[str, ...] = REPLICA_KINDS
+    """Fault kinds drawn (``fthsdp.chaos.schedule.KINDS``; the HA kinds only with ``ha``)."""
+    faults: int = 0
+    """Faults per run (0: one per kind)."""
+    ha: bool = False
+    """A 3-member etcd on loopback and ``lighthouses`` lighthouses on it."""
+    lighthouses: int = 3
+    """Lighthouses of the HA set."""
+    min_step_s: float = 0.15
+    """Pace the trainer's steps to at least this long."""
+    model: str = "tiny"
+    ranks: int = 2
+    """Ranks per replica group."""
+    timeout_s: float = 600.0
+    """Give one run up after this long."""
+    heartbeat_timeout_s: float = 4.0
+    """The lighthouse's heartbeat timeout."""
+    collective_timeout_s: float = 4.0
+    """The replicas' collective deadline (``FTHSDP_TIMEOUT``)."""
+    hang_s: tuple[float, float] = (6.0, 8.0)
+    """A hang lasts a uniform draw from this range."""
+    restart_delay_s: float = 0.5
+    """A group that exited is restarted this long after."""
+    epoch_wait_s: float = 15.0
+    """``FTHSDP_EPOCH_WAIT`` of the replicas: a replica continued after a hang finds itself out of the epoch and
+    waits this long for one that has it before it exits to rejoin (the runtime's default is 60 s)."""
+    last_fault_at: float = 0.7
+    """No fault armed past this fraction of the steps (a replica taken down must be back before the others
+    finish: a joiner finds no source once every healthy replica has left)."""
+
+    @property
+    def run_kinds(self) -> tuple[str, ...]:
+        """The kinds this run draws from: the HA kinds need ``ha``."""
+        return self.kinds if self.ha else tuple(k for k in self.kinds if k not in HA_KINDS)
+
+    def cluster_config(self, faults: int) -> ClusterConfig:
+        """The local cluster of a run with ``faults`` faults (each may cost a restart or two)."""
+        return ClusterConfig(replicas=self.replicas, ranks=self.ranks, steps=self.steps, model=self.model,
+                             seed=self.seed, restart_delay_s=self.restart_delay_s, timeout_s=self.timeout_s,
+                             heartbeat_timeout_s=self.heartbeat_timeout_s,
+                             collective_timeout_s=self.collective_timeout_s, min_step_s=self.min_step_s,
+                             max_restarts=4 * faults + 4,
+                             env={i: {"FTHSDP_EPOCH_WAIT": str(self.epoch_wait_s)} for i in range(self.replicas)})

@@ -1,0 +1,37 @@
+"""The text of chaos results: one line per run, a summary of a soak; and the kind a fault is counted under."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def kind_key(x: dict[str, Any]) -> str:
+    """The kind an injected fault is counted under (a kill by its last phase: ``kill@serve``)."""
+    if x["kind"] == "kill":
+        return f"kill@{x['phases'][-1]}"
+    return str(x["kind"])
+
+
+def summary_text(s: dict[str, Any]) -> str:
+    """A soak's summary (``soak``'s result): runs, faults by kind, violations."""
+    seeds = s["seeds"]
+    named = "" if not seeds else f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}..{seeds[-1]}"
+    lines = [(f"chaos: {s['runs']} run(s) ({named}), "
+              f"{s['faults_injected']} fault(s) injected in {s['wall_s']}s, {s['not_fired']} armed but not fired")]
+    for kind, n in sorted(s["by_kind"].items()):
+        lines.append(f"  {kind:<16} {n}")
+    if s["violations"]:
+        lines.append(f"VIOLATIONS in {len(s['violations'])} run(s):")
+        for seed, vs in s["violations"].items():
+            for v in vs:
+                lines.append(f"  seed {seed}: {v}")
+    else:
+        lines.append("invariants: all held (converged, survivors, exactly-once, no lost step, epochs increasing)")
+    return "\n".join(lines)
+
+
+def result_text(r: dict[str, Any]) -> str:
+    """One run's line (``run_chaos``'s result)."""
+    inj = "; ".join(x["describe"] for x in r["injected"]) or "none"
+    return (f"seed {r['seed']}{' (ha)' if r['ha'] else ''}: {len(r['injected'])} injected [{inj}], "
+            f"{len(r['not_fired'])} not fired, {len(r['violations'])} violation(s), {r['wall_s']}s")

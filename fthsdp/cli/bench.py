@@ -1,0 +1,98 @@
+"""``fthsdp bench lighthouse|ftar|overhead|recovery``: the benchmarks (``fthsdp.bench``), each against a baseline
+measured in the same run; ``--json`` prints the result's document, otherwise its table
+(``fthsdp.bench.results``)."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from typing import TYPE_CHECKING
+
+from fthsdp.cli.common import emit
+
+if TYPE_CHECKING:
+    from fthsdp.cli.common import Subparsers
+
+
+def cmd_bench_lighthouse(a: argparse.Namespace) -> None:
+    from fthsdp.bench.lighthouse import bench_lighthouse
+    from fthsdp.bench.results import format_lighthouse
+
+    result = bench_lighthouse(a.replicas, deaths=a.deaths, window_s=a.window, interval=a.heartbeat_interval,
+                              rejoins=not a.no_rejoins)
+    emit(result, a.json, format_lighthouse)
+
+
+def cmd_bench_ftar(a: argparse.Namespace) -> None:
+    from fthsdp.bench.ftar import bench_ftar
+    from fthsdp.bench.results import format_ftar
+
+    emit(bench_ftar(members=a.members, mb=a.mb, iters=a.iters, timeout_s=a.timeout), a.json, format_ftar)
+
+
+def cmd_bench_overhead(a: argparse.Namespace) -> None:
+    from fthsdp.bench.overhead import bench_overhead
+    from fthsdp.bench.results import format_overhead
+
+    result = bench_overhead(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model, rounds=a.rounds)
+    emit(result, a.json, format_overhead)
+
+
+def cmd_bench_recovery(a: argparse.Namespace) -> None:
+    from fthsdp.bench.recovery import bench_recovery
+    from fthsdp.bench.results import RecoveryReport, format_recovery
+
+    # Side by side with torchft: its workload (docs/design.md §12) is 1 rank per replica group, so ours is too.
+    ranks = a.ranks if a.ranks is not None else (1 if a.vs else 2)
+    ours = bench_recovery(replicas=a.replicas, ranks=ranks, steps=a.steps, kill_step=a.kill_step, model=a.model,
+                          restart_delay_s=a.restart_delay)
+    report = RecoveryReport(ours)
+    if a.vs:
+        from fthsdp.bench.vs import compare
+
+        with tempfile.TemporaryDirectory(prefix="fthsdp-bench-vs-") as tmp:
+            report = RecoveryReport(ours, compare(ours.to_json(), tmp, steps=a.steps, kill_step=a.kill_step,
+                                                  replicas=a.replicas))
+    emit(report, a.json, format_recovery)
+
+
+def register(sub: Subparsers) -> None:
+    bench = sub.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    bl = bsub.add_parser("lighthouse", help="heartbeat throughput and epoch push latency with N emulated replicas")
+    bl.add_argument("--replicas", type=int, nargs="+", default=[100, 1000])
+    bl.add_argument("--deaths", type=int, default=5)
+    bl.add_argument("--window", type=float, default=5.0, help="seconds of heartbeat measurement")
+    bl.add_argument("--heartbeat-interval", type=float, default=0.0,
+                    help="seconds; 0 (default): max(1, replicas/1000), about what one lighthouse keeps up with here")
+    bl.add_argument("--no-rejoins", action="store_true", help="skip bringing the dead replicas back")
+    bl.add_argument("--json", action="store_true")
+    bl.set_defaults(fn=cmd_bench_lighthouse)
+    bf = bsub.add_parser("ftar", help="FTAR vs plain all_reduce; rebuild time; stall on a SIGKILL mid-exchange")
+    bf.add_argument("--members", type=int, default=4)
+    bf.add_argument("--mb", type=float, default=64.0, help="tensor size in MiB (float32)")
+    bf.add_argument("--iters", type=int, default=3, help="timed exchanges per round (3 rounds)")
+    bf.add_argument("--timeout", type=float, default=5.0, help="collective deadline (s)")
+    bf.add_argument("--json", action="store_true")
+    bf.set_defaults(fn=cmd_bench_ftar)
+    bo = bsub.add_parser("overhead", help="steady-state step time: fthsdp vs plain FSDP2-HSDP")
+    bo.add_argument("--replicas", type=int, default=3)
+    bo.add_argument("--ranks", type=int, default=2)
+    bo.add_argument("--steps", type=int, default=60)
+    bo.add_argument("--model", default="reference")
+    bo.add_argument("--rounds", type=int, default=1, help="baseline/fthsdp alternations")
+    bo.add_argument("--json", action="store_true")
+    bo.set_defaults(fn=cmd_bench_overhead)
+    br = bsub.add_parser("recovery", help="a SIGKILL and rejoin: survivors' stall, catch-up cost, join time, "
+                                          "transfer throughput (--vs torchft: side by side with torchft and a "
+                                          "whole-job restart)")
+    br.add_argument("--replicas", type=int, default=3)
+    br.add_argument("--ranks", type=int, default=None, help="ranks per replica group (default 2; 1 with --vs)")
+    br.add_argument("--steps", type=int, default=60)
+    br.add_argument("--kill-step", type=int, default=20)
+    br.add_argument("--restart-delay", type=float, default=2.0)
+    br.add_argument("--model", default="reference")
+    br.add_argument("--vs", choices=["torchft"], default=None,
+                    help="also run torchft and a whole-job restart on the same workload")
+    br.add_argument("--json", action="store_true")
+    br.set_defaults(fn=cmd_bench_recovery)

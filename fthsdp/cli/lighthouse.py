@@ -1,0 +1,132 @@
+"""``fthsdp lighthouse`` (run the membership coordinator) and ``fthsdp status`` (print a lighthouse's members and
+epochs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import sys
+import urllib.error
+import urllib.request
+from typing import TYPE_CHECKING, Any
+
+from fthsdp.cli.common import add_client_security_args, client_security, run_until_signal
+
+if TYPE_CHECKING:
+    from fthsdp.cli.common import Subparsers
+
+
+def cmd_lighthouse(a: argparse.Namespace) -> None:
+    from fthsdp.testing.procutil import write_atomic
+    from lighthouse.config import LighthouseConfig
+    from lighthouse.membership import Policy
+    from lighthouse.security import SecurityConfigError, ServerSecurity
+    from lighthouse.server.app import serve
+    from lighthouse.stores.factory import open_store
+
+    interval = a.heartbeat_interval if a.heartbeat_interval else min(0.5, a.heartbeat_timeout / 4)
+    policy = Policy(min_replicas=a.min_replicas, heartbeat_interval_s=interval,
+                    heartbeat_timeout_s=a.heartbeat_timeout,
+                    confirm_age_s=a.confirm_age if a.confirm_age else min(a.heartbeat_timeout, 2 * interval),
+                    join_window_s=a.join_window, expected_replicas=a.expected_replicas,
+                    max_reforms=a.max_reforms)
+    try:
+        security = ServerSecurity.from_files(a.tls_cert, a.tls_key, a.tls_client_ca, a.token_file)
+        security.ssl_context()  # fail now, with a clear message, on unreadable TLS files
+        store = open_store(a.store)
+    except (SecurityConfigError, ValueError) as e:
+        sys.exit(f"fthsdp lighthouse: {e}")
+    config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job or ["default"]), policy=policy,
+                              rendezvous=not a.no_rendezvous, security=security, advertise=a.advertise,
+                              election_ttl_s=a.election_ttl)
+
+    def ready(lh: Any) -> None:
+        if a.port_file:
+            write_atomic(pathlib.Path(a.port_file),
+                         f"grpc={lh.port} http={lh.http_port} rendezvous={lh.rendezvous_addr}")
+
+    run_until_signal(lambda stop: serve(config, store, stop=stop, ready=ready))
+    logging.getLogger("fthsdp.lighthouse").info("lighthouse stopped")
+
+
+def cmd_status(a: argparse.Namespace) -> None:
+    sec = client_security(a)
+    ctx = sec.ssl_context()
+    status: dict[str, Any] | None = None
+    errors: list[str] = []
+    for addr in [x.strip() for x in a.http.split(",") if x.strip()]:  # the leader's answer wins
+        url = f"{'https' if ctx else 'http'}://{addr}/status"
+        try:
+            req = urllib.request.Request(url, headers=sec.http_headers())
+            with urllib.request.urlopen(req, timeout=a.timeout, context=ctx) as r:
+                got = json.load(r)
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:200]
+            errors.append(f"{url}: HTTP {e.code} {detail}")
+            continue
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            errors.append(f"{url}: {e}")
+            continue
+        if status is None or (got.get("leader") and not status.get("leader")):
+            status = got
+        if got.get("leader"):
+            break
+    if status is None:
+        sys.exit("fthsdp status: cannot reach any lighthouse: " + "; ".join(errors))
+    if a.json:
+        print(json.dumps(status, indent=2))
+        return
+    print(f"job {status['job']}  epoch {status['epoch']}  leader {'yes' if status['leader'] else 'no'}  "
+          f"members {len(status['members'])}  min_replicas {status['min_replicas']}"
+          + (f"  (leader at {status['leader_address'] or 'unknown'})" if not status["leader"] else ""))
+    print(f"{'REPLICA':<24} {'ROLE':<8} {'IN EPOCH':<8} {'STEP':>8} {'HB AGE (s)':>10}")
+    for x in status["members"]:
+        print(f"{x['replica_id']:<24} {x['role']:<8} {'yes' if x['in_epoch'] else 'no':<8} {x['step']:>8} "
+              f"{x['last_heartbeat_age_s']:>10.2f}")
+    if status["history"]:
+        print("\nrecent epochs:")
+        for h in status["history"][-a.history:]:
+            print(f"  {h['epoch']:>5}  {len(h['members'])} members  {h['reason'][:100]}")
+
+
+def register(sub: Subparsers) -> None:
+    lh = sub.add_parser("lighthouse", help="run the membership coordinator")
+    lh.add_argument("--bind", default="127.0.0.1:29510", help="gRPC HOST:PORT (port 0: any free port)")
+    lh.add_argument("--http", default="127.0.0.1:29511", help="HTTP HOST:PORT for /status, /metrics, / ('' = off)")
+    lh.add_argument("--job", action="append", default=None, help="job id served (repeatable; default 'default')")
+    lh.add_argument("--min-replicas", type=int, default=1, help="no epoch with fewer live replicas")
+    lh.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds without heartbeat = dead")
+    lh.add_argument("--heartbeat-interval", type=float, default=0.0,
+                    help="interval advertised to clients (default: min(0.5, timeout/4))")
+    lh.add_argument("--confirm-age", type=float, default=0.0,
+                    help="a reported peer with no heartbeat for this long is confirmed dead (default 2 intervals)")
+    lh.add_argument("--join-window", type=float, default=0.0,
+                    help="bootstrap: after min-replicas registered, wait this long for more")
+    lh.add_argument("--expected-replicas", type=int, default=0,
+                    help="bootstrap: form the first epoch as soon as this many registered")
+    lh.add_argument("--max-reforms", type=int, default=2,
+                    help="a peer still heartbeating but reported after this many consecutive re-formed epochs is "
+                         "declared hung (dead); 0: never")
+    lh.add_argument("--store", default="memory://", help="durable store URL (memory:// is the default)")
+    lh.add_argument("--no-rendezvous", action="store_true", help="do not host the data-plane TCPStore")
+    lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=H:P' here once serving")
+    lh.add_argument("--advertise", default="", help="gRPC HOST:PORT other lighthouses name as the leader's "
+                    "(HA on etcd; default: the bound address)")
+    lh.add_argument("--election-ttl", type=int, default=5,
+                    help="HA on etcd: seconds of the leader's lease; a dead leader is replaced within about this")
+    lh.add_argument("--tls-cert", default="", help="TLS certificate (PEM) for the gRPC and HTTP ports")
+    lh.add_argument("--tls-key", default="", help="TLS private key (PEM)")
+    lh.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mTLS)")
+    lh.add_argument("--token-file", default="", help="file holding the job token every call must present")
+    lh.set_defaults(fn=cmd_lighthouse)
+
+    st = sub.add_parser("status", help="print a lighthouse's members and epochs")
+    st.add_argument("--http", default="127.0.0.1:29511",
+                    help="the lighthouse's HTTP HOST:PORT[,HOST:PORT...] (the leader's answer is shown)")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--history", type=int, default=10, help="how many recent epochs to show")
+    st.add_argument("--timeout", type=float, default=5.0)
+    add_client_security_args(st)
+    st.set_defaults(fn=cmd_status)

@@ -1,0 +1,99 @@
+"""The progress rows the example trainer (and the baselines' trainers) append, one JSON object per line, to
+``replica<i>.progress.jsonl``, as one typed row: the launcher, the invariants, the benchmarks and the tests read
+them through ``read_progress``.
+
+Events (``event``): ``start`` (an incarnation registered: ``joining``, ``resumed_from``, ``step``), ``step`` (one
+committed step: ``step``, ``loss`` — None on a joiner's zero-gradient step —, ``epoch``, ``contributors``,
+``joined``, ``attempts``, ``step_s``, ``exchange_s``, ``batches`` as [slot, batch index] pairs, ``lr_factor``,
+``catchup``), ``final`` (``step`` and ``param_hash``; the plain and restart baselines write ``local_param_hash``),
+``terminated`` (stopped by SIGTERM: ``step``, ``checkpoint``), ``fatal`` (``error``). The whole-job restart
+baseline adds ``restored``, ``kill`` and ``checkpoint``. Every row has ``t`` (``time.time()``) and, from rank 0 of
+a replica, ``replica``, ``incarnation`` and ``mode``. Keys this row does not name are kept in ``extra``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ProgressRow:
+    """One progress line."""
+
+    event: str
+    t: float
+    replica: int | None = None
+    incarnation: str | int | None = None
+    """fthsdp: the incarnation id; the baselines: torchrun's restart count + 1."""
+    mode: str | None = None
+    step: int | None = None
+    loss: float | None = None
+    epoch: int | None = None
+    contributors: int | None = None
+    joined: bool = False
+    attempts: int | None = None
+    step_s: float | None = None
+    exchange_s: float | None = None
+    batches: list[list[int]] | None = None
+    lr_factor: float | None = None
+    catchup: dict[str, Any] | None = None
+    joining: bool = False
+    resumed_from: int | None = None
+    param_hash: str | None = None
+    local_param_hash: str | None = None
+    checkpoint: str | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Keys of the line this row does not name (baselines' ``load_s``, ``save_s``, ...)."""
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> ProgressRow:
+        known = {k: v for k, v in obj.items() if k in _FIELDS}
+        extra = {k: v for k, v in obj.items() if k not in _FIELDS}
+        return cls(**known, extra=extra)
+
+    def to_json(self) -> dict[str, Any]:
+        """The line's object: the fields that are set (not their defaults) and ``extra``."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "extra" and (f.name in ("event", "t") or getattr(self, f.name) != f.default)}
+        return {**out, **self.extra}
+
+    def line(self) -> str:
+        """The JSON line a writer appends."""
+        return json.dumps(self.to_json()) + "\n"
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(ProgressRow)) - {"extra"}
+
+
+def parse_line(line: str | bytes) -> ProgressRow | None:
+    """The row of one line; None for a torn or foreign line (a process killed mid-write)."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    return ProgressRow.from_json(obj) if isinstance(obj, dict) and "event" in obj and "t" in obj else None
+
+
+def read_progress(path: pathlib.Path) -> list[ProgressRow]:
+    """A progress file's rows (none when it does not exist yet); a torn last line is skipped."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    rows = (parse_line(line) for line in text.splitlines() if line.endswith("}"))
+    return [x for x in rows if x is not None]
+
+
+def progress_path(workdir: pathlib.Path, replica: int) -> pathlib.Path:
+    """Where the launcher has replica ``replica`` write its rows."""
+    return workdir / f"replica{replica}.progress.jsonl"
+
+
+def steps_of(rows: list[ProgressRow]) -> list[ProgressRow]:
+    """The committed-step rows."""
+    return [x for x in rows if x.event == "step"]

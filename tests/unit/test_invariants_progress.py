@@ -1,0 +1,31 @@
+"""Progress rows (``fthsdp.testing.progress``): what the trainer writes reads back as the same typed row, torn and
+foreign lines are skipped, keys the row does not name are kept."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from fthsdp.testing.progress import ProgressRow, parse_line, progress_path, read_progress, steps_of
+
+
+def test_a_written_row_reads_back_the_same() -> None:
+    row = ProgressRow("step", 12.5, replica=1, incarnation="abc", mode="fthsdp", step=7, loss=None, epoch=3,
+                      joined=True, batches=[[0, 7], [1, 7]], catchup={"bytes": 10})
+    assert parse_line(row.line()) == row
+    assert json.loads(row.line())["joined"] is True and "loss" not in json.loads(row.line())
+
+
+def test_reading_skips_torn_and_foreign_lines_and_keeps_extra_keys(tmp_path: pathlib.Path) -> None:
+    path = progress_path(tmp_path, 0)
+    assert read_progress(path) == []  # not written yet
+    lines = [json.dumps({"event": "start", "t": 1.0, "replica": 0, "joining": False, "resumed_from": None}),
+             "not json}",
+             json.dumps({"event": "checkpoint", "t": 2.0, "step": 5, "save_s": 0.25}),
+             json.dumps({"event": "step", "t": 3.0, "step": 5, "loss": 1.5}),
+             '{"event": "step", "t": 4.0, "st']  # killed mid-write
+    path.write_text("\n".join(lines))
+    rows = read_progress(path)
+    assert [x.event for x in rows] == ["start", "checkpoint", "step"]
+    assert rows[1].extra == {"save_s": 0.25} and rows[1].to_json()["save_s"] == 0.25
+    assert steps_of(rows) == [ProgressRow("step", 3.0, step=5, loss=1.5)]
