@@ -1,5 +1,5 @@
-"""A stand-in trainer for tests/test_deploy.py's run of deploy/torchrun/single_host.sh: no torch, no training;
-it records what it saw and exits the way DEPLOY_TEST_PLAN says for its replica index and run number.
+"""A stand-in trainer for tests/integration/test_deploy.py's run of deploy/torchrun/single_host.sh: no torch, no
+training; it records what it saw and exits the way DEPLOY_TEST_PLAN says for its replica index and run number.
 
 DEPLOY_TEST_PLAN: ``index=code,code,...;...`` — the exit status of this group's 1st, 2nd... run (counted across
 torchrun's in-place restarts and the script's restarts); past the list: 0. ``fatal`` instead of a code: write
