@@ -122,6 +122,10 @@ class LighthouseRpc:
         self.rpc_timeout_s = rpc_timeout_s
         self.heartbeat_interval_s = 0.5
         self.role = ""
+        self.in_data_plane = False
+        """A joiner: the lighthouse accepted its Ready(JOINING)."""
+        self.active_wanted = False
+        """Ready(ACTIVE) was asked for: the session retries it until the lighthouse takes it (``active_pending``)."""
         self.heartbeats = 0
         """Heartbeats the lighthouse accepted."""
         self._index = 0
@@ -188,11 +192,26 @@ class LighthouseRpc:
 
     # --- calls --------------------------------------------------------------------------------------------
 
-    async def register(self) -> Registration:
+    @property
+    def held_role(self) -> str:
+        """The role this incarnation holds, as a re-registration claims it: ACTIVE (also while Ready(ACTIVE) is
+        pending: the runtime trains as active from then on), JOINING once in the data plane, else ''."""
+        if self.role == ACTIVE or self.active_wanted:
+            return ACTIVE
+        return JOINING if self.in_data_plane else ""
+
+    @property
+    def active_pending(self) -> bool:
+        """Ready(ACTIVE) was asked for and the lighthouse has not taken it yet."""
+        return self.active_wanted and self.role != ACTIVE
+
+    async def register(self, claim: str = "", last_epoch: int = 0) -> Registration:
+        """Register; ``claim`` and ``last_epoch`` only when registering this incarnation again with a lighthouse
+        that lost it (``held_role``, the newest epoch seen)."""
         resp = await self._call("Register", pb.RegisterRequest(
             job_id=self.job_id, replica_id=self.replica_id, shard_count=self.shard_count,
-            incarnation=self.incarnation,
-            endpoints=endpoints_to_pb(self.endpoints)))
+            incarnation=self.incarnation, role=ROLE_TO_PB[claim] if claim else pb.ROLE_UNSPECIFIED,
+            last_epoch=last_epoch, endpoints=endpoints_to_pb(self.endpoints)))
         assert isinstance(resp, pb.RegisterResponse)
         self.role = ROLE_FROM_PB.get(resp.role, JOINING)
         self.heartbeat_interval_s = resp.heartbeat_interval_s or self.heartbeat_interval_s
@@ -214,11 +233,15 @@ class LighthouseRpc:
         return ReportResult(resp.confirmed, resp.detail, resp.epoch)
 
     async def ready(self, role: str) -> int:
+        """Ready(``role``). Asking for ACTIVE is remembered: if this call fails, the session retries it."""
+        self.active_wanted = self.active_wanted or role == ACTIVE
         resp = await self._call("Ready", pb.ReadyRequest(job_id=self.job_id, replica_id=self.replica_id,
                                                          incarnation=self.incarnation, role=ROLE_TO_PB[role]))
         assert isinstance(resp, pb.ReadyResponse)
         if role == ACTIVE:
             self.role = ACTIVE
+        else:
+            self.in_data_plane = True
         return resp.epoch
 
     async def leave(self, reason: str = "") -> int:

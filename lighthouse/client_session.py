@@ -1,7 +1,15 @@
 """A replica's background session with the lighthouse (``AsyncLighthouseClient``, used directly by the emulator to
 drive thousands of replicas from one process): it heartbeats, keeps a watch stream open (reconnecting with
-jittered exponential backoff, rotating through the lighthouse addresses), and re-registers if the lighthouse
-lost or dropped it.
+jittered exponential backoff, rotating through the lighthouse addresses), retries a failed Ready(ACTIVE), and
+tells the two ways of being unknown apart:
+
+- FAILED_PRECONDITION: this incarnation is over (declared dead, e.g. while it hung; left; or replaced). It never
+  registers again (that would put a replica whose state fell behind back into the job): ``on_lost`` is told at
+  once and heartbeats stop; the runtime restarts as a new incarnation.
+- NOT_FOUND: the lighthouse does not know it at all (it restarted without its state). The same incarnation
+  registers again with the role it holds and the newest epoch it saw, and the lighthouse relearns the membership
+  from those re-registrations: nobody restarts. Only if the lighthouse does not give that role back (it had
+  formed an epoch without this replica) is ``on_lost`` told.
 """
 
 from __future__ import annotations
@@ -14,7 +22,8 @@ from collections.abc import Callable
 from lighthouse.backoff import Backoff
 from lighthouse.client_rpc import LighthouseRpc
 from lighthouse.epoch_view import EpochView
-from lighthouse.errors import FencedOut, LighthouseError, Unauthenticated, UnknownTarget
+from lighthouse.errors import FencedOut, InvalidRequest, LighthouseError, Unauthenticated, UnknownTarget
+from lighthouse.model import ACTIVE, JOINING
 
 log = logging.getLogger("fthsdp.lighthouse.client")
 
@@ -28,9 +37,8 @@ class AsyncLighthouseClient(LighthouseRpc):
                   on_lost: Callable[[str], None] | None = None, known_epoch: int = 0) -> None:
         """Heartbeat and watch until ``stop`` is set. ``register=False`` only watches (non-leader ranks).
 
-        ``on_lost`` is told when the lighthouse no longer knows this incarnation (declared dead); the session
-        then registers again as a new member. When a newer incarnation of the same replica id replaced this one,
-        ``on_lost`` is told too and heartbeats stop (this process is superseded).
+        ``on_lost`` is told, and heartbeats stop, when this incarnation is over (declared dead, left or replaced),
+        or when a lighthouse that lost it does not give it back its role (see the module's docstring).
         """
         latest = {"n": known_epoch}
 
@@ -64,33 +72,59 @@ class AsyncLighthouseClient(LighthouseRpc):
     async def _heartbeat_loop(self, step: Callable[[], int], latest: dict[str, int], stop: asyncio.Event,
                               on_lost: Callable[[str], None] | None, deliver: Callable[[EpochView], None]) -> None:
         backoff = Backoff()
+
+        def lost(why: str) -> None:
+            log.warning("replica=%s incarnation %s is over (%s); heartbeats stop", self.replica_id,
+                        self.incarnation, why)
+            if on_lost is not None:
+                on_lost(why)
+
         while not stop.is_set():
             try:
                 await self.heartbeat(step(), latest["n"])
                 backoff.reset()
                 wait = self.heartbeat_interval_s
+                if self.active_pending:
+                    await self._retry_ready_active()
             except FencedOut as e:
-                # A newer incarnation of this replica registered: this process is superseded. Registering
-                # again would declare the newer one dead, and the two would evict each other forever.
-                log.warning("replica=%s incarnation %s was replaced (%s); heartbeats stop", self.replica_id,
-                            self.incarnation, e)
-                if on_lost is not None:
-                    on_lost(str(e))
+                # Declared dead (its state may have fallen behind), left, or replaced by a newer incarnation:
+                # registering it again would bring back a stale replica, or evict the newer one.
+                lost(str(e))
                 return
             except UnknownTarget as e:
-                log.warning("replica=%s lost its registration (%s); registering again", self.replica_id, e)
-                if on_lost is not None:
-                    on_lost(str(e))
+                held = self.held_role
+                log.warning("replica=%s unknown to the lighthouse (%s): registering incarnation %s again as %s",
+                            self.replica_id, e, self.incarnation, held or "joining (not in the data plane)")
                 try:
-                    reg = await self.register()
-                    deliver(reg.epoch)
-                    wait = self.heartbeat_interval_s
+                    reg = await self.register(held, latest["n"])
+                except (FencedOut, InvalidRequest) as e2:
+                    lost(f"registering again was refused: {e2}")
+                    return
                 except LighthouseError as e2:
                     log.warning("replica=%s re-register failed: %s", self.replica_id, e2)
                     wait = backoff.next()
+                else:
+                    if reg.role != (held or JOINING):
+                        lost(f"the lighthouse lost this replica and gave it back as {reg.role}, not "
+                             f"{held or JOINING}: it formed an epoch without it")
+                        return
+                    deliver(reg.epoch)
+                    wait = self.heartbeat_interval_s
             except LighthouseError as e:
                 (log.warning if isinstance(e, Unauthenticated) else log.debug)(
                     "heartbeat replica=%s failed: %s", self.replica_id, e)
                 wait = backoff.next()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait)
+
+    async def _retry_ready_active(self) -> None:
+        """Retry a Ready(ACTIVE) that failed (paced by the heartbeats), so that a replica is never left joining
+        for good: until the lighthouse takes it, or refuses it for good (then its join deadline drops it)."""
+        try:
+            await self.ready(ACTIVE)
+            log.info("replica=%s Ready(active) went through on a retry", self.replica_id)
+        except (FencedOut, InvalidRequest) as e:
+            self.active_wanted = False
+            log.error("replica=%s Ready(active) refused: %s", self.replica_id, e)
+        except LighthouseError as e:
+            log.info("replica=%s Ready(active) failed again (%s); retrying", self.replica_id, e)

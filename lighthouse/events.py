@@ -27,7 +27,10 @@ class DeathCause(StrEnum):
     REPORTED = "reported"
     """Reported earlier in the epoch, then silent for ``confirm_age_s`` (confirmed at a later tick)."""
     HUNG = "hung"
-    """Reported again after ``max_reforms`` re-formed epochs while still heartbeating (training is stuck)."""
+    """Reported again after ``max_reforms`` re-formed epochs while still heartbeating (training is stuck), and
+    singled out by the blame (``lighthouse.escalation``)."""
+    STALLED = "stalled"
+    """A joiner that did not turn active within ``join_deadline_s`` of entering the data plane."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class Died:
     """The reporter's words (CONFIRMED)."""
     reported_epochs: int = 0
     """HUNG: consecutive epochs it was reported in."""
+    joining_s: float = 0.0
+    """STALLED: seconds it spent in the data plane as a joiner."""
     kind: ClassVar[str] = "failure"
 
 
@@ -62,6 +67,8 @@ class Registered:
 
     replica_id: str
     role: str
+    reclaimed: bool = False
+    """It came back with the role it held, to a lighthouse that had lost it (a restart)."""
     kind: ClassVar[str] = "join"
 
 
@@ -110,7 +117,17 @@ class GuardHeld:
     required: int
 
 
-MembershipEvent = MemberEvent | Reformed | GuardHeld
+@dataclass(frozen=True)
+class Unattributed:
+    """Bounded escalation: these suspects were reported through ``max_reforms`` re-forms, but the blame does not
+    single any of them out (they blame each other, and no unblamed member blames only some of them). At most one
+    of them is evicted (``evicted``), none when that would break the min-replicas guard."""
+
+    suspects: tuple[str, ...]
+    evicted: tuple[str, ...] = ()
+
+
+MembershipEvent = MemberEvent | Reformed | GuardHeld | Unattributed
 MEMBER_EVENTS = (Died, Restarted, Registered, ReadyToJoin, TurnedActive, Left)
 
 
@@ -130,11 +147,16 @@ def phrase(event: MembershipEvent) -> str:
         case Died(cause=DeathCause.REPORTED):
             return (f"replica {event.replica_id} dead (reported by {','.join(event.reporters)}, no heartbeat for "
                     f"{event.silent_s:.2f}s)")
+        case Died(cause=DeathCause.STALLED):
+            return (f"replica {event.replica_id} dropped (joining for {event.joining_s:.0f}s in the data plane "
+                    "without turning active)")
         case Died():
             return (f"replica {event.replica_id} dead (hung: reported in {event.reported_epochs} consecutive "
-                    "epochs while still heartbeating)")
+                    f"epochs while still heartbeating; blamed by {','.join(event.reporters) or 'nobody'})")
         case Restarted():
             return f"replica {event.replica_id} restarted (incarnation {event.old_incarnation} dead)"
+        case Registered(reclaimed=True):
+            return f"replica {event.replica_id} registered again as {event.role} (this lighthouse had lost it)"
         case Registered():
             return f"replica {event.replica_id} registered as {event.role}"
         case ReadyToJoin():
@@ -145,6 +167,12 @@ def phrase(event: MembershipEvent) -> str:
             return f"replica {event.replica_id} left" + (f": {event.reason}" if event.reason else "")
         case Reformed():
             return f"re-formed: {', '.join(event.suspects)} reported but still heartbeating"
+        case Unattributed(evicted=()):
+            return (f"blame not attributable among {', '.join(event.suspects)} (they blame each other): none "
+                    "evicted (it would break the min-replicas guard)")
+        case Unattributed():
+            return (f"blame not attributable among {', '.join(event.suspects)} (they blame each other): only "
+                    f"{', '.join(event.evicted)} evicted")
         case GuardHeld():
             return (f"min-replicas guard: {event.live} live data-plane member(s), {event.required} required, "
                     "with at least one active; epoch unchanged")

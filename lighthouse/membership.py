@@ -17,20 +17,30 @@ Rules (docs/design.md §4):
   for ``join_window_s`` after ``min_replicas`` registered.
 - After that a registrant is ``joining`` (it must fetch state; one joiner enters the data plane at a time),
   unless the job has no live active member left
-  (everyone died: it restarts from a checkpoint as active).
+  (everyone died: it restarts from a checkpoint as active). A joiner that has not turned active
+  ``join_deadline_s`` after an epoch put it in the data plane is dropped, so it cannot hold the slot forever.
+- A lighthouse that lost its state (a restart on the in-memory store) relearns it: before its first epoch, a
+  registration that claims the role its incarnation held (``claim``, with the last epoch it saw) gets that role
+  back, in the data plane; the first epoch then forms ``heartbeat_timeout_s`` after ``min_replicas`` were back
+  (every live member heartbeats within that time, is told it is unknown and registers again), numbered above
+  every epoch the members saw.
+- An incarnation that died, left or was replaced is over for good: its calls are refused (FAILED_PRECONDITION)
+  and it cannot register again (``State.departed``).
 - Death: no heartbeat for ``heartbeat_timeout_s``; or a failure report the lighthouse confirms, because the
   suspect's last heartbeat is older than ``confirm_age_s`` (at the report, or at a later tick).
 - A reported suspect that keeps heartbeating for ``confirm_age_s`` is alive: the epoch is re-formed with the
   same members (a new number), so that every member rebuilds its data plane instead of waiting forever. One
-  reported again after ``max_reforms`` consecutive re-forms is hung (heartbeating, not training): dead.
+  reported again after ``max_reforms`` consecutive re-forms is hung (heartbeating, not training): dead, if the
+  blame singles it out; otherwise at most one of the suspects is (bounded escalation, ``lighthouse.escalation``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from lighthouse.escalation import hung_verdict
 from lighthouse.events import REASON_LIMIT as REASON_LIMIT
 from lighthouse.events import (
     DeathCause,
@@ -46,6 +56,7 @@ from lighthouse.events import (
     render_reason,
 )
 from lighthouse.model import ACTIVE as ACTIVE
+from lighthouse.model import DEPARTED_LIMIT as DEPARTED_LIMIT
 from lighthouse.model import HISTORY_LIMIT as HISTORY_LIMIT
 from lighthouse.model import JOINING as JOINING
 from lighthouse.model import ROLES as ROLES
@@ -66,6 +77,11 @@ class Register:
     shard_count: int
     endpoints: Endpoints
     now: float
+    claim: str = ""
+    """Re-registering with a lighthouse that lost this incarnation: the role it held (``JOINING``: syncing in the
+    data plane); '' for a plain registration."""
+    last_epoch: int = 0
+    """The newest epoch this replica saw: numbering goes on above it."""
 
 
 @dataclass(frozen=True)
@@ -153,14 +169,33 @@ def _reject(state: State, code: str, message: str) -> Outcome:
     return Outcome(state=state, rejection=Rejection(code, message))
 
 
+def departed_message(replica_id: str, incarnation: str) -> str:
+    """The refusal of a call by an incarnation that is over (``State.departed``)."""
+    return (f"incarnation {incarnation[:64]!r} of replica {replica_id!r} was declared dead or left: "
+            "register as a new incarnation")
+
+
 def _check_incarnation(state: State, replica_id: str, incarnation: str) -> Rejection | None:
     member = state.members.get(replica_id)
+    if member is None and state.is_departed(replica_id, incarnation):
+        return Rejection("FAILED_PRECONDITION", departed_message(replica_id, incarnation))
     if member is None:
-        return Rejection("NOT_FOUND", f"replica {replica_id!r} is not registered (or was declared dead)")
+        return Rejection("NOT_FOUND", f"replica {replica_id!r} is not registered with this lighthouse")
     if member.incarnation != incarnation:
         return Rejection("FAILED_PRECONDITION",
                          f"replica {replica_id!r} incarnation {incarnation!r} was replaced by {member.incarnation!r}")
     return None
+
+
+def _drop(state: State, gone: Iterable[str]) -> State:
+    """``state`` without the members ``gone``, whose incarnations are over for good (``State.departed``)."""
+    over = {rid: state.members[rid].incarnation for rid in gone if rid in state.members}
+    if not over:
+        return state
+    departed = {**state.departed, **{rid: (*state.departed.get(rid, ()), i)[-DEPARTED_LIMIT:]
+                                     for rid, i in over.items()}}
+    members = {k: v for k, v in state.members.items() if k not in over}
+    return dataclasses.replace(state, members=members, departed=departed)
 
 
 def _register(state: State, ev: Register, policy: Policy) -> Outcome:
@@ -168,23 +203,38 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
     if job_shards is not None and ev.shard_count != job_shards:
         return _reject(state, "INVALID_ARGUMENT",
                        f"shard_count {ev.shard_count} differs from the job's {job_shards}")
+    if ev.claim not in ("", *ROLES):
+        return _reject(state, "INVALID_ARGUMENT", f"claim must be one of {ROLES} or empty, got {ev.claim!r}")
+    if state.is_departed(ev.replica_id, ev.incarnation):
+        return _reject(state, "FAILED_PRECONDITION", departed_message(ev.replica_id, ev.incarnation))
     old = state.members.get(ev.replica_id)
     if old is not None and old.incarnation == ev.incarnation:
         return Outcome(state=state)  # a reconnect: idempotent
-    members = dict(state.members)
     events: list[MembershipEvent] = []
     if old is not None:
-        del members[ev.replica_id]
+        state = _drop(state, (ev.replica_id,))
         events.append(Restarted(ev.replica_id, old.incarnation))
-    bootstrap = state.epoch is None
-    any_active = any(m.role == ACTIVE for m in members.values())
-    role = ACTIVE if (bootstrap or not any_active) else JOINING
+    members = dict(state.members)
+    # A claim is honoured only before this lighthouse's first epoch, and only from a replica that trained in an
+    # epoch: later, the others may have moved on without it (it gets the plain role, and its client gives up).
+    reclaim = bool(ev.claim) and ev.last_epoch > 0 and state.epoch is None
+    if reclaim:
+        role = ev.claim
+        if role == ACTIVE:
+            # Registrants that were made active before any member came back trained nothing here: the returning
+            # members hold the job's state, so they must catch up from them instead.
+            members.update({k: dataclasses.replace(x, role=JOINING, in_epoch=False) for k, x in members.items()
+                            if x.role == ACTIVE and not x.reclaimed})
+    else:
+        trained = state.epoch is not None or max(state.last_number, ev.last_epoch) > 0
+        role = JOINING if trained and any(x.role == ACTIVE for x in members.values()) else ACTIVE
     members[ev.replica_id] = Member(ev.replica_id, ev.incarnation, ev.shard_count, ev.endpoints, role,
-                                    in_epoch=(role == ACTIVE), registered_at=ev.now)
-    events.append(Registered(ev.replica_id, role))
+                                    in_epoch=reclaim or role == ACTIVE, registered_at=ev.now, reclaimed=reclaim)
+    events.append(Registered(ev.replica_id, role, reclaimed=reclaim))
     suspicions = {k: v for k, v in state.suspicions.items() if k != ev.replica_id}
     suspected_at = {k: v for k, v in state.suspected_at.items() if k != ev.replica_id}
-    new = dataclasses.replace(state, members=members, suspicions=suspicions, suspected_at=suspected_at)
+    new = dataclasses.replace(state, members=members, suspicions=suspicions, suspected_at=suspected_at,
+                              last_number=max(state.last_number, ev.last_epoch))
     return _reconcile(new, tuple(events), ev.now, policy)
 
 
@@ -225,9 +275,7 @@ def _ready(state: State, ev: Ready, policy: Policy) -> Outcome:
 def _leave(state: State, ev: Leave, policy: Policy) -> Outcome:
     if (rej := _check_incarnation(state, ev.replica_id, ev.incarnation)) is not None:
         return Outcome(state, rejection=rej)
-    members = {k: v for k, v in state.members.items() if k != ev.replica_id}
-    new = dataclasses.replace(state, members=members)
-    return _reconcile(new, (Left(ev.replica_id, ev.reason),), ev.now, policy)
+    return _reconcile(_drop(state, (ev.replica_id,)), (Left(ev.replica_id, ev.reason),), ev.now, policy)
 
 
 def _report(state: State, ev: Report, policy: Policy) -> Outcome:
@@ -263,8 +311,7 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
     if age < policy.confirm_age_s:
         suspected_at = {**state.suspected_at, ev.suspect: state.suspected_at.get(ev.suspect, ev.now)}
         return Outcome(state=dataclasses.replace(state, suspicions=suspicions, suspected_at=suspected_at))
-    members = {k: v for k, v in state.members.items() if k != ev.suspect}
-    new = dataclasses.replace(state, members=members, suspicions=suspicions)
+    new = dataclasses.replace(_drop(state, (ev.suspect,)), suspicions=suspicions)
     died = Died(ev.suspect, DeathCause.CONFIRMED, silent_s=age, reporters=(ev.reporter,), report=why)
     out = _reconcile(new, (died,), ev.now, policy)
     return dataclasses.replace(out, confirmed=True)
@@ -278,26 +325,28 @@ def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
             dead[rid] = Died(rid, DeathCause.TIMEOUT, silent_s=age)
         elif rid in state.suspicions and age >= policy.confirm_age_s:
             dead[rid] = Died(rid, DeathCause.REPORTED, silent_s=age, reporters=tuple(sorted(state.suspicions[rid])))
+        elif (policy.join_deadline_s and m.role == JOINING and m.syncing_since is not None
+              and ev.now - m.syncing_since > policy.join_deadline_s):
+            dead[rid] = Died(rid, DeathCause.STALLED, joining_s=ev.now - m.syncing_since)
     if not dead:
         # A suspect that kept heartbeating for confirm_age_s after it was reported is alive: the reporters' data
         # plane is still broken, so re-form the epoch with the same members and let everyone rebuild.
         alive = sorted(rid for rid, t in state.suspected_at.items()
                        if rid in state.members and ev.now - t >= policy.confirm_age_s)
         if alive and state.epoch is not None:
-            hung = [rid for rid in alive if policy.max_reforms and state.reforms.get(rid, 0) >= policy.max_reforms]
-            if hung:
-                members = {k: v for k, v in state.members.items() if k not in hung}
-                hung_events = tuple(Died(rid, DeathCause.HUNG, reported_epochs=state.reforms[rid] + 1)
-                                    for rid in hung)
-                return _reconcile(dataclasses.replace(state, members=members), hung_events, ev.now, policy)
+            verdict = hung_verdict(state, alive, policy)
+            note: tuple[MembershipEvent, ...] = (verdict.unattributed,) if verdict.unattributed else ()
+            if verdict.hung:
+                hung_events = tuple(Died(rid, DeathCause.HUNG, reported_epochs=state.reforms[rid] + 1,
+                                         reporters=tuple(sorted(state.suspicions.get(rid, ()))))
+                                    for rid in verdict.hung)
+                return _reconcile(_drop(state, verdict.hung), note + hung_events, ev.now, policy)
             reforms = {rid: state.reforms.get(rid, 0) + 1 for rid in alive}
-            return _reconcile(dataclasses.replace(state, reforms=reforms), (Reformed(tuple(alive)),), ev.now,
+            return _reconcile(dataclasses.replace(state, reforms=reforms), (Reformed(tuple(alive)), *note), ev.now,
                               policy, force=True)
         # Only bootstrap waits on time alone (the join window); otherwise nothing changed.
         return _reconcile(state, (), ev.now, policy) if state.epoch is None else Outcome(state=state)
-    members = {k: v for k, v in state.members.items() if k not in dead}
-    new = dataclasses.replace(state, members=members)
-    return _reconcile(new, tuple(dead.values()), ev.now, policy)
+    return _reconcile(_drop(state, dead), tuple(dead.values()), ev.now, policy)
 
 
 def _wanted(state: State) -> tuple[EpochMember, ...]:
@@ -324,10 +373,12 @@ def _reconcile(state: State, events: tuple[MembershipEvent, ...], now: float, po
         if min_reached_at != state.min_reached_at:
             state = dataclasses.replace(state, min_reached_at=min_reached_at)
         # With an expected count the window bounds the wait for stragglers (0: wait for all of them);
-        # without one, the first epoch forms join_window_s after min_replicas registered.
+        # without one, the first epoch forms join_window_s after min_replicas registered. Relearning (members
+        # came back to a lighthouse that lost them), it waits at least a heartbeat timeout for the others.
+        window = max(policy.join_window_s, policy.heartbeat_timeout_s) if state.last_number else policy.join_window_s
         full = bool(policy.expected_replicas) and count >= policy.expected_replicas
-        window_over = (min_reached_at is not None and now - min_reached_at >= policy.join_window_s
-                       and (policy.join_window_s > 0 or not policy.expected_replicas))
+        window_over = (min_reached_at is not None and now - min_reached_at >= window
+                       and (window > 0 or not policy.expected_replicas))
         if not (full or window_over):
             return Outcome(state=state, events=events)
     wanted = _wanted(state)
@@ -342,6 +393,10 @@ def _reconcile(state: State, events: tuple[MembershipEvent, ...], now: float, po
     epoch = Epoch(number=number, members=wanted, created_at=now, reason=render_reason(events) or "bootstrap",
                   plane=state.epoch.data_plane if keeps and state.epoch is not None else number, events=events)
     history = (state.history + (epoch,))[-HISTORY_LIMIT:]
+    members = state.members
+    syncing = {x.replica_id: dataclasses.replace(members[x.replica_id], syncing_since=now) for x in wanted
+               if x.role == JOINING and members[x.replica_id].syncing_since is None}
     new = dataclasses.replace(state, epoch=epoch, last_number=epoch.number, history=history, suspicions={},
-                              suspected_at={}, reforms=state.reforms if force else {})
+                              suspected_at={}, reforms=state.reforms if force else {},
+                              members={**members, **syncing} if syncing else members)
     return Outcome(state=new, events=events)

@@ -32,7 +32,12 @@ class Policy:
     """Bootstrap: form the first epoch as soon as this many registered (0: unknown)."""
     max_reforms: int = 2
     """A suspect that keeps heartbeating yet is reported again after this many consecutive re-formed epochs is
-    declared dead (hung: its heartbeat thread lives, its training does not). 0: never."""
+    declared dead (hung: its heartbeat thread lives, its training does not). 0: never. Only the suspects the blame
+    singles out are: see ``lighthouse.escalation``."""
+    join_deadline_s: float = 300.0
+    """A joiner that has not turned active this long after an epoch first put it in the data plane is dropped
+    (declared dead), so that a lost ``Ready(ACTIVE)`` or a stuck catch-up cannot hold the one-joiner slot
+    forever. 0: never."""
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
@@ -41,8 +46,8 @@ class Policy:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
         if not 0 < self.confirm_age_s <= self.heartbeat_timeout_s:
             raise ValueError("need 0 < confirm_age_s <= heartbeat_timeout_s")
-        if self.join_window_s < 0 or self.expected_replicas < 0 or self.max_reforms < 0:
-            raise ValueError("join_window_s, expected_replicas and max_reforms must be >= 0")
+        if min(self.join_window_s, self.expected_replicas, self.max_reforms, self.join_deadline_s) < 0:
+            raise ValueError("join_window_s, expected_replicas, max_reforms and join_deadline_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,11 @@ class Member:
     in_epoch: bool
     registered_at: float
     step: int = 0
+    syncing_since: float | None = None
+    """A joiner: when the first epoch that has it in the data plane formed (None: not in one yet)."""
+    reclaimed: bool = False
+    """Re-registered with the role it held, to a lighthouse that had lost it (a restart without a durable store);
+    only meaningful before this lighthouse's first epoch."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +140,16 @@ class State:
     """suspect replica id -> consecutive epochs re-formed because of it."""
     min_reached_at: float | None = None
     """Bootstrap: when ``min_replicas`` registrations were first reached."""
+    departed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """replica id -> its last ``DEPARTED_LIMIT`` incarnations that died, left or were replaced, oldest first:
+    they are over for good (their calls are answered FAILED_PRECONDITION, never 'register again'). Volatile."""
+
+    def is_departed(self, replica_id: str, incarnation: str) -> bool:
+        """Whether ``incarnation`` of ``replica_id`` died, left or was replaced (as far as this state remembers)."""
+        return incarnation in self.departed.get(replica_id, ())
 
 
 HISTORY_LIMIT = 256
 """Epochs kept in the live state's history."""
+DEPARTED_LIMIT = 8
+"""Incarnations remembered as over, per replica id (``State.departed``)."""

@@ -16,8 +16,9 @@ from lighthouse.events import (
     Registered,
     Restarted,
     TurnedActive,
+    Unattributed,
 )
-from lighthouse.model import Endpoints, Epoch, EpochMember, Member, State
+from lighthouse.model import JOINING, Endpoints, Epoch, EpochMember, Member, State
 
 DOC_HISTORY_LIMIT = 16
 """Epochs of history kept in the stored document (the live state keeps ``model.HISTORY_LIMIT``). The document
@@ -29,6 +30,7 @@ huge; the live state keeps them all, and the stored reason text names the rest).
 _EVENT_TYPES: dict[str, type[MembershipEvent]] = {
     "died": Died, "restarted": Restarted, "registered": Registered, "ready_to_join": ReadyToJoin,
     "turned_active": TurnedActive, "left": Left, "reformed": Reformed, "guard_held": GuardHeld,
+    "unattributed": Unattributed,
 }
 _EVENT_NAMES = {cls: name for name, cls in _EVENT_TYPES.items()}
 
@@ -105,12 +107,14 @@ def state_to_doc(state: State) -> dict[str, Any]:
 
 
 def state_from_doc(doc: dict[str, Any], now: float) -> State:
-    """Rebuild the state from a stored document; the epoch's members count as registered at ``now``."""
+    """Rebuild the state from a stored document; the epoch's members count as registered at ``now`` (its joiners
+    as syncing since ``now``: the join deadline starts again)."""
     epoch = None if doc["epoch"] is None else _epoch_from_doc(doc["epoch"])
     members = {}
     for x in epoch.members if epoch is not None else ():
         members[x.replica_id] = Member(x.replica_id, x.incarnation, x.shard_count, x.endpoints, x.role,
-                                       in_epoch=True, registered_at=now)
+                                       in_epoch=True, registered_at=now,
+                                       syncing_since=now if x.role == JOINING else None)
     return State(
         members=members,
         epoch=epoch,

@@ -12,6 +12,8 @@ ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 ENDPOINT_MAX = 256
 REASON_MAX = 1024
 SHARD_MAX = 1 << 20
+EPOCH_MAX = 1 << 53
+"""Largest epoch number a request may name (JSON documents and Python floats keep it exact)."""
 MAX_MESSAGE_BYTES = 64 * 1024
 """Largest request the server accepts; larger ones get RESOURCE_EXHAUSTED before any handler runs."""
 
@@ -37,4 +39,11 @@ def check_shard_count(value: int) -> int:
     """``value`` if it is a usable shard count."""
     if not 1 <= value <= SHARD_MAX:
         raise ValidationError(f"shard_count must be in 1..{SHARD_MAX}, got {value}")
+    return value
+
+
+def check_epoch(field: str, value: int) -> int:
+    """``value`` if it is a usable epoch number (a client cannot push numbering to the end of uint64)."""
+    if value > EPOCH_MAX:
+        raise ValidationError(f"{field} must be at most {EPOCH_MAX}, got {value}")
     return value

@@ -131,10 +131,17 @@ class Emulator:
 
     def _start_session(self, r: EmulatedReplica) -> None:
         def lost(why: str) -> None:
-            # Declared dead: the session registers again, as a joiner unless no one is active; join again.
-            self._spawn(self._join(r))
+            # Declared dead while alive: the lighthouse never takes this incarnation back, so come back as a new
+            # one, as a real replica group does (it exits 75 and its launcher restarts it).
+            log.info("%s lost (%s): restarting as a new incarnation", r.replica_id, why)
+            self._spawn(self._come_back(r))
 
         r.task = asyncio.create_task(r.client.run(self._deliver(r), r.stop, on_lost=lost))
+
+    async def _come_back(self, r: EmulatedReplica) -> None:
+        await self.kill(r)
+        if r in self.replicas:  # not replaced already
+            await self.restart(r)
 
     async def kill(self, r: EmulatedReplica) -> None:
         """Stop heartbeating and watching, as a SIGKILLed replica would."""

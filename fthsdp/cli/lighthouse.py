@@ -31,7 +31,7 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
                     heartbeat_timeout_s=a.heartbeat_timeout,
                     confirm_age_s=a.confirm_age if a.confirm_age else min(a.heartbeat_timeout, 2 * interval),
                     join_window_s=a.join_window, expected_replicas=a.expected_replicas,
-                    max_reforms=a.max_reforms)
+                    max_reforms=a.max_reforms, join_deadline_s=a.join_deadline)
     try:
         security = ServerSecurity.from_files(a.tls_cert, a.tls_key, a.tls_client_ca, a.token_file)
         security.ssl_context()  # fail now, with a clear message, on unreadable TLS files
@@ -109,6 +109,9 @@ def register(sub: Subparsers) -> None:
     lh.add_argument("--max-reforms", type=int, default=2,
                     help="a peer still heartbeating but reported after this many consecutive re-formed epochs is "
                          "declared hung (dead); 0: never")
+    lh.add_argument("--join-deadline", type=float, default=300.0,
+                    help="seconds a joiner may stay in the data plane without turning active before it is dropped; "
+                         "0: never")
     lh.add_argument("--store", default="memory://", help="durable store URL (memory:// is the default)")
     lh.add_argument("--no-rendezvous", action="store_true", help="do not host the data-plane TCPStore")
     lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=H:P' here once serving")

@@ -37,7 +37,9 @@ class Edge:
             if out.rejection is not None or out.state is before:
                 return out
             new_epoch = out.new_epoch(before)
-            if new_epoch is not None:
+            # Also when only the counter moved (a member that came back to a lighthouse that lost it names the
+            # epochs it saw): the store's fence is the stored number.
+            if new_epoch is not None or out.state.last_number != before.last_number:
                 try:
                     await self._save(job, before, out.state)
                 except EpochFenced as e:

@@ -19,7 +19,7 @@ from lighthouse.server.edge import Edge
 from lighthouse.server.jobs import Job, clock
 from lighthouse.server.leadership import Leadership
 from lighthouse.v1 import lighthouse_pb2 as pb
-from lighthouse.validate import check_id, check_shard_count, check_text
+from lighthouse.validate import check_epoch, check_id, check_shard_count, check_text
 
 SERVICE = "fthsdp.v1.Lighthouse"
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
@@ -110,9 +110,11 @@ class LighthouseService:
         check_id("incarnation", req.incarnation)
         check_shard_count(req.shard_count)
         endpoints = endpoints_from_pb(req.endpoints)
-        bootstrap = job.state.epoch is None
+        claim = role_from_pb(req.role) if req.role != pb.ROLE_UNSPECIFIED else ""
+        last_epoch = check_epoch("last_epoch", req.last_epoch)
+        trained = job.state.epoch is not None or job.state.last_number > 0
         out = await self.edge.apply(job, m.Register(req.replica_id, req.incarnation, req.shard_count, endpoints,
-                                                    clock()))
+                                                    clock(), claim=claim, last_epoch=last_epoch))
         if out.rejection is not None:
             await self._refuse(out.rejection, context, "Register")
         job.last_seen[req.replica_id] = clock()
@@ -120,15 +122,18 @@ class LighthouseService:
         return pb.RegisterResponse(incarnation=member.incarnation, role=ROLE_TO_PB[member.role],
                                    epoch=job.epoch_pb, heartbeat_interval_s=self.policy.heartbeat_interval_s,
                                    heartbeat_timeout_s=self.policy.heartbeat_timeout_s,
-                                   resume=member.role == m.ACTIVE and not bootstrap)
+                                   resume=member.role == m.ACTIVE and trained and not member.reclaimed)
 
     async def Heartbeat(self, req: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatResponse:
         job = await self._job(req.job_id, context, "Heartbeat")
         member = job.state.members.get(req.replica_id)
         if member is None:
             check_id("replica_id", req.replica_id)
-            await self._refuse(m.Rejection("NOT_FOUND", f"replica {req.replica_id!r} is not registered "
-                                           "(or was declared dead): register again"), context, "Heartbeat")
+            if job.state.is_departed(req.replica_id, req.incarnation):
+                await self._refuse(m.Rejection("FAILED_PRECONDITION", m.departed_message(
+                    req.replica_id, req.incarnation)), context, "Heartbeat")
+            await self._refuse(m.Rejection("NOT_FOUND", f"replica {req.replica_id!r} is not registered with this "
+                                           "lighthouse (it restarted?): register again"), context, "Heartbeat")
         elif member.incarnation != req.incarnation:
             await self._refuse(m.Rejection("FAILED_PRECONDITION", f"incarnation {req.incarnation[:64]!r} of "
                                            f"replica {req.replica_id!r} was replaced"), context, "Heartbeat")

@@ -7,6 +7,8 @@ creates it. Leases alone do not give mutual exclusion (a paused leader may belie
 store also fences every write on this key's value (``EtcdStore.set_guard``): a deposed leader cannot write.
 
 Runs on its own thread (pyetcd is blocking) and reports changes through ``on_change(leading, leader_address)``.
+Every etcd call fails over to the other etcd members before it counts as an error (``failing_over``): one dead
+member neither makes a follower lose sight of the leader nor costs a leader a renewal.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lighthouse.errors import StoreUnavailable
 from lighthouse.stores.base import Election
-from lighthouse.stores.etcd_client import ETCD_ERRORS
+from lighthouse.stores.etcd_client import ETCD_ERRORS, failing_over
 
 log = logging.getLogger("fthsdp.lighthouse.election")
 
@@ -115,7 +118,7 @@ class EtcdElection(Election):
                 self._renew()
             else:
                 self._campaign()
-        except ETCD_ERRORS as e:
+        except (StoreUnavailable, *ETCD_ERRORS) as e:
             log.warning("election: etcd unreachable: %r", e)
             if self._leading and time.monotonic() - self._last_renewed > self.ttl_s:
                 # Our lease has surely expired by now: someone else may lead.
@@ -127,11 +130,15 @@ class EtcdElection(Election):
 
     def _campaign(self) -> None:
         tx = self.client.transactions
-        lease = self.client.lease(self.ttl_s)
-        ok, responses = self.client.transaction(
+        lease = failing_over(self.client, "election lease", lambda: self.client.lease(self.ttl_s))
+        ok, responses = failing_over(self.client, "election campaign", lambda: self.client.transaction(
             compare=[tx.create(self.key) == 0],
             success=[tx.put(self.key, self._mine, lease=lease)],
-            failure=[tx.get(self.key)])
+            failure=[tx.get(self.key)]))
+        got = responses[0] if not ok else None
+        holder = LeaderInfo.decode(got[0][0] if got else None)
+        if holder is not None and holder.candidate_id == self.me.candidate_id:
+            ok = True  # an attempt whose answer was lost did create the key, bound to this very lease
         if ok:
             self._lease = lease
             self._last_renewed = time.monotonic()
@@ -141,17 +148,15 @@ class EtcdElection(Election):
             return
         with contextlib.suppress(*ETCD_ERRORS):  # it expires on its own
             lease.revoke()
-        got = responses[0]
-        holder = LeaderInfo.decode(got[0][0] if got else None)
         self._set(False, holder.address if holder else "")
 
     def _renew(self) -> None:
-        replies = self._lease.refresh()
+        replies = failing_over(self.client, "lease renewal", self._lease.refresh)
         ttl = replies[0].TTL if replies else 0
         if ttl <= 0:
             self._step_down("lease expired")
             return
-        raw, _ = self.client.get(self.key)
+        raw, _ = failing_over(self.client, "leader key read", lambda: self.client.get(self.key))
         if raw != self._mine:
             self._step_down("the leader key is no longer ours")
             return

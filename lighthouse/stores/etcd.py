@@ -17,15 +17,14 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from lighthouse.errors import EpochFenced, StoreUnavailable
+from lighthouse.errors import EpochFenced
 from lighthouse.stores.base import Capabilities, Election, Store, check_monotonic
 from lighthouse.stores.election import EtcdElection
-from lighthouse.stores.etcd_client import ETCD_ERRORS, ETCD_TIMEOUT_S, EtcdTarget, connect
+from lighthouse.stores.etcd_client import ETCD_ERRORS, ETCD_TIMEOUT_S, EtcdTarget, connect, failing_over
 
 log = logging.getLogger("fthsdp.lighthouse.store")
-T = TypeVar("T")
 
 
 class EtcdStore(Store):
@@ -57,20 +56,9 @@ class EtcdStore(Store):
 
     # --- the Store interface ------------------------------------------------------------------------------------
 
-    def _retrying(self, what: str, call: Callable[[], T]) -> T:
-        """Run ``call``, moving on to the next endpoint after a connection failure (pyetcd marks the failed one;
-        each endpoint is tried once); StoreUnavailable when none answers."""
-        last: Exception | None = None
-        for _ in range(len(self.target.endpoints)):
-            try:
-                return call()
-            except ETCD_ERRORS as e:
-                last = e
-        raise StoreUnavailable(f"etcd {what} failed on every endpoint: {last!r}")
-
     def load(self, job_id: str) -> dict[str, Any] | None:
         _, state_key = self._keys(job_id)
-        raw, _meta = self._retrying(f"load of job {job_id!r}", lambda: self.client.get(state_key))
+        raw, _meta = failing_over(self.client, f"load of job {job_id!r}", lambda: self.client.get(state_key))
         return None if raw is None else json.loads(raw)
 
     def save(self, job_id: str, expected_last_number: int, document: dict[str, Any]) -> None:
@@ -101,7 +89,7 @@ class EtcdStore(Store):
                     failures += 1
                     raise
 
-            ok, responses = self._retrying(f"save of job {job_id!r}", txn)
+            ok, responses = failing_over(self.client, f"save of job {job_id!r}", txn)
             if ok:
                 return
             stored = responses[0][0][0] if responses[0] else None

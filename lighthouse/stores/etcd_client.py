@@ -3,11 +3,17 @@ and what its calls raise when etcd cannot answer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 import pyetcd
 from pyetcd import exceptions as etcd_exc
+
+from lighthouse.errors import StoreUnavailable
+
+T = TypeVar("T")
 
 DEFAULT_PREFIX = "/fthsdp"
 ETCD_TIMEOUT_S = 5.0
@@ -43,3 +49,16 @@ def connect(target: EtcdTarget, timeout_s: float = ETCD_TIMEOUT_S) -> pyetcd.Mul
     """A pyetcd client over every endpoint, failing over between them (a failed one is retried after 1 s)."""
     eps = [pyetcd.Endpoint(host, port, secure=False, time_retry=1.0) for host, port in target.endpoints]
     return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=timeout_s, failover=True)
+
+
+def failing_over(client: Any, what: str, call: Callable[[], T]) -> T:
+    """Run ``call`` on ``client`` (from ``connect``), moving on to the next etcd member after a connection failure
+    (pyetcd marks the failed one and picks another for the next call, but does not retry): each member is tried
+    once. StoreUnavailable when none answers."""
+    last: Exception | None = None
+    for _ in range(max(1, len(client.endpoints))):
+        try:
+            return call()
+        except ETCD_ERRORS as e:
+            last = e
+    raise StoreUnavailable(f"etcd {what} failed on every endpoint: {last!r}")

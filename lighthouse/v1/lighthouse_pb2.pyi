@@ -59,18 +59,22 @@ class Epoch(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., plane: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("job_id", "replica_id", "shard_count", "endpoints", "incarnation")
+    __slots__ = ("job_id", "replica_id", "shard_count", "endpoints", "incarnation", "role", "last_epoch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica_id: str
     shard_count: int
     endpoints: Endpoints
     incarnation: str
-    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    role: Role
+    last_epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., last_epoch: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("incarnation", "role", "epoch", "heartbeat_interval_s", "heartbeat_timeout_s", "resume")

@@ -263,3 +263,49 @@ def test_no_lighthouse_answering_keeps_the_epoch_and_a_restart_continues_numberi
         assert again.epoch.number == 2
     finally:
         client.close()
+
+
+def test_the_election_fails_over_to_another_etcd_member_before_any_error(
+        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    from fthsdp.testing.etcd import EtcdCluster
+    from lighthouse.stores.etcd import EtcdStore
+
+    etcd = EtcdCluster(tmp_path, members=3).start()  # its own: this test kills a member
+    stores: list[EtcdStore] = []
+    try:
+        url = etcd.url("failover")
+        changes: dict[str, list[tuple[bool, str]]] = {"lead": [], "follow": []}
+        elections = {}
+        for name, address in (("lead", "10.0.0.1:1"), ("follow", "10.0.0.2:1")):
+            # pyetcd starts on a member picked at random: open the follower's until it uses the leader's one.
+            for _ in range(50):
+                store = EtcdStore(url)
+                if not stores or store.client.endpoint_in_use.netloc == stores[0].client.endpoint_in_use.netloc:
+                    break
+                store.close()
+            stores.append(store)
+            elections[name] = store.election(address, "", lambda up, at, n=name: changes[n].append((up, at)),
+                                             ttl_s=TTL)
+            elections[name].first_round()
+        assert elections["lead"].leading and elections["follow"].leader == "10.0.0.1:1"
+        # Both talk to the same etcd member: kill it.
+        in_use = {s.client.endpoint_in_use.netloc for s in stores}
+        assert len(in_use) == 1
+        victim = [f"127.0.0.1:{c}" for c, _ in etcd.ports].index(in_use.pop())
+        etcd.kill(victim)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fthsdp.lighthouse.election"):
+            for _ in range(3):  # a renewal for the leader, a campaign for the follower, each time
+                for e in elections.values():
+                    e.first_round()
+        assert not [r for r in caplog.records if "unreachable" in r.getMessage()], caplog.text
+        assert elections["lead"].leading and elections["follow"].leader == "10.0.0.1:1"
+        # Neither ever lost sight of the leader: no change after the first round.
+        assert changes == {"lead": [(True, "10.0.0.1:1")], "follow": [(False, "10.0.0.1:1")]}
+        assert all(s.client.endpoint_in_use.netloc != f"127.0.0.1:{etcd.ports[victim][0]}" for s in stores)
+    finally:
+        for e in elections.values():
+            e.stop()
+        for s in stores:
+            s.close()
+        etcd.stop()

@@ -51,3 +51,35 @@ def test_auto_interval_keeps_heartbeats_within_the_budget() -> None:
     assert auto_interval(1000) == 1.0
     assert auto_interval(5000) == 5.0
     assert 5000 / auto_interval(5000) <= 1000
+
+
+def test_a_replica_declared_dead_while_alive_comes_back_as_a_new_incarnation(
+        start_server: Callable[..., ServerThread]) -> None:
+    """The lighthouse never takes a finished incarnation back: an emulated replica whose incarnation is replaced
+    behind its back (as when it was declared dead while hung) restarts as a new one, as a real group would."""
+    policy = m.Policy(min_replicas=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0, confirm_age_s=0.3)
+    s = start_server(policy)
+
+    async def scenario() -> None:
+        emu = Emulator(s.addr, 3, prefix="dd")
+        try:
+            await emu.start()
+            assert await emu.wait_all_have(lambda e: len(e.members) == 3, timeout=10)
+            victim = emu.replicas[0]
+            first = victim.client.incarnation
+            # Another incarnation registers under its id: the victim's incarnation is over (replaced).
+            impostor = Emulator(s.addr, 1, prefix="dd")
+            await impostor.replicas[0].client.register()
+            taken = impostor.replicas[0].client.incarnation
+            await impostor.replicas[0].client.close()
+
+            def back(e: object) -> bool:
+                x = e.member(victim.replica_id)  # type: ignore[attr-defined]
+                return x is not None and x.incarnation not in (first, taken) and x.role == m.ACTIVE
+
+            assert await emu.wait_all_have(back, timeout=15)
+            assert len(emu.alive()) == 3
+        finally:
+            await emu.close()
+
+    asyncio.run(scenario())

@@ -15,9 +15,9 @@ from fthsdp.bench.emulate import Emulator
 from fthsdp.testing.ports import free_port
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
-from lighthouse.client_rpc import parse_addresses
+from lighthouse.client_rpc import Registration, parse_addresses
 from lighthouse.client_session import AsyncLighthouseClient
-from lighthouse.errors import FencedOut, InvalidRequest, LighthouseUnavailable, UnknownTarget
+from lighthouse.errors import FencedOut, InvalidRequest, LighthouseUnavailable, StoreUnavailable, UnknownTarget
 from lighthouse.stores.memory import InMemoryStore
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
@@ -54,8 +54,21 @@ def test_superseded_incarnation_stops_heartbeating(slow_server: ServerThread,
     assert slow_server.state().members["r"].incarnation == "new"
 
 
-def test_declared_dead_client_registers_again_and_is_told(slow_server: ServerThread,
-                                                          slow_stub: pb_grpc.LighthouseStub) -> None:
+def _count_registers(c: LighthouseClient) -> list[tuple[str, int]]:
+    """Record every Register the client's session sends from now on: (claimed role, last epoch)."""
+    sent: list[tuple[str, int]] = []
+    real = c.aio.register
+
+    async def counting(claim: str = "", last_epoch: int = 0) -> Registration:
+        sent.append((claim, last_epoch))
+        return await real(claim, last_epoch)
+
+    c.aio.register = counting  # type: ignore[method-assign]
+    return sent
+
+
+def test_a_dropped_incarnation_is_over_the_client_says_so_and_never_registers_it_again(
+        slow_server: ServerThread, slow_stub: pb_grpc.LighthouseStub) -> None:
     stub = slow_stub
     lost: list[str] = []
     c = LighthouseClient(slow_server.addr, JOB, "r", on_lost=lost.append)
@@ -67,17 +80,145 @@ def test_declared_dead_client_registers_again_and_is_told(slow_server: ServerThr
             stub.Ready(pb.ReadyRequest(job_id=JOB, replica_id="o", incarnation=o.incarnation, role=role), timeout=5)
         e3 = c.wait_epoch(2, timeout=5)
         assert e3 is not None and e3.number == 3 and e3.replica_ids == ("o", "r")
-        # The lighthouse forgets r (as after a death verdict): r's next heartbeat is NOT_FOUND.
+        sent = _count_registers(c)
+        # The lighthouse is done with r's incarnation (as after a death verdict).
         stub.Leave(pb.LeaveRequest(job_id=JOB, replica_id="r", incarnation=c.incarnation, reason="forced"),
                    timeout=5)
         e4 = c.wait_epoch(3, timeout=5)
         assert e4 is not None and e4.replica_ids == ("o",)
-        # It registers again, as a joiner (o holds the state), and the runtime is told.
-        member = wait_until(lambda: slow_server.state().members.get("r"), timeout=5, what="r registered again")
-        assert member.role == m.JOINING and member.incarnation == c.incarnation and not member.in_epoch
-        assert lost and "NOT_FOUND" in lost[0]
+        wait_until(lambda: lost, timeout=5, what="on_lost")
+        assert "FAILED_PRECONDITION" in lost[0] and "declared dead or left" in lost[0]
+        assert sent == [] and "r" not in slow_server.state().members  # the session ended: nothing more is sent
+        # Even by hand, the lighthouse refuses that incarnation back.
+        with pytest.raises(grpc.RpcError) as info:
+            register(stub, "r", incarnation=c.incarnation)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
     finally:
         c.close()
+
+
+def test_a_hung_then_continued_client_is_told_at_once_and_never_registers_the_dead_incarnation(
+        server: ServerThread) -> None:
+    # FAST policy: 0.8 s heartbeat timeout. The client's event loop is blocked (the process "hangs": no
+    # heartbeats), the lighthouse declares it dead, then it continues.
+    lost: list[tuple[float, str]] = []
+    c = LighthouseClient(server.addr, JOB, "h", on_lost=lambda why: lost.append((time.monotonic(), why)))
+    gate = threading.Event()
+    try:
+        c.start(deadline_s=10)
+        assert c.wait_epoch(0, timeout=5) is not None
+        sent = _count_registers(c)
+        c._loop.call_soon_threadsafe(gate.wait, 30)  # the hang: the loop thread is stuck until the gate opens
+        wait_until(lambda: "h" not in server.state().members, timeout=5, what="h declared dead")
+        resumed = time.monotonic()
+        gate.set()
+        wait_until(lambda: lost, timeout=5, what="on_lost after the hang")
+        at, why = lost[0]
+        assert at - resumed < 2.0 and "FAILED_PRECONDITION" in why  # at its first heartbeat, not after a wait
+        assert sent == [] and len(lost) == 1
+        assert "h" not in server.state().members and server.state().is_departed("h", c.incarnation)
+    finally:
+        gate.set()
+        c.close()
+
+
+class FlakyStore(InMemoryStore):
+    """An in-memory store whose next ``fail`` writes are refused as unavailable (an etcd hiccup)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = 0
+
+    def save(self, job_id: str, expected_last_number: int, document: dict[str, Any]) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise StoreUnavailable("injected: etcd did not answer")
+        super().save(job_id, expected_last_number, document)
+
+
+def test_a_failed_ready_active_is_retried_until_the_lighthouse_takes_it(
+        start_server: Callable[..., ServerThread], channel_to: Callable[[ServerThread], grpc.Channel]) -> None:
+    store = FlakyStore()
+    port = free_port()
+    s = start_server(m.Policy(min_replicas=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0,
+                              confirm_age_s=1.0), store=store, bind=f"127.0.0.1:{port}")
+    register(pb_grpc.LighthouseStub(channel_to(s)), "a")
+    j = LighthouseClient(f"127.0.0.1:{port}", JOB, "j")
+    try:
+        reg = j.start(deadline_s=10)
+        assert reg is not None and reg.role == m.JOINING
+        j.ready(m.JOINING)
+        assert s.state().members["j"].in_epoch
+        store.fail = 1  # the lighthouse answers the next Ready UNAVAILABLE (its store write failed)
+        with pytest.raises(LighthouseUnavailable):
+            j.ready(m.ACTIVE)
+        # The refusal came from the store write (not read here as "still joining": the session may already be
+        # retrying it after its next heartbeat, 0.1 s later).
+        assert store.fail == 0
+        # Nobody calls ready() again: the session retries it, and the joiner turns active.
+        e = wait_until(lambda: (x := j.epoch) is not None and x.member("j") is not None
+                       and x.member("j").role == m.ACTIVE and x, timeout=5, what="j active")  # type: ignore[union-attr]
+        assert "caught up, now active" in e.reason and s.state().members["j"].role == m.ACTIVE
+    finally:
+        j.close()
+
+
+def test_a_ready_active_lost_to_a_lighthouse_restart_is_retried_on_the_new_one(
+        start_server: Callable[..., ServerThread], channel_to: Callable[[ServerThread], grpc.Channel]) -> None:
+    policy = m.Policy(min_replicas=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0, confirm_age_s=1.0)
+    store = InMemoryStore()  # durable across the restart
+    port = free_port()
+    first = start_server(policy, store=store, bind=f"127.0.0.1:{port}")
+    register(pb_grpc.LighthouseStub(channel_to(first)), "a")
+    j = LighthouseClient(f"127.0.0.1:{port}", JOB, "j", rpc_timeout_s=0.5)
+    try:
+        j.start(deadline_s=10)
+        j.ready(m.JOINING)
+        first.stop()  # the lighthouse is down when the joiner has caught up
+        with pytest.raises(LighthouseUnavailable):
+            j.ready(m.ACTIVE)
+        second = start_server(policy, store=store, bind=f"127.0.0.1:{port}")
+        wait_until(lambda: (x := second.state().members.get("j")) is not None and x.role == m.ACTIVE, timeout=10,
+                   what="j active on the restarted lighthouse")
+    finally:
+        j.close()
+
+
+def test_a_restarted_lighthouse_relearns_its_members_and_numbers_go_on(
+        start_server: Callable[..., ServerThread], channel_to: Callable[[ServerThread], grpc.Channel]) -> None:
+    # The default in-memory store: the restarted lighthouse forgets everything. Its members register again with
+    # the roles they hold, and a new epoch of both forms above the numbers they saw; no one is told it is lost.
+    policy = m.Policy(min_replicas=1, expected_replicas=2, heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0,
+                      confirm_age_s=0.5)
+    port = free_port()
+    first = start_server(policy, bind=f"127.0.0.1:{port}")
+    lost: list[str] = []
+    clients = [LighthouseClient(f"127.0.0.1:{port}", JOB, rid, on_lost=lost.append) for rid in ("a", "b")]
+    try:
+        for c in clients:
+            c.start(deadline_s=10)
+        stub = pb_grpc.LighthouseStub(channel_to(first))
+        x = register(stub, "x")  # a joiner comes and goes: epochs 2 and 3
+        stub.Ready(pb.ReadyRequest(job_id=JOB, replica_id="x", incarnation=x.incarnation, role=pb.ROLE_JOINING),
+                   timeout=5)
+        stub.Leave(pb.LeaveRequest(job_id=JOB, replica_id="x", incarnation=x.incarnation), timeout=5)
+        for c in clients:
+            e = c.wait_epoch(2, timeout=5)
+            assert e is not None and e.number == 3 and e.replica_ids == ("a", "b")
+        incarnations = [c.incarnation for c in clients]
+        first.stop()
+        second = start_server(policy, bind=f"127.0.0.1:{port}")  # a fresh in-memory store
+        for c in clients:
+            e = c.wait_epoch(3, timeout=10)
+            assert e is not None and e.number == 4, e  # numbering goes on above what the members saw
+            assert [(y.replica_id, y.incarnation, y.role) for y in e.members] == [
+                ("a", incarnations[0], m.ACTIVE), ("b", incarnations[1], m.ACTIVE)]
+            assert "registered again as active" in e.reason
+        assert lost == [] and [c.incarnation for c in clients] == incarnations
+        assert second.number() == 4
+    finally:
+        for c in clients:
+            c.close()
 
 
 def test_close_right_after_start_is_prompt_and_leaves_no_thread(server: ServerThread) -> None:

@@ -193,7 +193,9 @@ def test_unconfirmed_report_is_confirmed_once_the_suspect_stays_silent(
     assert not r.confirmed  # b heartbeated just now
     e2 = w.wait_for(2, timeout=5)  # b stays silent past confirm_age (1 s): the tick confirms
     assert [x.replica_id for x in e2.members] == ["a"] and "reported by a" in e2.reason
-    assert code_of(lambda: heartbeat(stub, "b", incs["b"])) == grpc.StatusCode.NOT_FOUND
+    # b's incarnation is over: it is told so (it must restart as a new incarnation), not to register again.
+    code, detail = details_of(lambda: heartbeat(stub, "b", incs["b"]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "declared dead" in detail
     # A second report about the dead b, under the current epoch, is refused: b is not a member of it.
     assert code_of(lambda: stub.ReportFailure(pb.FailureReport(
         job_id=JOB, reporter_replica_id="a", reporter_incarnation=incs["a"], suspect_replica_id="b", epoch=2),
@@ -411,6 +413,18 @@ def test_second_joiner_is_told_to_retry_while_one_syncs(pair: Any) -> None:
     assert snapshot(stub) == before
     assert ready(c, "c", pb.ROLE_ACTIVE).epoch == 3
     assert ready(d, "d", pb.ROLE_JOINING).epoch == 4
+
+
+def test_register_refusals_of_the_relearning_fields(pair: Any) -> None:
+    s, stub, incs = pair
+    before = snapshot(stub)
+    code, detail = details_of(lambda: stub.Register(pb.RegisterRequest(
+        job_id=JOB, replica_id="z", incarnation="z1", shard_count=1, last_epoch=1 << 60), timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "last_epoch" in detail
+    code, detail = details_of(lambda: stub.Register(pb.RegisterRequest(
+        job_id=JOB, replica_id="z", incarnation="z1", shard_count=1, role=7), timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "role" in detail
+    assert snapshot(stub) == before
 
 
 def test_leave_refusals(pair: Any) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from lighthouse import membership as m
+from lighthouse.events import Unattributed
 
 P = m.Policy(min_replicas=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, confirm_age_s=1.0)
 EP = m.Endpoints()
@@ -407,7 +408,11 @@ REFUSALS: list[tuple[str, Any, str]] = [
     ("ready active before joining", m.Ready("j", inc("j"), m.ACTIVE, 12.0), "FAILED_PRECONDITION"),
     ("leave unknown replica", m.Leave("x", "x-1", "", 12.0), "NOT_FOUND"),
     ("leave wrong incarnation", m.Leave("a", "a-old", "", 12.0), "FAILED_PRECONDITION"),
-    ("leave of a dead replica", m.Leave("c", inc("c"), "", 12.0), "NOT_FOUND"),
+    # An incarnation that died is over for good: refused as such, not as unknown ("register again").
+    ("leave of a dead replica", m.Leave("c", inc("c"), "", 12.0), "FAILED_PRECONDITION"),
+    ("ready of a dead replica", m.Ready("c", inc("c"), m.JOINING, 12.0), "FAILED_PRECONDITION"),
+    ("register of a dead incarnation", m.Register("c", inc("c"), 1, EP, 12.0), "FAILED_PRECONDITION"),
+    ("register with a bogus claim", m.Register("z", "z-1", 1, EP, 12.0, claim="leader"), "INVALID_ARGUMENT"),
 ]
 
 
@@ -483,7 +488,8 @@ def _random_event(rng: random.Random, state: m.State, now: float, last_seen: dic
     n = incs.get(rid, 1) + rng.choice([0, 0, 0, 0, 0, -1, 1])
     k = rng.random()
     if k < 0.25:
-        if rng.random() < 0.2:  # restart
+        # A restart; a process whose incarnation is over always restarts (it cannot register that one again).
+        if rng.random() < 0.2 or state.is_departed(rid, inc(rid, incs.get(rid, 1))):
             incs[rid] = incs.get(rid, 1) + 1
             n = incs[rid]
         return m.Register(rid, inc(rid, n), rng.choice([1, 1, 1, 1, 1, 1, 2]), EP, now)
@@ -507,6 +513,7 @@ def test_random_event_sequences_keep_the_invariants(seed: int) -> None:
     last_seen: dict[str, float] = {}
     incs: dict[str, int] = {}
     numbers_issued: list[int] = []
+    over: set[tuple[str, str]] = set()
     epochs_formed = refusals = 0
     for _ in range(400):
         now += rng.choice([0.0, 0.05, 0.2, 0.5, 1.0, 2.5])
@@ -525,6 +532,9 @@ def test_random_event_sequences_keep_the_invariants(seed: int) -> None:
         state = out.state
         for rid in set(last_seen) - set(state.members):
             del last_seen[rid]
+        over |= {(rid, i) for rid, gone in state.departed.items() for i in gone}
+        assert not over & {(x.replica_id, x.incarnation) for x in state.members.values()}, \
+            "an incarnation that died, left or was replaced never comes back"
         assert state.last_number >= before.last_number
         new = out.new_epoch(before)
         if new is not None:
@@ -648,3 +658,189 @@ def test_max_reforms_zero_never_declares_a_live_suspect_dead() -> None:
         state = report(state, "a", "b", t, policy=policy, b=0.1).state
         state = tick(state, t + 1.0, policy, b=0.1).state
         assert state.epoch is not None and state.epoch.replica_ids() == ("a", "b")
+
+
+# --- a joiner that never turns active -----------------------------------------------------------------------------
+
+
+def test_a_stuck_joiner_is_dropped_at_its_deadline_and_does_not_block_the_next() -> None:
+    policy = dataclasses.replace(P, join_deadline_s=60.0)
+    state = boot(["a", "b"], policy)
+    for rid in ("c", "d"):
+        state = register(state, rid, 1.0, policy=policy).state
+    state = ready(state, "c", m.JOINING, 2.0, policy=policy).state  # c syncs in epoch 2, then its Ready(ACTIVE)
+    assert state.epoch is not None and state.epoch.number == 2 and state.members["c"].syncing_since == 2.0
+    busy = ready(state, "d", m.JOINING, 30.0, policy=policy)  # never arrives
+    assert busy.rejection is not None and busy.rejection.code == "ABORTED"
+    assert tick(state, 61.9, policy).state.epoch is state.epoch  # not before the deadline
+    out = tick(state, 62.1, policy)
+    assert "c" not in out.state.members and out.state.epoch is not None and out.state.epoch.number == 3
+    died = [e for e in out.events if isinstance(e, m.Died)]
+    assert [(e.replica_id, e.cause) for e in died] == [("c", m.DeathCause.STALLED)] and died[0].joining_s > 60
+    assert "c dropped (joining for 60s in the data plane without turning active)" in out.reason
+    assert out.state.is_departed("c", inc("c"))  # its heartbeats are told so: it restarts as a new incarnation
+    nxt = ready(out.state, "d", m.JOINING, 63.0, policy=policy)
+    assert nxt.rejection is None and roles(nxt.state.epoch)["d"] == m.JOINING
+
+
+def test_the_join_deadline_counts_from_the_epoch_that_put_the_joiner_in_the_data_plane() -> None:
+    # A joiner held out of any epoch by the min-replicas guard is not syncing: its clock starts when one forms.
+    policy = m.Policy(min_replicas=3, expected_replicas=3, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
+                      confirm_age_s=1.0, join_deadline_s=60.0)
+    state = boot(["a", "b", "c"], policy)
+    state = tick(state, 10.0, policy, b=5.0, c=5.0).state
+    for rid in ("d", "e"):
+        state = register(state, rid, 11.0, policy=policy).state
+    state = ready(state, "d", m.JOINING, 12.0, policy=policy).state
+    assert state.members["d"].syncing_since is None  # the guard holds: no epoch has it
+    assert tick(state, 100.0, policy).state.members.get("d") is not None
+    state = ready(state, "e", m.JOINING, 100.0, policy=policy).state
+    assert state.epoch is not None and state.epoch.number == 2
+    assert state.members["d"].syncing_since == state.members["e"].syncing_since == 100.0
+    assert set(tick(state, 150.0, policy).state.members) == {"a", "d", "e"}
+
+
+def test_join_deadline_zero_never_drops_a_joiner() -> None:
+    policy = dataclasses.replace(P, join_deadline_s=0.0)
+    state = ready(register(boot(["a"], policy), "b", 1.0, policy=policy).state, "b", m.JOINING, 2.0,
+                  policy=policy).state
+    assert "b" in tick(state, 1e6, policy).state.members
+
+
+# --- a lighthouse that lost its state relearns it ------------------------------------------------------------------
+
+
+def reclaim(state: m.State, rid: str, claim: str, last_epoch: int, now: float, policy: m.Policy = P) -> m.Outcome:
+    return apply(state, m.Register(rid, inc(rid), 1, EP, now, claim=claim, last_epoch=last_epoch), policy)
+
+
+def test_returning_members_get_their_roles_back_and_numbers_go_on() -> None:
+    # A fresh lighthouse (in-memory store, restarted): a, b were active and c syncing as a joiner in epoch 7.
+    out = reclaim(m.State(), "a", m.ACTIVE, 7, 100.0)
+    state = out.state
+    assert state.epoch is None and state.last_number == 7 and state.members["a"].role == m.ACTIVE
+    assert "registered again as active (this lighthouse had lost it)" in out.reason
+    # It waits a heartbeat timeout for the others (each is told it is unknown at its next heartbeat).
+    state = reclaim(state, "b", m.ACTIVE, 6, 101.0).state
+    state = reclaim(state, "c", m.JOINING, 7, 101.5).state
+    assert tick(state, 102.9).state.epoch is None
+    epoch = tick(state, 103.1).state.epoch
+    assert epoch is not None and epoch.number == 8  # above every number the members saw
+    assert roles(epoch) == {"a": m.ACTIVE, "b": m.ACTIVE, "c": m.JOINING}
+    assert [(x.replica_id, x.incarnation) for x in epoch.members] == [(r, inc(r)) for r in ("a", "b", "c")]
+
+
+def test_returning_members_form_at_once_with_the_expected_count() -> None:
+    policy = dataclasses.replace(P, expected_replicas=2)
+    state = reclaim(m.State(), "a", m.ACTIVE, 3, 0.0, policy).state
+    epoch = reclaim(state, "b", m.ACTIVE, 3, 0.1, policy).state.epoch
+    assert epoch is not None and epoch.number == 4 and roles(epoch) == {"a": m.ACTIVE, "b": m.ACTIVE}
+
+
+def test_a_newcomer_made_active_before_the_members_came_back_must_catch_up_from_them() -> None:
+    policy = dataclasses.replace(P, expected_replicas=3)
+    state = register(m.State(), "new", 0.0, policy=policy).state
+    assert state.members["new"].role == m.ACTIVE  # a fresh lighthouse cannot know the job trained before
+    state = reclaim(state, "a", m.ACTIVE, 5, 0.5, policy).state
+    assert state.members["new"].role == m.JOINING and not state.members["new"].in_epoch
+    # From now on the lighthouse knows the job trained: a newcomer joins.
+    state = register(state, "n2", 0.6, policy=policy).state
+    assert state.members["n2"].role == m.JOINING
+    epoch = tick(state, 0.5 + P.heartbeat_timeout_s + 0.1, policy).state.epoch
+    assert epoch is not None and epoch.number == 6 and roles(epoch) == {"a": m.ACTIVE}
+
+
+def test_a_claim_is_plain_registration_once_an_epoch_formed_or_without_an_epoch_seen() -> None:
+    state = reclaim(m.State(), "a", m.ACTIVE, 4, 0.0).state
+    state = tick(state, 3.1).state
+    assert state.epoch is not None and state.epoch.number == 5
+    # b comes back too late: the others went on without it, its state may be behind. It gets the plain role
+    # (joining), and its client gives up that incarnation.
+    late = reclaim(state, "b", m.ACTIVE, 4, 4.0).state
+    assert late.members["b"].role == m.JOINING and not late.members["b"].in_epoch and late.epoch is state.epoch
+    # A claim without an epoch seen is a bootstrap registration (nobody trained).
+    fresh = reclaim(m.State(), "a", m.JOINING, 0, 0.0).state
+    assert fresh.members["a"].role == m.ACTIVE and not fresh.members["a"].reclaimed and fresh.last_number == 1
+
+
+# --- bounded escalation --------------------------------------------------------------------------------------------
+
+
+def blame_round(state: m.State, blame: dict[str, list[str]], t: float, policy: m.Policy) -> m.Outcome:
+    """Every reporter blames its suspects in the current epoch at ``t``; everyone keeps heartbeating."""
+    for reporter, suspects in blame.items():
+        for suspect in suspects:
+            out = report(state, reporter, suspect, t, policy=policy)
+            assert out.rejection is None, out.rejection
+            state = out.state
+    return tick(state, t + policy.confirm_age_s, policy)
+
+
+def test_symmetric_mutual_blame_evicts_at_most_one_replica_and_says_why() -> None:
+    # A fault nobody can attribute (each of a, b, c blames the other two) for many re-forms in a row.
+    policy = dataclasses.replace(P, max_reforms=2, min_replicas=2)
+    state = boot(["a", "b", "c"], policy)
+    everyone = {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"]}
+    evicted: list[str] = []
+    for round_ in range(12):
+        live = state.epoch.replica_ids()  # type: ignore[union-attr]
+        out = blame_round(state, {r: [s for s in everyone[r] if s in live] for r in live}, 10.0 + 10 * round_,
+                          policy)
+        state = out.state
+        assert state.epoch is not None and len(state.epoch.members) >= policy.min_replicas
+        dead = [e.replica_id for e in out.events if isinstance(e, m.Died)]
+        assert len(dead) <= 1, out.reason
+        if dead:
+            note = [e for e in out.events if isinstance(e, Unattributed)]
+            assert note and note[0].evicted == tuple(dead) and len(note[0].suspects) == 3
+            assert "blame not attributable among a, b, c" in out.reason and f"only {dead[0]} evicted" in out.reason
+        evicted += dead
+    # One replica went (of the tied ones, the newest registration, then the highest id: c), then the guard kept
+    # the other two.
+    assert evicted == ["c"] and state.epoch.replica_ids() == ("a", "b")  # type: ignore[union-attr]
+    assert "none evicted (it would break the min-replicas guard)" in state.epoch.reason  # type: ignore[union-attr]
+
+
+def test_symmetric_mutual_blame_at_min_replicas_evicts_no_one() -> None:
+    policy = dataclasses.replace(P, max_reforms=1, min_replicas=3)
+    state = boot(["a", "b", "c"], policy)
+    for round_ in range(6):
+        out = blame_round(state, {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"]}, 10.0 + 10 * round_, policy)
+        state = out.state
+        assert set(state.members) == {"a", "b", "c"} and not [e for e in out.events if isinstance(e, m.Died)]
+        assert state.epoch is not None and state.epoch.replica_ids() == ("a", "b", "c")
+
+
+def test_a_replica_blamed_by_all_others_is_still_evicted() -> None:
+    policy = dataclasses.replace(P, max_reforms=2)
+    state = boot(["a", "b", "c"], policy)
+    for round_ in range(2):
+        out = blame_round(state, {"a": ["c"], "b": ["c"]}, 10.0 + 10 * round_, policy)
+        assert "re-formed" in out.reason
+        state = out.state
+    out = blame_round(state, {"a": ["c"], "b": ["c"]}, 30.0, policy)
+    died = [e for e in out.events if isinstance(e, m.Died)]
+    assert [(e.replica_id, e.cause, e.reporters) for e in died] == [("c", m.DeathCause.HUNG, ("a", "b"))]
+    assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("a", "b")
+    assert "blamed by a,b" in out.reason and "not attributable" not in out.reason
+
+
+def test_a_replica_whose_network_broke_is_evicted_alone() -> None:
+    # a cannot reach anyone: it blames b and c, and they both blame a (each only a).
+    policy = dataclasses.replace(P, max_reforms=1)
+    state = boot(["a", "b", "c"], policy)
+    blame = {"a": ["b", "c"], "b": ["a"], "c": ["a"]}
+    state = blame_round(state, blame, 10.0, policy).state
+    out = blame_round(state, blame, 20.0, policy)
+    assert [e.replica_id for e in out.events if isinstance(e, m.Died)] == ["a"]
+    assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("b", "c")
+
+
+def test_two_hung_replicas_blamed_by_every_unblamed_member_both_go() -> None:
+    policy = dataclasses.replace(P, max_reforms=1)
+    state = boot(["a", "b", "c", "d"], policy)
+    blame = {"a": ["c", "d"], "b": ["c", "d"]}
+    state = blame_round(state, blame, 10.0, policy).state
+    out = blame_round(state, blame, 20.0, policy)
+    assert sorted(e.replica_id for e in out.events if isinstance(e, m.Died)) == ["c", "d"]
+    assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("a", "b")
