@@ -1,4 +1,5 @@
-"""The text of chaos results: one line per run, a summary of a soak; and the kind a fault is counted under."""
+"""The text of chaos results: one line per run, a summary of a soak; the kind a fault is counted under; and the
+command's exit status."""
 
 from __future__ import annotations
 
@@ -26,8 +27,15 @@ def summary_text(s: dict[str, Any]) -> str:
             for v in vs:
                 lines.append(f"  seed {seed}: {v}")
     else:
-        lines.append("invariants: all held (converged, survivors, exactly-once, no lost step, epochs increasing)")
+        lines.append("invariants: all held (converged, survivors, exactly-once, no lost step, epochs increasing, "
+                     "only the failed replica pays)")
     return "\n".join(lines)
+
+
+def exit_code(s: dict[str, Any]) -> int:
+    """``fthsdp chaos``'s exit status for a soak's summary: 1 when any run broke an invariant (or could not be
+    checked: its violations say why), else 0."""
+    return 1 if s["violations"] else 0
 
 
 def result_text(r: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """One chaos run and many: ``run_chaos`` runs one seed's schedule on a local cluster and checks every invariant of
 docs/design.md §8 over what it left behind (``fthsdp.testing.invariants``); ``soak`` repeats runs with successive seeds
-(``fthsdp chaos``). A run's result (JSON) holds the schedule, what was injected and not, the exits, the violations.
+(``fthsdp chaos``). A run's result (JSON) holds the schedule, what was injected and not, the exits, the replicas
+the faults targeted (every other one is held to invariant 7, only the failed replica pays), the violations.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def run_chaos(cfg: ChaosConfig, workdir: pathlib.Path) -> dict[str, Any]:
     t0 = time.monotonic()
     report: dict[str, Any] | None = None
     violations: list[str] = []
+    targets: list[int] = []
     cluster = ChaosCluster(cfg.cluster_config(len(faults)), workdir, injector.tick, etcd=etcd,
                            lighthouses=cfg.lighthouses)
     try:
@@ -48,6 +50,7 @@ def run_chaos(cfg: ChaosConfig, workdir: pathlib.Path) -> dict[str, Any]:
         report["events"] += injector.epochs_seen
         per = invariants.load_run(workdir, cfg.replicas)
         violations += invariants.check_run(report, per, cfg.steps)
+        targets = sorted(invariants.fault_targets(report))
         (workdir / "report.json").write_text(json.dumps(report))
     else:
         # No report: still check what can be checked over the epochs seen.
@@ -60,6 +63,7 @@ def run_chaos(cfg: ChaosConfig, workdir: pathlib.Path) -> dict[str, Any]:
         "injected_by_kind": dict(collections.Counter(kind_key(x) for x in injector.injected)),
         "exits": [{"replica": e["replica"], "code": e["code"], "killed": e["killed"]} for e in exits],
         "epochs": max((e["epoch"] for e in injector.epochs_seen), default=0),
+        "fault_targets": targets,
         "violations": violations, "wall_s": round(time.monotonic() - t0, 1), "workdir": str(workdir),
     }
     (workdir / "chaos.json").write_text(json.dumps(result, indent=1))

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def cmd_chaos(a: argparse.Namespace) -> None:
     from fthsdp.chaos.config import ChaosConfig
-    from fthsdp.chaos.report import result_text, summary_text
+    from fthsdp.chaos.report import exit_code, result_text, summary_text
     from fthsdp.chaos.run import soak
     from fthsdp.chaos.schedule import KINDS, REPLICA_KINDS
 
@@ -24,6 +24,8 @@ def cmd_chaos(a: argparse.Namespace) -> None:
     bad = [k for k in kinds if k not in KINDS]
     if bad or (not a.ha and not set(kinds) & set(REPLICA_KINDS)):
         sys.exit(f"fthsdp chaos: --kinds must be among {','.join(KINDS)} (lighthouse and etcd need --ha)")
+    if a.duration < 0 or (a.runs < 1 and not a.duration):
+        sys.exit("fthsdp chaos: --runs must be at least 1 and --duration not negative (no run, nothing checked)")
     cfg = ChaosConfig(seed=a.seed, replicas=a.replicas, ranks=a.ranks, steps=a.steps, kinds=kinds, faults=a.faults,
                       ha=a.ha, min_step_s=a.min_step_s, model=a.model, timeout_s=a.timeout)
     workdir = pathlib.Path(a.workdir) if a.workdir else pathlib.Path(tempfile.mkdtemp(prefix="fthsdp-chaos-"))
@@ -35,8 +37,9 @@ def cmd_chaos(a: argparse.Namespace) -> None:
         print(summary_text(out))
         if out["violations"]:
             print(f"runs with violations kept under {workdir}")
-    if out["violations"]:
-        sys.exit(1)
+    code = exit_code(out)
+    if code:
+        sys.exit(code)
 
 
 def register(sub: Subparsers) -> None:

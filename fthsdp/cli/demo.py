@@ -1,5 +1,6 @@
 """``fthsdp demo``: a lighthouse and R replica groups (torchrun, S ranks each) of the example trainer on
-loopback; injects the failures asked for, shows live progress, and writes a JSON report and a PNG timeline."""
+loopback; injects the failures asked for, shows live progress, and writes a JSON report and a PNG timeline. It exits
+non-zero when the run did not end with one final state on every replica, or the launcher gave it up."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from fthsdp.testing.invariants import converged
 from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, ReplicaFailed
 
 if TYPE_CHECKING:
@@ -65,8 +67,10 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
             shutil.copytree(workdir, keep_logs, dirs_exist_ok=True)
         shutil.rmtree(workdir, ignore_errors=True)
     hashes = {f["param_hash"] for f in report["final"].values() if f}
-    print(f"\nfinal state hash equal on all {config.replicas} replicas: {len(hashes) == 1} "
-          f"({next(iter(hashes))[:16] if len(hashes) == 1 else hashes})")
+    missing = sorted(r for r, f in report["final"].items() if not f)
+    print(f"\nfinal state hash equal on all {config.replicas} replicas: {len(hashes) == 1 and not missing} "
+          f"({next(iter(hashes))[:16] if len(hashes) == 1 else hashes})"
+          + (f"; no final state on replica(s) {', '.join(missing)}" if missing else ""))
     print(f"survivors' worst stall beyond a median step: {report['survivor_max_stall_s']}s; "
           f"rejoin (kill to first joined step): {report['rejoin_s']}s; "
           f"effective training time: {report['effective_training_time']:.0%}")
@@ -83,6 +87,18 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
         plot_timeline(report, plot_path)
         print(f"timeline: {plot_path}")
     return report
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    """Why a finished demo run failed, empty when it did not: every replica must end at the last step with one
+    final state hash (``invariants.converged``: hashes that differ, or a replica with no final state)."""
+    return converged(report, int(report["steps"]))
+
+
+def exit_code(report: dict[str, Any]) -> int:
+    """``fthsdp demo``'s exit status for a finished run: 1 when ``failures`` names any, else 0. (A run the launcher
+    gives up, ``ReplicaFailed`` or its timeout, exits 1 before there is a report.)"""
+    return 1 if failures(report) else 0
 
 
 def plot_timeline(report: dict[str, Any], path: pathlib.Path) -> None:
@@ -131,10 +147,15 @@ def cmd_demo(a: argparse.Namespace) -> None:
         config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model,
                                kills=kills, restart_delay_s=delay, timeout_s=a.timeout,
                                checkpoint_every=a.checkpoint_every)
-        run_demo(config, pathlib.Path(a.report) if a.report else None, pathlib.Path(a.plot) if a.plot else None,
-                 pathlib.Path(a.keep_logs) if a.keep_logs else None)
+        report = run_demo(config, pathlib.Path(a.report) if a.report else None,
+                          pathlib.Path(a.plot) if a.plot else None, pathlib.Path(a.keep_logs) if a.keep_logs else None)
     except (ValueError, ReplicaFailed, TimeoutError) as e:
         sys.exit(f"fthsdp demo: {e}")
+    for problem in failures(report):
+        print(f"fthsdp demo: FAILED: {problem}", file=sys.stderr)
+    code = exit_code(report)
+    if code:
+        sys.exit(code)
 
 
 def register(sub: Subparsers) -> None:

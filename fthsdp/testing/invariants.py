@@ -14,12 +14,17 @@ Checked here:
 - no lost committed step: the above plus "nobody goes backwards": within one incarnation a replica's committed
   steps go up by exactly one (§8.3);
 - epochs strictly increasing: the lighthouse's epoch history, and every epoch number seen while the run went on,
-  never go back and are never reused (§8.2).
+  never go back and are never reused (§8.2);
+- only the failed replica pays: every replica that no fault targeted (``fault_targets``: the launcher's kills,
+  the chaos runner's kills, hangs and double kills) ran as one incarnation from start to end and committed every
+  step 0..N-1 once, in order: it never exited, restarted, rolled back or fell behind (§8.7). Unlike ``survivors``,
+  which leaves out every replica that exited, this check cannot be dodged by a healthy replica sent back to rejoin.
 """
 
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Collection
 from itertools import pairwise
 from typing import Any
 
@@ -187,10 +192,62 @@ def epochs_increasing(report: dict[str, Any]) -> list[str]:
     return problems
 
 
+# --- §8.7: only the failed replica pays ------------------------------------------------------------------------
+
+def fault_targets(report: dict[str, Any]) -> set[int]:
+    """The replicas the run's faults were aimed at, from the report's events: the launcher's kills (a ``start``
+    event whose incarnation had a kill armed, ``fault``) and every replica a fault injected by the chaos runner
+    names (``chaos`` events: a kill's, a hang's, both of a double kill's, the joiner and the source of a serve
+    kill). A lighthouse or etcd kill names no replica."""
+    out: set[int] = set()
+    for e in report.get("events", []):
+        if e.get("event") == "start" and e.get("fault"):
+            out.add(int(e["replica"]))
+        elif e.get("event") == "chaos":
+            out.update(int(r) for r in e["fault"].get("replicas", ()))
+    return out
+
+
+def only_failed_pays(per_replica: Rows, report: dict[str, Any], steps: int, targets: Collection[int]) -> list[str]:
+    """Invariant 7 over every replica not in ``targets``: it never exited (no ``exit`` event in the report), never
+    restarted (one incarnation; no ``start`` row registering as joining after its first), never rolled back (its
+    committed steps go up by exactly one, none repeated) and never fell behind (it committed every step
+    0..N-1 and reached the last one)."""
+    exits: dict[int, list[Any]] = {}
+    for e in report.get("events", []):
+        if e.get("event") == "exit":
+            exits.setdefault(int(e["replica"]), []).append(e.get("code"))
+    out = []
+    for r in sorted(set(per_replica) - set(targets)):
+        rows = per_replica[r]
+        who = f"replica {r} (no fault targeted it)"
+        if r in exits:
+            out.append(f"{who} exited {len(exits[r])} time(s), status {exits[r]}")
+        incarnations = list(dict.fromkeys(x.incarnation for x in rows if x.event in ("start", "step")))
+        if len(incarnations) > 1:
+            out.append(f"{who} restarted: ran as {len(incarnations)} incarnations {list(map(str, incarnations))}")
+        starts = [x for x in rows if x.event == "start"]
+        if any(x.joining for x in starts[1:]):
+            out.append(f"{who} registered again as joining after its first start")
+        got = [x.step for x in steps_of(rows) if x.step is not None]
+        back = next(((a, b) for a, b in pairwise(got) if b <= a), None)
+        if back is not None:
+            out.append(f"{who} rolled back: committed step {back[0]} then {back[1]}")
+        skip = next(((a, b) for a, b in pairwise(got) if b > a + 1), None)
+        if skip is not None:
+            out.append(f"{who} skipped: committed step {skip[0]} then {skip[1]}")
+        missing = sorted(set(range(steps)) - set(got))
+        if missing:
+            last = f" (never reached the last step, {steps - 1})" if steps - 1 in missing else ""
+            out.append(f"{who} fell behind: never committed step(s) {_summary(missing)}{last}")
+    return out
+
+
 # --- all of them -----------------------------------------------------------------------------------------------
 
 def check_run(report: dict[str, Any], per_replica: Rows, steps: int) -> list[str]:
-    """Every invariant over one finished run; each violation is prefixed with the invariant's name."""
+    """Every invariant over one finished run; each violation is prefixed with the invariant's name. The faults'
+    targets, which invariant 7 leaves out, are read from the report (``fault_targets``)."""
     out = [f"converged: {v}" for v in converged(report, steps)]
     for r in survivors(per_replica, report):
         out += [f"survivor {r}: {v}" for v in survivor(per_replica[r], steps)]
@@ -198,6 +255,8 @@ def check_run(report: dict[str, Any], per_replica: Rows, steps: int) -> list[str
     out += [f"exactly-once: {v}" for v in eo]
     out += [f"no-lost-step: {v}" for v in no_lost_step(per_replica, steps)]
     out += [f"epochs: {v}" for v in epochs_increasing(report)]
+    targets = fault_targets(report)
+    out += [f"only-failed-pays: {v}" for v in only_failed_pays(per_replica, report, steps, targets)]
     return out
 
 

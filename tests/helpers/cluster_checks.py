@@ -61,6 +61,15 @@ def check_epochs_increasing(report: dict[str, Any]) -> None:
     _ok(inv.epochs_increasing(report))
 
 
+def check_only_failed_pays(tmp: pathlib.Path, report: dict[str, Any], replicas: int, steps: int) -> set[int]:
+    """Invariant 7: every replica that no fault of the run targeted (the launcher's kills, the chaos runner's
+    replica faults: ``fthsdp.testing.invariants.fault_targets``) never exited, restarted, rolled back or fell a
+    step behind. Returns the targets (a test can assert some replica was left to check)."""
+    targets = inv.fault_targets(report)
+    _ok(inv.only_failed_pays(_all(tmp, replicas), report, steps, targets))
+    return targets
+
+
 def check_all(tmp: pathlib.Path, report: dict[str, Any], replicas: int, steps: int) -> None:
     """Every invariant of ``fthsdp.testing.invariants.check_run``."""
     _ok(inv.check_run(report, _all(tmp, replicas), steps))

@@ -1,8 +1,8 @@
 """Chaos runs of real processes: the hang action stops a whole process tree, one short seeded chaos run of a real
 local cluster (SIGKILL at a phase, a SIGSTOP hang, two kills at once) with every invariant of docs/design.md §8
-checked, and a small HA run (3-member etcd, 2 lighthouses, the leader SIGKILLed during training). The pure parts
-(the schedule, the invariant checks) are tested in ``tests/unit/test_chaos_schedule.py`` and
-``tests/unit/test_invariants.py``."""
+checked (7, only the failed replica pays, included), and a small HA run (3-member etcd, 2 lighthouses, the leader
+SIGKILLed during training). The pure parts (the schedule, the invariant checks) are tested in
+``tests/unit/test_chaos_schedule.py`` and ``tests/unit/test_invariants.py``."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from fthsdp.chaos.config import ChaosConfig
 from fthsdp.chaos.report import summary_text
 from fthsdp.chaos.run import run_chaos, soak
 from fthsdp.chaos.schedule import REPLICA_KINDS, schedule
+from tests.helpers.cluster_checks import check_only_failed_pays
 
 
 def _state(pid: int) -> str:
@@ -68,7 +69,8 @@ QUICK: dict[str, Any] = {"ranks": 1, "min_step_s": 0.1, "heartbeat_timeout_s": 3
 def test_seeded_chaos_run_keeps_every_invariant(tmp_path: pathlib.Path) -> None:
     """Seed 16: a SIGKILL at the vote, a SIGSTOP hang of a whole replica group, two replica groups SIGKILLed at
     once at the exchange (3 replicas, the tiny model, paced steps). Every fault is injected, every invariant
-    holds."""
+    holds, invariant 7 included: replica 1, which no fault targets, never exits, restarts, rolls back or falls
+    behind."""
     faults = schedule(SEED, 3, STEPS, hang_s=QUICK["hang_s"])
     assert [f.kind for f in faults] == ["kill", "hang", "double"]
     t0 = time.monotonic()
@@ -78,6 +80,9 @@ def test_seeded_chaos_run_keeps_every_invariant(tmp_path: pathlib.Path) -> None:
     took = time.monotonic() - t0
     print(json.dumps({k: result[k] for k in ("injected", "not_fired", "exits", "violations", "wall_s")}, indent=1))
     assert result["violations"] == []
+    assert result["fault_targets"] == [0, 2]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert check_only_failed_pays(tmp_path, report, 3, STEPS) == {0, 2}  # replica 1 was held to invariant 7
     assert sorted(x["kind"] for x in result["injected"]) == sorted(REPLICA_KINDS), result["not_fired"]
     assert len([e for e in result["exits"] if e["killed"]]) >= 3  # the kill and both of the double
     hung = next(x for x in result["injected"] if x["kind"] == "hang")

@@ -1,13 +1,19 @@
-"""The ``fthsdp`` command line, in-process: every command group's parser is built, and ``fthsdp sim`` prints its
-table and its JSON (the same document the model returns)."""
+"""The ``fthsdp`` command line, in-process: every command group's parser is built, ``fthsdp sim`` prints its table
+and its JSON (the same document the model returns), and ``fthsdp demo`` and ``fthsdp chaos`` exit non-zero when
+their report says a check failed (hand-made reports fed through the exit decision)."""
 
 from __future__ import annotations
 
 import json
+import pathlib
+from typing import Any
 
 import pytest
 
 from fthsdp.bench.sim import SimConfig, simulate
+from fthsdp.chaos import report as chaos_report
+from fthsdp.chaos import run as chaos_run
+from fthsdp.cli import demo
 from fthsdp.cli.main import build_parser, main
 
 SIM = ["sim", "--gpus", "98304", "--replica-gpus", "8192", "--mtbf-min", "18", "--sync-recovery-min", "10",
@@ -41,3 +47,95 @@ def test_bad_sim_input_exits_with_the_reason() -> None:
     with pytest.raises(SystemExit) as e:
         main(["sim", "--gpus", "100", "--replica-gpus", "7", *SIM[5:]])
     assert "multiple" in str(e.value.code)
+
+
+# --- truthful exits: a command that reports a failed check exits non-zero ----------------------------------------
+
+def _demo_report(hashes: dict[str, str | None], steps: int = 30) -> dict[str, Any]:
+    """A hand-made finished demo run: each replica's final state hash (None: no final state)."""
+    return {"steps": steps, "replicas": len(hashes), "events": [], "survivor_max_stall_s": 0.1, "rejoin_s": None,
+            "effective_training_time": 0.9,
+            "final": {r: None if h is None else {"step": steps, "param_hash": h} for r, h in hashes.items()}}
+
+
+def test_demo_exit_decision() -> None:
+    assert demo.failures(_demo_report({"0": "aa", "1": "aa", "2": "aa"})) == []
+    assert demo.exit_code(_demo_report({"0": "aa", "1": "aa", "2": "aa"})) == 0
+    diverged = _demo_report({"0": "aa", "1": "aa", "2": "bb"})
+    assert demo.exit_code(diverged) == 1 and any("diverged" in x for x in demo.failures(diverged))
+    one_missing = _demo_report({"0": "aa", "1": None, "2": "aa"})
+    assert demo.exit_code(one_missing) == 1 and any("replica 1 did not finish" in x
+                                                    for x in demo.failures(one_missing))
+    short = _demo_report({"0": "aa", "1": "aa"})
+    short["final"]["1"]["step"] = 29
+    assert demo.exit_code(short) == 1
+    assert demo.exit_code(_demo_report({"0": None, "1": None})) == 1
+
+
+class _FakeCluster:
+    """Stands in for the launcher's ``Cluster``: its run returns a hand-made report."""
+
+    report: dict[str, Any] = {}
+
+    def __init__(self, config: Any, workdir: Any, on_tick: Any = None) -> None:
+        self.groups: list[Any] = []
+
+    def run(self) -> dict[str, Any]:
+        return dict(self.report)
+
+
+@pytest.mark.parametrize(("hashes", "code"), [({"0": "aa", "1": "aa", "2": "aa"}, None),
+                                              ({"0": "aa", "1": "aa", "2": "bb"}, 1),
+                                              ({"0": "aa", "1": None, "2": "aa"}, 1)])
+def test_demo_exits_non_zero_when_the_final_states_differ(hashes: dict[str, str | None], code: int | None,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(_FakeCluster, "report", _demo_report(hashes))
+    monkeypatch.setattr(demo, "Cluster", _FakeCluster)
+    if code is None:
+        main(["demo", "--model", "tiny", "--steps", "30"])
+        assert "final state hash equal on all 3 replicas: True" in capsys.readouterr().out
+        return
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--model", "tiny", "--steps", "30"])
+    assert e.value.code == code
+    out = capsys.readouterr()
+    assert "final state hash equal on all 3 replicas: False" in out.out
+    assert "fthsdp demo: FAILED: " in out.err
+
+
+def _soak_summary(violations: dict[int, list[str]]) -> dict[str, Any]:
+    return {"runs": 1, "seeds": [16], "faults_injected": 3, "by_kind": {"hang": 1}, "not_fired": 0,
+            "violations": violations, "wall_s": 1.0, "results": []}
+
+
+def test_chaos_exit_decision() -> None:
+    assert chaos_report.exit_code(_soak_summary({})) == 0
+    assert chaos_report.exit_code(_soak_summary({16: ["only-failed-pays: replica 2 (no fault targeted it) "
+                                                      "exited 1 time(s), status [1]"]})) == 1
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_chaos_exits_non_zero_when_a_run_broke_an_invariant(as_json: bool, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str],
+                                                            tmp_path: pathlib.Path) -> None:
+    broken = "only-failed-pays: replica 2 (no fault targeted it) restarted: ran as 2 incarnations"
+    monkeypatch.setattr(chaos_run, "soak", lambda *a, **k: _soak_summary({16: [broken]}))
+    argv = ["chaos", "--seed", "16", "--workdir", str(tmp_path), *(["--json"] if as_json else [])]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 1
+    assert broken in capsys.readouterr().out
+    monkeypatch.setattr(chaos_run, "soak", lambda *a, **k: _soak_summary({}))
+    main(argv)  # every invariant held: returns, exit status 0
+    out = capsys.readouterr().out
+    if as_json:
+        assert json.loads(out)["violations"] == {}
+    else:
+        assert "invariants: all held" in out and "only the failed replica pays" in out
+
+
+def test_chaos_refuses_a_soak_of_no_run(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["chaos", "--runs", "0", "--workdir", str(tmp_path)])
+    assert "--runs must be at least 1" in str(e.value.code)
