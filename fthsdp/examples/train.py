@@ -6,8 +6,8 @@ With ``FTHSDP_*`` set (the launcher does it) it trains under fthsdp; with ``--pl
 with plain FSDP2 (``--hsdp-replicas R``: plain FSDP2-HSDP over R×S ranks, torch's replicate dimension), the
 baseline of the benchmarks and of the bitwise tests. Rank 0 of each replica appends JSON lines to
 ``--progress`` (default ``FTHSDP_PROGRESS``): one per committed step, and a final one with the state hash.
-``FTHSDP_LOG_LEVEL`` sets the log level (default ``WARNING``); ``fthsdp.runtime.config.TrainerSettings`` reads
-both.
+``FTHSDP_LOG_LEVEL`` sets the log level (default ``WARNING``) and ``--scheduler`` (default ``FTHSDP_SCHEDULER``)
+an LR scheduler, handed to the runtime in one line; ``fthsdp.runtime.config.TrainerSettings`` reads them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from fthsdp.examples.data import batch
 from fthsdp.examples.gpt import GPT, GPTConfig
-from fthsdp.runtime.config import TrainerSettings
+from fthsdp.runtime.config import SCHEDULERS, TrainerSettings
 from fthsdp.runtime.state import local_tensor
 from fthsdp.testing.progress import ProgressRow
 
@@ -41,6 +41,9 @@ def _args(argv: list[str] | None, settings: TrainerSettings) -> argparse.Namespa
                    "(default: FTHSDP_PROGRESS)")
     p.add_argument("--plain", action="store_true", help="plain FSDP2 (no fault tolerance): the baseline")
     p.add_argument("--hsdp-replicas", type=int, default=1, help="with --plain: replicas of an HSDP mesh")
+    p.add_argument("--scheduler", default=settings.scheduler, choices=SCHEDULERS,
+                   help="LR scheduler: cosine (CosineAnnealingLR over --steps), lambda (LambdaLR, x0.97 per step), "
+                   "none (default: FTHSDP_SCHEDULER)")
     p.add_argument("--min-step-s", type=float, default=0.0,
                    help="pace steps to take at least this long (stands in for more compute in tests)")
     return p.parse_args(argv)
@@ -67,6 +70,14 @@ def _model(cfg: GPTConfig, seed: int) -> GPT:
     return GPT(cfg)
 
 
+def _scheduler(name: str, opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
+    if name == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1))
+    if name == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.97 ** step)
+    return None
+
+
 def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -87,6 +98,7 @@ def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    scheduler = _scheduler(a.scheduler, opt, a.steps)
     progress = Progress(a.progress, srank == 0, replica=slot, mode="plain")
     per_rank = a.batch // shards
     for step in range(a.steps):
@@ -95,6 +107,8 @@ def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
         loss = model.loss(batch(a.seed, step, slot, srank, per_rank, cfg.seq_len, cfg.vocab))
         loss.backward()
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         progress.write(event="step", step=step, loss=float(loss.item()), step_s=time.perf_counter() - t0)
     h = hashlib.sha256()
     for p in model.parameters():
@@ -106,6 +120,7 @@ def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
 def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings) -> None:
     from fthsdp.runtime import (
         EXIT_REJOIN,
+        DigestMismatch,
         NoStateToResume,
         RejoinRequired,
         Replica,
@@ -123,7 +138,8 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         raise
     model = _model(cfg, a.seed)
     ft.shard(model, blocks=model.blocks)
-    ft.optimizer(torch.optim.AdamW(model.parameters(), lr=a.lr))
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    ft.optimizer(opt, scheduler=_scheduler(a.scheduler, opt, a.steps))  # the runtime steps it at every commit
     slot, rank = ft.config.replica_index, ft.rank
     progress = Progress(a.progress, rank == 0, replica=slot, incarnation=ft.incarnation, mode="fthsdp")
     progress.write(event="start", joining=ft.joining, resumed_from=ft.resumed_from, step=ft.step)
@@ -136,9 +152,16 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
                                                        cfg.vocab).to(ft.device)))
             progress.write(event="step", step=r.step, loss=r.loss, epoch=r.epoch, contributors=r.contributors,
                            joined=r.joined, attempts=r.attempts, step_s=time.perf_counter() - t0,
-                           exchange_s=r.exchange_s, batches=r.batches, lr_factor=r.lr_factor, catchup=r.catchup)
+                           exchange_s=r.exchange_s, batches=r.batches, lr_factor=r.lr_factor, catchup=r.catchup,
+                           **({"diverged": list(r.diverged)} if r.diverged else {}))
             _pace(a.min_step_s, t0)
         progress.write(event="final", step=ft.step, param_hash=ft.state_hash())
+    except DigestMismatch as e:  # loud, whether this replica rejoins (in the minority) or the job must stop
+        progress.write(event="digest_mismatch", step=e.step, replicas=list(e.replicas), error=str(e))
+        if isinstance(e, RejoinRequired):
+            sys.exit(EXIT_REJOIN)
+        progress.write(event="fatal", error=str(e))
+        raise
     except RejoinRequired as e:
         logging.getLogger("fthsdp").error("fthsdp replica=%s rank=%d: %s; exiting to rejoin", ft.config.replica_id,
                                           rank, e)

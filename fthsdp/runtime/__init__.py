@@ -2,11 +2,14 @@
 
 ``Replica`` (``replica``) is the front object; beside it: ``buckets`` (the bucket plan, the FSDP2 hook, the bucket
 tag), ``commit`` (the commit protocol, a pure state machine), ``join`` (catching up), ``state`` (the state layout,
-snapshot and hash), ``startup`` (taking a place in the job), ``errors``, ``config`` (the settings, read from the
-environment), ``lr``, ``checkpoint`` and ``metrics``."""
+snapshot and hash), ``trainer_state`` (param groups and registered objects, as JSON), ``digest`` (the periodic
+digest's packing and verdict, pure) and ``agreement`` (driving it), ``startup`` (taking a place in the job),
+``errors``, ``config`` (the settings, read from the environment), ``lr``, ``checkpoint`` and ``metrics``."""
 
 from fthsdp.runtime.errors import (
     EXIT_REJOIN,
+    DigestMismatch,
+    Diverged,
     NoStateToResume,
     RejoinRequired,
     SlotConflict,
@@ -14,6 +17,7 @@ from fthsdp.runtime.errors import (
     Terminated,
 )
 from fthsdp.runtime.replica import Replica, StepResult
+from fthsdp.runtime.trainer_state import UnencodableState
 
-__all__ = ["EXIT_REJOIN", "NoStateToResume", "RejoinRequired", "Replica", "SlotConflict", "StateMismatch",
-           "StepResult", "Terminated"]
+__all__ = ["EXIT_REJOIN", "DigestMismatch", "Diverged", "NoStateToResume", "RejoinRequired", "Replica",
+           "SlotConflict", "StateMismatch", "StepResult", "Terminated", "UnencodableState"]

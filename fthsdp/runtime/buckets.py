@@ -1,6 +1,7 @@
 """Gradient buckets: which gradient shards travel across replicas together, the FSDP2 hook that hands each bucket
 to FTAR as soon as its shards exist (so the exchange overlaps the rest of the backward pass), and the tag that
-names one bucket of one step on the wire."""
+names one bucket of one step on the wire. The last bucket also carries the step's state digests
+(``fthsdp.runtime.digest``) and, last, the slot mask."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from ftar import ExchangeResult, Excluded, FTARError, Handle, Interrupted, LaneEngine, Misaligned
+from fthsdp.runtime import digest
 from fthsdp.runtime.commit import CommitProtocol, Exchanged, Failed, Failure
 from fthsdp.runtime.errors import RejoinRequired
 from fthsdp.runtime.state import local_tensor
@@ -95,6 +97,8 @@ class BucketExchange:
         self._launched = 0
         self._armed: int | None = None
         """The step whose buckets the hook launches (None: the hook does nothing)."""
+        self.digest: bytes | None = None
+        """This replica's state digest for the step being exchanged (None: not a checked step)."""
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
 
@@ -126,6 +130,8 @@ class BucketExchange:
         bucket = self.buckets[k]
         grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in bucket]
         if k == len(self.buckets) - 1:
+            words = digest.pack(self.slot, self.slots, self.digest if contribute else None)
+            grads.append(torch.tensor(words, dtype=torch.float32, device=self.device))
             grads.append(slot_mask(self.slot, self.slots, contribute, self.device))
         tag = None if step is None else BucketTag(step, k).encode(len(self.buckets))
         handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False, new_epoch_ok=k == 0)
@@ -186,7 +192,7 @@ class BucketExchange:
     def install(self, results: Sequence[ExchangeResult]) -> None:
         """Put a step's averaged gradients (every bucket's result) into the parameters' ``.grad``."""
         for bucket, res in zip(self.buckets, results, strict=True):
-            for p, g in zip(bucket, res.tensors, strict=False):  # the last bucket's slot mask has no parameter
+            for p, g in zip(bucket, res.tensors, strict=False):  # the last bucket's digests and mask: no parameter
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 local_tensor(p.grad).copy_(g)
@@ -195,3 +201,9 @@ class BucketExchange:
     def mask_of(results: Sequence[ExchangeResult]) -> list[float]:
         """The averaged slot mask of a step (see ``slot_mask``)."""
         return [float(x) for x in results[-1].tensors[-1].detach().cpu().tolist()]
+
+    @staticmethod
+    def digests_of(results: Sequence[ExchangeResult]) -> dict[int, int]:
+        """The state digests of a step, per slot that sent one (``fthsdp.runtime.digest.unpack``)."""
+        last = results[-1]
+        return digest.unpack([float(x) for x in last.tensors[-2].detach().cpu().tolist()], last.contributors)

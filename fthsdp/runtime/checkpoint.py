@@ -4,7 +4,9 @@ One replica writes each periodic checkpoint: the lowest-numbered data slot that 
 every replica knows from the step's exchange, so they agree without talking. A replica told to stop (SIGTERM)
 writes its own. Layout::
 
-    <dir>/step-00000040-r0/           DCP files (every rank of replica 0 writes its shards)
+    <dir>/step-00000040-r0/           DCP files (every rank of replica 0 writes its shards, and the optimizer's
+                                      param groups)
+    <dir>/step-00000040-r0/fthsdp-rank0.json  rank 0's trainer state (param groups, registered objects) and RNG
     <dir>/step-00000040-r0/fthsdp.json  {"step": 40, "cursors": [...], ...}  written last: the commit marker
 
 A directory without ``fthsdp.json`` is an unfinished write and is ignored.
@@ -25,6 +27,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from fthsdp.runtime.errors import StateMismatch
+from fthsdp.runtime.state import ShardState
 
 log = logging.getLogger("fthsdp.runtime.checkpoint")
 
@@ -61,12 +66,20 @@ def latest(directory: str | os.PathLike[str]) -> Checkpoint | None:
     return best
 
 
+def _side_path(path: pathlib.Path, rank: int) -> pathlib.Path:
+    return path / f"fthsdp-rank{rank}.json"
+
+
 def save(directory: str | os.PathLike[str], step: int, slot: int, model: nn.Module, opt: torch.optim.Optimizer,
-         cursors: torch.Tensor, rank: int) -> pathlib.Path:
-    """Write the replica's state (a collective over the replica's ranks: call it on every rank)."""
+         cursors: torch.Tensor, rank: int, side: bytes) -> pathlib.Path:
+    """Write the replica's state (a collective over the replica's ranks: call it on every rank); ``side`` is this
+    rank's trainer state and RNG (``ShardState.side_state``, JSON)."""
     path = pathlib.Path(directory) / f"step-{step:08d}-r{slot}"
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    tmp = _side_path(path, rank).with_suffix(".tmp")
+    tmp.write_bytes(side)
+    os.replace(tmp, _side_path(path, rank))
     dist.barrier()
     if rank == 0:
         tmp = path / (MARKER + ".tmp")
@@ -77,9 +90,24 @@ def save(directory: str | os.PathLike[str], step: int, slot: int, model: nn.Modu
     return path
 
 
-def load(ck: Checkpoint, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """Read a checkpoint into the (already sharded) model and its optimizer, on every rank of the replica."""
+def load(ck: Checkpoint, model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> bytes:
+    """Read a checkpoint into the (already sharded) model and its optimizer, on every rank of the replica; returns
+    this rank's side state (what ``save`` got as ``side``)."""
     model_sd, optim_sd = get_state_dict(model, opt)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(ck.path))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    try:
+        return _side_path(ck.path, rank).read_bytes()
+    except OSError as e:
+        raise StateMismatch(f"checkpoint {ck.path} has no trainer state for rank {rank} ({e}): it was written with "
+                            "a different number of ranks per replica") from None
+
+
+def resume(ck: Checkpoint, model: nn.Module, shards: ShardState, slots: int, rank: int) -> torch.Tensor:
+    """Load ``ck`` into the model, its optimizer, the trainer state and this rank's RNG; returns its data cursors
+    (the job must have ``slots`` data slots, as the checkpoint's)."""
+    if len(ck.cursors) != slots:
+        raise StateMismatch(f"checkpoint {ck.path} has {len(ck.cursors)} data slots, the job {slots}")
+    shards.load_side_state(load(ck, model, shards.opt, rank))
+    return torch.tensor(ck.cursors, dtype=torch.int64)

@@ -14,6 +14,8 @@ from lighthouse.config import security_from_env
 from lighthouse.security import ClientSecurity
 
 LR_RULES = ("sqrt", "linear", "none")
+SCHEDULERS = ("none", "cosine", "lambda")
+"""The example trainer's LR schedulers (``TrainerSettings.scheduler``)."""
 
 
 class ConfigError(ValueError):
@@ -71,6 +73,7 @@ def _faults(e: dict[str, str]) -> FaultSettings:
     return FaultSettings(spec=e.get("FTHSDP_FAULT", ""), path=e.get("FTHSDP_FAULT_FILE", ""),
                          slow_serve_s=_float(e, slow, "0") if e.get(slow) else 0.0,
                          corrupt_chunks=_int(e, corrupt) if e.get(corrupt) else 0,
+                         corrupt_step=_int(e, "FTHSDP_FAULT_CORRUPT") if e.get("FTHSDP_FAULT_CORRUPT") else -1,
                          kill_agent="TORCHELASTIC_RUN_ID" in e)
 
 
@@ -118,6 +121,10 @@ class RuntimeConfig:
     max_replay: int = 256
     """``FTHSDP_CATCHUP_MAX_REPLAY``: a joiner keeps the averaged gradients of at most this many steps while it
     fetches (one gradient shard each); a fetch slower than that makes it restart (exit 75) and try again."""
+    digest_every: int = 10
+    """``FTHSDP_DIGEST_EVERY``: every K steps the replicas compare a 64-bit digest of their whole state, riding the
+    step's exchange (docs/design.md §7); a replica whose state differs is found within K steps. 0: never. The
+    same on every replica."""
     local_rank: int | None = None
     """``LOCAL_RANK`` (torchrun): the rank on this host (None: unset); picks the GPU (default: ``rank``)."""
     metrics_port: int | None = None
@@ -170,6 +177,9 @@ class RuntimeConfig:
         every = _int(e, "FTHSDP_CHECKPOINT_EVERY", "0")
         if every < 0:
             raise ConfigError(f"FTHSDP_CHECKPOINT_EVERY={every} must be >= 0")
+        digest_every = _int(e, "FTHSDP_DIGEST_EVERY", "10")
+        if digest_every < 0:
+            raise ConfigError(f"FTHSDP_DIGEST_EVERY={digest_every} must be >= 0")
         return cls(
             lighthouse=_get(e, "FTHSDP_LIGHTHOUSE"),
             replica_index=index,
@@ -188,6 +198,7 @@ class RuntimeConfig:
             checkpoint_every=every,
             max_replay=_int(e, "FTHSDP_CATCHUP_MAX_REPLAY", "256"),
             join_warmup=_int(e, "FTHSDP_JOIN_WARMUP", "1") != 0,
+            digest_every=digest_every,
             local_rank=local_rank,
             metrics_port=_metrics_port(e, local_rank),
             under_torchrun="TORCHELASTIC_RUN_ID" in e,
@@ -207,9 +218,15 @@ class TrainerSettings:
     """``FTHSDP_LOG_LEVEL``: the Python log level."""
     rank0: bool = True
     """``RANK`` is 0 (or unset): this process writes the progress lines."""
+    scheduler: str = "none"
+    """``FTHSDP_SCHEDULER``: the example's LR scheduler, ``none``, ``cosine`` (``CosineAnnealingLR``) or ``lambda``
+    (``LambdaLR``) (``--scheduler``; the local launcher passes it this way)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TrainerSettings:
         e = _environ(env)
+        scheduler = e.get("FTHSDP_SCHEDULER") or "none"
+        if scheduler not in SCHEDULERS:
+            raise ConfigError(f"FTHSDP_SCHEDULER={scheduler!r} must be one of {', '.join(SCHEDULERS)}")
         return cls(progress=e.get("FTHSDP_PROGRESS", ""), log_level=e.get("FTHSDP_LOG_LEVEL", "WARNING"),
-                   rank0=e.get("RANK", "0") == "0")
+                   rank0=e.get("RANK", "0") == "0", scheduler=scheduler)

@@ -16,7 +16,23 @@ class NoStateToResume(RuntimeError):
 
 
 class StateMismatch(RuntimeError):
-    """A joiner's model or optimizer does not have the layout of the state it was sent."""
+    """A joiner's model, optimizer or registered state does not have the layout of the state it was sent."""
+
+
+class DigestMismatch(StateMismatch):
+    """Replicas that must hold bitwise-equal state do not: the state digest of the replicas (indexes) ``replicas``
+    differs at ``step``. Raised on every replica when no majority agrees (nobody can tell which state is right),
+    and on a joiner whose loaded snapshot does not hash like its sources' (a restart would not help): fatal."""
+
+    def __init__(self, message: str, step: int, replicas: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.replicas = replicas
+
+
+class Diverged(DigestMismatch, RejoinRequired):
+    """This replica's state digest differs from the majority's: its state is corrupt. It restarts (exit
+    ``EXIT_REJOIN``) and catches up from the others; they go on."""
 
 
 class SlotConflict(RuntimeError):

@@ -25,8 +25,9 @@ from fthsdp.catchup.client import Fetch, FetchResult, Source
 from fthsdp.catchup.wire import FetchFailed
 from fthsdp.runtime.buckets import LogFn
 from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.errors import RejoinRequired
+from fthsdp.runtime.errors import DigestMismatch, RejoinRequired
 from fthsdp.runtime.startup import all_ranks
+from fthsdp.runtime.state import DIGEST
 from fthsdp.testing.faults import FaultInjector, Phase
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
@@ -128,6 +129,19 @@ class Joiner:
         return Fetch(sources, job=self.config.job_id, replica_id=self.config.replica_id, rank=self.rank, step=step,
                      token=self.config.token, wait_s=self.config.epoch_wait_s,
                      on_chunk=lambda s, n: self.faults.at(s, Phase.FETCH)).start()
+
+    def verify(self, got: FetchResult, mine: bytes) -> None:
+        """After loading the snapshot, before replaying: this rank's digest of its state (``mine``, RNG included)
+        must be the source's digest of the snapshot, on every rank (a collective), else ``DigestMismatch``."""
+        theirs = got.tensors.get(DIGEST)
+        ok = theirs is not None and theirs.numpy().tobytes() == mine
+        if not all_ranks(ok, self.device):
+            msg = (f"replica {self.config.replica_id} (index {self.slot}): the snapshot of step {got.step} from "
+                   f"{sorted(got.sources)}, once loaded, does not hash like the source's (rank {self.rank}: "
+                   f"{'matches' if ok else 'differs'}): a registered object or param group did not load as saved")
+            self.log(logging.ERROR, "%s", msg)
+            raise DigestMismatch(msg, got.step, (self.slot,))
+        self.log(logging.INFO, "the loaded snapshot of step %d matches its source's digest", got.step)
 
     def replay(self, last: int) -> list[tuple[int, list[ExchangeResult]]]:
         """The kept steps to apply after loading the snapshot: from its step to ``last``, in order."""

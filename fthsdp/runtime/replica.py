@@ -4,7 +4,7 @@ A training process (one rank of one replica group, started by torchrun) does::
 
     ft = fthsdp.runtime.Replica()                 # reads FTHSDP_* and torchrun's env
     model = ft.shard(model, blocks=model.blocks)  # FSDP2 over the replica's ranks
-    opt = ft.optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
+    opt = ft.optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))   # scheduler=... : stepped per commit
     while ft.step < steps:
         result = ft.train_step(lambda: loss_fn(model, batch_for(ft.slot, ft.cursor)))
 
@@ -15,14 +15,12 @@ step with the degraded-mode learning rate, data cursors advanced, ``step += 1``)
 next epoch from the same local gradients. The rules are a pure state machine (``fthsdp.runtime.commit``); this
 module drives it. No lighthouse round trip happens on this path.
 
-Data is exactly-once: one slot per configured replica (``ft.slot``), and a cursor per slot (``ft.cursor`` is
-this slot's: the index of the batch to train next). The step's exchange carries which slots contributed, so
-every replica advances the same cursors, on commit only; a replica that comes back resumes its slot where the
-committed steps left it.
+Data is exactly-once (docs/design.md §7): one slot per configured replica (``ft.slot``), with a cursor each
+(``ft.cursor``: this slot's next batch) that every replica advances alike, on commit only.
 
 A replica that starts while others train registers as *joining* and catches up without stalling them (docs/design.md
-§6, ``fthsdp.runtime.join``): it exchanges zeros and keeps the averaged gradients while it fetches a snapshot,
-then loads it, replays the kept steps and turns active.
+§6, ``fthsdp.runtime.join``). Every ``FTHSDP_DIGEST_EVERY`` steps the replicas compare a digest of their whole
+state (``fthsdp.runtime.agreement``).
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from ftar import EpochFeed, ExchangeResult, FTARConfig, Handle, LaneEngine, LighthouseMembership
 from fthsdp.catchup.server import CatchupServer
 from fthsdp.runtime import checkpoint
+from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.commit import Commit, CommitProtocol, Keep, Rejoin, Tally, advance_cursors, contributing_slots
 from fthsdp.runtime.config import RuntimeConfig
@@ -52,6 +51,7 @@ from fthsdp.runtime.lr import lr_factor
 from fthsdp.runtime.metrics import ReplicaMetrics
 from fthsdp.runtime.startup import Role, agree_incarnation, die_with_parent, gather_addresses, register
 from fthsdp.runtime.state import ShardState, replica_hash
+from fthsdp.runtime.trainer_state import Scheduler, Stateful, TrainerState
 from fthsdp.testing.faults import FaultInjector, Phase
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
@@ -80,6 +80,8 @@ class StepResult:
     lr_factor: float = 1.0
     catchup: dict[str, object] | None = None
     """For the joined step: how the catch-up went (bytes, seconds, sources, failures, replayed steps)."""
+    diverged: tuple[int, ...] = ()
+    """The replicas (indexes) whose state digest differed from the majority's at this step (they restart)."""
 
 
 class Replica:
@@ -109,6 +111,9 @@ class Replica:
         self.joining = False
         self.protocol = CommitProtocol()
         self._lr_factor = 1.0
+        self.state = TrainerState()
+        """The optimizer's param groups and the registered objects: they travel and are digested with the tensors."""
+        self.check = DigestCheck(cfg.digest_every, self.slot, self._log)
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, snapshot=self._snapshot, host=cfg.host,
                                     token=cfg.token, wait_s=cfg.epoch_wait_s, on_chunk_sent=self.faults.on_chunk_sent,
@@ -193,21 +198,29 @@ class Replica:
                                        wait_s=self._wait_s)
         return model
 
-    def optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Register the optimizer whose ``step`` the commit protocol runs (over the sharded parameters). A replica
-        resuming a job whose replicas all died loads the newest checkpoint here."""
+    def register_state(self, name: str, obj: Stateful, on_commit: Callable[[], object] | None = None) -> None:
+        """Carry ``obj`` (``state_dict()``/``load_state_dict()``, the same on every replica) in snapshots, checkpoints
+        and the state digest; it changes only in ``on_commit``, run after every committed (or replayed) optimizer
+        step. Call before ``optimizer``. Raises ``UnencodableState`` if its state cannot be JSON."""
+        if self.opt is not None:
+            raise RuntimeError(f"register_state({name!r}) after optimizer(): register every object before it")
+        self.state.register(name, obj, on_commit)
+
+    def optimizer(self, opt: torch.optim.Optimizer, scheduler: Scheduler | None = None) -> torch.optim.Optimizer:
+        """Register the optimizer whose ``step`` the commit protocol runs (over the sharded parameters), and its LR
+        ``scheduler`` if any: the runtime calls ``scheduler.step()`` after every committed optimizer step (do not
+        call it yourself), so that a joiner's replay follows it. A replica resuming a job whose replicas all died
+        loads the newest checkpoint here."""
         if self.model is None:
             raise RuntimeError("call shard(model) first")
+        if scheduler is not None:
+            self.state.register("scheduler", scheduler, on_commit=scheduler.step)
         self.opt = opt
-        self._shards = ShardState(self._sharded, opt, self.device)
+        self._shards = ShardState(self._sharded, opt, self.device, self.state)
         if self._resume_from is not None:
             ck = self._resume_from
-            checkpoint.load(ck, self.model, opt)
-            if len(ck.cursors) != len(self.cursors):
-                raise StateMismatch(f"checkpoint {ck.path} has {len(ck.cursors)} data slots, the job "
-                                    f"{len(self.cursors)}")
+            self.cursors = checkpoint.resume(ck, self.model, self._shards, len(self.cursors), self.rank)
             self.step = self.resumed_from = ck.step
-            self.cursors = torch.tensor(ck.cursors, dtype=torch.int64)
             self._log(logging.WARNING, "resumed from checkpoint %s", ck.path)
             self._resume_from = None
         if not self.joining:
@@ -234,6 +247,7 @@ class Replica:
         shards, buckets = self._parts()
         if self.joining:
             return self._catch_up(closure, shards)
+        buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
         with buckets.armed(self.step):  # buckets go to FTAR as FSDP2 produces their gradient shards
@@ -246,9 +260,10 @@ class Replica:
         commit, results = self._settle(handles, contribute=True)
         exchange_s = time.perf_counter() - t0
         batches = self._commit(commit.step, results)
+        diverged = self.check.check(commit.step, results)
         contributors = results[0].contributors
         result = StepResult(commit.step, loss_value, commit.epoch, contributors, False, commit.attempts,
-                            exchange_s, batches, self._lr_factor)
+                            exchange_s, batches, self._lr_factor, diverged=diverged)
         self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
         self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
                                stall_s=exchange_s if commit.attempts > 1 else 0.0)
@@ -314,6 +329,9 @@ class Replica:
         self._lr_factor = factor
         self.faults.at(step, Phase.OPTIMIZER)
         shards.optimizer_step(factor)
+        if not self.joining and self.faults.corrupts(step):
+            shards.flip_bit()
+            self._log(logging.WARNING, "FTHSDP_FAULT_CORRUPT: flipped a bit of this replica's state")
         cursors, batches = advance_cursors(self.cursors.tolist(), slots)
         self.cursors = torch.tensor(cursors, dtype=torch.int64)
         self.step = step + 1
@@ -339,7 +357,7 @@ class Replica:
         assert self.model is not None and self.opt is not None
         t0 = time.perf_counter()
         path = checkpoint.save(self.config.checkpoint_dir, self.step, self.slot, self.model, self.opt, self.cursors,
-                               self.rank)
+                               self.rank, self._parts()[0].side_state())
         self._log(logging.INFO, "checkpoint %s written in %.3fs", path, time.perf_counter() - t0)
         return str(path)
 
@@ -360,6 +378,7 @@ class Replica:
             t_in = time.perf_counter()
             self.cursors = shards.load(got.tensors, self.cursors)
             self.step = got.step
+            self.joiner.verify(got, shards.digest(self.cursors, rng=True))
             replay = self.joiner.replay(commit.step)
             for step, kept in replay:
                 self._commit(step, kept)
@@ -383,14 +402,12 @@ class Replica:
 
     def _snapshot(self) -> list[tuple[str, torch.Tensor]]:
         """The catch-up server's snapshot (taken by the training thread at a commit boundary)."""
-        shards, _ = self._parts()
-        return shards.snapshot(self.cursors)
+        return self._parts()[0].snapshot(self.cursors)
 
     def state_hash(self) -> str:
-        """SHA-256 over every rank's parameter and optimizer-state shards and the data cursors (a collective over
-        the replica): equal across replicas exactly when their states are bitwise equal."""
-        shards, _ = self._parts()
-        return replica_hash(shards.digest(self.cursors), self.world_size, self.device)
+        """SHA-256 over every rank's tensors, the cursors, param groups and registered state (a collective over the
+        replica): equal across replicas exactly when their states are bitwise equal (RNG aside: design.md §7)."""
+        return replica_hash(self._parts()[0].digest(self.cursors), self.world_size, self.device)
 
     def close(self, leave: bool = True) -> None:
         """Stop the engine, the catch-up server (transfers in progress get a few seconds to finish) and the

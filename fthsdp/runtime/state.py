@@ -1,19 +1,25 @@
 """This rank's share of the state that every replica holds bitwise equal at a commit: its parameter shards and
-optimizer-state tensors (their layout and names), plus the data cursors and RNG that travel with them. A
-snapshot for joiners, loading one (creating the optimizer state it needs), the optimizer step, and the hash
-that tells whether two replicas are equal."""
+optimizer-state tensors (their layout and names), the data cursors, and the trainer state (the optimizer's
+param groups and the registered objects' state, ``fthsdp.runtime.trainer_state``), plus the RNG that travels
+with them. A snapshot for joiners, loading one (creating the optimizer state it needs), the optimizer step, and
+the digest that tells whether two replicas are equal."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fthsdp.runtime import trainer_state
 from fthsdp.runtime.errors import StateMismatch
+from fthsdp.runtime.trainer_state import TrainerState
+
+DIGEST = "state/digest"
+"""The snapshot entry holding the source's digest of the snapshot (RNG included)."""
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -25,10 +31,12 @@ class ShardState:
     """The sharded parameters (captured once sharded: FSDP2 swaps unsharded ones in during forward and backward,
     but these objects, which the optimizer holds, only change in the optimizer step) and their optimizer."""
 
-    def __init__(self, params: Sequence[nn.Parameter], opt: torch.optim.Optimizer, device: torch.device) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], opt: torch.optim.Optimizer, device: torch.device,
+                 state: TrainerState) -> None:
         self.params = list(params)
         self.opt = opt
         self.device = device
+        self.state = state
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, local tensor) of every parameter shard and optimizer-state tensor, in order. Optimizer-state
@@ -41,14 +49,26 @@ class ShardState:
                     out.append((f"optim/{i}/{key}/{kind}", local_tensor(value)))
         return out
 
-    def snapshot(self, cursors: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """A copy of everything a joiner needs, on the CPU: taken by the training thread at a commit boundary."""
-        out = [(name, t.detach().to("cpu", copy=True).contiguous()) for name, t in self.tensors()]
-        out.append(("data/cursors", cursors.clone()))
-        out.append(("rng/cpu", torch.get_rng_state()))
+    def rng(self) -> list[tuple[str, torch.Tensor]]:
+        """This process's RNG state (CPU, and CUDA on a GPU)."""
+        out = [("rng/cpu", torch.get_rng_state())]
         if self.device.type == "cuda":
             out.append(("rng/cuda", torch.cuda.get_rng_state()))
         return out
+
+    def pairs(self, cursors: torch.Tensor, rng: bool) -> list[tuple[str, torch.Tensor]]:
+        """Everything the digest covers, in order: the tensors, the data cursors, the trainer state (JSON bytes),
+        and with ``rng`` the RNG state."""
+        doc = bytearray(self.state.encode(self.opt))
+        out = [*self.tensors(), ("data/cursors", cursors),
+               ("state/json", torch.frombuffer(doc, dtype=torch.uint8))]
+        return out + self.rng() if rng else out
+
+    def snapshot(self, cursors: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A copy of everything a joiner needs, on the CPU, with its digest (``DIGEST``, RNG included): taken by the
+        training thread at a commit boundary."""
+        out = [(name, t.detach().to("cpu", copy=True).contiguous()) for name, t in self.pairs(cursors, rng=True)]
+        return [*out, (DIGEST, torch.frombuffer(bytearray(digest_of(out)), dtype=torch.uint8))]
 
     def _make_optimizer_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """On a joiner: create the optimizer-state tensors the source has and this rank lacks (zeros, same
@@ -70,7 +90,15 @@ class ShardState:
 
     def load(self, tensors: Mapping[str, torch.Tensor], cursors: torch.Tensor) -> torch.Tensor:
         """Put a fetched snapshot into this rank's shards, optimizer state and RNG; returns its data cursors
-        (shaped like ``cursors``, this job's)."""
+        (shaped like ``cursors``, this job's). The trainer state and cursors are checked before anything changes."""
+        if "state/json" not in tensors:
+            raise StateMismatch("the source's snapshot has no trainer state (param groups, registered objects)")
+        doc = self.state.parse(self.opt, tensors["state/json"].numpy().tobytes())
+        theirs_cursors = tensors.get("data/cursors")
+        if theirs_cursors is None or theirs_cursors.shape != cursors.shape:
+            raise StateMismatch(f"the source has data cursors "
+                                f"{None if theirs_cursors is None else list(theirs_cursors.shape)}, this job "
+                                f"{list(cursors.shape)} (FTHSDP_NUM_REPLICAS must match)")
         self._make_optimizer_state(tensors)
         mine = [(name, tuple(t.shape), str(t.dtype)) for name, t in self.tensors()]
         theirs = [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors.items()
@@ -83,20 +111,32 @@ class ShardState:
         with torch.no_grad():
             for name, t in self.tensors():
                 t.copy_(tensors[name])
-        theirs_cursors = tensors.get("data/cursors")
-        if theirs_cursors is None or theirs_cursors.shape != cursors.shape:
-            raise StateMismatch(f"the source has data cursors "
-                                f"{None if theirs_cursors is None else list(theirs_cursors.shape)}, this job "
-                                f"{list(cursors.shape)} (FTHSDP_NUM_REPLICAS must match)")
+        self.state.apply(self.opt, doc)
+        self.load_rng(tensors)
+        return theirs_cursors.clone()
+
+    def load_rng(self, tensors: Mapping[str, torch.Tensor]) -> None:
         if "rng/cpu" in tensors:
             torch.set_rng_state(tensors["rng/cpu"])
         if "rng/cuda" in tensors and self.device.type == "cuda":
             torch.cuda.set_rng_state(tensors["rng/cuda"])
-        return theirs_cursors.clone()
+
+    def side_state(self) -> bytes:
+        """What a checkpoint keeps beside DCP's tensors, per rank: the trainer state and the RNG (JSON)."""
+        return trainer_state.encode({"state": self.state.encode(self.opt), "rng": dict(self.rng())})
+
+    def load_side_state(self, data: bytes) -> None:
+        """Apply ``side_state`` read back from a checkpoint."""
+        doc = trainer_state.decode(data)
+        if not isinstance(doc, dict) or not isinstance(doc.get("state"), bytes) or not isinstance(doc.get("rng"),
+                                                                                                dict):
+            raise StateMismatch("the checkpoint's trainer state lacks 'state' or 'rng'")
+        self.state.apply(self.opt, self.state.parse(self.opt, doc["state"]))
+        self.load_rng(doc["rng"])
 
     def optimizer_step(self, lr_factor: float) -> None:
         """The optimizer step with every group's learning rate scaled by ``lr_factor`` (then restored: a
-        scheduler may own them)."""
+        scheduler may own them), then the registered on-commit hooks (a scheduler's ``step``)."""
         base = [group["lr"] for group in self.opt.param_groups]
         for group, lr in zip(self.opt.param_groups, base, strict=True):
             group["lr"] = lr * lr_factor
@@ -105,14 +145,30 @@ class ShardState:
         finally:
             for group, lr in zip(self.opt.param_groups, base, strict=True):
                 group["lr"] = lr
+        self.state.on_commit()
 
-    def digest(self, cursors: torch.Tensor) -> bytes:
-        """SHA-256 over this rank's parameter and optimizer-state shards and the data cursors."""
-        h = hashlib.sha256()
-        for name, t in [*self.tensors(), ("data/cursors", cursors)]:
-            h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return h.digest()
+    def flip_bit(self) -> None:
+        """Test hook (``FTHSDP_FAULT_CORRUPT``): flip the lowest bit of the first byte of the first parameter
+        shard, silently, as corrupted memory would."""
+        with torch.no_grad():
+            raw = local_tensor(self.params[0].detach()).view(-1).view(torch.uint8)
+            raw[0] = raw[0] ^ 1
+
+    def digest(self, cursors: torch.Tensor, rng: bool = False) -> bytes:
+        """SHA-256 over this rank's parameter and optimizer-state shards, the data cursors and the trainer state
+        (with ``rng``, the RNG state too: only a snapshot's digest covers it, see docs/design.md §7)."""
+        return digest_of(self.pairs(cursors, rng))
+
+
+def digest_of(pairs: Iterable[tuple[str, torch.Tensor]]) -> bytes:
+    """SHA-256 over names and raw bytes, in order (every byte: a sample would miss most corruption)."""
+    h = hashlib.sha256()
+    for name, t in pairs:
+        h.update(name.encode())
+        t = t.detach().cpu().contiguous()
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.digest()
 
 
 def replica_hash(digest: bytes, world_size: int, device: torch.device) -> str:

@@ -13,6 +13,10 @@ Every rank's catch-up server also takes two test hooks: ``FTHSDP_FAULT_SLOW_SERV
 long after every chunk sent) and ``FTHSDP_FAULT_CORRUPT_CHUNKS=N`` (flip a byte in the first N chunks sent; the
 joiner must detect them and fetch them again).
 
+``FTHSDP_FAULT_CORRUPT=STEP`` (set for one replica group) makes its rank 0 flip the lowest bit of one byte of its
+first parameter shard right after committing STEP (not while replaying it as a joiner): silent corruption, which
+the replicas' periodic state-digest check (``FTHSDP_DIGEST_EVERY``) must find within K steps.
+
 The runtime's settings builder (``fthsdp.runtime.config``) reads these variables into ``FaultSettings``."""
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class FaultSettings:
     """``FTHSDP_FAULT_SLOW_SERVE_S``: sleep after every catch-up chunk sent."""
     corrupt_chunks: int = 0
     """``FTHSDP_FAULT_CORRUPT_CHUNKS``: flip a byte in the first N catch-up chunks sent."""
+    corrupt_step: int = -1
+    """``FTHSDP_FAULT_CORRUPT``: rank 0 corrupts a parameter after committing this step (-1: never)."""
     kill_agent: bool = False
     """Under torchrun (``TORCHELASTIC_RUN_ID`` set): a fault kills the agent too (its workers follow)."""
 
@@ -71,6 +77,8 @@ class FaultInjector:
     kill_agent: bool = False
     slow_serve_s: float = 0.0
     corrupt_chunks: int = 0
+    corrupt_step: int = -1
+    """Rank 0: the step after whose commit the state is corrupted (``FTHSDP_FAULT_CORRUPT``; -1: never)."""
     _file: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What ``path`` held when last read: its inode, mtime and size, and the fault parsed from it (or None)."""
 
@@ -80,7 +88,12 @@ class FaultInjector:
         armed = bool(settings.spec) and rank == 0
         step, phase = _parse(settings.spec) if armed else (-1, "")
         return cls(step, phase, armed, settings.path if rank == 0 else "", kill_agent=settings.kill_agent,
-                   slow_serve_s=settings.slow_serve_s, corrupt_chunks=settings.corrupt_chunks)
+                   slow_serve_s=settings.slow_serve_s, corrupt_chunks=settings.corrupt_chunks,
+                   corrupt_step=settings.corrupt_step if rank == 0 else -1)
+
+    def corrupts(self, step: int) -> bool:
+        """Whether to corrupt the state right after committing ``step`` (``FTHSDP_FAULT_CORRUPT``)."""
+        return step == self.corrupt_step >= 0
 
     def _from_file(self) -> tuple[int, str] | None:
         try:

@@ -15,6 +15,7 @@ from torch import nn
 
 from ftar import ExchangeResult, Handle, Interrupted
 from fthsdp.runtime.buckets import BucketExchange, BucketTag, plan_buckets, slot_mask
+from fthsdp.runtime.digest import WORDS, pack
 
 CPU = torch.device("cpu")
 
@@ -159,3 +160,18 @@ def test_a_joiner_that_cannot_learn_the_step_launches_nothing_more() -> None:
     handles, learned = buckets.exchange_all(None, contribute=False)
     assert learned is None and len(engine.calls) == 1
     assert handles[0] is not None and handles[1:] == [None, None]
+
+
+def test_the_step_digest_rides_the_last_bucket_in_this_slot_and_again_on_a_redo() -> None:
+    model, engine = Model(), FakeEngine()
+    buckets = exchange(model, engine)
+    buckets.digest = bytes(range(8))
+    with buckets.armed(step=4):
+        model(torch.ones(1, 2)).backward()
+    results = [h.wait() for h in buckets.launch_rest(4) if h is not None]
+    assert torch.equal(engine.calls[-1]["tensors"][-2], torch.tensor(pack(1, 3, bytes(range(8)))))
+    assert buckets.digests_of(results) == {1: 0x0001020304050607}
+    handles, _ = buckets.exchange_all(4, contribute=True)  # a redo sends the same digest
+    assert buckets.digests_of([h.wait() for h in handles if h is not None]) == {1: 0x0001020304050607}
+    handles, _ = buckets.exchange_all(4, contribute=False)  # a zero contributor sends none
+    assert torch.equal(engine.calls[-1]["tensors"][-2], torch.zeros(3 * WORDS))

@@ -86,3 +86,27 @@ def test_fetch_sources_are_the_other_active_members_rotated_by_slot() -> None:
     assert [s.replica_id for s in fetch_sources(members, "replica-1", slot=1)] == ["replica-2", "replica-3",
                                                                                   "replica-0"]
     assert fetch_sources([], "replica-1", slot=1) == []
+
+
+def test_digest_every_defaults_on_and_zero_disables() -> None:
+    assert RuntimeConfig.from_env(BASE).digest_every == 10
+    assert RuntimeConfig.from_env({**BASE, "FTHSDP_DIGEST_EVERY": "0"}).digest_every == 0
+    for bad in ("-1", "often"):
+        with pytest.raises(ConfigError, match="FTHSDP_DIGEST_EVERY"):
+            RuntimeConfig.from_env({**BASE, "FTHSDP_DIGEST_EVERY": bad})
+
+
+def test_corrupt_fault_fires_on_rank_zero_at_its_step_only() -> None:
+    settings = RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_CORRUPT": "9"}).faults
+    assert settings.corrupt_step == 9
+    rank0, rank1 = FaultInjector.for_rank(settings, 0), FaultInjector.for_rank(settings, 1)
+    assert [s for s in range(20) if rank0.corrupts(s)] == [9]
+    assert not any(rank1.corrupts(s) for s in range(20))
+    assert not any(FaultInjector.for_rank(FaultSettings(), 0).corrupts(s) for s in range(20))
+
+
+def test_scheduler_setting() -> None:
+    assert TrainerSettings.from_env({}).scheduler == "none"
+    assert TrainerSettings.from_env({"FTHSDP_SCHEDULER": "cosine"}).scheduler == "cosine"
+    with pytest.raises(ConfigError, match="FTHSDP_SCHEDULER"):
+        TrainerSettings.from_env({"FTHSDP_SCHEDULER": "warmup"})
