@@ -26,6 +26,24 @@ from fthsdp.testing.progress import ProgressRow, parse_line
 log = logging.getLogger("fthsdp.chaos")
 
 
+def kill_arms(f: Fault, group_steps: dict[int, int]) -> list[tuple[int, int, str]]:
+    """The kills to arm now for a ``kill`` or ``double`` fault, as (replica, step, phase), each at the step after
+    the one its replica last committed (``group_steps``). A ``serve`` kill arms the source at once (step 0: its
+    next serve) and kills the joiner to make it serve; a ``fetch`` kill arms its first phase only (the ``fetch``
+    is armed for the next incarnation once the first kill fired); a ``double`` arms both."""
+    def next_step(r: int) -> int:
+        return group_steps.get(r, 0) + 1
+
+    if f.kind == "kill" and f.phases[-1] == "serve":
+        joiner, source = f.replicas
+        return [(source, 0, "serve"), (joiner, next_step(joiner), "forward")]
+    if f.kind == "kill":
+        return [(f.replicas[0], next_step(f.replicas[0]), f.phases[0])]
+    if f.kind == "double":
+        return [(r, next_step(r), phase) for r, phase in zip(f.replicas, f.phases, strict=True)]
+    raise ValueError(f"not a kill: {f.describe()}")
+
+
 @dataclass
 class ActiveFault:
     """The fault under way: what was done so far (``fired``) and when its next action is due."""
@@ -165,14 +183,8 @@ class Injector:
         log.warning("chaos: %s", f.describe())
         c.event("chaos", fault=f.to_json())
         if f.kind in ("kill", "double"):
-            targets = list(zip(f.replicas, f.phases, strict=True))
-            if f.kind == "kill" and f.phases[-1] == "serve":
-                joiner, source = f.replicas
-                c.arm(source, 0, "serve")
-                c.arm(joiner, self._group_steps.get(joiner, 0) + 1, "forward")
-            else:
-                for r, phase in targets[:2 if f.kind == "double" else 1]:
-                    c.arm(r, self._group_steps.get(r, 0) + 1, phase)
+            for r, step, phase in kill_arms(f, self._group_steps):
+                c.arm(r, step, phase)
         elif f.kind == "hang":
             r = f.replicas[0]
             g = c.groups[r]
