@@ -13,7 +13,6 @@ an LR scheduler, handed to the runtime in one line; ``fthsdp.runtime.config.Trai
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import sys
 import time
@@ -24,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from fthsdp.examples.data import batch
-from fthsdp.examples.gpt import GPT, GPTConfig
+from fthsdp.examples.gpt import GPTConfig
+from fthsdp.examples.hsdp import local_param_hash, plain_hsdp, seeded_gpt
 from fthsdp.runtime.config import SCHEDULERS, TrainerSettings
-from fthsdp.runtime.state import local_tensor
 from fthsdp.testing.progress import ProgressRow
 
 
@@ -65,11 +64,6 @@ def _pace(min_step_s: float, t0: float) -> None:
         time.sleep(left)  # workload pacing, not synchronisation
 
 
-def _model(cfg: GPTConfig, seed: int) -> GPT:
-    torch.manual_seed(seed)  # every replica starts from the same weights
-    return GPT(cfg)
-
-
 def _scheduler(name: str, opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
     if name == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1))
@@ -79,24 +73,8 @@ def _scheduler(name: str, opt: torch.optim.Optimizer, steps: int) -> torch.optim
 
 
 def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    replicas = a.hsdp_replicas
-    if world % replicas:
-        sys.exit(f"world size {world} is not a multiple of --hsdp-replicas {replicas}")
-    shards = world // replicas
-    slot, srank = rank // shards, rank % shards
-    if replicas > 1:
-        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh("cpu", (shards,))
-    model = _model(cfg, a.seed)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    job = plain_hsdp(cfg, a.seed, a.hsdp_replicas)
+    model, slot, srank, shards = job.model, job.slot, job.shard_rank, job.shards
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     scheduler = _scheduler(a.scheduler, opt, a.steps)
     progress = Progress(a.progress, srank == 0, replica=slot, mode="plain")
@@ -110,10 +88,7 @@ def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
         if scheduler is not None:
             scheduler.step()
         progress.write(event="step", step=step, loss=float(loss.item()), step_s=time.perf_counter() - t0)
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(local_tensor(p.detach()).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    progress.write(event="final", step=a.steps, local_param_hash=h.hexdigest())
+    progress.write(event="final", step=a.steps, local_param_hash=local_param_hash(model))
     dist.destroy_process_group()
 
 
@@ -136,7 +111,7 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         # Restarting would not help: tell the launcher (a "fatal" line) and stop.
         Progress(a.progress, settings.rank0).write(event="fatal", error=str(e))
         raise
-    model = _model(cfg, a.seed)
+    model = seeded_gpt(cfg, a.seed)
     ft.shard(model, blocks=model.blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     ft.optimizer(opt, scheduler=_scheduler(a.scheduler, opt, a.steps))  # the runtime steps it at every commit

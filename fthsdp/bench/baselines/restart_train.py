@@ -16,19 +16,15 @@ appends JSON lines to ``PROGRESS_DIR/replica{R}.progress.jsonl``: ``start`` (wit
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import pathlib
 import signal
-import sys
 import time
 import warnings
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,28 +49,17 @@ def main(argv: list[str] | None = None) -> None:
     a = _args(argv)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from fthsdp.examples.data import batch
-    from fthsdp.examples.gpt import GPT, GPTConfig
+    from fthsdp.examples.gpt import GPTConfig
+    from fthsdp.examples.hsdp import local_param_hash, plain_hsdp
     from fthsdp.testing.procutil import write_atomic
-    from fthsdp.testing.progress import progress_path
+    from fthsdp.testing.progress import ProgressRow, progress_path
 
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    replicas = a.hsdp_replicas
-    if world % replicas:
-        sys.exit(f"world size {world} is not a multiple of --hsdp-replicas {replicas}")
-    shards = world // replicas
-    slot, srank = rank // shards, rank % shards
-    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
     cfg = GPTConfig.named(a.model)
-    torch.manual_seed(a.seed)
-    model = GPT(cfg)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    job = plain_hsdp(cfg, a.seed, a.hsdp_replicas)
+    model, slot, srank, shards = job.model, job.slot, job.shard_rank, job.shards
+    rank = dist.get_rank()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) + 1
     kill_replica, kill_step = (int(x) for x in a.kill.split("@")) if a.kill else (-1, -1)
@@ -84,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def write(**kv: Any) -> None:
         if out is not None:
-            out.write(json.dumps({"replica": slot, "incarnation": incarnation, "mode": "restart", **kv,
-                                  "t": time.time()}) + "\n")
+            out.write(ProgressRow.from_json({"replica": slot, "incarnation": incarnation, "mode": "restart", **kv,
+                                             "t": time.time()}).line())
 
     ckpt = pathlib.Path(a.checkpoint_dir)
     latest = ckpt / "latest"
@@ -118,10 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             if rank == 0:
                 write_atomic(latest, str(step + 1))
             write(event="checkpoint", step=step + 1, save_s=time.perf_counter() - t1)
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(cast(DTensor, p.detach()).to_local().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    write(event="final", step=a.steps, local_param_hash=h.hexdigest())
+    write(event="final", step=a.steps, local_param_hash=local_param_hash(model))
     dist.destroy_process_group()
 
 
