@@ -85,9 +85,7 @@ class LaneEngine:
         """The last packing reduced the caller's tensors in place."""
         self._tag = 0
         self._closed = False
-        self.rebuilds = 0
         self.last_rebuild_s = 0.0
-        self.failures = 0
         self._remove_listener = membership.add_listener(self._on_epoch)
         self._thread = threading.Thread(target=self._worker, name=f"ftar-lane{lane}-{self.replica_id}", daemon=True)
         self._thread.start()
@@ -205,7 +203,6 @@ class LaneEngine:
                 self._drop_group()
                 self._after_failure(req, epoch)
             except PeerFailure as e:
-                self.failures += 1
                 self._log(logging.WARNING, epoch.number, req.tag, "exchange failed: %s", e)
                 self._blame(epoch, str(e))
                 self._drop_group()
@@ -264,7 +261,6 @@ class LaneEngine:
                                 self._reaper, lambda: self._closed or newer(self.membership.current(), epoch))
         self._group = group
         self._tag = self._check_alignment(group, epoch, tag)
-        self.rebuilds += 1
         self.last_rebuild_s = time.perf_counter() - t0
         self._log(logging.INFO, epoch.number, self._tag, "data plane rebuilt: rank %d of %d in %.3fs", group.rank,
                   group.world, self.last_rebuild_s)

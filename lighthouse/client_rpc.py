@@ -164,12 +164,12 @@ class LighthouseRpc:
         await failed.close(grace=None)
         return to_leader
 
-    async def _call(self, method: str, request: object, timeout: float | None = None) -> object:
+    async def _call(self, method: str, request: object) -> object:
         for attempt in (1, 2):  # a second, at once, only after a redirect to the named leader
             stub = self._stub_now()
             channel = self._channel
             try:
-                return await getattr(stub, method)(request, timeout=timeout or self.rpc_timeout_s,
+                return await getattr(stub, method)(request, timeout=self.rpc_timeout_s,
                                                    metadata=self._metadata)
             except grpc.aio.AioRpcError as e:
                 err = _translate(e, f"{method} for replica {self.replica_id} at {self.address}")

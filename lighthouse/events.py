@@ -128,12 +128,11 @@ class Unattributed:
 
 
 MembershipEvent = MemberEvent | Reformed | GuardHeld | Unattributed
-MEMBER_EVENTS = (Died, Restarted, Registered, ReadyToJoin, TurnedActive, Left)
 
 
 def replica_kinds(events: tuple[MembershipEvent, ...]) -> list[tuple[str, str]]:
     """``(replica_id, kind)`` of each event about one replica, in order."""
-    return [(e.replica_id, e.kind) for e in events if isinstance(e, MEMBER_EVENTS)]
+    return [(e.replica_id, e.kind) for e in events if isinstance(e, MemberEvent)]
 
 
 def phrase(event: MembershipEvent) -> str:

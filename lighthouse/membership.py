@@ -41,7 +41,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from lighthouse.escalation import hung_verdict
-from lighthouse.events import REASON_LIMIT as REASON_LIMIT
 from lighthouse.events import (
     DeathCause,
     Died,
@@ -56,14 +55,11 @@ from lighthouse.events import (
     render_reason,
 )
 from lighthouse.model import ACTIVE as ACTIVE
-from lighthouse.model import DEPARTED_LIMIT as DEPARTED_LIMIT
-from lighthouse.model import HISTORY_LIMIT as HISTORY_LIMIT
+from lighthouse.model import DEPARTED_LIMIT, HISTORY_LIMIT, ROLES, Member
 from lighthouse.model import JOINING as JOINING
-from lighthouse.model import ROLES as ROLES
 from lighthouse.model import Endpoints as Endpoints
 from lighthouse.model import Epoch as Epoch
 from lighthouse.model import EpochMember as EpochMember
-from lighthouse.model import Member as Member
 from lighthouse.model import Policy as Policy
 from lighthouse.model import State as State
 
@@ -175,15 +171,19 @@ def departed_message(replica_id: str, incarnation: str) -> str:
             "register as a new incarnation")
 
 
-def _check_incarnation(state: State, replica_id: str, incarnation: str) -> Rejection | None:
+def check_incarnation(state: State, replica_id: str, incarnation: str) -> Rejection | None:
+    """Whether ``incarnation`` of ``replica_id`` may call: None when it is the registered one; otherwise the
+    refusal (FAILED_PRECONDITION: it is over, for good; NOT_FOUND: unknown here, it must register again). One
+    dict lookup when it may: the server's heartbeat path calls this too."""
     member = state.members.get(replica_id)
-    if member is None and state.is_departed(replica_id, incarnation):
-        return Rejection("FAILED_PRECONDITION", departed_message(replica_id, incarnation))
     if member is None:
-        return Rejection("NOT_FOUND", f"replica {replica_id!r} is not registered with this lighthouse")
+        if state.is_departed(replica_id, incarnation):
+            return Rejection("FAILED_PRECONDITION", departed_message(replica_id, incarnation))
+        return Rejection("NOT_FOUND", f"replica {replica_id!r} is not registered with this lighthouse "
+                         "(it restarted?): register again")
     if member.incarnation != incarnation:
         return Rejection("FAILED_PRECONDITION",
-                         f"replica {replica_id!r} incarnation {incarnation!r} was replaced by {member.incarnation!r}")
+                         f"incarnation {incarnation[:64]!r} of replica {replica_id!r} was replaced")
     return None
 
 
@@ -239,7 +239,7 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
 
 
 def _ready(state: State, ev: Ready, policy: Policy) -> Outcome:
-    if (rej := _check_incarnation(state, ev.replica_id, ev.incarnation)) is not None:
+    if (rej := check_incarnation(state, ev.replica_id, ev.incarnation)) is not None:
         return Outcome(state, rejection=rej)
     if ev.role not in ROLES:
         return _reject(state, "INVALID_ARGUMENT", f"role must be one of {ROLES}, got {ev.role!r}")
@@ -273,13 +273,13 @@ def _ready(state: State, ev: Ready, policy: Policy) -> Outcome:
 
 
 def _leave(state: State, ev: Leave, policy: Policy) -> Outcome:
-    if (rej := _check_incarnation(state, ev.replica_id, ev.incarnation)) is not None:
+    if (rej := check_incarnation(state, ev.replica_id, ev.incarnation)) is not None:
         return Outcome(state, rejection=rej)
     return _reconcile(_drop(state, (ev.replica_id,)), (Left(ev.replica_id, ev.reason),), ev.now, policy)
 
 
 def _report(state: State, ev: Report, policy: Policy) -> Outcome:
-    if (rej := _check_incarnation(state, ev.reporter, ev.reporter_incarnation)) is not None:
+    if (rej := check_incarnation(state, ev.reporter, ev.reporter_incarnation)) is not None:
         return Outcome(state, rejection=rej)
     if ev.suspect == ev.reporter:
         return _reject(state, "INVALID_ARGUMENT", "a replica cannot report itself; leave instead")

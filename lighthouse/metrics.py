@@ -30,13 +30,14 @@ class LighthouseMetrics:
         self.membership_events = Counter("fthsdp_lighthouse_membership_events", "Replica failures, rejoins, "
                                          "leaves and joins named by the epochs formed", ["job", "kind"], registry=r)
 
-    def observe_epoch(self, job: str, number: int, state: State) -> None:
-        """Epoch ``number`` of ``job`` is current: count it and the membership events that formed it."""
-        self.epoch.labels(job).set(number)
-        if number:
+    def observe_epoch(self, job: str, state: State) -> None:
+        """``state``'s epoch is current for ``job``: count it and the membership events that formed it."""
+        epoch = state.epoch
+        self.epoch.labels(job).set(epoch.number if epoch is not None else 0)
+        if epoch is not None:
             self.epoch_changes.labels(job).inc()
-            if number > 1 and state.epoch is not None and state.epoch.number == number:  # 1: bootstrap
-                for _, kind in replica_kinds(state.epoch.events):
+            if epoch.number > 1:  # 1: bootstrap
+                for _, kind in replica_kinds(epoch.events):
                     self.membership_events.labels(job, kind).inc()
         for role in ROLES:
             self.members.labels(job, role).set(sum(1 for x in state.members.values() if x.role == role))

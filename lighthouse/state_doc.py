@@ -106,9 +106,11 @@ def state_to_doc(state: State) -> dict[str, Any]:
     }
 
 
-def state_from_doc(doc: dict[str, Any], now: float) -> State:
-    """Rebuild the state from a stored document; the epoch's members count as registered at ``now`` (its joiners
-    as syncing since ``now``: the join deadline starts again)."""
+def state_from_doc(doc: dict[str, Any] | None, now: float) -> State:
+    """Rebuild the state from a stored document (none stored: the empty state); the epoch's members count as
+    registered at ``now`` (its joiners as syncing since ``now``: the join deadline starts again)."""
+    if not doc:
+        return State()
     epoch = None if doc["epoch"] is None else _epoch_from_doc(doc["epoch"])
     members = {}
     for x in epoch.members if epoch is not None else ():

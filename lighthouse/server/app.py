@@ -15,7 +15,6 @@ from typing import Any
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from lighthouse import membership as m
 from lighthouse.config import LighthouseConfig
 from lighthouse.errors import StoreUnavailable
 from lighthouse.metrics import LighthouseMetrics
@@ -80,7 +79,7 @@ class Lighthouse:
         for job_id in self.config.jobs:
             check_id("job", job_id)
             self.jobs[job_id] = job = await self._load(job_id)
-            self.metrics.observe_epoch(job_id, job.number, job.state)
+            self.metrics.observe_epoch(job_id, job.state)
         await self._start_grpc()
         self._tasks.append(asyncio.create_task(self._tick_loop(), name="lighthouse-tick"))
         if self.config.http:
@@ -106,7 +105,7 @@ class Lighthouse:
                         job_id, e)
             doc = None
         now = clock()
-        return Job(job_id, state_from_doc(doc, now) if doc else m.State(), self.rendezvous_addr, now)
+        return Job(job_id, state_from_doc(doc, now), self.rendezvous_addr, now)
 
     async def _start_grpc(self) -> None:
         sec = self.config.security
@@ -165,7 +164,7 @@ class Lighthouse:
         if not self.leadership.leading:
             try:
                 doc = await asyncio.to_thread(self.store.load, job.job_id)
-                state = state_from_doc(doc, now) if doc else m.State()
+                state = state_from_doc(doc, now)
             except StoreUnavailable:
                 pass
         return status.build(job.job_id, state, last_seen=job.last_seen, steps=job.steps,

@@ -81,7 +81,7 @@ class Edge:
 
     def _publish(self, job: Job, epoch: m.Epoch) -> None:
         job.set_epoch(epoch)
-        self.metrics.observe_epoch(job.job_id, job.number, job.state)
+        self.metrics.observe_epoch(job.job_id, job.state)
         log.info("lighthouse job=%s epoch=%d members=%s reason=%s", job.job_id, epoch.number,
                  ",".join(f"{x.replica_id}:{x.role}" for x in epoch.members), epoch.reason)
         job.wake()

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from lighthouse import membership as m
+from lighthouse.backoff import Backoff
 from lighthouse.config import LighthouseConfig
 from lighthouse.errors import StoreUnavailable
 from lighthouse.metrics import LighthouseMetrics
@@ -99,7 +99,7 @@ class Leadership:
             async with job.write_lock:
                 if not await self._reload(job, grace):
                     return
-                self.metrics.observe_epoch(job.job_id, job.number, job.state)
+                self.metrics.observe_epoch(job.job_id, job.state)
         if self.election is not None and not self.election.leading:
             return  # lost it again while loading
         self.leading = True
@@ -113,7 +113,7 @@ class Leadership:
     async def _reload(self, job: Job, grace: float) -> bool:
         """Restore ``job`` from the store, its members last seen ``grace`` seconds from now; False when
         leadership (or the server) ended before the store answered."""
-        backoff = 0.1
+        backoff = Backoff(first=0.1, cap=1.0)
         while True:
             try:
                 doc = await asyncio.to_thread(self.store.load, job.job_id)
@@ -124,11 +124,10 @@ class Leadership:
                     log.error("lighthouse job=%s gave up loading state on taking over: %s", job.job_id, e)
                     return False
                 log.warning("lighthouse job=%s cannot load state on taking over (retrying): %s", job.job_id, e)
-                await asyncio.sleep(backoff)  # retry pacing, bounded by the lease
-                backoff = min(1.0, backoff * 2)
+                await asyncio.sleep(backoff.next())  # retry pacing, bounded by the lease
                 continue
             now = clock()
-            job.restore(state_from_doc(doc, now) if doc else m.State(), now + grace)
+            job.restore(state_from_doc(doc, now), now + grace)
             return True
 
     async def refuse(self, context: grpc.aio.ServicerContext[Any, Any], method: str) -> None:

@@ -126,17 +126,10 @@ class LighthouseService:
 
     async def Heartbeat(self, req: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatResponse:
         job = await self._job(req.job_id, context, "Heartbeat")
-        member = job.state.members.get(req.replica_id)
-        if member is None:
+        # The hot path: one dict lookup, no validation, unless the call is refused.
+        if (rej := m.check_incarnation(job.state, req.replica_id, req.incarnation)) is not None:
             check_id("replica_id", req.replica_id)
-            if job.state.is_departed(req.replica_id, req.incarnation):
-                await self._refuse(m.Rejection("FAILED_PRECONDITION", m.departed_message(
-                    req.replica_id, req.incarnation)), context, "Heartbeat")
-            await self._refuse(m.Rejection("NOT_FOUND", f"replica {req.replica_id!r} is not registered with this "
-                                           "lighthouse (it restarted?): register again"), context, "Heartbeat")
-        elif member.incarnation != req.incarnation:
-            await self._refuse(m.Rejection("FAILED_PRECONDITION", f"incarnation {req.incarnation[:64]!r} of "
-                                           f"replica {req.replica_id!r} was replaced"), context, "Heartbeat")
+            await self._refuse(rej, context, "Heartbeat")
         job.last_seen[req.replica_id] = clock()
         job.steps[req.replica_id] = req.step
         self.metrics.heartbeats.inc()

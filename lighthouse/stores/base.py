@@ -1,7 +1,8 @@
 """Where the lighthouse keeps durable job state: one interface, with the capabilities the server asks about.
 
-Only what must survive a lighthouse restart is stored: the highest epoch number issued (so numbers are never
-reused), the current epoch and registrations, and the epoch history. Heartbeat times are not stored.
+Only what must survive a lighthouse restart is stored (``lighthouse.state_doc``): the highest epoch number issued
+(so numbers are never reused), the current epoch with its members, and recent epoch history. Registrations outside
+the epoch and heartbeat times are not stored.
 
 Every write is fenced: ``save`` names the ``last_number`` it read, and fails with ``EpochFenced`` if the stored
 one differs (another lighthouse wrote first). The etcd implementation maps that onto a transaction comparing
@@ -22,8 +23,6 @@ from lighthouse.errors import EpochFenced
 class Capabilities:
     """What a kind of store offers; the server decides from these, never from the store's type."""
 
-    durable: bool
-    """State outlives the lighthouse process."""
     election: bool
     """Lighthouses sharing the store elect one leader (``Store.election``); the others follow (HA)."""
     in_process: bool

@@ -30,7 +30,7 @@ log = logging.getLogger("fthsdp.lighthouse.store")
 class EtcdStore(Store):
     """Job documents in etcd. Thread-safe (pyetcd's client is); each call has a deadline."""
 
-    capabilities = Capabilities(durable=True, election=True, in_process=False)
+    capabilities = Capabilities(election=True, in_process=False)
 
     def __init__(self, target: EtcdTarget | str, timeout_s: float = ETCD_TIMEOUT_S) -> None:
         self.target = EtcdTarget.parse(target) if isinstance(target, str) else target

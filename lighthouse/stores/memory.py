@@ -13,7 +13,7 @@ from lighthouse.stores.base import Capabilities, Store, check_monotonic
 class InMemoryStore(Store):
     """Job documents in this process, fenced under a lock (stored as JSON, so a load returns a copy)."""
 
-    capabilities = Capabilities(durable=False, election=False, in_process=True)
+    capabilities = Capabilities(election=False, in_process=True)
 
     def __init__(self) -> None:
         self._docs: dict[str, bytes] = {}

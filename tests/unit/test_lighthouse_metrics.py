@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from lighthouse import membership as m
+from lighthouse.events import REASON_LIMIT
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.server import status
 
@@ -35,10 +36,10 @@ def test_a_burst_of_deaths_is_counted_whole_though_the_reason_is_clipped() -> No
     state = _burst()
     epoch = state.epoch
     assert epoch is not None
-    assert len(epoch.reason) <= m.REASON_LIMIT + 40 and "more)" in epoch.reason  # the text is clipped...
+    assert len(epoch.reason) <= REASON_LIMIT + 40 and "more)" in epoch.reason  # the text is clipped...
     assert len(epoch.events) == N  # ...the events are not
     metrics = LighthouseMetrics()
-    metrics.observe_epoch("job", epoch.number, state)
+    metrics.observe_epoch("job", state)
     assert _counted(metrics) == {"failure": N}
 
 
@@ -46,7 +47,7 @@ def test_the_bootstrap_epoch_counts_no_events() -> None:
     state = _burst()
     first = state.history[0]
     metrics = LighthouseMetrics()
-    metrics.observe_epoch("job", 1, m.State(members=state.members, epoch=first, last_number=1, history=(first,)))
+    metrics.observe_epoch("job", m.State(members=state.members, epoch=first, last_number=1, history=(first,)))
     assert _counted(metrics) == {}
 
 

@@ -7,6 +7,7 @@ import json
 
 from lighthouse import membership as m
 from lighthouse import state_doc
+from lighthouse.model import HISTORY_LIMIT
 from lighthouse.stores.memory import InMemoryStore
 from tests.helpers.lighthouse import JOB
 
@@ -41,9 +42,9 @@ def test_state_document_size_does_not_grow_with_history() -> None:
 
     def doc_size(epochs: int) -> int:
         history = tuple(m.Epoch(n, members, float(n), "r") for n in range(1, epochs + 1))
-        state = m.State(epoch=history[-1], last_number=epochs, history=history[-m.HISTORY_LIMIT:])
+        state = m.State(epoch=history[-1], last_number=epochs, history=history[-HISTORY_LIMIT:])
         return len(json.dumps(state_doc.state_to_doc(state)))
 
     bounded = doc_size(state_doc.DOC_HISTORY_LIMIT)
-    assert doc_size(m.HISTORY_LIMIT) < bounded + 100  # only the digits of the numbers differ
-    assert doc_size(m.HISTORY_LIMIT + 50) < bounded + 100
+    assert doc_size(HISTORY_LIMIT) < bounded + 100  # only the digits of the numbers differ
+    assert doc_size(HISTORY_LIMIT + 50) < bounded + 100

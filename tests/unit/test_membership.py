@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from lighthouse import membership as m
-from lighthouse.events import Unattributed
+from lighthouse.events import REASON_LIMIT, DeathCause, Died, Unattributed
+from lighthouse.model import HISTORY_LIMIT
 
 P = m.Policy(min_replicas=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, confirm_age_s=1.0)
 EP = m.Endpoints()
@@ -452,21 +453,21 @@ def test_mass_death_reason_is_clipped() -> None:
     state = boot(ids)
     out = tick(state, 10.0, **{rid: 5.0 for rid in ids[1:]})
     assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("r000",)
-    assert len(out.state.epoch.reason) <= m.REASON_LIMIT + 40
+    assert len(out.state.epoch.reason) <= REASON_LIMIT + 40
     assert "more)" in out.state.epoch.reason
 
 
 def test_history_is_bounded_and_numbers_keep_going() -> None:
     state = boot(["a"])
     now = 1.0
-    for i in range(m.HISTORY_LIMIT + 10):
+    for i in range(HISTORY_LIMIT + 10):
         now += 1.0
         state = register(state, "a", now, n=i + 2).state  # each restart forms an epoch
-    assert state.last_number == m.HISTORY_LIMIT + 11
-    assert len(state.history) == m.HISTORY_LIMIT
+    assert state.last_number == HISTORY_LIMIT + 11
+    assert len(state.history) == HISTORY_LIMIT
     assert state.history[-1] is state.epoch
     numbers = [e.number for e in state.history]
-    assert numbers == list(range(state.last_number - m.HISTORY_LIMIT + 1, state.last_number + 1))
+    assert numbers == list(range(state.last_number - HISTORY_LIMIT + 1, state.last_number + 1))
 
 
 # --- property: random event sequences ---------------------------------------------------------------------------
@@ -559,7 +560,7 @@ def test_random_event_sequences_keep_the_invariants(seed: int) -> None:
             assert state.epoch.number == state.last_number
         history = [e.number for e in state.history]
         assert history == sorted(set(history)), "history numbers strictly increase"
-        assert len(history) <= m.HISTORY_LIMIT
+        assert len(history) <= HISTORY_LIMIT
         # All live members share one shard count.
         assert len({x.shard_count for x in state.members.values()}) <= 1
     # The run exercised the machine rather than refusing everything.
@@ -675,8 +676,8 @@ def test_a_stuck_joiner_is_dropped_at_its_deadline_and_does_not_block_the_next()
     assert tick(state, 61.9, policy).state.epoch is state.epoch  # not before the deadline
     out = tick(state, 62.1, policy)
     assert "c" not in out.state.members and out.state.epoch is not None and out.state.epoch.number == 3
-    died = [e for e in out.events if isinstance(e, m.Died)]
-    assert [(e.replica_id, e.cause) for e in died] == [("c", m.DeathCause.STALLED)] and died[0].joining_s > 60
+    died = [e for e in out.events if isinstance(e, Died)]
+    assert [(e.replica_id, e.cause) for e in died] == [("c", DeathCause.STALLED)] and died[0].joining_s > 60
     assert "c dropped (joining for 60s in the data plane without turning active)" in out.reason
     assert out.state.is_departed("c", inc("c"))  # its heartbeats are told so: it restarts as a new incarnation
     nxt = ready(out.state, "d", m.JOINING, 63.0, policy=policy)
@@ -788,7 +789,7 @@ def test_symmetric_mutual_blame_evicts_at_most_one_replica_and_says_why() -> Non
                           policy)
         state = out.state
         assert state.epoch is not None and len(state.epoch.members) >= policy.min_replicas
-        dead = [e.replica_id for e in out.events if isinstance(e, m.Died)]
+        dead = [e.replica_id for e in out.events if isinstance(e, Died)]
         assert len(dead) <= 1, out.reason
         if dead:
             note = [e for e in out.events if isinstance(e, Unattributed)]
@@ -807,7 +808,7 @@ def test_symmetric_mutual_blame_at_min_replicas_evicts_no_one() -> None:
     for round_ in range(6):
         out = blame_round(state, {"a": ["b", "c"], "b": ["a", "c"], "c": ["a", "b"]}, 10.0 + 10 * round_, policy)
         state = out.state
-        assert set(state.members) == {"a", "b", "c"} and not [e for e in out.events if isinstance(e, m.Died)]
+        assert set(state.members) == {"a", "b", "c"} and not [e for e in out.events if isinstance(e, Died)]
         assert state.epoch is not None and state.epoch.replica_ids() == ("a", "b", "c")
 
 
@@ -819,8 +820,8 @@ def test_a_replica_blamed_by_all_others_is_still_evicted() -> None:
         assert "re-formed" in out.reason
         state = out.state
     out = blame_round(state, {"a": ["c"], "b": ["c"]}, 30.0, policy)
-    died = [e for e in out.events if isinstance(e, m.Died)]
-    assert [(e.replica_id, e.cause, e.reporters) for e in died] == [("c", m.DeathCause.HUNG, ("a", "b"))]
+    died = [e for e in out.events if isinstance(e, Died)]
+    assert [(e.replica_id, e.cause, e.reporters) for e in died] == [("c", DeathCause.HUNG, ("a", "b"))]
     assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("a", "b")
     assert "blamed by a,b" in out.reason and "not attributable" not in out.reason
 
@@ -832,7 +833,7 @@ def test_a_replica_whose_network_broke_is_evicted_alone() -> None:
     blame = {"a": ["b", "c"], "b": ["a"], "c": ["a"]}
     state = blame_round(state, blame, 10.0, policy).state
     out = blame_round(state, blame, 20.0, policy)
-    assert [e.replica_id for e in out.events if isinstance(e, m.Died)] == ["a"]
+    assert [e.replica_id for e in out.events if isinstance(e, Died)] == ["a"]
     assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("b", "c")
 
 
@@ -842,5 +843,5 @@ def test_two_hung_replicas_blamed_by_every_unblamed_member_both_go() -> None:
     blame = {"a": ["c", "d"], "b": ["c", "d"]}
     state = blame_round(state, blame, 10.0, policy).state
     out = blame_round(state, blame, 20.0, policy)
-    assert sorted(e.replica_id for e in out.events if isinstance(e, m.Died)) == ["c", "d"]
+    assert sorted(e.replica_id for e in out.events if isinstance(e, Died)) == ["c", "d"]
     assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("a", "b")
