@@ -137,14 +137,16 @@ class LighthouseClient:
         return self._run(self.aio.ready(role))
 
     def leave(self, reason: str = "") -> int:
-        return self._run(self.aio.leave(reason))
+        """Leave the job gracefully, with the last step given to ``set_step``."""
+        return self._run(self.aio.leave(reason, self._step))
 
     def status(self) -> pb.StatusResponse:
         return self._run(self.aio.status())
 
     def close(self, leave: str | None = None) -> None:
         """Stop the session and the loop thread (idempotent). With ``leave``, leave the job gracefully with that
-        reason once heartbeats have stopped (so the session cannot register again behind our back)."""
+        reason once heartbeats have stopped (so the session cannot register again behind our back), and the last
+        step given to ``set_step``."""
         if not self._thread.is_alive():
             return
         if self._stop is not None:
@@ -154,7 +156,7 @@ class LighthouseClient:
                 self._session.result(timeout=5)
         if leave is not None:
             try:
-                self._run(self.aio.leave(leave))
+                self._run(self.aio.leave(leave, self._step))
             except LighthouseError as e:
                 log.info("replica=%s leave not acknowledged: %s", self.replica_id, e)
         with contextlib.suppress(LighthouseError):

@@ -96,6 +96,11 @@ class Registration:
     heartbeat_timeout_s: float
     resume: bool = False
     """The job trained before and nobody is left to catch up from: resume from a checkpoint."""
+    finished: bool = False
+    """The job completed (a member left "finished"): this replica was NOT registered and must not train; it stops
+    with the job's final state (e.g. the final checkpoint of ``finished_step``)."""
+    finished_step: int = 0
+    """The step the job completed at (0 unless ``finished``)."""
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,8 @@ class LighthouseRpc:
         self.role = ROLE_FROM_PB.get(resp.role, JOINING)
         self.heartbeat_interval_s = resp.heartbeat_interval_s or self.heartbeat_interval_s
         return Registration(resp.incarnation, self.role, epoch_from_pb(resp.epoch),
-                            resp.heartbeat_interval_s, resp.heartbeat_timeout_s, resp.resume)
+                            resp.heartbeat_interval_s, resp.heartbeat_timeout_s, resp.resume,
+                            finished=resp.finished, finished_step=resp.finished_step)
 
     async def heartbeat(self, step: int = 0, epoch: int = 0) -> int:
         resp = await self._call("Heartbeat", pb.HeartbeatRequest(
@@ -244,9 +250,11 @@ class LighthouseRpc:
             self.in_data_plane = True
         return resp.epoch
 
-    async def leave(self, reason: str = "") -> int:
+    async def leave(self, reason: str = "", step: int = 0) -> int:
+        """Leave the job gracefully; ``step``: the last committed step (with reason "finished": the job's final
+        step)."""
         resp = await self._call("Leave", pb.LeaveRequest(job_id=self.job_id, replica_id=self.replica_id,
-                                                         incarnation=self.incarnation, reason=reason))
+                                                         incarnation=self.incarnation, reason=reason, step=step))
         assert isinstance(resp, pb.LeaveResponse)
         return resp.epoch
 

@@ -31,6 +31,9 @@ class DeathCause(StrEnum):
     singled out by the blame (``lighthouse.escalation``)."""
     STALLED = "stalled"
     """A joiner that did not turn active within ``join_deadline_s`` of entering the data plane."""
+    JOB_FINISHED = "job_finished"
+    """The job finished (``State.finished_step``) and no active member is left: a member still joining has
+    nothing left to join, so it is dropped at once instead of waiting for an epoch that can never form."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class Died:
     """HUNG: consecutive epochs it was reported in."""
     joining_s: float = 0.0
     """STALLED: seconds it spent in the data plane as a joiner."""
+    step: int = 0
+    """JOB_FINISHED: the step the job finished at."""
     kind: ClassVar[str] = "failure"
 
 
@@ -97,7 +102,17 @@ class Left:
     kind: ClassVar[str] = "leave"
 
 
-MemberEvent = Died | Restarted | Registered | ReadyToJoin | TurnedActive | Left
+@dataclass(frozen=True)
+class Finished:
+    """A member left because the job completed (``Leave`` with reason ``"finished"``), at its step ``step``: the
+    job is over (``State.finished_step``). Counted as a leave."""
+
+    replica_id: str
+    step: int = 0
+    kind: ClassVar[str] = "leave"
+
+
+MemberEvent = Died | Restarted | Registered | ReadyToJoin | TurnedActive | Left | Finished
 """An event about one replica; its class's ``kind`` is what the page and the metrics count it as: ``failure``,
 ``rejoin``, ``active``, ``leave`` or ``join``."""
 
@@ -149,6 +164,8 @@ def phrase(event: MembershipEvent) -> str:
         case Died(cause=DeathCause.STALLED):
             return (f"replica {event.replica_id} dropped (joining for {event.joining_s:.0f}s in the data plane "
                     "without turning active)")
+        case Died(cause=DeathCause.JOB_FINISHED):
+            return f"replica {event.replica_id} dropped (the job finished at step {event.step})"
         case Died():
             return (f"replica {event.replica_id} dead (hung: reported in {event.reported_epochs} consecutive "
                     f"epochs while still heartbeating; blamed by {','.join(event.reporters) or 'nobody'})")
@@ -164,6 +181,8 @@ def phrase(event: MembershipEvent) -> str:
             return f"replica {event.replica_id} caught up, now active"
         case Left():
             return f"replica {event.replica_id} left" + (f": {event.reason}" if event.reason else "")
+        case Finished():
+            return f"replica {event.replica_id} finished the job at step {event.step}"
         case Reformed():
             return f"re-formed: {', '.join(event.suspects)} reported but still heartbeating"
         case Unattributed(evicted=()):

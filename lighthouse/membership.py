@@ -32,18 +32,24 @@ Rules (docs/design.md §4):
   same members (a new number), so that every member rebuilds its data plane instead of waiting forever. One
   reported again after ``max_reforms`` consecutive re-forms is hung (heartbeating, not training): dead, if the
   blame singles it out; otherwise at most one of the suspects is (bounded escalation, ``lighthouse.escalation``).
+- End of job: a member that leaves with reason ``"finished"`` marks the job completed at its step
+  (``State.finished_step``, the highest if several do). From then on a registration (other than a reconnect of a
+  member still in the job) changes nothing and is answered finished (``Outcome.finished_step``); once no active
+  member is left, the remaining members (joiners) are dropped (``DeathCause.JOB_FINISHED``), and every call of
+  an incarnation that is not a member is refused (FAILED_PRECONDITION, naming the step).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lighthouse.escalation import hung_verdict
 from lighthouse.events import (
     DeathCause,
     Died,
+    Finished,
     GuardHeld,
     Left,
     MembershipEvent,
@@ -54,8 +60,13 @@ from lighthouse.events import (
     TurnedActive,
     render_reason,
 )
+from lighthouse.incarnations import Rejection as Rejection
+from lighthouse.incarnations import check_incarnation as check_incarnation
+from lighthouse.incarnations import departed_message as departed_message
+from lighthouse.incarnations import drop
+from lighthouse.incarnations import finished_message as finished_message
 from lighthouse.model import ACTIVE as ACTIVE
-from lighthouse.model import DEPARTED_LIMIT, HISTORY_LIMIT, ROLES, Member
+from lighthouse.model import FINISHED, HISTORY_LIMIT, ROLES, Member
 from lighthouse.model import JOINING as JOINING
 from lighthouse.model import Endpoints as Endpoints
 from lighthouse.model import Epoch as Epoch
@@ -94,6 +105,8 @@ class Leave:
     incarnation: str
     reason: str
     now: float
+    step: int = 0
+    """The leaver's last committed step; with reason ``FINISHED`` ("finished"), the step the job completed at."""
 
 
 @dataclass(frozen=True)
@@ -117,14 +130,6 @@ Event = Register | Ready | Leave | Report | Tick
 
 
 @dataclass(frozen=True)
-class Rejection:
-    """Why an event was refused; ``code`` names the gRPC status the edge answers with."""
-
-    code: str  # INVALID_ARGUMENT | NOT_FOUND | FAILED_PRECONDITION | ABORTED (retry later)
-    message: str
-
-
-@dataclass(frozen=True)
 class Outcome:
     """What an event did: the new state, what happened (empty when nothing did), or why it was refused."""
 
@@ -133,6 +138,9 @@ class Outcome:
     rejection: Rejection | None = None
     confirmed: bool = False
     """Report only: the suspect was declared dead."""
+    finished_step: int | None = None
+    """Register only: the job completed at this step (``State.finished_step``), so the registrant was not
+    registered (``state`` is the same object, unchanged) and must not train."""
 
     @property
     def reason(self) -> str:
@@ -165,40 +173,13 @@ def _reject(state: State, code: str, message: str) -> Outcome:
     return Outcome(state=state, rejection=Rejection(code, message))
 
 
-def departed_message(replica_id: str, incarnation: str) -> str:
-    """The refusal of a call by an incarnation that is over (``State.departed``)."""
-    return (f"incarnation {incarnation[:64]!r} of replica {replica_id!r} was declared dead or left: "
-            "register as a new incarnation")
-
-
-def check_incarnation(state: State, replica_id: str, incarnation: str) -> Rejection | None:
-    """Whether ``incarnation`` of ``replica_id`` may call: None when it is the registered one; otherwise the
-    refusal (FAILED_PRECONDITION: it is over, for good; NOT_FOUND: unknown here, it must register again). One
-    dict lookup when it may: the server's heartbeat path calls this too."""
-    member = state.members.get(replica_id)
-    if member is None:
-        if state.is_departed(replica_id, incarnation):
-            return Rejection("FAILED_PRECONDITION", departed_message(replica_id, incarnation))
-        return Rejection("NOT_FOUND", f"replica {replica_id!r} is not registered with this lighthouse "
-                         "(it restarted?): register again")
-    if member.incarnation != incarnation:
-        return Rejection("FAILED_PRECONDITION",
-                         f"incarnation {incarnation[:64]!r} of replica {replica_id!r} was replaced")
-    return None
-
-
-def _drop(state: State, gone: Iterable[str]) -> State:
-    """``state`` without the members ``gone``, whose incarnations are over for good (``State.departed``)."""
-    over = {rid: state.members[rid].incarnation for rid in gone if rid in state.members}
-    if not over:
-        return state
-    departed = {**state.departed, **{rid: (*state.departed.get(rid, ()), i)[-DEPARTED_LIMIT:]
-                                     for rid, i in over.items()}}
-    members = {k: v for k, v in state.members.items() if k not in over}
-    return dataclasses.replace(state, members=members, departed=departed)
-
-
 def _register(state: State, ev: Register, policy: Policy) -> Outcome:
+    if state.finished_step is not None:
+        live = state.members.get(ev.replica_id)
+        if live is None or live.incarnation != ev.incarnation:
+            # The job completed: nobody new trains (a replica that comes back would train the last steps alone
+            # from an old checkpoint). Only a reconnect of a member still in the job is answered as before.
+            return Outcome(state=state, finished_step=state.finished_step)
     job_shards = next(iter(state.members.values())).shard_count if state.members else None
     if job_shards is not None and ev.shard_count != job_shards:
         return _reject(state, "INVALID_ARGUMENT",
@@ -212,7 +193,7 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
         return Outcome(state=state)  # a reconnect: idempotent
     events: list[MembershipEvent] = []
     if old is not None:
-        state = _drop(state, (ev.replica_id,))
+        state = drop(state, (ev.replica_id,))
         events.append(Restarted(ev.replica_id, old.incarnation))
     members = dict(state.members)
     # A claim is honoured only before this lighthouse's first epoch, and only from a replica that trained in an
@@ -275,7 +256,12 @@ def _ready(state: State, ev: Ready, policy: Policy) -> Outcome:
 def _leave(state: State, ev: Leave, policy: Policy) -> Outcome:
     if (rej := check_incarnation(state, ev.replica_id, ev.incarnation)) is not None:
         return Outcome(state, rejection=rej)
-    return _reconcile(_drop(state, (ev.replica_id,)), (Left(ev.replica_id, ev.reason),), ev.now, policy)
+    new = drop(state, (ev.replica_id,))
+    if ev.reason != FINISHED:
+        return _reconcile(new, (Left(ev.replica_id, ev.reason),), ev.now, policy)
+    step = ev.step if state.finished_step is None else max(state.finished_step, ev.step)
+    return _reconcile(dataclasses.replace(new, finished_step=step), (Finished(ev.replica_id, ev.step),), ev.now,
+                      policy)
 
 
 def _report(state: State, ev: Report, policy: Policy) -> Outcome:
@@ -311,7 +297,7 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
     if age < policy.confirm_age_s:
         suspected_at = {**state.suspected_at, ev.suspect: state.suspected_at.get(ev.suspect, ev.now)}
         return Outcome(state=dataclasses.replace(state, suspicions=suspicions, suspected_at=suspected_at))
-    new = dataclasses.replace(_drop(state, (ev.suspect,)), suspicions=suspicions)
+    new = dataclasses.replace(drop(state, (ev.suspect,)), suspicions=suspicions)
     died = Died(ev.suspect, DeathCause.CONFIRMED, silent_s=age, reporters=(ev.reporter,), report=why)
     out = _reconcile(new, (died,), ev.now, policy)
     return dataclasses.replace(out, confirmed=True)
@@ -340,13 +326,13 @@ def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
                 hung_events = tuple(Died(rid, DeathCause.HUNG, reported_epochs=state.reforms[rid] + 1,
                                          reporters=tuple(sorted(state.suspicions.get(rid, ()))))
                                     for rid in verdict.hung)
-                return _reconcile(_drop(state, verdict.hung), note + hung_events, ev.now, policy)
+                return _reconcile(drop(state, verdict.hung), note + hung_events, ev.now, policy)
             reforms = {rid: state.reforms.get(rid, 0) + 1 for rid in alive}
             return _reconcile(dataclasses.replace(state, reforms=reforms), (Reformed(tuple(alive)), *note), ev.now,
                               policy, force=True)
         # Only bootstrap waits on time alone (the join window); otherwise nothing changed.
         return _reconcile(state, (), ev.now, policy) if state.epoch is None else Outcome(state=state)
-    return _reconcile(_drop(state, dead), tuple(dead.values()), ev.now, policy)
+    return _reconcile(drop(state, dead), tuple(dead.values()), ev.now, policy)
 
 
 def _wanted(state: State) -> tuple[EpochMember, ...]:
@@ -360,7 +346,16 @@ def _wanted(state: State) -> tuple[EpochMember, ...]:
 def _reconcile(state: State, events: tuple[MembershipEvent, ...], now: float, policy: Policy,
                force: bool = False) -> Outcome:
     """Form a new epoch if the wanted membership differs from the current one (or ``force``) and the guards
-    allow it."""
+    allow it. In a finished job without a live active member, drop the members left instead."""
+    if state.finished_step is not None:
+        if state.members and not any(x.role == ACTIVE for x in state.members.values()):
+            # Nothing left to join or to catch up from: the joiners in flight are told at once (their calls are
+            # refused), instead of waiting for an epoch that can never form.
+            gone = sorted(state.members)
+            events = (*events, *(Died(rid, DeathCause.JOB_FINISHED, step=state.finished_step) for rid in gone))
+            state = drop(state, gone)
+        if not state.members:
+            return Outcome(state=state, events=events)  # the job is over: no epoch, and no guard to report
     if state.epoch is None:
         # Bootstrap: wait for the expected count, or for the join window after min_replicas. (Counted without
         # building the member list: registrations arrive one by one, and a thousand would make it quadratic.)

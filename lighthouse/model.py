@@ -143,12 +143,18 @@ class State:
     departed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """replica id -> its last ``DEPARTED_LIMIT`` incarnations that died, left or were replaced, oldest first:
     they are over for good (their calls are answered FAILED_PRECONDITION, never 'register again'). Volatile."""
+    finished_step: int | None = None
+    """The job completed at this step: a member left with reason ``"finished"`` (the highest step, if several
+    did). None: not finished. Durable. From then on nobody registers (``Outcome.finished_step``), and once no
+    active member is left the remaining members are dropped (``DeathCause.JOB_FINISHED``)."""
 
     def is_departed(self, replica_id: str, incarnation: str) -> bool:
         """Whether ``incarnation`` of ``replica_id`` died, left or was replaced (as far as this state remembers)."""
         return incarnation in self.departed.get(replica_id, ())
 
 
+FINISHED = "finished"
+"""The ``Leave`` reason that means the job completed (at the leaver's ``step``)."""
 HISTORY_LIMIT = 256
 """Epochs kept in the live state's history."""
 DEPARTED_LIMIT = 8

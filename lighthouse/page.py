@@ -37,7 +37,9 @@ def _fallback(status: dict[str, Any]) -> str:
         f"<tr><td>{int(e['epoch'])}</td><td>{time.strftime('%H:%M:%S', time.localtime(e['time']))}</td>"
         f"<td>{len(e.get('members', []))}</td><td>{html.escape(str(e.get('reason', '')))}</td></tr>"
         for e in reversed(status.get("history", [])))
-    return (f"<p>job {html.escape(str(status.get('job', '')))} · epoch {int(status.get('epoch', 0))}</p>"
+    finished = status.get("finished_step")
+    return (f"<p>job {html.escape(str(status.get('job', '')))} · epoch {int(status.get('epoch', 0))}"
+            + (f" · job finished at step {int(finished)}" if finished is not None else "") + "</p>"
             "<table><tr><th>replica</th><th>role</th><th>in epoch</th><th>step</th><th>heartbeat age (s)</th></tr>"
             f"{rows}</table><table><tr><th>epoch</th><th>time</th><th>members</th><th>reason</th></tr>{hist}</table>")
 
@@ -100,6 +102,9 @@ _SCRIPT = r"""
     item("epoch", s.epoch, "epoch");
     item("live replicas", (s.members || []).length, "live");
     item("min replicas", s.min_replicas);
+    if (s.finished_step !== null && s.finished_step !== undefined) {
+      item("job finished at step", s.finished_step, "finished");
+    }
     item("leader", s.leader ? "this lighthouse"
                             : ("no" + (s.leader_address ? " (leader: " + s.leader_address + ")" : "")), "leader");
     var upd = el("span", {"class": "muted", "id": "updated"},

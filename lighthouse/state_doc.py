@@ -8,6 +8,7 @@ from typing import Any
 from lighthouse.events import (
     DeathCause,
     Died,
+    Finished,
     GuardHeld,
     Left,
     MembershipEvent,
@@ -30,7 +31,7 @@ huge; the live state keeps them all, and the stored reason text names the rest).
 _EVENT_TYPES: dict[str, type[MembershipEvent]] = {
     "died": Died, "restarted": Restarted, "registered": Registered, "ready_to_join": ReadyToJoin,
     "turned_active": TurnedActive, "left": Left, "reformed": Reformed, "guard_held": GuardHeld,
-    "unattributed": Unattributed,
+    "unattributed": Unattributed, "finished": Finished,
 }
 _EVENT_NAMES = {cls: name for name, cls in _EVENT_TYPES.items()}
 
@@ -97,18 +98,20 @@ def state_to_doc(state: State) -> dict[str, Any]:
 
     Registrations outside the epoch and heartbeat times are volatile: clients re-register when a lighthouse
     answers NOT_FOUND. History entries keep the replica ids only (restored with empty roles and incarnations),
-    for the last ``DOC_HISTORY_LIMIT`` epochs.
+    for the last ``DOC_HISTORY_LIMIT`` epochs. ``finished_step`` (null: the job has not finished) is durable too.
     """
     return {
         "last_number": state.last_number,
         "epoch": None if state.epoch is None else _epoch_to_doc(state.epoch),
         "history": [_history_to_doc(e) for e in state.history[-DOC_HISTORY_LIMIT:]],
+        "finished_step": state.finished_step,
     }
 
 
 def state_from_doc(doc: dict[str, Any] | None, now: float) -> State:
     """Rebuild the state from a stored document (none stored: the empty state); the epoch's members count as
-    registered at ``now`` (its joiners as syncing since ``now``: the join deadline starts again)."""
+    registered at ``now`` (its joiners as syncing since ``now``: the join deadline starts again). A document
+    without ``finished_step`` (written before it existed) loads as not finished."""
     if not doc:
         return State()
     epoch = None if doc["epoch"] is None else _epoch_from_doc(doc["epoch"])
@@ -122,4 +125,5 @@ def state_from_doc(doc: dict[str, Any] | None, now: float) -> State:
         epoch=epoch,
         last_number=int(doc["last_number"]),
         history=tuple(_epoch_from_doc(e) for e in doc["history"]),
+        finished_step=None if doc.get("finished_step") is None else int(doc["finished_step"]),
     )

@@ -38,8 +38,9 @@ class Edge:
                 return out
             new_epoch = out.new_epoch(before)
             # Also when only the counter moved (a member that came back to a lighthouse that lost it names the
-            # epochs it saw): the store's fence is the stored number.
-            if new_epoch is not None or out.state.last_number != before.last_number:
+            # epochs it saw): the store's fence is the stored number; and when the job finished (durable).
+            if (new_epoch is not None or out.state.last_number != before.last_number
+                    or out.state.finished_step != before.finished_step):
                 try:
                     await self._save(job, before, out.state)
                 except EpochFenced as e:

@@ -117,6 +117,11 @@ class LighthouseService:
                                                     clock(), claim=claim, last_epoch=last_epoch))
         if out.rejection is not None:
             await self._refuse(out.rejection, context, "Register")
+        if out.finished_step is not None:
+            # The job completed: not registered (no incarnation, no role), nothing to heartbeat; stop.
+            return pb.RegisterResponse(epoch=job.epoch_pb, heartbeat_interval_s=self.policy.heartbeat_interval_s,
+                                       heartbeat_timeout_s=self.policy.heartbeat_timeout_s, finished=True,
+                                       finished_step=out.finished_step)
         job.last_seen[req.replica_id] = clock()
         member = job.state.members[req.replica_id]
         return pb.RegisterResponse(incarnation=member.incarnation, role=ROLE_TO_PB[member.role],
@@ -185,7 +190,8 @@ class LighthouseService:
         job = await self._job(req.job_id, context, "Leave")
         check_id("replica_id", req.replica_id)
         check_text("reason", req.reason)
-        out = await self.edge.apply(job, m.Leave(req.replica_id, req.incarnation, req.reason, clock()))
+        out = await self.edge.apply(job, m.Leave(req.replica_id, req.incarnation, req.reason, clock(),
+                                                 step=req.step))
         if out.rejection is not None:
             await self._refuse(out.rejection, context, "Leave")
         return pb.LeaveResponse(epoch=job.number)

@@ -47,6 +47,8 @@ class StatusView:
     heartbeat_timeout_s: float
     members: tuple[MemberRow, ...]
     history: tuple[HistoryRow, ...]
+    finished_step: int | None = None
+    """The job completed at this step (``State.finished_step``); None: not finished."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
             for x in sorted(state.members.values(), key=lambda x: x.replica_id)),
         history=tuple(HistoryRow(e.number, e.created_at, e.reason, e.replica_ids(), tuple(replica_kinds(e.events)))
                       for e in state.history[-STATUS_HISTORY:]),
+        finished_step=state.finished_step,
     )
 
 
@@ -96,6 +99,7 @@ def to_json(view: StatusView) -> dict[str, Any]:
              "events": [{"replica_id": rid, "kind": kind} for rid, kind in e.events]}
             for e in view.history
         ],
+        "finished_step": view.finished_step,
     }
 
 
@@ -110,4 +114,6 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
                                  events=[pb.ReplicaEvent(replica_id=rid, kind=kind) for rid, kind in e.events])
                  for e in view.history],
         leader=view.leader,
+        finished=view.finished_step is not None,
+        finished_step=view.finished_step or 0,
     )

@@ -21,7 +21,7 @@ from lighthouse.errors import FencedOut, InvalidRequest, LighthouseUnavailable, 
 from lighthouse.stores.memory import InMemoryStore
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
-from tests.helpers.lighthouse import JOB, ServerThread, register, wait_until
+from tests.helpers.lighthouse import JOB, ServerThread, heartbeat, register, status, wait_until
 
 
 def test_parse_addresses() -> None:
@@ -322,3 +322,35 @@ def test_emulator_replicas_see_a_death(start_server: Callable[..., ServerThread]
 
     asyncio.run(scenario())
     assert not [t for t in threading.enumerate() if t.name.startswith("lighthouse-") and t.name != "lighthouse-http"]
+
+
+def test_after_the_job_finished_a_registration_is_told_so_with_the_final_step(
+        slow_server: ServerThread, slow_stub: pb_grpc.LighthouseStub) -> None:
+    c = LighthouseClient(slow_server.addr, JOB, "a")
+    try:
+        reg = c.start(deadline_s=10)
+        assert reg is not None and reg.role == m.ACTIVE and not reg.finished and reg.finished_step == 0
+        j = register(slow_stub, "j")  # a joiner in flight
+        assert j.role == pb.ROLE_JOINING and not j.finished
+        c.set_step(42)
+    finally:
+        c.close(leave="finished")  # sends the last step
+    assert slow_server.state().finished_step == 42
+    # The joiner had nothing left to join: dropped, and its heartbeat says why.
+    with pytest.raises(grpc.RpcError) as info:
+        heartbeat(slow_stub, "j", j.incarnation)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+    assert "finished at step 42" in info.value.details()  # type: ignore[attr-defined]
+
+    async def come_back() -> Registration:  # a restarted a, as a new incarnation
+        client = AsyncLighthouseClient(slow_server.addr, JOB, "a")
+        try:
+            return await client.register()
+        finally:
+            await client.close()
+
+    later = asyncio.run(come_back())
+    assert later.finished and later.finished_step == 42 and later.incarnation == "" and not later.resume
+    assert slow_server.state().members == {}
+    st = status(slow_stub)
+    assert st.finished and st.finished_step == 42

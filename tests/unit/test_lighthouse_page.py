@@ -8,7 +8,17 @@ import json
 from typing import Any
 
 from lighthouse import membership as m
-from lighthouse.events import DeathCause, Died, Left, ReadyToJoin, Registered, Restarted, TurnedActive, replica_kinds
+from lighthouse.events import (
+    DeathCause,
+    Died,
+    Finished,
+    Left,
+    ReadyToJoin,
+    Registered,
+    Restarted,
+    TurnedActive,
+    replica_kinds,
+)
 from lighthouse.page import render_page
 
 
@@ -107,3 +117,11 @@ def test_the_decision_emits_the_events_the_page_shows() -> None:
     out = m.decide(out.state, m.Leave("b", "b2", "done", 2.3), p)
     assert replica_kinds(out.state.epoch.events) == [("b", "leave")]  # type: ignore[union-attr]
     assert out.state.epoch.reason == "replica b left: done"  # type: ignore[union-attr]
+
+
+def test_page_shows_that_the_job_finished_and_a_finish_counts_as_a_leave() -> None:
+    assert "job finished" not in render_page(_status(finished_step=None)).split("<script")[0]
+    page = render_page(_status(finished_step=7))
+    assert "job finished at step 7" in page.split("<script")[0]  # the page without JavaScript
+    assert 'item("job finished at step", s.finished_step' in page  # the script's summary
+    assert replica_kinds((Finished("r5", 7),)) == [("r5", "leave")]

@@ -19,6 +19,7 @@ import pytest
 from lighthouse import membership as m
 from lighthouse import validate
 from lighthouse.client import LighthouseClient
+from lighthouse.stores.memory import InMemoryStore
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from tests.helpers.lighthouse import JOB, ServerThread, heartbeat, register, status, wait_until
@@ -558,3 +559,29 @@ def test_status_lists_only_the_newest_epochs(pair: Any) -> None:
     assert [h.epoch for h in st.history] == list(range(st.epoch.number - STATUS_HISTORY + 1, st.epoch.number + 1))
     doc = json.loads(http_get(s.http, "/status")[2])
     assert [h["epoch"] for h in doc["history"]] == [h.epoch for h in st.history]
+
+
+def test_a_finished_job_stays_finished_across_a_restart_on_a_durable_store(
+        start_server: Callable[..., ServerThread], channel_to: Callable[[ServerThread], grpc.Channel]) -> None:
+    store = InMemoryStore()
+    first = start_server(PAIR, store=store)
+    stub = pb_grpc.LighthouseStub(channel_to(first))
+    incs = {rid: register(stub, rid).incarnation for rid in ("a", "b")}
+    stub.Leave(pb.LeaveRequest(job_id=JOB, replica_id="a", incarnation=incs["a"], reason="finished", step=9),
+               timeout=5)
+    stub.Leave(pb.LeaveRequest(job_id=JOB, replica_id="b", incarnation=incs["b"], reason="finished", step=10),
+               timeout=5)
+    # The last leave formed no epoch (nobody is left): the end of the job was written all the same.
+    assert store.load(JOB)["finished_step"] == 10  # type: ignore[index]
+    doc = json.loads(http_get(first.http, "/status")[2])
+    assert doc["finished_step"] == 10 and doc["members"] == []
+    number = status(stub).epoch.number
+    first.stop()
+    second = start_server(PAIR, store=store)
+    stub = pb_grpc.LighthouseStub(channel_to(second))
+    resp = register(stub, "a")  # a restarted replica comes back
+    assert resp.finished and resp.finished_step == 10 and resp.incarnation == "" and not resp.resume
+    assert resp.role == pb.ROLE_UNSPECIFIED and resp.epoch.number == number
+    assert "a" not in second.state().members  # not registered
+    st = status(stub)
+    assert st.finished and st.finished_step == 10 and st.epoch.number == number

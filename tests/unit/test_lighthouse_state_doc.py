@@ -48,3 +48,24 @@ def test_state_document_size_does_not_grow_with_history() -> None:
     bounded = doc_size(state_doc.DOC_HISTORY_LIMIT)
     assert doc_size(HISTORY_LIMIT) < bounded + 100  # only the digits of the numbers differ
     assert doc_size(HISTORY_LIMIT + 50) < bounded + 100
+
+
+def test_the_end_of_the_job_is_durable_and_an_old_document_loads_as_not_finished() -> None:
+    p = m.Policy()
+    state = m.State()
+    for rid in ("a", "b"):
+        state = m.decide(state, m.Register(rid, f"{rid}1", 1, m.Endpoints(), 0.0), p).state
+    state = m.decide(state, m.Leave("a", "a1", "finished", 1.0, step=77), p).state
+    assert state.finished_step == 77
+    d = state_doc.state_to_doc(state)
+    s = InMemoryStore()
+    s.save(JOB, 0, d)
+    back = state_doc.state_from_doc(s.load(JOB), now=2.0)
+    assert back.finished_step == 77
+    assert back.history[-1].events == state.history[-1].events  # the Finished event, too
+    # Restored, the job is still finished: a registration is told so.
+    assert m.decide(back, m.Register("c", "c1", 1, m.Endpoints(), 3.0), p).finished_step == 77
+    # A document written before finished_step existed loads as not finished.
+    old = {k: v for k, v in d.items() if k != "finished_step"}
+    assert state_doc.state_from_doc(old, now=2.0).finished_step is None
+    assert state_doc.state_to_doc(m.State())["finished_step"] is None

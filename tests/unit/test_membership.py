@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lighthouse import membership as m
-from lighthouse.events import REASON_LIMIT, DeathCause, Died, Unattributed
+from lighthouse.events import REASON_LIMIT, DeathCause, Died, Finished, Unattributed
 from lighthouse.model import HISTORY_LIMIT
 
 P = m.Policy(min_replicas=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, confirm_age_s=1.0)
@@ -845,3 +845,108 @@ def test_two_hung_replicas_blamed_by_every_unblamed_member_both_go() -> None:
     out = blame_round(state, blame, 20.0, policy)
     assert sorted(e.replica_id for e in out.events if isinstance(e, Died)) == ["c", "d"]
     assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("a", "b")
+
+
+# --- end of job -----------------------------------------------------------------------------------------------
+
+
+def leave(state: m.State, rid: str, now: float, *, reason: str = "finished", step: int = 0, n: int = 1,
+          policy: m.Policy = P) -> m.Outcome:
+    return apply(state, m.Leave(rid, inc(rid, n), reason, now, step=step), policy)
+
+
+def test_a_finished_leave_records_the_jobs_final_step_the_highest_of_several() -> None:
+    state = boot(["a", "b"])
+    out = leave(state, "a", 1.0, step=100)
+    assert out.state.finished_step == 100
+    assert [(type(e), e.replica_id) for e in out.events] == [(Finished, "a")] and "finished the job at step 100" \
+        in out.reason
+    # b goes on alone (its epoch forms as usual) and finishes; the job's final step is the highest.
+    assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("b",)
+    assert leave(out.state, "b", 2.0, step=99).state.finished_step == 100
+    out = leave(out.state, "b", 2.0, step=101)
+    assert out.state.finished_step == 101 and out.state.members == {}
+    # Another reason is a plain leave: nothing finishes.
+    assert leave(boot(["a", "b"]), "a", 1.0, reason="stopped", step=100).state.finished_step is None
+    assert leave(boot(["a", "b"]), "a", 1.0, reason="Finished", step=100).state.finished_step is None
+
+
+def test_after_the_job_finished_a_registration_changes_nothing_and_is_told_finished() -> None:
+    state = boot(["a", "b"])
+    # b hung and was declared dead; then a finished and left.
+    state = tick(state, 5.0, b=4.0).state
+    assert set(state.members) == {"a"} and state.is_departed("b", inc("b"))
+    state = leave(state, "a", 6.0, step=500).state
+    assert state.finished_step == 500 and state.members == {}
+    number = state.last_number
+    for ev in (m.Register("b", inc("b", 2), 1, EP, 7.0),  # b restarted as a new incarnation
+               m.Register("c", inc("c"), 1, EP, 7.0),  # a brand-new replica
+               m.Register("b", inc("b", 1), 1, EP, 7.0)):  # the dead incarnation itself
+        out = m.decide(state, ev, P)
+        assert out.rejection is None and out.finished_step == 500
+        assert out.state is state and out.events == ()
+    assert state.last_number == number
+    # Before the job finished, b's new incarnation would have been made active to resume alone.
+    unfinished = dataclasses.replace(state, finished_step=None)
+    out = m.decide(unfinished, m.Register("b", inc("b", 2), 1, EP, 7.0), P)
+    assert out.finished_step is None and out.state.members["b"].role == m.ACTIVE
+
+
+def test_after_the_job_finished_a_member_still_in_it_reconnects_and_works_as_before() -> None:
+    state = boot(["a", "b"])
+    state = leave(state, "a", 1.0, step=10).state
+    out = m.decide(state, m.Register("b", inc("b"), 1, EP, 2.0), P)  # b's reconnect: idempotent
+    assert out.rejection is None and out.finished_step is None and out.state is state
+    # A joiner registered before the end keeps going while an active member is left: Ready works.
+    state = boot(["a", "b", "c"])
+    state = register(state, "j", 1.0).state
+    state = leave(state, "a", 2.0, step=10).state
+    state = apply(state, m.Ready("j", inc("j"), m.JOINING, 3.0)).state
+    assert roles(state.epoch) == {"b": m.ACTIVE, "c": m.ACTIVE, "j": m.JOINING}
+    state = apply(state, m.Ready("j", inc("j"), m.ACTIVE, 4.0)).state
+    assert roles(state.epoch)["j"] == m.ACTIVE and state.finished_step == 10
+
+
+def test_joiners_in_flight_are_dropped_once_the_last_active_member_finished() -> None:
+    state = boot(["a", "b"])
+    state = register(state, "j", 1.0).state
+    state = apply(state, m.Ready("j", inc("j"), m.JOINING, 1.5)).state  # j syncs in the data plane
+    state = register(state, "k", 1.6).state  # k waits outside it
+    assert roles(state.epoch) == {"a": m.ACTIVE, "b": m.ACTIVE, "j": m.JOINING}
+    numbers = [state.last_number]
+    out = leave(state, "a", 2.0, step=300)
+    assert set(out.state.members) == {"b", "j", "k"}  # b is still active: nobody is dropped yet
+    state = out.state
+    numbers.append(state.last_number)
+    out = leave(state, "b", 3.0, step=301)
+    state = out.state
+    numbers.append(state.last_number)
+    assert state.members == {} and state.finished_step == 301
+    died = [e for e in out.events if isinstance(e, Died)]
+    assert [(e.replica_id, e.cause, e.step) for e in died] == [("j", DeathCause.JOB_FINISHED, 301),
+                                                               ("k", DeathCause.JOB_FINISHED, 301)]
+    assert "the job finished at step 301" in out.reason and "guard" not in out.reason
+    # Their incarnations are over: a heartbeat (or any call) is refused, naming the end of the job.
+    for rid in ("j", "k"):
+        assert state.is_departed(rid, inc(rid))
+        rej = m.check_incarnation(state, rid, inc(rid))
+        assert rej is not None and rej.code == "FAILED_PRECONDITION" and "finished at step 301" in rej.message
+    # Nothing crashes afterwards, and epochs only go up (no epoch forms for a job with nobody left).
+    for now in (4.0, 10.0, 100.0):
+        state = tick(state, now).state
+        numbers.append(state.last_number)
+    assert numbers == sorted(numbers) and state.epoch is not None and state.epoch.number == numbers[-1]
+
+
+def test_joiners_are_dropped_when_the_last_active_member_dies_after_the_job_finished() -> None:
+    state = boot(["a", "b"])
+    state = register(state, "j", 1.0).state
+    state = leave(state, "a", 2.0, step=40).state
+    assert set(state.members) == {"b", "j"}
+    out = tick(state, 10.0, b=5.0)  # b dies without finishing: j has nothing left to join
+    assert out.state.members == {} and out.state.finished_step == 40
+    assert [(e.replica_id, e.cause) for e in out.events if isinstance(e, Died)] == \
+        [("b", DeathCause.TIMEOUT), ("j", DeathCause.JOB_FINISHED)]
+    # Without the end of the job, j would stay registered, waiting for an epoch.
+    out = tick(dataclasses.replace(state, finished_step=None), 10.0, b=5.0)
+    assert set(out.state.members) == {"j"}

@@ -1,0 +1,60 @@
+"""Which incarnation of a replica may call the lighthouse, and the refusals of those that may not; dropping members
+(their incarnations are then over for good). Pure; part of the membership decision (``lighthouse.membership``
+re-exports these)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from lighthouse.model import DEPARTED_LIMIT, State
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why an event was refused; ``code`` names the gRPC status the edge answers with."""
+
+    code: str  # INVALID_ARGUMENT | NOT_FOUND | FAILED_PRECONDITION | ABORTED (retry later)
+    message: str
+
+
+def departed_message(replica_id: str, incarnation: str) -> str:
+    """The refusal of a call by an incarnation that is over (``State.departed``)."""
+    return (f"incarnation {incarnation[:64]!r} of replica {replica_id!r} was declared dead or left: "
+            "register as a new incarnation")
+
+
+def finished_message(replica_id: str, incarnation: str, step: int) -> str:
+    """The refusal of a call by an incarnation that is not a member of a job that finished."""
+    return (f"incarnation {incarnation[:64]!r} of replica {replica_id!r} is over: the job finished at step {step} "
+            "(do not train; a registration is answered finished)")
+
+
+def check_incarnation(state: State, replica_id: str, incarnation: str) -> Rejection | None:
+    """Whether ``incarnation`` of ``replica_id`` may call: None when it is the registered one; otherwise the
+    refusal (FAILED_PRECONDITION: it is over, for good; NOT_FOUND: unknown here, it must register again). One
+    dict lookup when it may: the server's heartbeat path calls this too."""
+    member = state.members.get(replica_id)
+    if member is None:
+        if state.finished_step is not None:
+            return Rejection("FAILED_PRECONDITION", finished_message(replica_id, incarnation, state.finished_step))
+        if state.is_departed(replica_id, incarnation):
+            return Rejection("FAILED_PRECONDITION", departed_message(replica_id, incarnation))
+        return Rejection("NOT_FOUND", f"replica {replica_id!r} is not registered with this lighthouse "
+                         "(it restarted?): register again")
+    if member.incarnation != incarnation:
+        return Rejection("FAILED_PRECONDITION",
+                         f"incarnation {incarnation[:64]!r} of replica {replica_id!r} was replaced")
+    return None
+
+
+def drop(state: State, gone: Iterable[str]) -> State:
+    """``state`` without the members ``gone``, whose incarnations are over for good (``State.departed``)."""
+    over = {rid: state.members[rid].incarnation for rid in gone if rid in state.members}
+    if not over:
+        return state
+    departed = {**state.departed, **{rid: (*state.departed.get(rid, ()), i)[-DEPARTED_LIMIT:]
+                                     for rid, i in over.items()}}
+    members = {k: v for k, v in state.members.items() if k not in over}
+    return dataclasses.replace(state, members=members, departed=departed)
