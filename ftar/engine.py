@@ -7,14 +7,16 @@ order; ``allreduce`` returns a handle at once, so the caller can overlap.
 
 An exchange, under epoch E:
 1. (first exchange of E) rendezvous on the lighthouse-hosted store under ``<E's rendezvous>/lane<s>`` and
-   check that every member calls with the same tag (step); a member behind raises ``Misaligned``. A joiner
-   calls with ``tag=None`` and learns the step (it fetches the state itself, outside the data plane).
+   check that every member calls with the same tag (step). A member behind is served the results it lacks by a
+   member that holds them (``ftar.reconcile``), or, when none does, raises ``Misaligned``. A joiner calls with
+   ``tag=None`` and learns the step (it fetches the state itself, outside the data plane).
 2. copy the local tensors into one flat buffer (plus a contributor-count element), all-reduce it, divide.
 3. on a peer error, a deadline, or a newer epoch pushed while in flight: abandon the collective (its buffer is
    private; the originals are untouched), blame the members that did not check in on the epoch's store, report
    them, wait for the next epoch, rebuild, and redo from the originals.
 
-The decisions are ``ftar.rules``; the group and store I/O is ``ftar.group``; the packing is ``ftar.packing``.
+The decisions are ``ftar.rules`` and ``ftar.reconcile``; the group and store I/O is ``ftar.group``; the packing
+is ``ftar.packing``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ from ftar.exchange import BACKENDS, OPS, ExchangeResult, FTARConfig, Handle, Req
 from ftar.group import EpochGroup, Reaper
 from ftar.membership import Membership
 from ftar.packing import pack, unpack
+from ftar.reconcile import (
+    Held,
+    HeldResults,
+    flatten,
+    header,
+    holder_of,
+    holder_probe,
+    meta,
+    meta_size,
+    needs_reconciling,
+    parse,
+    shaped_like,
+)
 from ftar.rules import (
     Attempts,
     CollectiveWatch,
@@ -84,6 +99,10 @@ class LaneEngine:
         self._direct = False
         """The last packing reduced the caller's tensors in place."""
         self._tag = 0
+        self._held = HeldResults()
+        """The results this lane acted on, until ``forget_before`` (``ftar.reconcile``)."""
+        self._served: dict[int, Held] = {}
+        """Results a holder served this lane in the current group, by tag, until it asks for them."""
         self._closed = False
         self.last_rebuild_s = 0.0
         self._remove_listener = membership.add_listener(self._on_epoch)
@@ -128,6 +147,12 @@ class LaneEngine:
             self._queue.put(Request(list(tensors), contribute, op, tag, inplace, keep_inputs, redo, new_epoch_ok,
                                     future))
         return Handle(future)
+
+    def forget_before(self, tag: int) -> None:
+        """The results of exchanges tagged below ``tag`` will never be asked for again: stop holding them. Until
+        then a lane keeps every result it acted on, so that a member that lost them can be served (step
+        reconciliation, ``ftar.reconcile``)."""
+        self._held.forget_before(tag)
 
     def reset(self) -> None:
         """Accept exchanges again after an ``Interrupted`` one (call once every pending handle is done)."""
@@ -193,6 +218,8 @@ class LaneEngine:
             epoch = self._state.place(self._usable_epoch(), held, req.new_epoch_ok)
             try:
                 group = self._ensure_group(epoch, req.tag)
+                if req.tag is not None and req.tag in self._served:
+                    return self._take_served(req, attempt)
                 return self._run_collective(group, req, epoch, attempt)
             except Misaligned as e:
                 self._state.misaligned(epoch.number, e)
@@ -241,6 +268,7 @@ class LaneEngine:
     # --- data plane ---------------------------------------------------------------------------------------------
 
     def _drop_group(self) -> None:
+        self._served = {}  # valid in the group they came in only: a redo elsewhere may have no holder
         group, self._group = self._group, None
         if group is not None:
             group.release(self._reaper)
@@ -267,10 +295,61 @@ class LaneEngine:
         return group
 
     def _check_alignment(self, group: EpochGroup, epoch: EpochView, tag: int | None) -> int:
-        """All-reduce (MAX) the alignment probe; returns the agreed tag (``Misaligned`` if members disagree)."""
-        ctrl = torch.tensor(alignment_probe(tag), dtype=torch.int64, device=group.staging.device)
+        """All-reduce (MAX) the alignment probe; returns the agreed tag. Members behind are served by a holder
+        when there is one (``ftar.reconcile``); otherwise ``Misaligned`` if members disagree."""
+        reduced = self._max(group, epoch, alignment_probe(tag))
+        highest, lowest = reduced[0], -reduced[1]
+        if needs_reconciling(highest, lowest):
+            probe = holder_probe(tag, highest, lowest, self._held, group.rank, group.world)
+            holder = holder_of(self._max(group, epoch, probe), group.world)
+            if holder is not None:
+                self._serve(group, epoch, holder, lowest, highest, tag)
+                return highest
+        return agreed_tag(tag, reduced, epoch.number, self.lane)
+
+    def _max(self, group: EpochGroup, epoch: EpochView, values: list[int]) -> list[int]:
+        ctrl = torch.tensor(values, dtype=torch.int64, device=group.staging.device)
         self._wait(group.allreduce(ctrl, dist.ReduceOp.MAX, self.config.timeout_s), epoch)
-        return agreed_tag(tag, [int(x) for x in ctrl.tolist()], epoch.number, self.lane)
+        return [int(x) for x in ctrl.tolist()]
+
+    def _broadcast(self, group: EpochGroup, epoch: EpochView, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        self._wait(group.broadcast(tensor, root, self.config.timeout_s), epoch)
+        return tensor
+
+    def _serve(self, group: EpochGroup, epoch: EpochView, holder: int, lowest: int, highest: int,
+               tag: int | None) -> None:
+        """The holder broadcasts the results of ``[lowest, highest)``; a member asking for a tag in that range takes
+        them as the results of its next exchanges (every member takes part in the broadcasts)."""
+        device = group.staging.device
+        mine = group.rank == holder
+        items = self._held.span(lowest, highest) if mine else []
+        head = self._broadcast(group, epoch, torch.tensor(header(items) if mine else [0, 0], dtype=torch.int64,
+                                                          device=device), holder).tolist()
+        described = torch.tensor(meta(items), dtype=torch.int64, device=device) if mine else \
+            torch.zeros(meta_size(head), dtype=torch.int64, device=device)
+        layout = parse(head, self._broadcast(group, epoch, described, holder).tolist())
+        flats = flatten(items, layout, device) if mine else \
+            [torch.empty(n, dtype=dtype, device=device) for dtype, n in layout.flats]
+        for flat in flats:
+            self._broadcast(group, epoch, flat, holder)
+        if not mine and tag is not None and tag < highest:
+            self._served = {t: h for t, h in layout.split(flats).items() if t >= tag}
+            self._log(logging.WARNING, epoch.number, tag, "behind the others: served the results of tags %d..%d "
+                      "(computed in epoch %s) by rank %d", min(self._served), highest - 1,
+                      sorted({h.epoch for h in self._served.values()}), holder)
+
+    def _take_served(self, req: Request, attempt: int) -> ExchangeResult:
+        """A served result as the result of ``req`` (in the epoch it was computed in)."""
+        assert req.tag is not None
+        held = self._served.pop(req.tag)
+        out = shaped_like(held, req.tensors, req.tag)
+        if req.inplace:
+            for dst, src in zip(req.tensors, out, strict=True):
+                dst.copy_(src)
+            out = list(req.tensors)
+        if self.config.hold:
+            self._held.record(req.tag, Held(tuple(out), held.epoch, held.contributors))
+        return ExchangeResult(out, held.epoch, held.contributors, attempt, req.tag)
 
     def _wait(self, work: Any, epoch: EpochView) -> None:
         """Wait for ``work`` until done, its deadline, or a newer epoch (``CollectiveWatch``); never longer than
@@ -303,7 +382,11 @@ class LaneEngine:
         if req.op == "avg" and contributors == 0:
             raise FTARError(f"epoch {epoch.number}: no member contributed (all joined with zeros)")
         out = unpack(packed, req.tensors, op=req.op, contributors=contributors, inplace=req.inplace)
-        return ExchangeResult(out, epoch.number, contributors, attempt, req.tag if req.tag is not None else self._tag)
+        tag = req.tag if req.tag is not None else self._tag
+        if self.config.hold:
+            kept = tuple(t.clone() for t in out) if req.inplace else tuple(out)  # the caller may change its own
+            self._held.record(tag, Held(kept, epoch.number, contributors))
+        return ExchangeResult(out, epoch.number, contributors, attempt, tag)
 
     # --- blame --------------------------------------------------------------------------------------------------
 

@@ -28,6 +28,9 @@ class FTARConfig:
     """After a failure, how long to wait for the other members to check in before blaming those that did not."""
     max_attempts: int = 10
     """Epochs an exchange is tried in before it gives up."""
+    hold: bool = False
+    """Keep every result this lane acted on until ``LaneEngine.forget_before``, so that members that lost them can
+    be served by this one (step reconciliation, ``ftar.reconcile``); costs one more copy of what is exchanged."""
     abandon_grace_s: float = 1.0
     """A collective in flight when a newer epoch that keeps all of its members arrives gets this long to finish
     before it is abandoned (one that lost a member is abandoned at once)."""

@@ -118,6 +118,13 @@ class EpochGroup:
         opts.timeout = timedelta(seconds=timeout_s)
         return self.pg.allreduce([tensor], opts)
 
+    def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float) -> Any:
+        """Start a broadcast of ``tensor`` from rank ``root`` with a deadline; returns its work."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.timeout = timedelta(seconds=timeout_s)
+        return self.pg.broadcast([tensor], opts)
+
     def start_exchange(self, buffers: list[torch.Tensor], timeout_s: float) -> list[Any]:
         """Start the SUM all-reduces of one exchange; returns their works."""
         self.seq += 1

@@ -6,13 +6,14 @@ rank's ``ballot``, runs the replica-local vote (one MAX all-reduce of the encode
 ranks) and hands the ``Tally`` back (``vote``). The decision:
 
 - ``Commit``: every rank exchanged every bucket, all in one epoch, for the same step: apply the step.
-- ``Keep``: the vote failed, but this lane has the whole step in the newest epoch any rank of the replica saw.
-  Its partners in that epoch have it too and will not exchange it again, so this lane keeps its result and
-  votes again on it, while the other lanes of the replica redo theirs (the keep-a-lane rule).
-- ``Redo``: the vote failed: abandon the exchange and redo it, in bucket order, under the next epoch from the
-  same local gradients. Nothing was applied: no data cursor moves.
-- ``Rejoin``: this replica can no longer follow the others (declared dead, behind them, or no consistent
-  exchange in ``MAX_ATTEMPTS``): it must restart and catch up as a joiner.
+- ``Redo``: the vote failed: every lane redoes the exchange, in bucket order, under the next epoch from the same
+  local gradients. Nothing was applied: no data cursor moves. A lane whose partners already committed the step
+  (they are one step ahead) is served their results there, in the epoch they were computed in (FTAR's step
+  reconciliation, ``ftar.reconcile``), so the redo commits what they committed; when nobody committed it, every
+  member reduces it afresh. No lane keeps a result across a failed vote: a partner may redo it (it lost it to an
+  epoch push while this lane completed it), and a lane waiting out the redo would lock it out.
+- ``Rejoin``: this replica can no longer follow the others (declared dead, behind them with nobody holding the
+  results it lacks, or no consistent exchange in ``MAX_ATTEMPTS``): it must restart and catch up as a joiner.
 
 SIGTERM rides the same vote: once ``sigterm()`` was called, this rank's ballots carry it, and the commit whose
 tally carries it tells every rank of the replica to stop at that commit boundary.
@@ -132,20 +133,6 @@ class Commit:
 
 
 @dataclass(frozen=True)
-class Keep:
-    """The vote failed; keep this lane's result (all of it in the newest epoch, ``epoch``) and vote again."""
-
-    epoch: int
-    epochs: tuple[int, ...]
-    """The epochs this lane's buckets went in."""
-
-    @property
-    def reason(self) -> str:
-        """Why the step is retried, as a short fixed word (a metrics label)."""
-        return "epoch_change"
-
-
-@dataclass(frozen=True)
 class Redo:
     """The vote failed; redo this lane's exchange of the step under the next epoch."""
 
@@ -165,7 +152,7 @@ class Rejoin:
     reason: str
 
 
-Decision = Commit | Keep | Redo | Rejoin
+Decision = Commit | Redo | Rejoin
 
 
 class CommitProtocol:
@@ -208,8 +195,7 @@ class CommitProtocol:
         return Ballot(failed, max(epochs), min(epochs), agreed, self._stop)
 
     def vote(self, tally: Tally) -> Decision:
-        """The replica's vote is in: commit, keep this lane's result, redo, or give up. The next attempt's
-        buckets are reported afresh (a kept lane reports the same results again)."""
+        """The replica's vote is in: commit, redo, or give up. The next attempt's buckets are reported afresh."""
         failed, epochs, agreed = self._summary()
         self._lanes = []
         if tally.passed:
@@ -217,8 +203,6 @@ class CommitProtocol:
         if self._attempts >= self.max_attempts:
             return Rejoin(f"no consistent exchange in {self._attempts} attempts")
         self._attempts += 1
-        if not failed and min(epochs) == tally.newest:
-            return Keep(tally.newest, epochs)
         return Redo(epochs, failed)
 
 

@@ -17,7 +17,6 @@ from fthsdp.runtime.commit import (
     Exchanged,
     Failed,
     Failure,
-    Keep,
     LaneEvent,
     Redo,
     Rejoin,
@@ -54,21 +53,33 @@ def test_every_lane_in_one_epoch_commits() -> None:
     assert decisions == [Commit(step=7, epoch=3, attempts=1, stop=False)] * 2
 
 
-def test_a_lane_failing_mid_step_redoes_the_step_under_the_next_epoch() -> None:
+def test_a_lane_failing_mid_step_redoes_every_lane_and_commits_what_was_served() -> None:
     ranks = replica()
-    # Rank 1's second bucket is abandoned by FTAR (a peer died): every rank's vote fails.
+    # Rank 1's second bucket is abandoned by FTAR (a peer died): every rank's vote fails, and every lane redoes,
+    # rank 0's too although it has the whole step: a partner of its lane may have lost it (no keep-a-lane rule).
     first = attempt(ranks, [[ok(3), ok(3), ok(3)], [ok(3), Failed(Failure.INTERRUPTED), Failed(Failure.NOT_SENT)]])
-    # Rank 0 has the whole step, but only in epoch 3: the newest epoch seen is 3 too, so it keeps its result
-    # (its partners in epoch 3 have it); rank 1 redoes.
-    assert first[0] == Keep(epoch=3, epochs=(3, 3, 3))
+    assert first[0] == Redo(epochs=(3, 3, 3), failed=False) and first[0].reason == "epoch_change"
     assert first[1] == Redo(epochs=(3,), failed=True) and first[1].reason == "failure"
-    # The redo runs in epoch 4 (the failed peer gone). Rank 0's lane partners of epoch 3 kept theirs too, but
-    # rank 1 now has epoch 4: rank 0 sees a newer epoch than its own and must redo as well.
-    second = attempt(ranks, [[ok(3), ok(3), ok(3)], [ok(4), ok(4), ok(4)]])
-    assert second[0] == Redo(epochs=(3, 3, 3), failed=False) and second[0].reason == "epoch_change"
-    assert second[1] == Keep(epoch=4, epochs=(4, 4, 4))
-    third = attempt(ranks, [[ok(4), ok(4), ok(4)]] * 2)
-    assert third == [Commit(step=7, epoch=4, attempts=3, stop=False)] * 2
+    # Another replica committed the step in epoch 3: in epoch 4 it serves both lanes its epoch-3 results (FTAR's
+    # step reconciliation), which come back labelled with the epoch they were computed in. The vote passes and
+    # commits what the other replica committed.
+    second = attempt(ranks, [[ok(3), ok(3), ok(3)]] * 2)
+    assert second == [Commit(step=7, epoch=3, attempts=2, stop=False)] * 2
+
+
+def test_a_step_nobody_committed_is_reduced_afresh_in_the_next_epoch() -> None:
+    ranks = replica()
+    attempt(ranks, [[ok(3), ok(3)], [ok(3), Failed(Failure.INTERRUPTED)]])
+    assert attempt(ranks, [[ok(4), ok(4)]] * 2) == [Commit(step=7, epoch=4, attempts=2, stop=False)] * 2
+
+
+def test_served_lanes_and_fresh_lanes_do_not_commit_together() -> None:
+    """One lane served epoch-3 results, the other reduced afresh in epoch 4 (its holder was gone): the step would
+    mix two reductions (two contributor sets, two slot masks). The vote fails and both redo."""
+    ranks = replica()
+    attempt(ranks, [[ok(3)], [Failed(Failure.INTERRUPTED)]])
+    second = attempt(ranks, [[ok(3)], [ok(4)]])
+    assert second == [Redo(epochs=(3,), failed=False), Redo(epochs=(4,), failed=False)]
 
 
 def test_an_epoch_pushed_mid_step_interrupts_the_later_buckets() -> None:
@@ -81,23 +92,21 @@ def test_an_epoch_pushed_mid_step_interrupts_the_later_buckets() -> None:
     assert d == Commit(step=7, epoch=6, attempts=2, stop=False)
 
 
-def test_a_vote_with_mixed_epochs_fails_and_the_newest_lane_keeps_its_result() -> None:
-    """Both lanes exchanged everything, one in epoch 8, one in epoch 9 (it saw the push first): no commit. The
-    lane in the newest epoch keeps its result (the keep-a-lane rule); the other one redoes under epoch 9."""
+def test_a_vote_with_mixed_epochs_fails_and_every_lane_redoes() -> None:
+    """Both lanes exchanged everything, one in epoch 8, one in epoch 9 (it saw the push first): no commit, and
+    both redo (the lane in the newest epoch too: a partner of it may have dropped that collective on the push)."""
     ranks = replica()
     tally = Tally.of([Ballot(False, 8, 8, 7, False), Ballot(False, 9, 9, 7, False)])
     assert not tally.passed and (tally.oldest, tally.newest) == (8, 9)
     first = attempt(ranks, [[ok(8), ok(8)], [ok(9), ok(9)]])
-    assert first == [Redo(epochs=(8, 8), failed=False), Keep(epoch=9, epochs=(9, 9))]
-    # The kept lane reports the same results again; the redone one now matches.
+    assert first == [Redo(epochs=(8, 8), failed=False), Redo(epochs=(9, 9), failed=False)]
     assert attempt(ranks, [[ok(9), ok(9)], [ok(9), ok(9)]]) == [Commit(7, 9, 2, False)] * 2
 
 
 def test_a_lane_whose_buckets_straddle_two_epochs_redoes() -> None:
-    """Keep only a lane whose every bucket is in the newest epoch: one split over 8 and 9 redoes."""
     ranks = replica()
     first = attempt(ranks, [[ok(8), ok(9)], [ok(9), ok(9)]])
-    assert first == [Redo(epochs=(8, 9), failed=False), Keep(epoch=9, epochs=(9, 9))]
+    assert first == [Redo(epochs=(8, 9), failed=False), Redo(epochs=(9, 9), failed=False)]
 
 
 def test_lanes_that_disagree_on_the_step_do_not_commit() -> None:
