@@ -43,9 +43,9 @@ class ChaosConfig:
     epoch_wait_s: float = 15.0
     """``FTHSDP_EPOCH_WAIT`` of the replicas: a replica continued after a hang finds itself out of the epoch and
     waits this long for one that has it before it exits to rejoin (the runtime's default is 60 s)."""
-    last_fault_at: float = 0.7
-    """No fault armed past this fraction of the steps (a replica taken down must be back before the others
-    finish: a joiner finds no source once every healthy replica has left)."""
+    last_fault_at: float = 1.0
+    """No fault armed past this fraction of the steps (1.0: faults up to the last step; a replica back after the
+    job finished takes its final checkpoint)."""
 
     @property
     def run_kinds(self) -> tuple[str, ...]:

@@ -19,15 +19,17 @@ from fthsdp.chaos.cluster import ChaosCluster
 from fthsdp.chaos.config import ChaosConfig
 from fthsdp.chaos.injector import Injector
 from fthsdp.chaos.report import kind_key
-from fthsdp.chaos.schedule import schedule
+from fthsdp.chaos.schedule import Fault, schedule
 from fthsdp.testing import invariants
 from fthsdp.testing.etcd import EtcdCluster
 from fthsdp.testing.launcher import ReplicaFailed
 
 
-def run_chaos(cfg: ChaosConfig, workdir: pathlib.Path) -> dict[str, Any]:
-    """One run of ``cfg.seed``'s schedule; the result holds the schedule, what was injected, the violations."""
-    faults = schedule(cfg.seed, cfg.replicas, cfg.steps, cfg.run_kinds, cfg.faults, hang_s=cfg.hang_s)
+def run_chaos(cfg: ChaosConfig, workdir: pathlib.Path, faults: list[Fault] | None = None) -> dict[str, Any]:
+    """One run of ``cfg.seed``'s schedule (or of ``faults``, a schedule made by hand); the result holds the
+    schedule, what was injected, the violations and every replica's final state."""
+    if faults is None:
+        faults = schedule(cfg.seed, cfg.replicas, cfg.steps, cfg.run_kinds, cfg.faults, hang_s=cfg.hang_s)
     workdir.mkdir(parents=True, exist_ok=True)
     injector = Injector(faults, last_step=int(cfg.steps * cfg.last_fault_at))
     etcd = EtcdCluster(workdir, members=3).start(deadline_s=60.0) if cfg.ha else None
@@ -64,6 +66,8 @@ def run_chaos(cfg: ChaosConfig, workdir: pathlib.Path) -> dict[str, Any]:
         "exits": [{"replica": e["replica"], "code": e["code"], "killed": e["killed"]} for e in exits],
         "epochs": max((e["epoch"] for e in injector.epochs_seen), default=0),
         "fault_targets": targets,
+        "finals": {r: None if f is None else {"step": f["step"], "param_hash": f["param_hash"]}
+                   for r, f in (report or {}).get("final", {}).items()},
         "violations": violations, "wall_s": round(time.monotonic() - t0, 1), "workdir": str(workdir),
     }
     (workdir / "chaos.json").write_text(json.dumps(result, indent=1))

@@ -60,9 +60,9 @@ def schedule(seed: int, replicas: int, steps: int, kinds: tuple[str, ...] = REPL
              warmup: int = 0) -> list[Fault]:
     """A seeded list of faults, ordered by step: the same arguments always give the same list.
 
-    ``count`` (default: one per kind) faults spread over steps [warmup, 0.6 x steps]; when count >= the number
-    of kinds every kind appears at least once. ``double`` needs 3 replicas (a survivor), every replica fault 2.
-    Kill phases are drawn from ``KILL_PHASES``."""
+    ``count`` (default: one per kind) faults spread over steps [warmup, steps - 1], one per equal span; when count
+    >= the number of kinds every kind appears at least once. ``double`` needs 3 replicas (a survivor), every
+    replica fault 2. Kill phases are drawn from ``KILL_PHASES``."""
     if replicas < 2 and any(k in REPLICA_KINDS for k in kinds):
         raise ValueError("replica faults need at least 2 replicas (one must survive)")
     unknown = [k for k in kinds if k not in KINDS]
@@ -78,11 +78,11 @@ def schedule(seed: int, replicas: int, steps: int, kinds: tuple[str, ...] = REPL
     order += [rng.choice(kinds) for _ in range(count - len(order))]
     rng.shuffle(order)
     warmup = warmup or max(3, steps // 20)
-    last = max(warmup + 1, int(steps * 0.6))
+    last = max(warmup + 1, steps - 1)  # up to the last step: the end of a job is where forks hide
     span = (last - warmup) / count
     out = []
     for i, kind in enumerate(order):
-        step = warmup + int(i * span + rng.random() * span / 2)
+        step = min(last, warmup + int((i + rng.random()) * span))
         if kind == "kill":
             phase = rng.choice(KILL_PHASES)
             if phase == "serve":

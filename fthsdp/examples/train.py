@@ -96,6 +96,7 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
     from fthsdp.runtime import (
         EXIT_REJOIN,
         DigestMismatch,
+        JobFinished,
         NoStateToResume,
         RejoinRequired,
         Replica,
@@ -107,6 +108,9 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
 
     try:
         ft = Replica()
+    except JobFinished as e:  # back after the job completed, with no final checkpoint: nothing to do
+        Progress(a.progress, settings.rank0).write(event="job_finished", step=e.step, error=str(e))
+        return
     except (NoStateToResume, ConfigError, StateMismatch) as e:
         # Restarting would not help: tell the launcher (a "fatal" line) and stop.
         Progress(a.progress, settings.rank0).write(event="fatal", error=str(e))

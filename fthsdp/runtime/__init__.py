@@ -4,20 +4,23 @@
 tag), ``commit`` (the commit protocol, a pure state machine), ``join`` (catching up), ``state`` (the state layout,
 snapshot and hash), ``trainer_state`` (param groups and registered objects, as JSON), ``digest`` (the periodic
 digest's packing and verdict, pure) and ``agreement`` (driving it), ``startup`` (taking a place in the job),
-``errors``, ``config`` (the settings, read from the environment), ``lr``, ``checkpoint`` and ``metrics``."""
+``result`` (what a step returns), ``errors``, ``config`` (the settings, read from the environment), ``lr``,
+``checkpoint`` and ``metrics``."""
 
 from fthsdp.runtime.errors import (
     EXIT_REJOIN,
     DigestMismatch,
     Diverged,
+    JobFinished,
     NoStateToResume,
     RejoinRequired,
     SlotConflict,
     StateMismatch,
     Terminated,
 )
-from fthsdp.runtime.replica import Replica, StepResult
+from fthsdp.runtime.replica import Replica
+from fthsdp.runtime.result import StepResult
 from fthsdp.runtime.trainer_state import UnencodableState
 
-__all__ = ["EXIT_REJOIN", "DigestMismatch", "Diverged", "NoStateToResume", "RejoinRequired", "Replica",
+__all__ = ["EXIT_REJOIN", "DigestMismatch", "Diverged", "JobFinished", "NoStateToResume", "RejoinRequired", "Replica",
            "SlotConflict", "StateMismatch", "StepResult", "Terminated", "UnencodableState"]

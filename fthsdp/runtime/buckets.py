@@ -6,7 +6,7 @@ names one bucket of one step on the wire. The last bucket also carries the step'
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -139,6 +139,17 @@ class BucketExchange:
         self._launched = k + 1
         return handle
 
+    def barrier(self, step: int) -> Handle:
+        """The end of the job: an exchange of zeros shaped like ``step``'s first bucket, tagged with it and counted
+        nowhere (``op="sum"``). It completes once every member of the epoch asks for that bucket, i.e. has committed
+        every step before; a member behind is served meanwhile (FTAR's step reconciliation)."""
+        grads = [torch.zeros_like(local_tensor(p)) for p in self.buckets[0]]
+        if len(self.buckets) == 1:
+            grads.append(torch.tensor(digest.pack(self.slot, self.slots, None), dtype=torch.float32,
+                                      device=self.device))
+            grads.append(slot_mask(self.slot, self.slots, False, self.device))
+        return self.engine.allreduce(grads, contribute=False, op="sum", tag=BucketTag(step, 0).encode(len(self)))
+
     def launch_rest(self, step: int) -> list[Handle | None]:
         """After backward: launch the buckets the hook did not (parameters that got no gradient: zeros)."""
         while self._launched < len(self.buckets):
@@ -163,11 +174,14 @@ class BucketExchange:
         return list(self._pending), learned
 
     def collect(self, handles: Sequence[Handle | None], protocol: CommitProtocol, wait_s: float,
-                log: LogFn) -> list[ExchangeResult]:
+                log: LogFn, half_way: Callable[[], None] = lambda: None) -> list[ExchangeResult]:
         """Wait for every bucket of an exchange attempt, in order, telling ``protocol`` what became of each;
-        returns the results of those exchanged. Raises ``RejoinRequired`` when the protocol says so."""
+        returns the results of those exchanged. Raises ``RejoinRequired`` when the protocol says so. ``half_way``
+        is called once half the buckets are collected (a fault hook)."""
         results = []
-        for h in handles:
+        for k, h in enumerate(handles):
+            if k == len(handles) // 2:
+                half_way()
             if h is None:
                 protocol.lane(Failed(Failure.NOT_SENT))
                 continue

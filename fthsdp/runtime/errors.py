@@ -15,6 +15,15 @@ class NoStateToResume(RuntimeError):
     """This replica would start the job over: every other replica is gone and there is no checkpoint."""
 
 
+class JobFinished(RuntimeError):
+    """The job completed at ``step`` before this replica came back, and no final checkpoint of that step is at hand
+    (``FTHSDP_CHECKPOINT_DIR``): it must not train, and has no final state. Not a failure: stop with status 0."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 class StateMismatch(RuntimeError):
     """A joiner's model, optimizer or registered state does not have the layout of the state it was sent."""
 

@@ -30,7 +30,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,18 +37,19 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ftar import EpochFeed, ExchangeResult, FTARConfig, Handle, LaneEngine, LighthouseMembership
+from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneEngine, LighthouseMembership
 from fthsdp.catchup.server import CatchupServer
 from fthsdp.runtime import checkpoint
 from fthsdp.runtime.agreement import DigestCheck
-from fthsdp.runtime.buckets import BucketExchange
-from fthsdp.runtime.commit import Commit, CommitProtocol, Keep, Rejoin, Tally, advance_cursors, contributing_slots
+from fthsdp.runtime.buckets import BucketExchange, BucketTag
+from fthsdp.runtime.commit import Commit, CommitProtocol, Rejoin, Tally, advance_cursors, contributing_slots
 from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.errors import NoStateToResume, RejoinRequired, StateMismatch, Terminated
+from fthsdp.runtime.errors import JobFinished, NoStateToResume, RejoinRequired, StateMismatch, Terminated
 from fthsdp.runtime.join import Joiner
 from fthsdp.runtime.lr import lr_factor
 from fthsdp.runtime.metrics import ReplicaMetrics
-from fthsdp.runtime.startup import Role, agree_incarnation, die_with_parent, gather_addresses, register
+from fthsdp.runtime.result import StepResult
+from fthsdp.runtime.startup import Role, agree_incarnation, die_with_parent, gather_addresses, register, start_from
 from fthsdp.runtime.state import ShardState, replica_hash
 from fthsdp.runtime.trainer_state import Scheduler, Stateful, TrainerState
 from fthsdp.testing.faults import FaultInjector, Phase
@@ -57,31 +57,6 @@ from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
 
 log = logging.getLogger("fthsdp.runtime")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What ``train_step`` returns: the step it committed, and how."""
-
-    step: int
-    """The step that was committed."""
-    loss: float | None
-    """This rank's loss, or None for a joining replica (it trained nothing: it caught up)."""
-    epoch: int
-    contributors: int
-    joined: bool
-    """True for the step in which this replica finished catching up (it loaded the state and replayed)."""
-    attempts: int
-    """Exchanges the step needed (1: no failure)."""
-    exchange_s: float
-    """From the start of backward (a joiner: of the step) until every bucket was exchanged."""
-    batches: tuple[tuple[int, int], ...] = ()
-    """(slot, batch index) of every slot whose batch this step trained, all replicas together."""
-    lr_factor: float = 1.0
-    catchup: dict[str, object] | None = None
-    """For the joined step: how the catch-up went (bytes, seconds, sources, failures, replayed steps)."""
-    diverged: tuple[int, ...] = ()
-    """The replicas (indexes) whose state digest differed from the majority's at this step (they restart)."""
 
 
 class Replica:
@@ -125,17 +100,18 @@ class Replica:
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,
                                        endpoints=m.Endpoints(catchup=self.server.address),
                                        security=cfg.security, on_lost=self._on_lost)
-        role = register(self.client, self.rank, cfg.epoch_wait_s, self.device)
-        # An active replica that finds a checkpoint resumes from it: the whole job was restarted (a fresh
-        # lighthouse: bootstrap), or every replica had died (the lighthouse says resume). Joiners catch up instead.
-        self._resume_from: checkpoint.Checkpoint | None = None
-        if role != Role.JOINING and cfg.checkpoint_dir:
-            self._resume_from = checkpoint.latest(cfg.checkpoint_dir)
-        if role == Role.RESUME and self._resume_from is None:
+        role, finished_step = register(self.client, self.rank, cfg.epoch_wait_s, self.device)
+        try:
+            self._resume_from = start_from(role, finished_step, cfg.job_id, cfg.checkpoint_dir)
+        except (JobFinished, NoStateToResume):
             self.close(leave=False)
-            raise NoStateToResume(f"job {cfg.job_id!r} trained before but no replica is alive to catch up from "
-                                  f"and there is no checkpoint to resume from (FTHSDP_CHECKPOINT_DIR="
-                                  f"{cfg.checkpoint_dir!r})")
+            raise
+        self.finished = role == Role.FINISHED
+        """The job completed before this replica came back: it holds the final checkpoint's state, never trains."""
+        if self.finished:
+            self.client.close()  # not registered: nothing to heartbeat
+            self._log(logging.WARNING, "the job finished at step %d before this replica came back: taking its "
+                      "final checkpoint, training nothing", finished_step)
         self.resumed_from: int | None = None
         """The step of the checkpoint this replica resumed from, if it did."""
         self.joining = role == Role.JOINING
@@ -143,13 +119,15 @@ class Replica:
         self.metrics.on_joining(self.joining)
         self.engine = LaneEngine(LighthouseMembership(self.client, self.feed), lane=self.rank,
                                  config=FTARConfig(backend=cfg.backend, timeout_s=cfg.timeout_s,
-                                                   epoch_wait_s=cfg.epoch_wait_s))
+                                                   epoch_wait_s=cfg.epoch_wait_s, hold=True))
         self.joiner = Joiner(cfg, self.rank, self.slot, self.client, self.faults, self.device, self._log)
         self.model: nn.Module | None = None
         self.opt: torch.optim.Optimizer | None = None
         self._sharded: list[nn.Parameter] = []
         self._buckets: BucketExchange | None = None
         self._shards: ShardState | None = None
+        self._terminated = False
+        """Stopped by SIGTERM (the job is not over: no end-of-job barrier)."""
         self._learned = -1
         """A joiner: the step it learned from the others (-1: not yet)."""
         if threading.current_thread() is threading.main_thread():
@@ -220,8 +198,10 @@ class Replica:
         if self._resume_from is not None:
             ck = self._resume_from
             self.cursors = checkpoint.resume(ck, self.model, self._shards, len(self.cursors), self.rank)
-            self.step = self.resumed_from = ck.step
-            self._log(logging.WARNING, "resumed from checkpoint %s", ck.path)
+            self.step = ck.step
+            if not self.finished:  # a finished job's final checkpoint: the state it ended with, nothing resumes
+                self.resumed_from = ck.step
+                self._log(logging.WARNING, "resumed from checkpoint %s", ck.path)
             self._resume_from = None
         if not self.joining:
             self.server.at_commit(self.step, active=True)
@@ -245,6 +225,9 @@ class Replica:
         ``fthsdp.runtime.join.warm_up``), then catches up (it exchanges zeros while fetching the state) and
         returns once it holds the same state as the others, with ``joined=True``."""
         shards, buckets = self._parts()
+        if self.finished:
+            raise JobFinished(f"job {self.config.job_id!r} finished at step {self.step}: nothing left to train",
+                              self.step)
         if self.joining:
             return self._catch_up(closure, shards)
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
@@ -276,18 +259,17 @@ class Replica:
         self.protocol.begin()
         while True:
             self.faults.at(self.step, Phase.EXCHANGE)
-            results = buckets.collect(handles, self.protocol, self._wait_s, self._log)
+            results = buckets.collect(handles, self.protocol, self._wait_s, self._log,
+                                      lambda: self.faults.at(self.step, Phase.EXCHANGE_LATE))
             self.faults.at(self.step, Phase.VOTE)
             decision = self.protocol.vote(self._vote())
             if isinstance(decision, Commit):
+                # Hold this step's results until the next commit: a partner that lost one of them is served it.
+                self.engine.forget_before(BucketTag(decision.step, 0).encode(len(buckets)))
                 return decision, results
             if isinstance(decision, Rejoin):
                 raise RejoinRequired(f"step {self.step}: {decision.reason}")
             self.metrics.on_retry(decision.reason)
-            if isinstance(decision, Keep):
-                self._log(logging.INFO, "vote failed (epochs %s); keeping this lane's epoch-%d result",
-                          list(decision.epochs), decision.epoch)
-                continue
             self._log(logging.INFO, "vote failed (epochs %s, failed=%d); redoing the step's exchange",
                       list(decision.epochs), decision.failed)
             self.engine.reset()
@@ -350,6 +332,7 @@ class Replica:
             path = self._checkpoint() if cfg.checkpoint_dir else None
             self._log(logging.WARNING, "SIGTERM: stopping at a commit boundary%s",
                       f" (checkpoint {path})" if path else " (no FTHSDP_CHECKPOINT_DIR: nothing saved)")
+            self._terminated = True
             self.close(leave=True)
             raise Terminated(self.step, path)
 
@@ -360,6 +343,19 @@ class Replica:
                                self.rank, self._parts()[0].side_state())
         self._log(logging.INFO, "checkpoint %s written in %.3fs", path, time.perf_counter() - t0)
         return str(path)
+
+    def _end_of_job(self) -> None:
+        """Before leaving after the last step: wait until every member of the epoch is at this step too (a member
+        one step behind is served that step's results by this replica meanwhile: it must not redo it alone, with
+        no holder left), then write the final checkpoint (a replica that comes back after the job finished takes
+        it), then leave "finished" (the lighthouse then tells late comers the job is over)."""
+        _, buckets = self._parts()
+        try:
+            buckets.barrier(self.step).wait(self._wait_s)
+        except (FTARError, TimeoutError) as e:
+            self._log(logging.WARNING, "end of job: not every member confirmed the last step (%s); leaving anyway", e)
+        if self.config.checkpoint_dir:
+            self._checkpoint()
 
     # --- catching up --------------------------------------------------------------------------------------------
 
@@ -411,7 +407,10 @@ class Replica:
 
     def close(self, leave: bool = True) -> None:
         """Stop the engine, the catch-up server (transfers in progress get a few seconds to finish) and the
-        lighthouse session (rank 0 leaves the job gracefully)."""
+        lighthouse session (rank 0 leaves the job gracefully). An active replica that leaves at the end of its
+        training first ends the job (``_end_of_job``)."""
+        if leave and not self.finished and not self.joining and not self._terminated and self._buckets is not None:
+            self._end_of_job()
         if getattr(self, "engine", None) is not None:
             self.engine.close()
         self.server.close(drain_s=10.0)

@@ -15,6 +15,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from fthsdp.runtime import checkpoint
+from fthsdp.runtime.errors import JobFinished, NoStateToResume
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
 
@@ -31,6 +33,8 @@ class Role(enum.IntEnum):
     """The others are training: it catches up with them."""
     RESUME = 2
     """The job trained before and no replica is left to catch up from: it must resume from a checkpoint."""
+    FINISHED = 3
+    """The job completed before this replica came back: it must not train (it was not registered)."""
 
 
 def die_with_parent(under_torchrun: bool) -> None:
@@ -65,21 +69,24 @@ def gather_addresses(mine: str, world_size: int, device: torch.device) -> list[s
     return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in out]
 
 
-def register(client: LighthouseClient, rank: int, wait_s: float, device: torch.device) -> Role:
+def register(client: LighthouseClient, rank: int, wait_s: float, device: torch.device) -> tuple[Role, int]:
     """Start the lighthouse session (rank 0 registers the replica, the others only watch the epochs) and agree
-    on the role the lighthouse gave the replica."""
-    role = Role.ACTIVE
+    on the role the lighthouse gave the replica. Returns (the role, the step the job finished at: 0 unless
+    ``Role.FINISHED``)."""
+    role, finished_step = Role.ACTIVE, 0
     if rank == 0:
         reg = client.start(register=True, deadline_s=wait_s)
         assert reg is not None
         role = Role.JOINING if reg.role == m.JOINING else Role.ACTIVE
         if reg.resume:
             role = Role.RESUME
+        if reg.finished:
+            role, finished_step = Role.FINISHED, reg.finished_step
     else:
         client.start(register=False)
-    flag = torch.tensor([int(role)], dtype=torch.int64, device=device)
+    flag = torch.tensor([int(role), finished_step], dtype=torch.int64, device=device)
     dist.broadcast(flag, 0)
-    return Role(int(flag.item()))
+    return Role(int(flag[0].item())), int(flag[1].item())
 
 
 def all_ranks(flag: bool, device: torch.device) -> bool:
@@ -87,3 +94,19 @@ def all_ranks(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
+
+
+def start_from(role: Role, finished_step: int, job_id: str, checkpoint_dir: str) -> checkpoint.Checkpoint | None:
+    """The checkpoint a replica starts from: none for a joiner (it catches up); for an active one the newest in
+    ``checkpoint_dir`` (the whole job was restarted, or every replica had died: ``Role.RESUME``, which needs one);
+    for ``Role.FINISHED`` the final checkpoint of ``finished_step``. Raises ``NoStateToResume`` or ``JobFinished``
+    when the state the role needs is not there."""
+    ck = checkpoint.latest(checkpoint_dir) if role != Role.JOINING and checkpoint_dir else None
+    if role == Role.FINISHED and (ck is None or ck.step != finished_step):
+        raise JobFinished(f"job {job_id!r} finished at step {finished_step} before this replica came back, and "
+                          f"there is no final checkpoint of that step (FTHSDP_CHECKPOINT_DIR={checkpoint_dir!r}): "
+                          "nothing to train, no final state", finished_step)
+    if role == Role.RESUME and ck is None:
+        raise NoStateToResume(f"job {job_id!r} trained before but no replica is alive to catch up from and there is "
+                              f"no checkpoint to resume from (FTHSDP_CHECKPOINT_DIR={checkpoint_dir!r})")
+    return ck

@@ -1,9 +1,9 @@
 """Failure injection for tests and demos: ``FTHSDP_FAULT=STEP:PHASE`` makes rank 0 SIGKILL its whole replica
 group (the torchrun agent, hence every worker) when it reaches PHASE of STEP or of the first step after it (a
-replica that joins late starts past STEP). Phases (``Phase``): the step's forward, backward, exchange, vote,
-optimizer (``STEP_PHASES``); and catch-up's (``CATCHUP_PHASES``) ``serve`` (while this replica streams a
-catch-up snapshot to a joiner, STEP being the snapshot's step) and ``fetch`` (while this joining replica
-fetches one).
+replica that joins late starts past STEP). Phases (``Phase``): the step's forward, backward, exchange (its buckets
+in flight, none collected), exchange-late (half of them collected), vote, optimizer (``STEP_PHASES``); and
+catch-up's (``CATCHUP_PHASES``) ``serve`` (while this replica streams a catch-up snapshot to a joiner, STEP
+being the snapshot's step) and ``fetch`` (while this joining replica fetches one).
 
 ``FTHSDP_FAULT_FILE=PATH`` (the chaos runner's switch) arms a fault while the replica runs: rank 0 reads
 ``STEP:PHASE`` from PATH whenever the file changes (one ``stat`` per phase) and fires as above; an absent or empty
@@ -36,13 +36,16 @@ class Phase(enum.StrEnum):
     FORWARD = "forward"
     BACKWARD = "backward"
     EXCHANGE = "exchange"
+    EXCHANGE_LATE = "exchange-late"
+    """Half way through collecting the step's buckets: some lanes of some replicas have completed the step."""
     VOTE = "vote"
     OPTIMIZER = "optimizer"
     SERVE = "serve"
     FETCH = "fetch"
 
 
-STEP_PHASES: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.EXCHANGE, Phase.VOTE, Phase.OPTIMIZER)
+STEP_PHASES: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.EXCHANGE, Phase.EXCHANGE_LATE, Phase.VOTE,
+                                   Phase.OPTIMIZER)
 """The phases of a training step, in order."""
 CATCHUP_PHASES: tuple[Phase, ...] = (Phase.SERVE, Phase.FETCH)
 """The phases of a catch-up: a source serving a snapshot, a joiner fetching it."""

@@ -94,6 +94,10 @@ class ClusterConfig:
     checkpoint_dir: str = ""
     """Where checkpoints go (default with ``checkpoint_every``: ``<workdir>/checkpoints``); a job started with a
     checkpoint there resumes from it."""
+    final_checkpoint: bool = True
+    """Give the replicas a checkpoint directory (``checkpoint_dir`` or ``<workdir>/checkpoints``) even without
+    periodic checkpoints: each writes its final state there at the end of the job, and a replica that comes back
+    after the job finished takes it (without one it stops with no final state)."""
     env: dict[int, dict[str, str]] = field(default_factory=dict)
     """Extra environment per replica group (tests: fault switches)."""
 
@@ -107,7 +111,7 @@ class ClusterConfig:
         # torchrun never restarts a group here (the launcher does, as a new incarnation), so the workers keep
         # sharing the agent's rendezvous store: a second store would bind a port that can be taken meanwhile.
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-        if self.checkpoint_every or self.checkpoint_dir:
+        if self.checkpoint_every or self.checkpoint_dir or self.final_checkpoint:
             env.update(FTHSDP_CHECKPOINT_DIR=self.checkpoint_dir or str(workdir / "checkpoints"),
                        FTHSDP_CHECKPOINT_EVERY=str(self.checkpoint_every))
         env.update(self.env.get(index, {}))

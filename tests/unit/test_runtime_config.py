@@ -48,7 +48,8 @@ def test_trainer_settings() -> None:
 
 def test_phases_are_the_step_then_the_catchup_phases() -> None:
     assert PHASES == STEP_PHASES + CATCHUP_PHASES
-    assert [str(p) for p in STEP_PHASES] == ["forward", "backward", "exchange", "vote", "optimizer"]
+    assert [str(p) for p in STEP_PHASES] == ["forward", "backward", "exchange", "exchange-late", "vote",
+                                                "optimizer"]
     assert set(CATCHUP_PHASES) == {"serve", "fetch"} and Phase("fetch") is Phase.FETCH
 
 

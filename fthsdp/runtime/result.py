@@ -1,0 +1,30 @@
+"""What one training step returns to the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What ``train_step`` returns: the step it committed, and how."""
+
+    step: int
+    """The step that was committed."""
+    loss: float | None
+    """This rank's loss, or None for a joining replica (it trained nothing: it caught up)."""
+    epoch: int
+    contributors: int
+    joined: bool
+    """True for the step in which this replica finished catching up (it loaded the state and replayed)."""
+    attempts: int
+    """Exchanges the step needed (1: no failure)."""
+    exchange_s: float
+    """From the start of backward (a joiner: of the step) until every bucket was exchanged."""
+    batches: tuple[tuple[int, int], ...] = ()
+    """(slot, batch index) of every slot whose batch this step trained, all replicas together."""
+    lr_factor: float = 1.0
+    catchup: dict[str, object] | None = None
+    """For the joined step: how the catch-up went (bytes, seconds, sources, failures, replayed steps)."""
+    diverged: tuple[int, ...] = ()
+    """The replicas (indexes) whose state digest differed from the majority's at this step (they restart)."""
