@@ -63,6 +63,8 @@ from ftar.rules import (
     newer,
     no_epoch,
     recovery,
+    tag_check,
+    tags_agree,
 )
 from lighthouse.epoch_view import EpochView
 
@@ -99,10 +101,8 @@ class LaneEngine:
         self._direct = False
         """The last packing reduced the caller's tensors in place."""
         self._tag = 0
-        self._held = HeldResults()
-        """The results this lane acted on, until ``forget_before`` (``ftar.reconcile``)."""
-        self._served: dict[int, Held] = {}
-        """Results a holder served this lane in the current group, by tag, until it asks for them."""
+        self._held = HeldResults()  # the results this lane acted on, until forget_before (ftar.reconcile)
+        self._served: dict[int, Held] = {}  # what a holder served this lane in the current group, by tag
         self._closed = False
         self.last_rebuild_s = 0.0
         self._remove_listener = membership.add_listener(self._on_epoch)
@@ -154,9 +154,14 @@ class LaneEngine:
         reconciliation, ``ftar.reconcile``)."""
         self._held.forget_before(tag)
 
-    def reset(self) -> None:
-        """Accept exchanges again after an ``Interrupted`` one (call once every pending handle is done)."""
+    def reset(self, after: int = 0) -> None:
+        """Accept exchanges again after an ``Interrupted`` one (call once every pending handle is done). With
+        ``after``, never exchange in epoch ``after`` or an older one again: the caller gave up a sequence it
+        exchanged there, and partners that kept it moved on in that epoch's group (a redo there would pair with
+        their next exchanges)."""
         self._state.reset()
+        if after > self._state.failed_epoch:
+            self._state.failed(after)
 
     def exclude(self, reason: str) -> None:
         """The lighthouse no longer knows this replica (declared dead while alive, e.g. after a hang): end the
@@ -307,14 +312,15 @@ class LaneEngine:
                 return highest
         return agreed_tag(tag, reduced, epoch.number, self.lane)
 
+    def _bcast(self, group: EpochGroup, epoch: EpochView, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        self._wait(group.broadcast(tensor, root, self.config.timeout_s), epoch)
+        return tensor
+
     def _max(self, group: EpochGroup, epoch: EpochView, values: list[int]) -> list[int]:
         ctrl = torch.tensor(values, dtype=torch.int64, device=group.staging.device)
         self._wait(group.allreduce(ctrl, dist.ReduceOp.MAX, self.config.timeout_s), epoch)
         return [int(x) for x in ctrl.tolist()]
 
-    def _broadcast(self, group: EpochGroup, epoch: EpochView, tensor: torch.Tensor, root: int) -> torch.Tensor:
-        self._wait(group.broadcast(tensor, root, self.config.timeout_s), epoch)
-        return tensor
 
     def _serve(self, group: EpochGroup, epoch: EpochView, holder: int, lowest: int, highest: int,
                tag: int | None) -> None:
@@ -323,15 +329,15 @@ class LaneEngine:
         device = group.staging.device
         mine = group.rank == holder
         items = self._held.span(lowest, highest) if mine else []
-        head = self._broadcast(group, epoch, torch.tensor(header(items) if mine else [0, 0], dtype=torch.int64,
+        head = self._bcast(group, epoch, torch.tensor(header(items) if mine else [0, 0], dtype=torch.int64,
                                                           device=device), holder).tolist()
         described = torch.tensor(meta(items), dtype=torch.int64, device=device) if mine else \
             torch.zeros(meta_size(head), dtype=torch.int64, device=device)
-        layout = parse(head, self._broadcast(group, epoch, described, holder).tolist())
+        layout = parse(head, self._bcast(group, epoch, described, holder).tolist())
         flats = flatten(items, layout, device) if mine else \
             [torch.empty(n, dtype=dtype, device=device) for dtype, n in layout.flats]
         for flat in flats:
-            self._broadcast(group, epoch, flat, holder)
+            self._bcast(group, epoch, flat, holder)
         if not mine and tag is not None and tag < highest:
             self._served = {t: h for t, h in layout.split(flats).items() if t >= tag}
             self._log(logging.WARNING, epoch.number, tag, "behind the others: served the results of tags %d..%d "
@@ -376,13 +382,16 @@ class LaneEngine:
     def _run_collective(self, group: EpochGroup, req: Request, epoch: EpochView, attempt: int) -> ExchangeResult:
         packed = pack(req.tensors, contribute=req.contribute, keep_inputs=req.keep_inputs, staging=group.staging)
         self._direct = packed.direct
-        for work in group.start_exchange(packed.buffers(), self.config.timeout_s):
+        tag = req.tag if req.tag is not None else self._tag
+        check = torch.tensor(tag_check(tag), dtype=torch.int64, device=group.staging.device)
+        for work in group.start_exchange(packed.buffers() + [check], self.config.timeout_s):
             self._wait(work, epoch)
+        if not tags_agree(tag, [int(x) for x in check.tolist()], group.world):
+            raise PeerFailure(f"members exchanged different tags in one group (mine {tag}): out of step")
         contributors = packed.contributors()
         if req.op == "avg" and contributors == 0:
             raise FTARError(f"epoch {epoch.number}: no member contributed (all joined with zeros)")
         out = unpack(packed, req.tensors, op=req.op, contributors=contributors, inplace=req.inplace)
-        tag = req.tag if req.tag is not None else self._tag
         if self.config.hold:
             kept = tuple(t.clone() for t in out) if req.inplace else tuple(out)  # the caller may change its own
             self._held.record(tag, Held(kept, epoch.number, contributors))

@@ -226,6 +226,18 @@ def agreed_tag(tag: int | None, reduced: Sequence[int], epoch: int, lane: int) -
     return highest
 
 
+def tag_check(tag: int) -> list[int]:
+    """What a member adds to every exchange (SUM), beside the data: ``[tag, tag**2]``. The tag check at a group's
+    start aligns its members; this proves every later exchange pairs the same tag on every member."""
+    return [tag, tag * tag]
+
+
+def tags_agree(tag: int, summed: Sequence[int], world: int) -> bool:
+    """Whether every one of the ``world`` members exchanged ``tag``: the sums are ``world * tag`` and
+    ``world * tag**2`` exactly when they all did (equality in Cauchy-Schwarz)."""
+    return summed[0] == world * tag and summed[1] == world * tag * tag
+
+
 # --- blame ------------------------------------------------------------------------------------------------------
 
 

@@ -262,7 +262,8 @@ class Replica:
             results = buckets.collect(handles, self.protocol, self._wait_s, self._log,
                                       lambda: self.faults.at(self.step, Phase.EXCHANGE_LATE))
             self.faults.at(self.step, Phase.VOTE)
-            decision = self.protocol.vote(self._vote())
+            tally = self._vote()
+            decision = self.protocol.vote(tally)
             if isinstance(decision, Commit):
                 # Hold this step's results until the next commit: a partner that lost one of them is served it.
                 self.engine.forget_before(BucketTag(decision.step, 0).encode(len(buckets)))
@@ -272,7 +273,7 @@ class Replica:
             self.metrics.on_retry(decision.reason)
             self._log(logging.INFO, "vote failed (epochs %s, failed=%d); redoing the step's exchange",
                       list(decision.epochs), decision.failed)
-            self.engine.reset()
+            self.engine.reset(after=tally.newest)  # partners that committed moved on in that epoch's group
             handles = self._exchange_all(contribute)
 
     def _exchange_all(self, contribute: bool) -> list[Handle | None]:

@@ -28,7 +28,9 @@ def test_a_sigkill_at_any_phase_costs_only_the_killed_replica(tmp_path: pathlib.
     check_converged(report, STEPS)  # every replica at the last step, one state hash
     assert check_only_failed_pays(tmp_path, report, 3, STEPS) == {1}  # replicas 0 and 2 held to invariant 7
     exits = [e for e in report["events"] if e["event"] == "exit"]
-    assert [(e["replica"], e["killed"]) for e in exits] == [(1, True)], exits  # nobody else exited
+    # Nobody else exited. (Replica 1 may exit once more: back as a joiner when the job ends, it is dropped and
+    # restarts to take the final checkpoint.)
+    assert {e["replica"] for e in exits} == {1} and exits[0]["killed"], exits
     check_all(tmp_path, report, 3, STEPS)
 
 

@@ -106,3 +106,15 @@ def test_held_results_are_forgotten_below_a_tag() -> None:
     h.forget_before(5)
     assert not h.covers(3, 5) and h.covers(5, 7) and len(h) == 2
     assert h.covers(5, 5)  # nothing in between
+
+
+def test_every_exchange_proves_all_members_paired_the_same_tag() -> None:
+    from ftar.rules import tag_check, tags_agree
+
+    def summed(tags: list[int]) -> list[int]:
+        return [sum(col) for col in zip(*(tag_check(t) for t in tags), strict=True)]
+
+    assert tags_agree(6, summed([6, 6, 6]), 3)
+    assert not tags_agree(6, summed([6, 6, 9]), 3)
+    assert not tags_agree(6, summed([5, 7]), 2) and not tags_agree(6, summed([5, 6, 7]), 3)  # sums alone would pass
+    assert tags_agree(10**7, summed([10**7] * 5000), 5000)  # no overflow at scale
