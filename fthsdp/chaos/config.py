@@ -16,7 +16,7 @@ class ChaosConfig:
     replicas: int = 3
     """Replica groups."""
     steps: int = 400
-    """Steps per run: enough for the last fault's replica to be back before the others finish."""
+    """Steps per run (faults are drawn up to the last one)."""
     kinds: tuple[str, ...] = REPLICA_KINDS
     """Fault kinds drawn (``fthsdp.chaos.schedule.KINDS``; the HA kinds only with ``ha``)."""
     faults: int = 0

@@ -53,7 +53,7 @@ def register(sub: Subparsers) -> None:
     ch.add_argument("--replicas", type=int, default=3)
     ch.add_argument("--ranks", type=int, default=2, help="ranks per replica group")
     ch.add_argument("--steps", type=int, default=800,
-                    help="steps per run: enough for the last fault's replica to be back before the others finish")
+                    help="steps per run (faults are drawn up to the last one)")
     ch.add_argument("--faults", type=int, default=0, help="faults per run (default: one per kind)")
     ch.add_argument("--kinds", default="", help="comma-separated among kill,hang,double,lighthouse,etcd "
                                                 "(default: all that apply)")

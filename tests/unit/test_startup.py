@@ -1,0 +1,48 @@
+"""Where a replica's state comes from when it starts (``fthsdp.runtime.startup.start_from``): the role the
+lighthouse gave it and the checkpoints on disk. A job completes once: a replica back after the end takes the
+final checkpoint or trains nothing."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from fthsdp.runtime.errors import JobFinished, NoStateToResume
+from fthsdp.runtime.startup import Role, start_from
+
+
+def checkpoint(root: pathlib.Path, step: int, slot: int = 0) -> pathlib.Path:
+    d = root / f"step-{step:08d}-r{slot}"
+    d.mkdir(parents=True)
+    (d / "fthsdp.json").write_text(json.dumps({"step": step, "cursors": [step, step], "slot": slot}))
+    return d
+
+
+def test_a_replica_back_after_the_job_finished_takes_the_final_checkpoint(tmp_path: pathlib.Path) -> None:
+    checkpoint(tmp_path, 20)
+    final = checkpoint(tmp_path, 30, slot=1)
+    ck = start_from(Role.FINISHED, 30, "job", str(tmp_path))
+    assert ck is not None and ck.path == final and ck.step == 30
+
+
+@pytest.mark.parametrize("steps", [(), (20,)])
+def test_without_the_final_checkpoint_it_trains_nothing(tmp_path: pathlib.Path, steps: tuple[int, ...]) -> None:
+    for s in steps:
+        checkpoint(tmp_path, s)  # an older checkpoint is no final state: resuming from it would fork the model
+    with pytest.raises(JobFinished, match="finished at step 30") as info:
+        start_from(Role.FINISHED, 30, "job", str(tmp_path))
+    assert info.value.step == 30
+    with pytest.raises(JobFinished):
+        start_from(Role.FINISHED, 30, "job", "")  # no checkpoint directory at all
+
+
+def test_resume_needs_a_checkpoint_and_a_joiner_never_reads_one(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(NoStateToResume):
+        start_from(Role.RESUME, 0, "job", str(tmp_path))
+    checkpoint(tmp_path, 20)
+    ck = start_from(Role.RESUME, 0, "job", str(tmp_path))
+    assert ck is not None and ck.step == 20
+    assert start_from(Role.JOINING, 0, "job", str(tmp_path)) is None
+    assert start_from(Role.ACTIVE, 0, "job", "") is None  # a fresh start without a directory
