@@ -270,7 +270,7 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
     if ev.suspect == ev.reporter:
         return _reject(state, "INVALID_ARGUMENT", "a replica cannot report itself; leave instead")
     current = state.epoch.number if state.epoch is not None else 0
-    if ev.epoch < current:
+    if ev.epoch < current and not _silent_in_both(state, ev, policy):
         return _reject(state, "FAILED_PRECONDITION", f"stale epoch {ev.epoch}: the current epoch is {current}")
     if ev.epoch > current:
         return _reject(state, "INVALID_ARGUMENT", f"epoch {ev.epoch} does not exist yet (current {current})")
@@ -301,6 +301,17 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
     died = Died(ev.suspect, DeathCause.CONFIRMED, silent_s=age, reporters=(ev.reporter,), report=why)
     out = _reconcile(new, (died,), ev.now, policy)
     return dataclasses.replace(out, confirmed=True)
+
+
+def _silent_in_both(state: State, ev: Report, policy: Policy) -> bool:
+    """A report against an older epoch still counts when its suspect is a member of that epoch and of the current
+    one (same incarnation) and already silent for ``confirm_age_s``: two replicas died at once and the report of
+    the second arrives after the first's formed an epoch. A live suspect's old report stays stale (no re-form)."""
+    old = next((e for e in state.history if e.number == ev.epoch), None)
+    then = old.member(ev.suspect) if old is not None else None
+    now = state.epoch.member(ev.suspect) if state.epoch is not None else None
+    return (then is not None and now is not None and then.incarnation == now.incarnation
+            and ev.suspect in ev.last_seen and ev.now - ev.last_seen[ev.suspect] >= policy.confirm_age_s)
 
 
 def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:

@@ -950,3 +950,26 @@ def test_joiners_are_dropped_when_the_last_active_member_dies_after_the_job_fini
     # Without the end of the job, j would stay registered, waiting for an epoch.
     out = tick(dataclasses.replace(state, finished_step=None), 10.0, b=5.0)
     assert set(out.state.members) == {"j"}
+
+
+def test_two_replicas_dead_at_once_cost_one_report_round_not_a_timeout() -> None:
+    """b and c are SIGKILLed together; a's blame reports both against epoch 1. The first report forms epoch 2; the
+    second, now against an older epoch, still counts because c is silent and a member of both: epoch 3 forms at
+    once instead of after c's heartbeat timeout."""
+    state = boot(["a", "b", "c"])
+    first = report(state, "a", "b", 10.0, b=1.5, c=1.5)
+    assert first.rejection is None and first.confirmed
+    assert first.state.epoch is not None and first.state.epoch.replica_ids() == ("a", "c")
+    second = report(first.state, "a", "c", 10.01, epoch=1, c=1.51)
+    assert second.rejection is None and second.confirmed
+    assert second.state.epoch is not None and second.state.epoch.replica_ids() == ("a",)
+    assert second.state.epoch.number == 3
+
+
+def test_an_old_report_of_a_live_replica_stays_stale() -> None:
+    state = boot(["a", "b", "c"])
+    state = report(state, "a", "b", 10.0, b=1.5).state  # epoch 2: a, c
+    out = report(state, "a", "c", 10.01, epoch=1)  # c heartbeats: it is alive, no re-form for an old report
+    assert out.rejection is not None and out.rejection.code == "FAILED_PRECONDITION"
+    assert "stale" in out.rejection.message
+    assert out.state is state
