@@ -53,14 +53,6 @@ def check_rejoined(tmp: pathlib.Path, replica: int, report: dict[str, Any]) -> N
     _ok(inv.rejoined(progress(tmp, replica), replica, report))
 
 
-def check_no_lost_step(tmp: pathlib.Path, replicas: int, steps: int) -> None:
-    _ok(inv.no_lost_step(_all(tmp, replicas), steps))
-
-
-def check_epochs_increasing(report: dict[str, Any]) -> None:
-    _ok(inv.epochs_increasing(report))
-
-
 def check_only_failed_pays(tmp: pathlib.Path, report: dict[str, Any], replicas: int, steps: int) -> set[int]:
     """Invariant 7: every replica that no fault of the run targeted (the launcher's kills, the chaos runner's
     replica faults: ``fthsdp.testing.invariants.fault_targets``) never exited, restarted, rolled back or fell a
