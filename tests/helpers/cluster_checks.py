@@ -33,14 +33,6 @@ def check_survivor(tmp: pathlib.Path, replica: int, steps: int) -> None:
     _ok(inv.survivor(progress(tmp, replica), steps))
 
 
-def committed(tmp: pathlib.Path, replicas: int) -> dict[int, ProgressRow]:
-    """Step -> a row of it, in the lineage that survived (see ``fthsdp.testing.invariants.committed``); every row of one
-    step must say the same batches were trained."""
-    rows, problems = inv.committed(_all(tmp, replicas))
-    _ok(problems)
-    return rows
-
-
 def check_exactly_once(tmp: pathlib.Path, replicas: int, steps: int) -> dict[int, int]:
     """Every batch of every slot was trained exactly once, in order, with no gap. Returns batches trained per
     slot."""
