@@ -1,7 +1,8 @@
 """``fthsdp bench recovery``: what a failure costs under fthsdp, on the reference workload (docs/design.md §12).
 
-One run of R replica groups with a SIGKILL of group 1 at ``kill_step`` and its restart ``restart_delay_s``
-later. From the replicas' progress lines:
+One run of R replica groups with a SIGKILL of group 1 at ``kill_step`` (or of every group ``kills`` names: two
+groups killed at the same step measure what a double failure costs the last survivor) and its restart
+``restart_delay_s`` later. From the replicas' progress lines (the joiner figures are the first killed group's):
 
 - ``survivor_stall_s``: the survivors' longest gap between two commits after the failure, less their median
   step (detection, the new epoch and the redo; ``fthsdp/bench/recovery_metrics.py``);
@@ -76,7 +77,7 @@ def socket_copy_mbps(nbytes: int, repeats: int = 3) -> float:
 
 
 def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup: int = 5) -> dict[str, Any]:
-    """The recovery figures of a finished run with one kill of replica 1 (see the module doc)."""
+    """The recovery figures of a finished run (see the module doc); the joiner is the first group killed."""
     kill = next(e for e in report["events"] if e["event"] == "exit")
     joiner = steps_of(cluster.progress(cluster.groups[kill["replica"]]))
     joined = next(x for x in joiner if x.joined and x.t > kill["t"])
@@ -90,8 +91,8 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
     down: list[float] = []
     catching_up: list[float] = []
     for g in cluster.groups:
-        if g.index == kill["replica"]:
-            continue
+        if any(e["event"] == "exit" and e["replica"] == g.index for e in report["events"]):
+            continue  # only the groups that never failed
         rows = [x for x in steps_of(cluster.progress(g)) if x.step is not None and x.step >= warmup]
         for a, b in pairwise(rows):
             if c["member_unix"] <= b.t <= joined.t:
@@ -143,15 +144,21 @@ class _SocketBaseline:
 
 
 def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step: int = 20, model: str = "reference",
-                   restart_delay_s: float = 2.0, workdir: str | None = None) -> RecoveryResult:
+                   restart_delay_s: float = 2.0, workdir: str | None = None,
+                   kills: tuple[Kill, ...] = ()) -> RecoveryResult:
+    """One run with ``kills`` (default: group 1 at ``kill_step``); see the module doc."""
+    kills = kills or (Kill(1, kill_step),)
+    if len({k.replica for k in kills}) >= replicas:
+        raise ValueError(f"--kill: {len(kills)} kills leave no survivor among {replicas} replica groups")
     with tempfile.TemporaryDirectory(prefix="fthsdp-bench-recovery-") as tmp:
         wd = pathlib.Path(workdir or tmp)
-        baseline = _SocketBaseline(1)
+        baseline = _SocketBaseline(kills[0].replica)
         cluster = Cluster(ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model,
-                                        kills=(Kill(1, kill_step),), restart_delay_s=restart_delay_s), wd,
+                                        kills=kills, restart_delay_s=restart_delay_s), wd,
                           on_tick=baseline)
         report = cluster.run()
         if not baseline.mbps:
             raise RuntimeError("the restarted replica never caught up: no recovery to measure")
-        return RecoveryResult(replicas=replicas, ranks_per_replica=ranks, steps=steps, model=model,
-                              kill=f"1@{kill_step}", **measure(cluster, report, baseline.mbps))
+        spec = ",".join(f"{k.replica}@{k.step}:{k.phase}" for k in kills)
+        return RecoveryResult(replicas=replicas, ranks_per_replica=ranks, steps=steps, model=model, kill=spec,
+                              **measure(cluster, report, baseline.mbps))

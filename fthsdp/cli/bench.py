@@ -44,8 +44,13 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
 
     # Side by side with torchft: its workload (docs/design.md §12) is 1 rank per replica group, so ours is too.
     ranks = a.ranks if a.ranks is not None else (1 if a.vs else 2)
+    from fthsdp.testing.launcher import Kill
+
+    kills = tuple(Kill.parse(k) for k in a.kill or ())
+    if a.vs and kills:
+        raise SystemExit("--kill is not supported with --vs (the baselines kill group 1 at --kill-step)")
     ours = bench_recovery(replicas=a.replicas, ranks=ranks, steps=a.steps, kill_step=a.kill_step, model=a.model,
-                          restart_delay_s=a.restart_delay)
+                          restart_delay_s=a.restart_delay, kills=kills)
     report = RecoveryReport(ours)
     if a.vs:
         from fthsdp.bench.vs import compare
@@ -89,7 +94,10 @@ def register(sub: Subparsers) -> None:
     br.add_argument("--replicas", type=int, default=3)
     br.add_argument("--ranks", type=int, default=None, help="ranks per replica group (default 2; 1 with --vs)")
     br.add_argument("--steps", type=int, default=60)
-    br.add_argument("--kill-step", type=int, default=20)
+    br.add_argument("--kill-step", type=int, default=20, help="SIGKILL group 1 at this step (without --kill)")
+    br.add_argument("--kill", action="append", metavar="REPLICA@STEP[:PHASE]",
+                    help="repeatable, instead of --kill-step: e.g. --kill 1@20 --kill 2@20 (two groups at once: "
+                         "what a double failure costs the last survivor)")
     br.add_argument("--restart-delay", type=float, default=2.0)
     br.add_argument("--model", default="reference")
     br.add_argument("--vs", choices=["torchft"], default=None,
