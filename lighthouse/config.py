@@ -1,5 +1,6 @@
 """The settings of a lighthouse process (``LighthouseConfig``), and the one place the lighthouse package reads
-the environment (``security_from_env``: how the launcher hands TLS and the job token to training processes)."""
+the environment (``security_from_env``: how the launcher hands TLS and the job token to training processes;
+``etcd_tls_from_env``: the lighthouse's TLS and client certificate towards etcd)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 
 from lighthouse.model import Policy
 from lighthouse.security import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN_FILE, ClientSecurity, ServerSecurity
+from lighthouse.stores.etcd_tls import ENV_ETCD_CA, ENV_ETCD_CERT, ENV_ETCD_KEY, EtcdTLS
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,9 @@ class LighthouseConfig:
     """The membership rules (liveness, the split-brain guard, bootstrap)."""
     store: str = "memory://"
     """Where durable job state lives (``lighthouse.stores.factory.open_store``), unless a store object is
-    given to the lighthouse: ``memory://`` or ``etcd://host:port[,host:port...][/prefix]`` (HA)."""
+    given to the lighthouse: ``memory://`` or ``etcd://host:port[,host:port...][/prefix]`` (HA). An etcd that
+    requires TLS and client certificates is opened by the caller (``open_store(url, etcd_tls)``, as ``fthsdp
+    lighthouse`` does) and the store handed over."""
     rendezvous: bool = True
     """Host a TCPStore for the epochs' data-plane rendezvous (so no replica holds it)."""
     tick_s: float = 0.05
@@ -52,3 +56,11 @@ def security_from_env(env: Mapping[str, str] | None = None) -> ClientSecurity:
     e = os.environ if env is None else env
     return ClientSecurity.from_files(e.get(ENV_TLS_CA) or None, e.get(ENV_TLS_CERT) or None,
                                      e.get(ENV_TLS_KEY) or None, e.get(ENV_TOKEN_FILE) or None)
+
+
+def etcd_tls_from_env(env: Mapping[str, str] | None = None) -> EtcdTLS | None:
+    """The lighthouse's TLS towards etcd from ``FTHSDP_ETCD_CA``, ``FTHSDP_ETCD_CERT``, ``FTHSDP_ETCD_KEY``
+    (unset or empty: off; ``fthsdp lighthouse --etcd-ca/--etcd-cert/--etcd-key`` win). None: plaintext;
+    ``SecurityConfigError`` when the set ones do not fit together."""
+    e = os.environ if env is None else env
+    return EtcdTLS.from_options(e.get(ENV_ETCD_CA) or None, e.get(ENV_ETCD_CERT) or None, e.get(ENV_ETCD_KEY) or None)

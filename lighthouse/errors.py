@@ -39,6 +39,11 @@ class StoreUnavailable(LighthouseError):
     """The durable store (etcd) did not answer within its deadline; nothing was written."""
 
 
+class StoreAccessDenied(StoreUnavailable):
+    """The store refused this lighthouse's connection (TLS handshake, client certificate): a configuration error
+    that waiting will not fix; the message says what to give."""
+
+
 class NotLeader(LighthouseUnavailable):
     """This lighthouse does not lead (HA on etcd); ``leader`` is where the leader is, when known."""
 

@@ -13,7 +13,7 @@ from lighthouse import membership as m
 from lighthouse.stores.base import Store
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from tests.helpers.lighthouse import FAST_POLICY, SLOW_POLICY, TOKEN, ServerThread, make_config
-from tests.helpers.tls_certs import Certs, make_certs
+from tests.helpers.tls_certs import Certs, make_certs, make_etcd_certs
 
 
 @pytest.fixture
@@ -74,6 +74,21 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     server = EtcdCluster(tmp_path_factory.mktemp("etcd")).start()
     try:
         yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def etcd_tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Certs]]:
+    """One real etcd for the session serving TLS only and requiring client certificates (``--client-cert-auth``,
+    peers too), as deploy/k8s/etcd.yaml runs it; with the certificates (``client_*``: the lighthouse's)."""
+    from fthsdp.testing.etcd import EtcdCluster, EtcdServerTLS
+
+    c = make_etcd_certs(tmp_path_factory.mktemp("etcd-certs"))
+    server = EtcdCluster(tmp_path_factory.mktemp("etcd-tls"),
+                         tls=EtcdServerTLS(c.ca, c.server_cert, c.server_key, c.client_cert, c.client_key)).start()
+    try:
+        yield server, c
     finally:
         server.stop()
 

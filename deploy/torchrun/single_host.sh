@@ -11,12 +11,14 @@
 #   --max-restarts K [3] (torchrun, in place)  --group-restarts G [10]  --restart-delay SECONDS [2]
 #   --kill I@STEP[:PHASE] (SIGKILL group I once, at that step; test/demo only)  --workdir DIR [a temp dir]
 #   --gpus-per-group K (group i sees GPUs i*K..i*K+K-1 through CUDA_VISIBLE_DEVICES; 0: no pinning [0])
+#   --gpu-map 'G,G;G,G;...' (group i sees the i-th ';'-separated list, local rank k its k-th GPU; overrides
+#     --gpus-per-group: GPUs shared between groups, e.g. '0,1;1,0' runs 2 groups x 2 ranks on 2 GPUs)
 #   -- ARGS...  (passed to the trainer after --steps/--model)
 # Exit status: 0 when every group finished; otherwise that of the first group that gave up.
 set -uo pipefail
 
 REPLICAS=3 RANKS=2 STEPS=60 MODEL=tiny MODULE=fthsdp.examples.train BACKEND="" TIMEOUT=5
-MAX_RESTARTS=3 GROUP_RESTARTS=10 RESTART_DELAY=2 KILL="" WORKDIR="" GPUS_PER_GROUP=0 EXTRA=()
+MAX_RESTARTS=3 GROUP_RESTARTS=10 RESTART_DELAY=2 KILL="" WORKDIR="" GPUS_PER_GROUP=0 GPU_MAP="" EXTRA=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --replicas) REPLICAS=$2; shift 2 ;;
@@ -32,6 +34,7 @@ while [ $# -gt 0 ]; do
         --kill) KILL=$2; shift 2 ;;
         --workdir) WORKDIR=$2; shift 2 ;;
         --gpus-per-group) GPUS_PER_GROUP=$2; shift 2 ;;
+        --gpu-map) GPU_MAP=$2; shift 2 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) echo "single_host.sh: unknown option $1" >&2; exit 2 ;;
     esac
@@ -84,7 +87,11 @@ run_group() {
     local index=$1 attempt=0 code fault=""
     if [ -n "$KILL" ] && [ "${KILL%%@*}" = "$index" ]; then fault=${KILL#*@}; fi
     local progress="$WORKDIR/replica$index.progress.jsonl" fatal_before gpus=""
-    if [ "$GPUS_PER_GROUP" -gt 0 ]; then
+    if [ -n "$GPU_MAP" ]; then
+        IFS=';' read -r -a gpu_lists <<<"$GPU_MAP"
+        gpus=${gpu_lists[$index]:-}
+        [ -n "$gpus" ] || { echo "group $index: --gpu-map '$GPU_MAP' has no entry for it" >&2; return 2; }
+    elif [ "$GPUS_PER_GROUP" -gt 0 ]; then
         gpus=$(seq -s, $((index * GPUS_PER_GROUP)) $((index * GPUS_PER_GROUP + GPUS_PER_GROUP - 1)))
     fi
     while :; do

@@ -20,10 +20,12 @@ if TYPE_CHECKING:
 
 def cmd_lighthouse(a: argparse.Namespace) -> None:
     from fthsdp.testing.procutil import write_atomic
-    from lighthouse.config import LighthouseConfig
+    from lighthouse.config import LighthouseConfig, etcd_tls_from_env
+    from lighthouse.errors import StoreAccessDenied, StoreUnavailable
     from lighthouse.membership import Policy
     from lighthouse.security import SecurityConfigError, ServerSecurity
     from lighthouse.server.app import serve
+    from lighthouse.stores.etcd_tls import EtcdTLS
     from lighthouse.stores.factory import open_store
 
     interval = a.heartbeat_interval if a.heartbeat_interval else min(0.5, a.heartbeat_timeout / 4)
@@ -35,9 +37,20 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
     try:
         security = ServerSecurity.from_files(a.tls_cert, a.tls_key, a.tls_client_ca, a.token_file)
         security.ssl_context()  # fail now, with a clear message, on unreadable TLS files
-        store = open_store(a.store)
+        env_tls = etcd_tls_from_env()
+        etcd_tls = EtcdTLS.from_options(a.etcd_ca or (env_tls.ca if env_tls else None),
+                                        a.etcd_cert or (env_tls.cert if env_tls else None),
+                                        a.etcd_key or (env_tls.key if env_tls else None))
+        store = open_store(a.store, etcd_tls)
     except (SecurityConfigError, ValueError) as e:
         sys.exit(f"fthsdp lighthouse: {e}")
+    try:  # a store that refuses us (TLS, client certificate) is a configuration error: say so and stop
+        store.check_access()
+    except StoreAccessDenied as e:
+        store.close()
+        sys.exit(f"fthsdp lighthouse: {e}")
+    except StoreUnavailable as e:  # down for now: the lighthouse starts and follows until it answers
+        logging.getLogger("fthsdp.lighthouse").warning("store not answering at start: %s", e)
     config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job or ["default"]), policy=policy,
                               rendezvous=not a.no_rendezvous, security=security, advertise=a.advertise,
                               election_ttl_s=a.election_ttl)
@@ -113,6 +126,11 @@ def register(sub: Subparsers) -> None:
                     help="seconds a joiner may stay in the data plane without turning active before it is dropped; "
                          "0: never")
     lh.add_argument("--store", default="memory://", help="durable store URL (memory:// is the default)")
+    lh.add_argument("--etcd-ca", default="", help="etcd over TLS: the CA certificate (PEM) that signed etcd's "
+                    "server certificates (env FTHSDP_ETCD_CA)")
+    lh.add_argument("--etcd-cert", default="", help="client certificate (PEM) presented to an etcd run with "
+                    "--client-cert-auth (env FTHSDP_ETCD_CERT)")
+    lh.add_argument("--etcd-key", default="", help="its private key (PEM) (env FTHSDP_ETCD_KEY)")
     lh.add_argument("--no-rendezvous", action="store_true", help="do not host the data-plane TCPStore")
     lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=H:P' here once serving")
     lh.add_argument("--advertise", default="", help="gRPC HOST:PORT other lighthouses name as the leader's "

@@ -1,19 +1,23 @@
 """Real etcd on loopback for the tests and the chaos runs: ``members`` etcd processes forming one cluster on free
 ports in a working directory, waited for with a deadline, stopped by PID. A member can be SIGKILLed, or the whole
 cluster stopped, and started again on the same ports and data dir (what was written survives). Fails (never skips)
-when the ``etcd`` binary is missing: ``make setup`` installs Debian's ``etcd-server``."""
+when the ``etcd`` binary is missing: ``make setup`` installs Debian's ``etcd-server``. With ``EtcdServerTLS`` the
+members serve clients and peers over TLS and require client and peer certificates (``--client-cert-auth``), as
+deploy/k8s/etcd.yaml does."""
 
 from __future__ import annotations
 
 import pathlib
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from fthsdp.testing.ports import free_port
 from fthsdp.testing.procutil import stop_process
@@ -22,6 +26,30 @@ ETCD_BINARY_CANDIDATES = ("etcd", "/usr/bin/etcd")
 START_DEADLINE_S = 30.0
 START_ATTEMPTS = 3
 """A free port can be taken between probing it and etcd binding it: start again on new ports this many times."""
+
+
+@dataclass(frozen=True)
+class EtcdServerTLS:
+    """PEM files of a TLS etcd: each member serves clients and peers with ``cert``/``key`` (naming 127.0.0.1,
+    for server and client use), and trusts and requires certificates signed by ``ca`` from clients and peers.
+    ``client_cert``/``client_key`` are what the launcher's health check presents."""
+
+    ca: str
+    cert: str
+    key: str
+    client_cert: str
+    client_key: str
+
+    def flags(self) -> list[str]:
+        """etcd's options for it: TLS and certificate auth on the client and the peer port."""
+        return ["--cert-file", self.cert, "--key-file", self.key, "--trusted-ca-file", self.ca, "--client-cert-auth",
+                "--peer-cert-file", self.cert, "--peer-key-file", self.key, "--peer-trusted-ca-file", self.ca,
+                "--peer-client-cert-auth"]
+
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca)
+        ctx.load_cert_chain(self.client_cert, self.client_key)
+        return ctx
 
 
 class EtcdUnavailable(RuntimeError):
@@ -40,8 +68,10 @@ def find_etcd() -> str:
 class EtcdCluster:
     """``members`` etcd processes forming one cluster on loopback (one member: a single etcd server)."""
 
-    def __init__(self, workdir: pathlib.Path, members: int = 1) -> None:
+    def __init__(self, workdir: pathlib.Path, members: int = 1, tls: EtcdServerTLS | None = None) -> None:
         self.workdir = workdir
+        self.tls = tls
+        self.scheme = "https" if tls is not None else "http"
         self.binary = find_etcd()
         self.names = [f"e{i}" for i in range(members)]
         self.ports: list[tuple[int, int]] = []
@@ -86,15 +116,17 @@ class EtcdCluster:
 
     def _launch(self, i: int) -> None:
         client, peer = self.ports[i]
-        initial = ",".join(f"{n}=http://127.0.0.1:{p}" for n, (_, p) in zip(self.names, self.ports, strict=True))
+        http = self.scheme
+        initial = ",".join(f"{n}={http}://127.0.0.1:{p}" for n, (_, p) in zip(self.names, self.ports, strict=True))
         with open(self._log_path(i), "ab") as out:  # the child keeps its own copy of the descriptor
             self.procs[i] = subprocess.Popen([
                 self.binary, "--name", self.names[i],
                 "--data-dir", str(self.workdir / f"etcd-{self.names[i]}-data-{client}"),
-                "--listen-client-urls", f"http://127.0.0.1:{client}",
-                "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                "--listen-client-urls", f"{http}://127.0.0.1:{client}",
+                "--advertise-client-urls", f"{http}://127.0.0.1:{client}",
+                "--listen-peer-urls", f"{http}://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls", f"{http}://127.0.0.1:{peer}",
+                *(self.tls.flags() if self.tls is not None else []),
                 "--initial-cluster", initial, "--initial-cluster-state", "new",
                 "--initial-cluster-token", self.token,
                 "--heartbeat-interval", "100", "--election-timeout", "1000",
@@ -102,7 +134,9 @@ class EtcdCluster:
 
     def healthy(self, i: int) -> bool:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[i][0]}/health", timeout=1) as r:
+            ctx = self.tls.ssl_context() if self.tls is not None else None
+            with urllib.request.urlopen(f"{self.scheme}://127.0.0.1:{self.ports[i][0]}/health", timeout=1,
+                                        context=ctx) as r:
                 return b'"true"' in r.read()
         except (urllib.error.URLError, OSError, ValueError):
             return False

@@ -68,6 +68,12 @@ class Store(ABC):
         Raises ``EpochFenced`` otherwise; nothing is written then.
         """
 
+    def check_access(self) -> None:
+        """One cheap read, at start: ``StoreAccessDenied`` when the store refuses this lighthouse (TLS, client
+        certificate: a configuration error), ``StoreUnavailable`` when it does not answer. Nothing to check for a
+        store in the process."""
+        return None
+
     def election(self, address: str, http: str, on_change: Callable[[bool, str], None],
                  ttl_s: int) -> Election:
         """An election among the lighthouses on this store (only where ``capabilities.election``)."""

@@ -23,18 +23,21 @@ from lighthouse.errors import EpochFenced
 from lighthouse.stores.base import Capabilities, Election, Store, check_monotonic
 from lighthouse.stores.election import EtcdElection
 from lighthouse.stores.etcd_client import ETCD_ERRORS, ETCD_TIMEOUT_S, EtcdTarget, connect, failing_over
+from lighthouse.stores.etcd_tls import EtcdTLS
 
 log = logging.getLogger("fthsdp.lighthouse.store")
 
 
 class EtcdStore(Store):
-    """Job documents in etcd. Thread-safe (pyetcd's client is); each call has a deadline."""
+    """Job documents in etcd. Thread-safe (pyetcd's client is); each call has a deadline. With ``tls``, every
+    connection is TLS, presenting its client certificate (an etcd run with ``--client-cert-auth``)."""
 
     capabilities = Capabilities(election=True, in_process=False)
 
-    def __init__(self, target: EtcdTarget | str, timeout_s: float = ETCD_TIMEOUT_S) -> None:
+    def __init__(self, target: EtcdTarget | str, timeout_s: float = ETCD_TIMEOUT_S,
+                 tls: EtcdTLS | None = None) -> None:
         self.target = EtcdTarget.parse(target) if isinstance(target, str) else target
-        self.client = connect(self.target, timeout_s)
+        self.client = connect(self.target, timeout_s, tls)
         self._guard: tuple[str, bytes] | None = None
         self._guard_lock = threading.Lock()
 
@@ -104,6 +107,9 @@ class EtcdStore(Store):
                 break
         raise EpochFenced(f"job {job_id}: stored epoch {int(stored) if stored else 0}, writer expected "
                           f"{expected_last_number}")
+
+    def check_access(self) -> None:
+        failing_over(self.client, "access check", lambda: self.client.get(self.key("leader")))
 
     def election(self, address: str, http: str, on_change: Callable[[bool, str], None],
                  ttl_s: int) -> Election:

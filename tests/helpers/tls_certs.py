@@ -1,6 +1,7 @@
 """Throwaway test certificates made with the ``openssl`` command (nothing secret is committed): a CA, a server
 certificate for 127.0.0.1/localhost, a client certificate signed by the CA, and a client certificate signed by
-another CA (which the server must refuse)."""
+another CA (which the server must refuse); and the same for a TLS etcd (``make_etcd_certs``), whose members'
+certificate serves both as server and as peer client."""
 
 from __future__ import annotations
 
@@ -42,13 +43,15 @@ def _leaf(d: pathlib.Path, name: str, ca: str, ext: str) -> None:
              "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
 
 
-def make_certs(d: pathlib.Path) -> Certs:
+def make_certs(d: pathlib.Path, server_usage: str = "serverAuth") -> Certs:
+    """``server_usage``: the server certificate's extended key usage (an etcd member's: ``serverAuth,clientAuth``,
+    for it also dials its peers with it)."""
     if shutil.which("openssl") is None:
         raise RuntimeError("the openssl command is missing: the TLS tests make their certificates with it")
     d.mkdir(parents=True, exist_ok=True)
     _ca(d, "ca")
     _ca(d, "rogue-ca")
-    _leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    _leaf(d, "server", "ca", f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={server_usage}\n")
     _leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
     _leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
 
@@ -57,3 +60,9 @@ def make_certs(d: pathlib.Path) -> Certs:
 
     return Certs(p("ca.pem"), p("server.pem"), p("server.key"), p("client.pem"), p("client.key"), p("rogue.pem"),
                  p("rogue.key"), p("rogue-ca.pem"))
+
+
+def make_etcd_certs(d: pathlib.Path) -> Certs:
+    """Certificates for a TLS etcd on 127.0.0.1 with client-certificate auth: ``server_*`` is every member's (server
+    and peer), ``client_*`` the lighthouse's, ``rogue_*`` a client certificate from another CA."""
+    return make_certs(d, server_usage="serverAuth,clientAuth")

@@ -135,17 +135,23 @@ def test_lighthouse_has_two_replicas_on_the_three_member_etcd() -> None:
     members = store[len("etcd://"):].split(",")
     assert members == [f"etcd-{i}.{headless['metadata']['name']}.fthsdp.svc:2379" for i in range(3)]
     args = _container(etcd, "etcd")["args"]
-    assert _flag(args, "--initial-cluster").count("=http://") == 3
+    assert _flag(args, "--initial-cluster").count("=https://") == 3  # peers over TLS (below)
 
 
 def test_secrets_are_mounted_where_the_flags_point() -> None:
     secrets = {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == "Secret"}
     for kind, name, container, flags in (("StatefulSet", "lighthouse", "lighthouse",
-                                          ("--tls-cert", "--tls-key", "--token-file")),
+                                          ("--tls-cert", "--tls-key", "--token-file", "--etcd-ca", "--etcd-cert",
+                                           "--etcd-key")),
+                                         ("StatefulSet", "etcd", "etcd",
+                                          ("--cert-file", "--key-file", "--trusted-ca-file", "--peer-cert-file",
+                                           "--peer-key-file", "--peer-trusted-ca-file")),
                                          ("Job", "fthsdp-replicas", "trainer", ())):
         doc = _find(kind, name)
         c = _container(doc, container)
         volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+        volumes |= {v["metadata"]["name"]: {"persistentVolumeClaim": v}
+                    for v in doc["spec"].get("volumeClaimTemplates", [])}
         files = set()
         for mount in c["volumeMounts"]:
             secret = volumes[mount["name"]].get("secret")
@@ -162,6 +168,137 @@ def test_secrets_are_mounted_where_the_flags_point() -> None:
         assert wanted, f"{name}: neither TLS nor the job token is wired in"
         for path in wanted:
             assert path in files, f"{name}: {path} is not a mounted Secret file"
+
+
+def _etcd_args() -> list[str]:
+    return list(_container(_find("StatefulSet", "etcd"), "etcd")["args"])
+
+
+def _etcd_requires_client_certs(args: list[str]) -> None:
+    """etcd serves clients and peers over TLS only and requires certificates signed by its CA from both."""
+    for switch in ("--client-cert-auth", "--peer-client-cert-auth"):
+        assert switch in args or f"{switch}=true" in args, f"etcd runs without {switch}"
+    assert not any(a.startswith(("--auto-tls", "--peer-auto-tls")) for a in args), "self-signed auto TLS"
+    for f in ("--cert-file", "--key-file", "--trusted-ca-file", "--peer-cert-file", "--peer-key-file",
+              "--peer-trusted-ca-file"):
+        assert _flag(args, f), f
+    urls = [u for f in ("--listen-client-urls", "--advertise-client-urls", "--listen-peer-urls",
+                        "--initial-advertise-peer-urls") for u in _flag(args, f).split(",")]
+    urls += [m.split("=", 1)[1] for m in _flag(args, "--initial-cluster").split(",")]
+    assert urls and all(u.startswith("https://") for u in urls), f"etcd URLs not all https: {urls}"
+
+
+def test_etcd_requires_tls_and_client_certificates() -> None:
+    """Nobody without a certificate from the etcd CA can rewrite the epoch or the leader key: etcd.yaml speaks
+    TLS on the client and peer ports and requires client and peer certificates; the lighthouse presents one."""
+    args = _etcd_args()
+    _etcd_requires_client_certs(args)
+    lh = _container(_find("StatefulSet", "lighthouse"), "lighthouse")["args"]
+    assert all(_flag(lh, f) for f in ("--etcd-ca", "--etcd-cert", "--etcd-key"))
+    # kubelet's probes carry no client certificate: they go to the health-only plain port, never 2379 or 2380.
+    metrics_port = int(_flag(args, "--listen-metrics-urls").rsplit(":", 1)[1])
+    etcd = _container(_find("StatefulSet", "etcd"), "etcd")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert etcd[probe]["httpGet"]["port"] == metrics_port, probe
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda a: a.remove("--client-cert-auth"),
+    lambda a: a.remove("--peer-client-cert-auth"),
+    lambda a: a.__setitem__(next(i for i, x in enumerate(a) if x.startswith("--listen-client-urls=")),
+                            "--listen-client-urls=http://0.0.0.0:2379"),
+    lambda a: a.__setitem__(next(i for i, x in enumerate(a) if x.startswith("--initial-cluster=")),
+                            _flag(a, "--initial-cluster").replace("https://", "http://", 1)),
+], ids=["no-client-cert-auth", "no-peer-cert-auth", "plaintext-client-url", "plaintext-peer"])
+def test_etcd_check_catches_a_weakened_etcd(break_it: Any) -> None:
+    args = _etcd_args()
+    _etcd_requires_client_certs(args)  # as shipped: passes
+    break_it(args)
+    with pytest.raises(AssertionError):
+        _etcd_requires_client_certs(args)
+
+
+def _pods() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(workload, pod template) of every workload in deploy/k8s."""
+    return [(d, d["spec"]["template"]) for _, d in DOCS if "template" in d.get("spec", {})]
+
+
+def _listen_ports(doc: dict[str, Any], c: dict[str, Any]) -> set[int]:
+    """The ports the container's process listens on, read from its own flags and FTHSDP_* settings (what the
+    code binds), not from its containerPorts."""
+    args = [a for a in c.get("args", []) if a.startswith("--") and "=" in a]
+    ports: set[int] = set()
+    for a in args:
+        flag, value = a.split("=", 1)
+        if flag in ("--bind", "--http") or flag.startswith("--listen-"):
+            ports |= {int(u.rsplit(":", 1)[1]) for u in value.split(",")}
+    env = _env(c)
+    if "FTHSDP_METRICS_PORT" in env:  # one exporter per local rank
+        base = int(env["FTHSDP_METRICS_PORT"])
+        ports |= set(range(base, base + int(_flag(c["args"], "--nproc-per-node"))))
+    return ports
+
+
+def test_container_ports_are_what_the_processes_listen_on() -> None:
+    """Every containerPort, Service target and probe port is one the process really listens on (its flags, as the
+    code reads them), so a renamed flag or moved port shows up here."""
+    for doc, template in _pods():
+        for c in template["spec"]["containers"]:
+            listening = _listen_ports(doc, c)
+            named = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+            assert set(named.values()) <= listening, f"{doc['metadata']['name']}: {named} vs {listening}"
+            for probe in ("readinessProbe", "livenessProbe"):
+                if probe in c:
+                    port = c[probe]["httpGet"]["port"]
+                    assert named.get(port, port) in listening, f"{doc['metadata']['name']} {probe}"
+            labels = template["metadata"]["labels"]
+            for _, svc in DOCS:
+                if svc["kind"] == "Service" and svc["spec"]["selector"].items() <= labels.items():
+                    for p in svc["spec"]["ports"]:
+                        target = p.get("targetPort", p["port"])
+                        assert named.get(target, target) in listening, f"Service {svc['metadata']['name']}: {p}"
+
+
+def test_network_policy_admits_what_the_system_needs_and_no_more() -> None:
+    """networkpolicy.yaml: a default deny, then etcd's client port from the lighthouse only, its peer port from
+    etcd only, the lighthouse's gRPC from the replicas, and every port of a replica from the replicas (Gloo/NCCL,
+    catch-up and c10d ports are ephemeral); each policy selects pods that exist."""
+    policies = {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == "NetworkPolicy"}
+    assert policies["default-deny-ingress"]["spec"]["podSelector"] == {}
+    pod_labels = {d["metadata"]["name"]: t["metadata"]["labels"] for d, t in _pods()}
+
+    def selected(sel: dict[str, Any]) -> set[str]:
+        return {n for n, labels in pod_labels.items() if sel.get("matchLabels", {}).items() <= labels.items()}
+
+    def admitted(target: str, port: int) -> set[str] | None:
+        """Workloads admitted to ``target``'s ``port``; None: any source."""
+        out: set[str] = set()
+        for pol in policies.values():
+            if target not in selected(pol["spec"]["podSelector"]) or not pol["spec"].get("ingress"):
+                continue
+            for rule in pol["spec"]["ingress"]:
+                ports = rule.get("ports")
+                if ports and not any(p["port"] <= port <= p.get("endPort", p["port"]) for p in ports):
+                    continue
+                if "from" not in rule:
+                    return None
+                for peer in rule["from"]:
+                    assert set(peer) == {"podSelector"}, "fthsdp's own rules name pods of this namespace"
+                    out |= selected(peer["podSelector"])
+        return out
+
+    for name in pod_labels:
+        assert any(name in selected(p["spec"]["podSelector"]) for n, p in policies.items()
+                   if n != "default-deny-ingress"), f"no policy for {name}"
+    assert admitted("etcd", 2379) == {"lighthouse"}
+    assert admitted("etcd", 2380) == {"etcd"}
+    assert admitted("etcd", 2381) == set()  # health: the kubelet only (a pod's node is always admitted)
+    assert admitted("lighthouse", 29510) == {"fthsdp-replicas"}
+    assert admitted("lighthouse", 29511) is None  # token and TLS
+    assert admitted("lighthouse", 12345) == set()  # nothing beside gRPC and HTTPS
+    for port in (29400, 40000, 61000):  # c10d, and ephemeral ports of Gloo/NCCL and the catch-up servers
+        assert admitted("fthsdp-replicas", port) == {"fthsdp-replicas"}
+    assert admitted("fthsdp-replicas", 9400) is None and admitted("fthsdp-replicas", 9407) is None
 
 
 # --- flags, variables, scripts -------------------------------------------------------------------------------

@@ -14,15 +14,17 @@ import pytest
 from lighthouse import membership as m
 from lighthouse.errors import EpochFenced
 from lighthouse.stores.base import Store
+from lighthouse.stores.etcd_tls import EtcdTLS
 from lighthouse.stores.factory import open_store
 from lighthouse.stores.memory import InMemoryStore
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from tests.helpers.lighthouse import JOB, ServerThread, heartbeat, register, status, wait_until
 
-# The kinds of store under test. The etcd one runs on the session's real etcd (a fresh key prefix per test); it
-# fails, never skips, when etcd is not installed.
-STORES: list[str] = ["memory", "memory-url", "etcd"]
+# The kinds of store under test. The etcd ones run on the session's real etcd (a fresh key prefix per test), in
+# plaintext and over TLS with a client certificate (an etcd requiring them, as deploy/k8s runs it); they fail,
+# never skip, when etcd is not installed.
+STORES: list[str] = ["memory", "memory-url", "etcd", "etcd-tls"]
 
 
 @pytest.fixture(params=STORES)
@@ -31,11 +33,16 @@ def new_store(request: pytest.FixtureRequest) -> Iterator[Callable[[], Store]]:
     one in-memory store handed out again); every store made is closed at teardown."""
     kind = str(request.param)
     made: list[Store] = []
-    url = request.getfixturevalue("etcd_server").url() if kind == "etcd" else ""
+    url, tls = "", None
+    if kind == "etcd":
+        url = request.getfixturevalue("etcd_server").url()
+    elif kind == "etcd-tls":
+        server, c = request.getfixturevalue("etcd_tls_server")
+        url, tls = server.url(), EtcdTLS(c.ca, c.client_cert, c.client_key)
     shared: Store = InMemoryStore() if kind == "memory" else open_store("memory://")
 
     def make() -> Store:
-        s = open_store(url) if kind == "etcd" else shared
+        s = open_store(url, tls) if url else shared
         made.append(s)
         return s
 
