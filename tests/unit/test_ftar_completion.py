@@ -20,7 +20,7 @@ from ftar.group import EpochGroup
 from ftar.packing import Staging
 from ftar.rules import Verdict
 from lighthouse.epoch_view import EpochView
-from lighthouse.model import ACTIVE, EpochMember, Endpoints
+from lighthouse.model import ACTIVE, Endpoints, EpochMember
 
 # --- the rule ---------------------------------------------------------------------------------------------------
 
