@@ -119,7 +119,7 @@ class Replica:
         self.metrics.on_joining(self.joining)
         self.engine = LaneEngine(LighthouseMembership(self.client, self.feed), lane=self.rank,
                                  config=FTARConfig(backend=cfg.backend, timeout_s=cfg.timeout_s,
-                                                   epoch_wait_s=cfg.epoch_wait_s, hold=True))
+                                                   epoch_wait_s=cfg.epoch_wait_s, hold=True, device=self.device))
         self.joiner = Joiner(cfg, self.rank, self.slot, self.client, self.faults, self.device, self._log)
         self.model: nn.Module | None = None
         self.opt: torch.optim.Optimizer | None = None

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ftar import ExchangeResult, Handle, Interrupted
-from fthsdp.runtime.buckets import BucketExchange, BucketTag, plan_buckets, slot_mask
+from fthsdp.runtime.buckets import BucketExchange, BucketTag, grads_untouched, plan_buckets, slot_mask
 from fthsdp.runtime.digest import WORDS, pack
 
 CPU = torch.device("cpu")
@@ -175,3 +175,37 @@ def test_the_step_digest_rides_the_last_bucket_in_this_slot_and_again_on_a_redo(
     assert buckets.digests_of([h.wait() for h in handles if h is not None]) == {1: 0x0001020304050607}
     handles, _ = buckets.exchange_all(4, contribute=False)  # a zero contributor sends none
     assert torch.equal(engine.calls[-1]["tensors"][-2], torch.zeros(3 * WORDS))
+
+
+def test_each_bucket_goes_out_with_an_event_of_the_stream_that_produced_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftar import devices
+
+    events = iter(range(100))
+    monkeypatch.setattr(devices, "record", lambda device: f"event{next(events)}")
+    model, engine = Model(), FakeEngine()
+    buckets = exchange(model, engine)
+    with buckets.armed(step=1):
+        model(torch.ones(1, 2)).backward()  # the hook records on the stream it runs on (FSDP2's reduce-scatter)
+    buckets.launch_rest(1)
+    assert [c["ready"] for c in engine.calls] == ["event0", "event1", "event2"]
+
+
+def test_results_become_the_gradients_without_a_copy_only_with_an_optimizer_that_keeps_them() -> None:
+    params = [nn.Parameter(torch.ones(2))]
+    assert grads_untouched(torch.optim.AdamW(params)) and grads_untouched(torch.optim.SGD(params, lr=0.1))
+    assert not grads_untouched(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True))
+    assert not grads_untouched(torch.optim.RMSprop(params))  # not known: copied
+    model, engine = Model(), FakeEngine()
+    buckets = exchange(model, engine)
+    handles, _ = buckets.exchange_all(2, contribute=True)
+    results = [h.wait() for h in handles if h is not None]
+    buckets.alias = True
+    buckets.install(results)
+    by_param = dict(zip((id(p) for b in buckets.buckets for p in b),
+                        (t for b, r in zip(buckets.buckets, results, strict=True) for t in r.tensors[:len(b)]),
+                        strict=True))
+    assert all(p.grad is not None and p.grad.data_ptr() == by_param[id(p)].data_ptr() for p in model.parameters())
+    model.zero_grad(set_to_none=True)  # the next step
+    buckets.alias = False
+    buckets.install(results)
+    assert all(p.grad is not None and p.grad.data_ptr() != by_param[id(p)].data_ptr() for p in model.parameters())

@@ -310,3 +310,28 @@ def test_an_epoch_push_aborts_the_communicator_without_blame(fake_groups: type[F
     assert result.epoch == 2 and result.contributors == 1
     assert torch.equal(result.tensors[0], torch.arange(6, dtype=torch.float32))
     assert m.reports == []
+
+
+# --- stream ordering by events ----------------------------------------------------------------------------------
+
+
+def test_the_lane_reads_the_inputs_after_the_callers_event_and_hands_one_back(
+        fake_groups: type[FakeNcclGroup], monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftar import devices
+
+    log: list[tuple[str, object]] = []
+    produced = object()
+    monkeypatch.setattr(devices, "wait_for", lambda ev: log.append(("wait", ev)) if ev is not None else None)
+    monkeypatch.setattr(devices, "record", lambda device: log.append(("record", None)) or "result-event")
+    real_start = FakeNcclGroup.start_exchange
+
+    def start(self: FakeNcclGroup, buffers: list[torch.Tensor], timeout_s: float) -> list[Any]:
+        log.append(("exchange", None))
+        return real_start(self, buffers, timeout_s)
+
+    monkeypatch.setattr(FakeNcclGroup, "start_exchange", start)
+    m = FakeMembership(epoch(1, ("r0", "r1")))
+    _, result = run(fake_groups, m, CONFIG, ready=produced)
+    assert result.ready == "result-event"
+    # The producer's event first, then the exchange, then the result's event, on which the waiting thread waits.
+    assert log == [("wait", produced), ("exchange", None), ("record", None), ("wait", "result-event")]
