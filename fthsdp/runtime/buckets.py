@@ -68,6 +68,21 @@ def grads_untouched(opt: torch.optim.Optimizer) -> bool:
     return type(opt) is torch.optim.SGD and not any(g.get("nesterov", False) for g in groups)
 
 
+def _bind_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Make ``g`` (shaped like ``p``'s local shard) ``p``'s gradient, without a copy. FSDP2's gradient DTensor is
+    kept and its local tensor swapped, as FSDP2 itself accumulates into it (``DTensor.from_local`` per parameter
+    would cost more CPU than the copy it saves)."""
+    grad = p.grad
+    if isinstance(grad, DTensor):
+        local = grad._local_tensor
+        if (local.shape, local.stride(), local.dtype, local.device) == (g.shape, g.stride(), g.dtype, g.device):
+            grad._local_tensor = g
+            return
+    with torch.no_grad():
+        p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                    stride=p.stride()) if isinstance(p, DTensor) else g.view_as(p)
+
+
 def failure_of(e: FTARError) -> Failure:
     """What an exchange's error means to the commit protocol."""
     if isinstance(e, Misaligned):
@@ -233,9 +248,7 @@ class BucketExchange:
         for bucket, res in zip(self.buckets, results, strict=True):
             for p, g in zip(bucket, res.tensors, strict=False):  # the last bucket's digests and mask: no parameter
                 if self.alias:
-                    with torch.no_grad():
-                        p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                                    stride=p.stride()) if isinstance(p, DTensor) else g.view_as(p)
+                    _bind_grad(p, g)
                     continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

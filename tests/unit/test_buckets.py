@@ -209,3 +209,50 @@ def test_results_become_the_gradients_without_a_copy_only_with_an_optimizer_that
     buckets.alias = False
     buckets.install(results)
     assert all(p.grad is not None and p.grad.data_ptr() != by_param[id(p)].data_ptr() for p in model.parameters())
+
+
+@pytest.fixture
+def one_rank_group() -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process, no network
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_gradients_are_bound_and_step_like_copied_ones(one_rank_group: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fthsdp.runtime.state import local_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    updated = []
+    for alias in (True, False):
+        torch.manual_seed(0)
+        model = Model()
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        engine = FakeEngine()
+        buckets = BucketExchange(list(model.parameters()), [list(b.parameters()) for b in model.blocks], engine,
+                                 slot=1, slots=3, device=CPU, wait_s=5.0)  # type: ignore[arg-type]
+        buckets.alias = alias
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        with buckets.armed(step=0):
+            model(torch.ones(1, 2)).backward()
+        results = [h.wait() for h in buckets.launch_rest(0) if h is not None]
+        for r in results:
+            for t in r.tensors:
+                t.mul_(0.5)  # "averaged"
+        buckets.install(results)
+        grads = [t for b, r in zip(buckets.buckets, results, strict=True) for t in r.tensors[:len(b)]]
+        params = [p for b in buckets.buckets for p in b]
+        shared = [local_tensor(p.grad).data_ptr() == g.data_ptr() for p, g in zip(params, grads, strict=True)]
+        assert all(shared) if alias else not any(shared)
+        assert all(torch.equal(local_tensor(p.grad), g) for p, g in zip(params, grads, strict=True))
+        opt.step()
+        updated.append([local_tensor(p.detach()).clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*updated, strict=True))
