@@ -10,13 +10,14 @@ An exchange, under epoch E:
    check that every member calls with the same tag (step). A member behind is served the results it lacks by a
    member that holds them (``ftar.reconcile``), or, when none does, raises ``Misaligned``. A joiner calls with
    ``tag=None`` and learns the step (it fetches the state itself, outside the data plane).
-2. copy the local tensors into one flat buffer (plus a contributor-count element), all-reduce it, divide.
-3. on a peer error, a deadline, or a newer epoch pushed while in flight: abandon the collective (its buffer is
-   private; the originals are untouched), blame the members that did not check in on the epoch's store, report
-   them, wait for the next epoch, rebuild, and redo from the originals.
-
-The decisions are ``ftar.rules`` and ``ftar.reconcile``; the group and store I/O is ``ftar.group``; the packing
-is ``ftar.packing``.
+2. copy the local tensors into one flat buffer (plus a contributor-count element), all-reduce it, divide, once
+   it is known complete without error (``ftar.completion``: on NCCL a work's future says queued, not done).
+3. on a peer error, a deadline, or a newer epoch pushed while in flight: abort the group (its private buffer is
+   never read; the originals are untouched), blame the members that did not check in on the epoch's store,
+   report them, wait for the next epoch, rebuild, and redo from the originals.
+On CUDA the worker runs on the lane's device and stream (``ftar.devices``), ordered by events with its callers.
+The decisions are ``ftar.rules``, ``ftar.completion`` and ``ftar.reconcile``; the group and store I/O is
+``ftar.group``; the packing is ``ftar.packing``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftar import devices
+from ftar.completion import Outcome, outcome
 from ftar.errors import Abandoned, EngineClosed, FTARError, InputsConsumed, Misaligned, PeerFailure
 from ftar.exchange import BACKENDS, OPS, ExchangeResult, FTARConfig, Handle, Request
 from ftar.group import EpochGroup, Reaper
@@ -55,7 +58,6 @@ from ftar.rules import (
     CollectiveWatch,
     LaneState,
     Recovery,
-    Verdict,
     agreed_tag,
     alignment_probe,
     blame,
@@ -97,7 +99,8 @@ class LaneEngine:
         self._group: EpochGroup | None = None
         self._plane_epoch = 0
         """The epoch of the group last built (or being built): a newer one signals ``_epoch_changed``."""
-        self._reaper = Reaper(lane)
+        self.device = devices.resolve(self.config.backend, self.config.device)
+        self._reaper = Reaper(lane, self.device)
         self._direct = False
         """The last packing reduced the caller's tensors in place."""
         self._tag = 0
@@ -106,33 +109,29 @@ class LaneEngine:
         self._closed = False
         self.last_rebuild_s = 0.0
         self._remove_listener = membership.add_listener(self._on_epoch)
-        self._thread = threading.Thread(target=self._worker, name=f"ftar-lane{lane}-{self.replica_id}", daemon=True)
-        self._thread.start()
+        self._thread = devices.start_thread(self._worker, name=f"ftar-lane{lane}-{self.replica_id}",
+                                            device=self.device)
 
     # --- public -----------------------------------------------------------------------------------------------
 
     def allreduce(self, tensors: Sequence[torch.Tensor], *, contribute: bool = True, op: str = "avg",
                   tag: int | None = 0, inplace: bool = False, keep_inputs: bool = True,
-                  redo: bool = True, new_epoch_ok: bool = True) -> Handle:
+                  redo: bool = True, new_epoch_ok: bool = True, ready: Any = None) -> Handle:
         """Start an exchange of ``tensors``; don't change them until it is done.
 
-        ``contribute=False`` joins with zeros and is not counted in the divisor. ``op`` is ``avg`` (sum divided
-        by the number of contributors) or ``sum``. ``tag`` (the step) must be the same on every member that
-        knows it; a joiner passes ``None`` and learns it (``ExchangeResult.tag``).
-        With ``inplace`` the result is written into ``tensors`` once it is complete (never half way: the
-        collective runs on a private buffer, so a failed attempt leaves them intact); otherwise the result is
-        in new tensors.
-
-        ``keep_inputs=False`` (with ``inplace``) skips the private copy: a single contiguous tensor per dtype is
-        reduced where it lies, which saves two memory passes. The price: a failed attempt leaves the tensors
-        half-reduced, so instead of redoing, the exchange ends with ``InputsConsumed`` once the next epoch is
-        known, and the caller recomputes them.
-
-        ``redo=False`` ends a failed exchange with ``Interrupted`` instead of redoing it, and fails every exchange
-        queued after it the same way until ``reset()``: a caller that exchanges several buckets per step redoes
-        them all, in order, under one epoch. With ``new_epoch_ok=False`` (its later buckets) an exchange stays in
-        the group its sequence began in while that group is whole, even if a newer epoch is known, and is
-        ``Interrupted`` before any data moves if the group lost a member.
+        ``contribute=False`` joins with zeros and is not counted in the divisor. ``op`` is ``avg`` (sum / contributors)
+        or ``sum``. ``tag`` (the step) must be the same on every member that knows it; a joiner passes ``None`` and
+        learns it (``ExchangeResult.tag``). With ``inplace`` the result is written into ``tensors`` once it is complete
+        (never half way: the collective runs on a private buffer, so a failed attempt leaves them intact); otherwise the
+        result is in new tensors. ``keep_inputs=False`` (with ``inplace``) skips the private copy: a single contiguous
+        tensor per dtype is reduced where it lies, which saves two memory passes. The price: a failed attempt leaves the
+        tensors half-reduced, so instead of redoing, the exchange ends with ``InputsConsumed`` once the next epoch is
+        known, and the caller recomputes them. ``redo=False`` ends a failed exchange with ``Interrupted`` instead of
+        redoing it, and fails every exchange queued after it the same way until ``reset()``: a caller that exchanges
+        several buckets per step redoes them all, in order, under one epoch. With ``new_epoch_ok=False`` (its later
+        buckets) an exchange stays in the group its sequence began in while that group is whole, even if a newer epoch
+        is known, and is ``Interrupted`` before any data moves if the group lost a member. ``ready`` (CUDA): the event
+        after which ``tensors`` may be read.
         """
         if not keep_inputs and not inplace:
             raise ValueError("keep_inputs=False needs inplace=True")
@@ -145,7 +144,7 @@ class LaneEngine:
             future.set_exception(EngineClosed("engine closed"))
         else:
             self._queue.put(Request(list(tensors), contribute, op, tag, inplace, keep_inputs, redo, new_epoch_ok,
-                                    future))
+                                    future, ready))
         return Handle(future)
 
     def forget_before(self, tag: int) -> None:
@@ -179,8 +178,7 @@ class LaneEngine:
         self._queue.put(_STOP)
         self._epoch_changed.set()
         self._thread.join(timeout)
-        self._drop_group()
-        # Abandoned groups end by their own collective timeout: wait for that, so no thread outlives us.
+        self._drop_group()  # abandoned Gloo groups end by their own timeout: wait for that, no thread outlives us
         self._reaper.join(max(self.config.timeout_s, self.config.connect_timeout_s) + 1.0)
 
     # --- worker -----------------------------------------------------------------------------------------------
@@ -190,6 +188,7 @@ class LaneEngine:
             self._epoch_changed.set()
 
     def _worker(self) -> None:
+        devices.side_stream(self.device)  # on CUDA, this lane's stream of its own
         while True:
             item = self._queue.get()
             if item is _STOP:
@@ -214,6 +213,7 @@ class LaneEngine:
     def _exchange(self, req: Request) -> ExchangeResult:
         """Attempts of one exchange, each in a newer epoch, until one succeeds or the rules end it."""
         self._state.admit()
+        devices.wait_for(req.ready)  # the producer's stream first (FSDP2's reduce-scatter)
         attempts = Attempts(self.lane, self.config.max_attempts)
         while True:
             attempt = attempts.next()
@@ -321,7 +321,6 @@ class LaneEngine:
         self._wait(group.allreduce(ctrl, dist.ReduceOp.MAX, self.config.timeout_s), epoch)
         return [int(x) for x in ctrl.tolist()]
 
-
     def _serve(self, group: EpochGroup, epoch: EpochView, holder: int, lowest: int, highest: int,
                tag: int | None) -> None:
         """The holder broadcasts the results of ``[lowest, highest)``; a member asking for a tag in that range takes
@@ -355,29 +354,30 @@ class LaneEngine:
             out = list(req.tensors)
         if self.config.hold:
             self._held.record(req.tag, Held(tuple(out), held.epoch, held.contributors))
-        return ExchangeResult(out, held.epoch, held.contributors, attempt, req.tag)
+        return ExchangeResult(out, held.epoch, held.contributors, attempt, req.tag, devices.record(self.device))
 
     def _wait(self, work: Any, epoch: EpochView) -> None:
-        """Wait for ``work`` until done, its deadline, or a newer epoch (``CollectiveWatch``); never longer than
-        the deadline."""
-        fut = work.get_future()
-        done = threading.Event()
-        fut.add_done_callback(lambda _: done.set())
+        """Wait for ``work`` until complete without error (``ftar.completion``) or failed; at its deadline or a
+        newer epoch (``CollectiveWatch``) abort the group at once. A failed or aborted buffer is never read."""
+        group = self._group
+        assert group is not None
+        watcher = group.watch(work)
         watch = CollectiveWatch(epoch, time.monotonic(), self.config.timeout_s, self.config.abandon_grace_s)
-        while not done.is_set():
+        while True:
             now = time.monotonic()
             if watch.watching and self._epoch_changed.is_set() and not watch.notice(self.membership.current(), now):
                 self._epoch_changed.clear()
-            verdict = watch.verdict(now, stopping=self._closed or bool(self._state.excluded))
-            if verdict is Verdict.DEADLINE:
+            verdict = outcome(watcher.poll(), watch.verdict(now, stopping=self._closed or bool(self._state.excluded)))
+            if verdict is Outcome.DONE:
+                return
+            if verdict is Outcome.FAILED:
+                raise PeerFailure(watcher.error())
+            if verdict is not Outcome.WAIT:
+                group.abort(self._reaper)
+                if verdict is Outcome.ABORT_EPOCH:
+                    raise Abandoned()
                 raise PeerFailure(f"collective missed its {self.config.timeout_s}s deadline")
-            if verdict is Verdict.ABANDON:
-                raise Abandoned()
-            done.wait(min(watch.left(now), POLL_S))
-        try:
-            fut.wait()
-        except Exception as e:
-            raise PeerFailure(f"collective error: {str(e).splitlines()[0][:300]}") from e
+            watcher.pause(min(watch.left(now), POLL_S))
 
     def _run_collective(self, group: EpochGroup, req: Request, epoch: EpochView, attempt: int) -> ExchangeResult:
         packed = pack(req.tensors, contribute=req.contribute, keep_inputs=req.keep_inputs, staging=group.staging)
@@ -395,7 +395,7 @@ class LaneEngine:
         if self.config.hold:
             kept = tuple(t.clone() for t in out) if req.inplace else tuple(out)  # the caller may change its own
             self._held.record(tag, Held(kept, epoch.number, contributors))
-        return ExchangeResult(out, epoch.number, contributors, attempt, tag)
+        return ExchangeResult(out, epoch.number, contributors, attempt, tag, devices.record(self.device))
 
     # --- blame --------------------------------------------------------------------------------------------------
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from ftar import devices
 
 OPS = ("avg", "sum")
 BACKENDS = ("gloo", "nccl")
@@ -34,6 +37,9 @@ class FTARConfig:
     abandon_grace_s: float = 1.0
     """A collective in flight when a newer epoch that keeps all of its members arrives gets this long to finish
     before it is abandoned (one that lost a member is abandoned at once)."""
+    device: torch.device | None = None
+    """The CUDA device of this lane (``nccl``); ``None``: the current device of the thread that makes the engine.
+    Every thread of the lane sets it (the current device is per thread)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,9 @@ class ExchangeResult:
     attempts: int
     tag: int
     """The tag (step) the members agreed on: a joiner that called with ``tag=None`` learns it here."""
+    ready: Any = None
+    """On CUDA, the event after which ``tensors`` hold the result (they were written on the lane's stream):
+    ``Handle.wait`` makes the caller's current stream wait for it. ``None`` on the CPU."""
 
 
 class Handle:
@@ -61,8 +70,11 @@ class Handle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> ExchangeResult:
-        """The result; raises the exchange's ``FTARError``, or ``TimeoutError`` at the deadline."""
-        return self._future.result(timeout)
+        """The result; raises the exchange's ``FTARError``, or ``TimeoutError`` at the deadline. On CUDA the
+        calling thread's current stream is ordered after the result (by its event: the CPU does not block)."""
+        result = self._future.result(timeout)
+        devices.wait_for(result.ready)
+        return result
 
 
 @dataclass
@@ -78,3 +90,5 @@ class Request:
     redo: bool
     new_epoch_ok: bool
     future: Future[ExchangeResult]
+    ready: Any = None
+    """On CUDA, an event recorded on the stream that produced ``tensors``: the lane's stream waits for it."""

@@ -3,7 +3,10 @@ process group (Gloo or NCCL) built for the epoch in the same process, its collec
 read from, and the release of a group that is given up.
 
 A Gloo group has no shutdown: its abort blocks until a pending collective reaches its own timeout
-(pytorch#130345, docs/design.md §10), so groups are released on reaper threads, never on the caller's.
+(pytorch#130345, docs/design.md §10), so groups are released on reaper threads, never on the caller's. An NCCL
+group's abort (``ncclCommAbort``) ends its collectives at once; it runs on a reaper thread too. Every thread here
+sets the lane's device first (``ftar.devices.start_thread``): torchft's ``_create_pg`` connects the communicator
+to the connect thread's current device.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
 
+from ftar import devices
+from ftar.completion import FutureWatcher, StreamWatcher, Watcher
 from ftar.errors import Abandoned, PeerFailure
 from ftar.packing import Staging
 from ftar.rules import missing
@@ -34,7 +39,8 @@ POLL_S = 0.02
 
 
 def device_for(backend: str) -> torch.device:
-    """Where a backend's tensors live: the CPU for Gloo, the calling thread's current CUDA device for NCCL."""
+    """Where a backend's tensors live: the CPU for Gloo, the calling thread's current CUDA device for NCCL (the
+    lane's worker has set it: ``ftar.devices.start_thread``)."""
     return torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
 
 
@@ -46,11 +52,13 @@ def _abort(pg: Any) -> None:
 
 
 class Reaper:
-    """Releases process groups on threads of their own, and lets the owner wait for them when it closes (an
-    abandoned group ends by its own collective timeout)."""
+    """Releases process groups on threads of their own (on the lane's ``device``), and lets the owner wait for them
+    when it closes (an abandoned Gloo group ends by its own collective timeout)."""
 
-    def __init__(self, lane: int) -> None:
+    def __init__(self, lane: int, device: torch.device | None = None) -> None:
         self.lane = lane
+        self.device = device
+        """The lane's device: every thread the lane's groups use (connect, release) sets it first."""
         self._threads: list[threading.Thread] = []
 
     def reap(self, pg: Any, after: threading.Thread | None = None) -> None:
@@ -62,9 +70,7 @@ class Reaper:
             _abort(pg)
 
         self._threads = [t for t in self._threads if t.is_alive()]
-        thread = threading.Thread(target=run, name=f"ftar-reap-lane{self.lane}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+        self._threads.append(devices.start_thread(run, name=f"ftar-reap-lane{self.lane}", device=self.device))
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` for each pending release."""
@@ -85,6 +91,8 @@ class EpochGroup:
         self.staging = staging
         self.seq = 0
         """Exchanges started in this group; names the failure check-in key."""
+        self.aborted = False
+        """Given up (``abort``): its buffers are never read again."""
 
     @classmethod
     def open(cls, epoch: EpochView, replica_id: str, lane: int, backend: str, connect_timeout_s: float,
@@ -112,7 +120,8 @@ class EpochGroup:
         return cls(epoch, rank, store, pg, Staging(device_for(backend)))
 
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, timeout_s: float) -> Any:
-        """Start an all-reduce of ``tensor`` with a deadline; returns its work."""
+        """Start an all-reduce of ``tensor`` with a deadline (Gloo's; torchft's NCCL option hook clears it, so there
+        the lane's watcher is what bounds it); returns its work."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(op)
         opts.timeout = timedelta(seconds=timeout_s)
@@ -145,9 +154,23 @@ class EpochGroup:
         """The other ranks that have set ``key/<rank>``; ``None`` if the store cannot be read."""
         return _present(self.store, key, self.rank, self.world)
 
+    def watch(self, work: Any) -> Watcher:
+        """The watcher of ``work`` (``ftar.completion``): its future on Gloo; on NCCL an event recorded on the
+        calling thread's current stream once that stream waits for the collective, and the group's error."""
+        if self.staging.device.type != "cuda":
+            return FutureWatcher(work)
+        return StreamWatcher(work, self.pg, lambda: devices.record(self.staging.device))
+
+    def abort(self, reaper: Reaper) -> None:
+        """Give the group up now, without waiting for it: on NCCL the communicator is aborted, which ends a
+        collective stuck on a dead peer (the lane's stream waits for it)."""
+        if not self.aborted:
+            self.aborted = True
+            reaper.reap(self.pg)
+
     def release(self, reaper: Reaper) -> None:
-        """Give the group up without waiting for it."""
-        reaper.reap(self.pg)
+        """Give the group up without waiting for it (once: an aborted group is already on its way)."""
+        self.abort(reaper)
 
 
 def _present(store: Any, key: str, rank: int, world: int) -> set[int] | None:
@@ -175,8 +198,7 @@ def _configure(pg: Any, prefix: str, replica_id: str, rank: int, world: int, lan
         except BaseException as e:  # handed to the waiting thread
             error.append(e)
 
-    t = threading.Thread(target=run, name=f"ftar-connect-lane{lane}", daemon=True)
-    t.start()
+    t = devices.start_thread(run, name=f"ftar-connect-lane{lane}", device=reaper.device)
     while t.is_alive():
         t.join(POLL_S)
         if t.is_alive() and superseded():

@@ -11,7 +11,11 @@ the epoch they were computed in. Then every member is at H. Without a holder (no
 results), the members disagree as before (``Misaligned``): the ones behind must catch up.
 
 A lane keeps the results it acted on (``HeldResults``) until its caller says they can go (``forget_before``); the
-fthsdp runtime keeps the last committed step's, so holding costs one more copy of the replica's gradient shard.
+fthsdp runtime keeps the last committed step's, so holding costs one more copy of the replica's gradient shard
+(while the next step's exchange runs). A caller that uses a result in place must not change it (the runtime makes
+it the parameters' ``.grad`` only with an optimizer that never changes ``.grad``); as a backstop, a result whose
+version counter moved since it was recorded is no longer held (this sees in-place ops on plain tensors, not those
+on a DTensor, which leave the local tensor's counter alone).
 
 This module is pure (the holder rule, the held results, the layout of a service on the wire); the broadcasts are
 the engine's (``ftar.engine``).
@@ -47,6 +51,7 @@ class HeldResults:
 
     def __init__(self) -> None:
         self._by_tag: dict[int, Held] = {}
+        self._versions: dict[int, tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         return len(self._by_tag)
@@ -54,13 +59,16 @@ class HeldResults:
     def record(self, tag: int, held: Held) -> None:
         """``tag``'s result is ``held`` (a later exchange of the same tag replaces an earlier one)."""
         self._by_tag[tag] = held
+        self._versions[tag] = _versions(held)
 
     def get(self, tag: int) -> Held | None:
-        return self._by_tag.get(tag)
+        """``tag``'s result, if held and not changed in place since."""
+        held = self._by_tag.get(tag)
+        return held if held is not None and _versions(held) == self._versions[tag] else None
 
     def covers(self, lo: int, hi: int) -> bool:
-        """Whether every tag in ``[lo, hi)`` is held."""
-        return 0 <= hi - lo <= len(self._by_tag) and all(t in self._by_tag for t in range(lo, hi))
+        """Whether every tag in ``[lo, hi)`` is held, unchanged."""
+        return 0 <= hi - lo <= len(self._by_tag) and all(self.get(t) is not None for t in range(lo, hi))
 
     def span(self, lo: int, hi: int) -> list[tuple[int, Held]]:
         """The held results of ``[lo, hi)``, in tag order (every one must be held)."""
@@ -69,7 +77,12 @@ class HeldResults:
     def forget_before(self, tag: int) -> None:
         """Drop the results of every tag below ``tag``."""
         for t in [t for t in self._by_tag if t < tag]:
-            del self._by_tag[t]
+            del self._by_tag[t], self._versions[t]
+
+
+def _versions(held: Held) -> tuple[int, ...]:
+    """The version counters of ``held``'s tensors: each in-place change moves its counter."""
+    return tuple(t._version for t in held.tensors)
 
 
 # --- who serves -------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ftar.devices import start_thread
 from fthsdp.catchup import wire
 from fthsdp.catchup.server import tensor_bytes
 from fthsdp.catchup.wire import CatchupError, FetchFailed, Hello, Kind, Manifest, ProtocolError, Refused
@@ -87,12 +88,12 @@ class Fetch:
         self._refetched = 0
         self._cancelled = False
         self._socks: list[socket.socket] = []
-        self._threads = [threading.Thread(target=self._run_source, args=(s,), daemon=True,
-                                          name=f"catchup-fetch-r{rank}-{s.replica_id}") for s in self.sources]
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> Fetch:
-        for t in self._threads:
-            t.start()
+        """Start one fetching thread per source (sockets and CPU buffers only: no device)."""
+        self._threads = [start_thread(self._run_source, args=(s,), device=None,
+                                      name=f"catchup-fetch-r{self.hello.rank}-{s.replica_id}") for s in self.sources]
         return self
 
     def done(self) -> bool:
@@ -214,9 +215,8 @@ class Fetch:
         pending: dict[tuple[int, int], int] = {}
         received: queue.Queue[tuple[int, int, int, int] | None] = queue.Queue()
         dropped: list[str] = []
-        verifier = threading.Thread(target=self._verify, args=(src, received, dropped), daemon=True,
-                                    name=f"catchup-verify-r{self.hello.rank}-{src.replica_id}")
-        verifier.start()
+        verifier = start_thread(self._verify, args=(src, received, dropped), device=None,
+                                name=f"catchup-verify-r{self.hello.rank}-{src.replica_id}")
         try:
             sock = self._connect(src.address)
             while True:

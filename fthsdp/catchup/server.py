@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ftar.devices import start_thread
 from fthsdp.catchup import wire
 from fthsdp.catchup.wire import CatchupError, Entry, Kind, Manifest, ProtocolError
 
@@ -82,8 +83,7 @@ class CatchupServer:
         self._sock.settimeout(0.2)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._threads: list[threading.Thread] = []
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"catchup-accept-r{rank}", daemon=True)
-        self._acceptor.start()
+        self._acceptor = start_thread(self._accept_loop, name=f"catchup-accept-r{rank}", device=None)  # CPU only
 
     # --- the training thread ------------------------------------------------------------------------------------
 
@@ -142,8 +142,7 @@ class CatchupServer:
                 self._refuse(conn, "busy", f"{self.max_sessions} catch-up sessions already running")
                 _linger_close(conn)
                 continue
-            t = threading.Thread(target=self._session, args=(conn,), name=f"catchup-serve-r{self.rank}", daemon=True)
-            t.start()
+            start_thread(self._session, args=(conn,), name=f"catchup-serve-r{self.rank}", device=None)
 
     def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
         log.warning("catchup replica=%s rank=%d step=%d refused a joiner: %s: %s", self.replica_id, self.rank,

@@ -1,7 +1,10 @@
 """Gradient buckets: which gradient shards travel across replicas together, the FSDP2 hook that hands each bucket
 to FTAR as soon as its shards exist (so the exchange overlaps the rest of the backward pass), and the tag that
 names one bucket of one step on the wire. The last bucket also carries the step's state digests
-(``fthsdp.runtime.digest``) and, last, the slot mask."""
+(``fthsdp.runtime.digest``) and, last, the slot mask.
+
+On CUDA a bucket's exchange reads its shards only after an event recorded on the stream the hook runs on (FSDP2's
+reduce-scatter stream), and a step's results become the parameters' ``.grad`` in place (``install``)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from ftar import ExchangeResult, Excluded, FTARError, Handle, Interrupted, LaneEngine, Misaligned
+from ftar import ExchangeResult, Excluded, FTARError, Handle, Interrupted, LaneEngine, Misaligned, devices
 from fthsdp.runtime import digest
 from fthsdp.runtime.commit import CommitProtocol, Exchanged, Failed, Failure
 from fthsdp.runtime.errors import RejoinRequired
@@ -49,6 +53,34 @@ class BucketTag:
 
     def __str__(self) -> str:
         return f"step {self.step} bucket {self.bucket}"
+
+
+def grads_untouched(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` is known never to change ``.grad`` in place (so a step's results can be the gradients):
+    torch's Adam and AdamW, and SGD without Nesterov (which adds the momentum into ``.grad``), none of them
+    ``differentiable``. Anything else is not known, so its gradients are copied. (Version counters cannot tell:
+    an in-place op on a DTensor does not move its local tensor's counter.)"""
+    groups = opt.param_groups
+    if any(g.get("differentiable", False) for g in groups):
+        return False
+    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+        return True
+    return type(opt) is torch.optim.SGD and not any(g.get("nesterov", False) for g in groups)
+
+
+def _bind_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Make ``g`` (shaped like ``p``'s local shard) ``p``'s gradient, without a copy. FSDP2's gradient DTensor is
+    kept and its local tensor swapped, as FSDP2 itself accumulates into it (``DTensor.from_local`` per parameter
+    would cost more CPU than the copy it saves)."""
+    grad = p.grad
+    if isinstance(grad, DTensor):
+        local = grad._local_tensor
+        if (local.shape, local.stride(), local.dtype, local.device) == (g.shape, g.stride(), g.dtype, g.device):
+            grad._local_tensor = g
+            return
+    with torch.no_grad():
+        p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                    stride=p.stride()) if isinstance(p, DTensor) else g.view_as(p)
 
 
 def failure_of(e: FTARError) -> Failure:
@@ -99,6 +131,8 @@ class BucketExchange:
         """The step whose buckets the hook launches (None: the hook does nothing)."""
         self.digest: bytes | None = None
         """This replica's state digest for the step being exchanged (None: not a checked step)."""
+        self.alias = False
+        """``install`` makes the results the gradients, without a copy (set when ``grads_untouched``)."""
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
 
@@ -134,7 +168,9 @@ class BucketExchange:
             grads.append(torch.tensor(words, dtype=torch.float32, device=self.device))
             grads.append(slot_mask(self.slot, self.slots, contribute, self.device))
         tag = None if step is None else BucketTag(step, k).encode(len(self.buckets))
-        handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False, new_epoch_ok=k == 0)
+        # On CUDA the lane reads the shards after this event, on the stream FSDP2 produced them on (the hook's).
+        handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False, new_epoch_ok=k == 0,
+                                       ready=devices.record(self.device))
         self._pending[k] = handle
         self._launched = k + 1
         return handle
@@ -204,9 +240,16 @@ class BucketExchange:
         return BucketTag.decode(result.tag, len(self.buckets)).step
 
     def install(self, results: Sequence[ExchangeResult]) -> None:
-        """Put a step's averaged gradients (every bucket's result) into the parameters' ``.grad``."""
+        """Make a step's averaged gradients (every bucket's result) the parameters' ``.grad``. Only once the vote
+        has committed (a redo needs the gradients as they were), so in place means: with ``alias`` the results
+        *become* the gradients, without a copy; else they are copied in. FTAR holds these results to serve a
+        partner that lost them (``ftar.reconcile``), so they may be aliased only when the optimizer never
+        changes ``.grad`` in place (``grads_untouched``)."""
         for bucket, res in zip(self.buckets, results, strict=True):
             for p, g in zip(bucket, res.tensors, strict=False):  # the last bucket's digests and mask: no parameter
+                if self.alias:
+                    _bind_grad(p, g)
+                    continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 local_tensor(p.grad).copy_(g)

@@ -14,13 +14,13 @@ replaying a step (an optimizer step, no forward or backward) is always faster th
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ftar import ExchangeResult
+from ftar.devices import start_thread
 from fthsdp.catchup.client import Fetch, FetchResult, Source
 from fthsdp.catchup.wire import FetchFailed
 from fthsdp.runtime.buckets import LogFn
@@ -163,7 +163,7 @@ class Joiner:
         """Rank 0: Ready(ACTIVE), off the critical path: the role change keeps the data plane (the epoch's
         plane), so training does not wait for the lighthouse; a slow or failing-over one only delays the role."""
         if self.rank == 0:
-            threading.Thread(target=self._ready_active, name="fthsdp-ready-active", daemon=True).start()
+            start_thread(self._ready_active, name="fthsdp-ready-active", device=None)  # the lighthouse only
 
     def _ready_active(self) -> None:
         """Ready(ACTIVE), retried (bounded by epoch_wait_s) while the lighthouse does not answer."""

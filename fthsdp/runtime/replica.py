@@ -41,7 +41,7 @@ from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneE
 from fthsdp.catchup.server import CatchupServer
 from fthsdp.runtime import checkpoint
 from fthsdp.runtime.agreement import DigestCheck
-from fthsdp.runtime.buckets import BucketExchange, BucketTag
+from fthsdp.runtime.buckets import BucketExchange, BucketTag, grads_untouched
 from fthsdp.runtime.commit import Commit, CommitProtocol, Rejoin, Tally, advance_cursors, contributing_slots
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.errors import JobFinished, NoStateToResume, RejoinRequired, StateMismatch, Terminated
@@ -119,7 +119,7 @@ class Replica:
         self.metrics.on_joining(self.joining)
         self.engine = LaneEngine(LighthouseMembership(self.client, self.feed), lane=self.rank,
                                  config=FTARConfig(backend=cfg.backend, timeout_s=cfg.timeout_s,
-                                                   epoch_wait_s=cfg.epoch_wait_s, hold=True))
+                                                   epoch_wait_s=cfg.epoch_wait_s, hold=True, device=self.device))
         self.joiner = Joiner(cfg, self.rank, self.slot, self.client, self.faults, self.device, self._log)
         self.model: nn.Module | None = None
         self.opt: torch.optim.Optimizer | None = None
@@ -195,6 +195,7 @@ class Replica:
             self.state.register("scheduler", scheduler, on_commit=scheduler.step)
         self.opt = opt
         self._shards = ShardState(self._sharded, opt, self.device, self.state)
+        self._parts()[1].alias = grads_untouched(opt)  # the step's results become .grad, without a copy
         if self._resume_from is not None:
             ck = self._resume_from
             self.cursors = checkpoint.resume(ck, self.model, self._shards, len(self.cursors), self.rank)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ftar import ExchangeResult, Handle, Interrupted
-from fthsdp.runtime.buckets import BucketExchange, BucketTag, plan_buckets, slot_mask
+from fthsdp.runtime.buckets import BucketExchange, BucketTag, grads_untouched, plan_buckets, slot_mask
 from fthsdp.runtime.digest import WORDS, pack
 
 CPU = torch.device("cpu")
@@ -175,3 +175,84 @@ def test_the_step_digest_rides_the_last_bucket_in_this_slot_and_again_on_a_redo(
     assert buckets.digests_of([h.wait() for h in handles if h is not None]) == {1: 0x0001020304050607}
     handles, _ = buckets.exchange_all(4, contribute=False)  # a zero contributor sends none
     assert torch.equal(engine.calls[-1]["tensors"][-2], torch.zeros(3 * WORDS))
+
+
+def test_each_bucket_goes_out_with_an_event_of_the_stream_that_produced_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftar import devices
+
+    events = iter(range(100))
+    monkeypatch.setattr(devices, "record", lambda device: f"event{next(events)}")
+    model, engine = Model(), FakeEngine()
+    buckets = exchange(model, engine)
+    with buckets.armed(step=1):
+        model(torch.ones(1, 2)).backward()  # the hook records on the stream it runs on (FSDP2's reduce-scatter)
+    buckets.launch_rest(1)
+    assert [c["ready"] for c in engine.calls] == ["event0", "event1", "event2"]
+
+
+def test_results_become_the_gradients_without_a_copy_only_with_an_optimizer_that_keeps_them() -> None:
+    params = [nn.Parameter(torch.ones(2))]
+    assert grads_untouched(torch.optim.AdamW(params)) and grads_untouched(torch.optim.SGD(params, lr=0.1))
+    assert not grads_untouched(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True))
+    assert not grads_untouched(torch.optim.RMSprop(params))  # not known: copied
+    model, engine = Model(), FakeEngine()
+    buckets = exchange(model, engine)
+    handles, _ = buckets.exchange_all(2, contribute=True)
+    results = [h.wait() for h in handles if h is not None]
+    buckets.alias = True
+    buckets.install(results)
+    by_param = dict(zip((id(p) for b in buckets.buckets for p in b),
+                        (t for b, r in zip(buckets.buckets, results, strict=True) for t in r.tensors[:len(b)]),
+                        strict=True))
+    assert all(p.grad is not None and p.grad.data_ptr() == by_param[id(p)].data_ptr() for p in model.parameters())
+    model.zero_grad(set_to_none=True)  # the next step
+    buckets.alias = False
+    buckets.install(results)
+    assert all(p.grad is not None and p.grad.data_ptr() != by_param[id(p)].data_ptr() for p in model.parameters())
+
+
+@pytest.fixture
+def one_rank_group() -> Any:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process, no network
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_gradients_are_bound_and_step_like_copied_ones(one_rank_group: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fthsdp.runtime.state import local_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    updated = []
+    for alias in (True, False):
+        torch.manual_seed(0)
+        model = Model()
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        engine = FakeEngine()
+        buckets = BucketExchange(list(model.parameters()), [list(b.parameters()) for b in model.blocks], engine,
+                                 slot=1, slots=3, device=CPU, wait_s=5.0)  # type: ignore[arg-type]
+        buckets.alias = alias
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        with buckets.armed(step=0):
+            model(torch.ones(1, 2)).backward()
+        results = [h.wait() for h in buckets.launch_rest(0) if h is not None]
+        for r in results:
+            for t in r.tensors:
+                t.mul_(0.5)  # "averaged"
+        buckets.install(results)
+        grads = [t for b, r in zip(buckets.buckets, results, strict=True) for t in r.tensors[:len(b)]]
+        params = [p for b in buckets.buckets for p in b]
+        shared = [local_tensor(p.grad).data_ptr() == g.data_ptr() for p, g in zip(params, grads, strict=True)]
+        assert all(shared) if alias else not any(shared)
+        assert all(torch.equal(local_tensor(p.grad), g) for p, g in zip(params, grads, strict=True))
+        opt.step()
+        updated.append([local_tensor(p.detach()).clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*updated, strict=True))

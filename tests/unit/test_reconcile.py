@@ -118,3 +118,14 @@ def test_every_exchange_proves_all_members_paired_the_same_tag() -> None:
     assert not tags_agree(6, summed([6, 6, 9]), 3)
     assert not tags_agree(6, summed([5, 7]), 2) and not tags_agree(6, summed([5, 6, 7]), 3)  # sums alone would pass
     assert tags_agree(10**7, summed([10**7] * 5000), 5000)  # no overflow at scale
+
+
+def test_a_result_changed_in_place_is_no_longer_held() -> None:
+    h = HeldResults()
+    t = torch.ones(3)
+    h.record(4, Held((t,), 2, 1))
+    assert h.covers(4, 5) and h.get(4) is not None
+    t.mul_(2)  # the caller used the result in place and changed it: its bytes are not the exchange's any more
+    assert not h.covers(4, 5) and h.get(4) is None
+    h.record(4, Held((t,), 3, 1))  # a later exchange of the tag holds again
+    assert h.covers(4, 5)
