@@ -291,7 +291,8 @@ class LaneEngine:
         self._plane_epoch = epoch.number
         self._epoch_changed.clear()
         group = EpochGroup.open(epoch, self.replica_id, self.lane, self.config.backend, self.config.connect_timeout_s,
-                                self._reaper, lambda: self._closed or newer(self.membership.current(), epoch))
+                                self._reaper, lambda: self._closed or newer(self.membership.current(), epoch),
+                                getattr(self.membership, "store_target", None))
         self._group = group
         self._tag = self._check_alignment(group, epoch, tag)
         self.last_rebuild_s = time.perf_counter() - t0
@@ -320,7 +321,6 @@ class LaneEngine:
         ctrl = torch.tensor(values, dtype=torch.int64, device=group.staging.device)
         self._wait(group.allreduce(ctrl, dist.ReduceOp.MAX, self.config.timeout_s), epoch)
         return [int(x) for x in ctrl.tolist()]
-
 
     def _serve(self, group: EpochGroup, epoch: EpochView, holder: int, lowest: int, highest: int,
                tag: int | None) -> None:

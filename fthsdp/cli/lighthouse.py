@@ -39,7 +39,8 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
     except (SecurityConfigError, ValueError) as e:
         sys.exit(f"fthsdp lighthouse: {e}")
     config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job or ["default"]), policy=policy,
-                              rendezvous=not a.no_rendezvous, security=security, advertise=a.advertise,
+                              rendezvous=not a.no_rendezvous,
+                              insecure_tcp_rendezvous=a.insecure_tcp_rendezvous, security=security, advertise=a.advertise,
                               election_ttl_s=a.election_ttl)
 
     def ready(lh: Any) -> None:
@@ -113,8 +114,12 @@ def register(sub: Subparsers) -> None:
                     help="seconds a joiner may stay in the data plane without turning active before it is dropped; "
                          "0: never")
     lh.add_argument("--store", default="memory://", help="durable store URL (memory:// is the default)")
-    lh.add_argument("--no-rendezvous", action="store_true", help="do not host the data-plane TCPStore")
-    lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=H:P' here once serving")
+    lh.add_argument("--no-rendezvous", action="store_true", help="do not host the data-plane rendezvous")
+    lh.add_argument("--insecure-tcp-rendezvous", action="store_true",
+                    help="host the data-plane rendezvous on a plain TCPStore (no token, no TLS; loopback --bind "
+                         "only) instead of the authenticated gRPC Rendezvous service")
+    lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=R' here once serving (R: "
+                    "'lighthouse:' for the gRPC service, H:P for the opt-in TCPStore, empty when off)")
     lh.add_argument("--advertise", default="", help="gRPC HOST:PORT other lighthouses name as the leader's "
                     "(HA on etcd; default: the bound address)")
     lh.add_argument("--election-ttl", type=int, default=5,
