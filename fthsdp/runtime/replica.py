@@ -91,6 +91,7 @@ class Replica:
         self.check = DigestCheck(cfg.digest_every, self.slot, self._log)
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, snapshot=self._snapshot, host=cfg.host,
+                                    epoch=lambda: self.client.epoch if hasattr(self, "client") else None,
                                     token=cfg.token, wait_s=cfg.epoch_wait_s, on_chunk_sent=self.faults.on_chunk_sent,
                                     corrupt=self.faults.corrupter())
         self.server.directory = gather_addresses(self.server.address, self.world_size, self.device)
