@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import torch.distributed as dist
@@ -104,41 +104,41 @@ class LighthouseStore(dist.Store):
 
     # --- torch.distributed.Store ------------------------------------------------------------------------------
 
-    def set(self, key: str, value: bytes | str) -> None:  # type: ignore[override]
+    def set(self, key: str, value: bytes | str) -> None:
         self._rpc("Set", keys=[key], value=_bytes(value))
 
-    def get(self, key: str) -> bytes:  # type: ignore[override]
+    def get(self, key: str) -> bytes:
         wait = self._wait.total_seconds()
         resp = self._rpc("Get", wait, keys=[key])
         if not resp.ok:
             raise StoreTimeout(f"rendezvous key {key!r} of {self.namespace} did not appear within {wait:.1f}s")
         return resp.value
 
-    def add(self, key: str, amount: int) -> int:  # type: ignore[override]
+    def add(self, key: str, amount: int) -> int:
         return self._rpc("Add", keys=[key], amount=amount).number
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:  # type: ignore[override]
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         return self._rpc("CompareSet", keys=[key], expected=_bytes(expected), value=_bytes(desired)).value
 
-    def check(self, keys: Sequence[str]) -> bool:  # type: ignore[override]
+    def check(self, keys: Sequence[str]) -> bool:
         return self._rpc("Check", keys=list(keys)).ok
 
-    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         wait = (timeout or self._wait).total_seconds()
         if not self._rpc("Wait", wait, keys=list(keys)).ok:
             raise StoreTimeout(f"rendezvous keys {list(keys)[:4]} of {self.namespace} did not all appear within "
                                f"{wait:.1f}s")
 
-    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+    def delete_key(self, key: str) -> bool:
         return self._rpc("DeleteKey", keys=[key]).ok
 
-    def num_keys(self) -> int:  # type: ignore[override]
+    def num_keys(self) -> int:
         return self._rpc("NumKeys").number
 
-    def set_timeout(self, timeout: timedelta) -> None:  # type: ignore[override]
+    def set_timeout(self, timeout: timedelta) -> None:
         self._wait = timeout
 
-    def clone(self) -> LighthouseStore:  # type: ignore[override]
+    def clone(self) -> LighthouseStore:
         """A store on the same namespace with a channel of its own (Gloo clones the store for its threads).
         Kept referenced here: the C++ side holds it but does not keep its Python object alive."""
         twin = LighthouseStore(StoreTarget(self._address, self.target.security, self.target.job_id),
@@ -154,7 +154,7 @@ def _bytes(value: bytes | str | Sequence[int]) -> bytes:
 def _leader(e: grpc.RpcError) -> str:
     """The leader a following lighthouse named in its refusal ('' if none)."""
     try:
-        md = e.trailing_metadata() or ()  # type: ignore[attr-defined]
+        md = cast(Iterable[tuple[str, str | bytes]], e.trailing_metadata() or ())
     except Exception:
         return ""
     for key, value in md:

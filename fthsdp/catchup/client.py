@@ -63,7 +63,8 @@ class Fetch:
     """One fetch of a rank's snapshot; ``start()`` runs it on background threads, ``result()`` waits for it."""
 
     def __init__(self, sources: Sequence[Source], *, job: str, replica_id: str, rank: int, step: int,
-                 incarnation: str = "", token: str = "", expected: Sequence[tuple[str, str, tuple[int, ...]]] | None = None,
+                 incarnation: str = "", token: str = "",
+                 expected: Sequence[tuple[str, str, tuple[int, ...]]] | None = None,
                  connect_timeout_s: float = 10.0, wait_s: float = 60.0, io_timeout_s: float = 30.0,
                  batch_bytes: int = 8 << 20, on_chunk: Callable[[int, int], None] | None = None) -> None:
         self.sources = list(sources)

@@ -22,7 +22,7 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
     from fthsdp.testing.procutil import write_atomic
     from lighthouse.config import LighthouseConfig
     from lighthouse.membership import Policy
-    from lighthouse.security import SecurityConfigError, ServerSecurity
+    from lighthouse.security import SecurityConfigError, ServerSecurity, is_loopback
     from lighthouse.server.app import serve
     from lighthouse.stores.factory import open_store
 
@@ -39,9 +39,10 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
     except (SecurityConfigError, ValueError) as e:
         sys.exit(f"fthsdp lighthouse: {e}")
     config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job or ["default"]), policy=policy,
-                              rendezvous=not a.no_rendezvous,
-                              insecure_tcp_rendezvous=a.insecure_tcp_rendezvous, security=security, advertise=a.advertise,
-                              election_ttl_s=a.election_ttl)
+                              rendezvous=not a.no_rendezvous, insecure_tcp_rendezvous=a.insecure_tcp_rendezvous,
+                              security=security, advertise=a.advertise, election_ttl_s=a.election_ttl)
+    if config.insecure_tcp_rendezvous and not is_loopback(config.host):
+        sys.exit(f"fthsdp lighthouse: --insecure-tcp-rendezvous needs a loopback --bind, not {config.host!r}")
 
     def ready(lh: Any) -> None:
         if a.port_file:

@@ -58,15 +58,16 @@ def test_the_rendezvous_needs_the_token_and_no_tcpstore_is_hosted(lighthouse: Se
     assert lighthouse.lh._tcp_store is None and lighthouse.lh.rendezvous_addr == "lighthouse:"
     good = _store(lighthouse, TOKEN)
     good.set("lane0/arrived/0", b"1")
+    key = "lane0/arrived/0"
+    calls: list[tuple[str, tuple[object, ...]]] = [
+        ("set", (key, b"forged")), ("set", ("lane0/failed/1/2", b"1")), ("get", (key,)), ("check", ([key],)),
+        ("add", ("lane0/n", 1)), ("delete_key", (key,)), ("num_keys", ()), ("compare_set", (key, b"1", b"x")),
+        ("wait", ([key],))]
     for token in (None, "wrong"):
         bad = _store(lighthouse, token, wait_s=0.5)
-        calls = [lambda: bad.set("lane0/arrived/0", b"forged"), lambda: bad.set("lane0/failed/1/2", b"1"),
-                 lambda: bad.get("lane0/arrived/0"), lambda: bad.check(["lane0/arrived/0"]),
-                 lambda: bad.add("lane0/n", 1), lambda: bad.delete_key("lane0/arrived/0"), bad.num_keys,
-                 lambda: bad.compare_set("lane0/arrived/0", b"1", b"x"), lambda: bad.wait(["lane0/arrived/0"])]
-        for call in calls:
+        for method, args in calls:
             with pytest.raises(StoreRefused, match="UNAUTHENTICATED"):
-                call()
+                getattr(bad, method)(*args)
     assert good.get("lane0/arrived/0") == b"1" and good.num_keys() == 1  # nothing written by them
     with pytest.raises(StoreRefused, match="INVALID_ARGUMENT.*exceeds"):
         good.set("lane0/big", b"x" * 40_000)
