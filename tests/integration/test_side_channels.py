@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torchft.process_group import ProcessGroupGloo
 
 from ftar.group import configure_with_store
-from ftar.store import LighthouseStore, StoreRefused, StoreTarget
+from ftar.store import LighthouseStore, StoreRefused, StoreTarget, StoreTimeout
 from fthsdp.catchup.client import Fetch, Source
 from fthsdp.catchup.server import CatchupServer
 from fthsdp.catchup.wire import FetchFailed
@@ -75,6 +75,28 @@ def test_the_rendezvous_needs_the_token_and_no_tcpstore_is_hosted(lighthouse: Se
         LighthouseStore(StoreTarget(lighthouse.addr, ClientSecurity(token=TOKEN), JOB), f"{JOB}/epoch2",
                         timedelta(seconds=1)).set("k", b"1")  # an epoch that does not exist yet
     assert good.num_keys() == 1
+
+
+def test_blocking_gets_wait_on_the_lighthouse_until_the_key_is_set(lighthouse: ServerThread) -> None:
+    waiters = 20
+    got: list[bytes] = []
+    lock = threading.Lock()
+
+    def get() -> None:
+        value = _store(lighthouse, TOKEN, wait_s=30).get("lane0/late")
+        with lock:
+            got.append(value)
+
+    threads = [threading.Thread(target=get, daemon=True) for _ in range(waiters)]
+    for t in threads:
+        t.start()
+    writer = _store(lighthouse, TOKEN)
+    with pytest.raises(StoreTimeout):
+        writer.wait(["lane0/never"], timedelta(seconds=0.2))  # a wait that times out says so
+    writer.set("lane0/late", b"here")
+    for t in threads:
+        t.join(30)
+    assert got == [b"here"] * waiters
 
 
 def test_an_insecure_tcpstore_is_only_an_explicit_loopback_opt_in() -> None:
