@@ -28,6 +28,7 @@ from lighthouse.epoch_view import EpochView
 
 log = logging.getLogger("fthsdp.catchup")
 
+
 class InsecureServing(CatchupError):
     """A catch-up server without a job token was asked to listen on a non-loopback address."""
 
