@@ -16,8 +16,7 @@ An exchange, under epoch E:
    never read; the originals are untouched), blame the members that did not check in on the epoch's store,
    report them, wait for the next epoch, rebuild, and redo from the originals.
 On CUDA the worker runs on the lane's device and stream (``ftar.devices``), ordered by events with its callers.
-The decisions are ``ftar.rules``, ``ftar.completion`` and ``ftar.reconcile``; the group and store I/O is
-``ftar.group``; the packing is ``ftar.packing``.
+Decisions: ``ftar.rules``, ``ftar.completion``, ``ftar.reconcile``; group and store I/O: ``ftar.group``.
 """
 
 from __future__ import annotations
@@ -291,7 +290,8 @@ class LaneEngine:
         self._plane_epoch = epoch.number
         self._epoch_changed.clear()
         group = EpochGroup.open(epoch, self.replica_id, self.lane, self.config.backend, self.config.connect_timeout_s,
-                                self._reaper, lambda: self._closed or newer(self.membership.current(), epoch))
+                                self._reaper, lambda: self._closed or newer(self.membership.current(), epoch),
+                                getattr(self.membership, "store_target", None))
         self._group = group
         self._tag = self._check_alignment(group, epoch, tag)
         self.last_rebuild_s = time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""One epoch's data plane of a lane (docs/design.md §5): the rendezvous on the lighthouse-hosted store, the torchft
+"""One epoch's data plane of a lane (docs/design.md §5): the rendezvous on the lighthouse-hosted store (``ftar.store``:
+authenticated, over the lighthouse's gRPC port), the torchft
 process group (Gloo or NCCL) built for the epoch in the same process, its collectives, the check-in keys blame is
 read from, and the release of a group that is given up.
 
@@ -19,13 +20,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL, create_store_client
+from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
 from ftar import devices
 from ftar.completion import FutureWatcher, StreamWatcher, Watcher
 from ftar.errors import Abandoned, PeerFailure
 from ftar.packing import Staging
 from ftar.rules import missing
+from ftar.store import StoreTarget, open_store
 from lighthouse.epoch_view import EpochView
 
 log = logging.getLogger("fthsdp.ftar")
@@ -96,22 +98,27 @@ class EpochGroup:
 
     @classmethod
     def open(cls, epoch: EpochView, replica_id: str, lane: int, backend: str, connect_timeout_s: float,
-             reaper: Reaper, superseded: Callable[[], bool]) -> EpochGroup:
-        """Rendezvous under ``<epoch's rendezvous>/lane<lane>`` and build the group. Raises ``Abandoned`` as
-        soon as ``superseded()`` (a member that never arrives would otherwise hold everyone for the whole connect
-        timeout), ``PeerFailure`` (naming the members that did not arrive) if the rendezvous fails."""
+             reaper: Reaper, superseded: Callable[[], bool],
+             store_target: StoreTarget | Callable[[], StoreTarget] | None = None) -> EpochGroup:
+        """Rendezvous under ``<epoch's rendezvous>/lane<lane>`` and build the group from that store object (the
+        lighthouse's authenticated store, reached through ``store_target``; or the opt-in TCPStore). Raises
+        ``Abandoned`` as soon as ``superseded()`` (a member that never arrives would otherwise hold everyone for
+        the whole connect timeout), ``PeerFailure`` (naming the members that did not arrive) if the rendezvous
+        fails."""
         ids = epoch.replica_ids
         rank = ids.index(replica_id)
-        prefix = f"{epoch.rendezvous}/lane{lane}"
         timeout = timedelta(seconds=connect_timeout_s)
         store: Any = None
         try:
-            store = create_store_client(prefix, timeout=timeout)
+            base = open_store(epoch.rendezvous, store_target, timeout)
+            store = dist.PrefixStore(f"lane{lane}", base)
             store.set(f"{ARRIVED}/{rank}", b"1")
             pg_cls = ProcessGroupGloo if backend == "gloo" else ProcessGroupNCCL
             # The group's own timeout bounds its rendezvous; each collective gets its timeout through its options.
             pg = pg_cls(timeout=timeout)
-            _configure(pg, f"{prefix}/pg", replica_id, rank, len(ids), lane, reaper, superseded)
+            # The C++ group holds the store but not its Python object (a Python store): the group keeps it alive.
+            pg.fthsdp_rendezvous_store = base
+            _configure(pg, dist.PrefixStore("pg", store), replica_id, rank, len(ids), lane, reaper, superseded)
         except Abandoned:
             raise
         except Exception as e:
@@ -186,15 +193,24 @@ def _present(store: Any, key: str, rank: int, world: int) -> set[int] | None:
     return present
 
 
-def _configure(pg: Any, prefix: str, replica_id: str, rank: int, world: int, lane: int, reaper: Reaper,
+def configure_with_store(pg: Any, store: Any, replica_id: str, rank: int, world: int) -> None:
+    """torchft's ``ProcessGroupWrapper.configure``, from a store object instead of a TCPStore address: the same
+    bookkeeping, then the backend group built on ``store`` (``_create_pg``)."""
+    pg._replica_id, pg._rank = replica_id, rank
+    pg._quorum_id = pg._group_rank = pg._group_world_size = pg._global_ranks = None
+    pg.abort(errored=False)
+    pg._pg = pg._create_pg(store, rank, world)
+
+
+def _configure(pg: Any, store: Any, replica_id: str, rank: int, world: int, lane: int, reaper: Reaper,
                superseded: Callable[[], bool]) -> None:
-    """``pg.configure`` on a thread of its own, abandoned (``Abandoned``) as soon as ``superseded()``: the
-    group is then left to finish (or time out) on its own and released by ``reaper``."""
+    """``configure_with_store`` on a thread of its own, abandoned (``Abandoned``) as soon as ``superseded()``:
+    the group is then left to finish (or time out) on its own and released by ``reaper``."""
     error: list[BaseException] = []
 
     def run() -> None:
         try:
-            pg.configure(prefix, replica_id, rank, world)
+            configure_with_store(pg, store, replica_id, rank, world)
         except BaseException as e:  # handed to the waiting thread
             error.append(e)
 

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from ftar.store import StoreTarget
 from lighthouse.client import LighthouseClient
 from lighthouse.epoch_view import EpochView
 from lighthouse.errors import LighthouseError
@@ -90,3 +91,9 @@ class LighthouseMembership:
 
     def add_listener(self, fn: Callable[[EpochView], None]) -> Callable[[], None]:
         return self.feed.add_listener(fn)
+
+    def store_target(self) -> StoreTarget:
+        """Where the data plane's rendezvous store is (the lighthouse this client talks to now, the leader
+        after a redirect) and the credentials for it (the client's own TLS and job token)."""
+        aio = self.client.aio
+        return StoreTarget(aio.address, aio.security, aio.job_id)

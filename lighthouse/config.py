@@ -31,7 +31,11 @@ class LighthouseConfig:
     requires TLS and client certificates is opened by the caller (``open_store(url, etcd_tls)``, as ``fthsdp
     lighthouse`` does) and the store handed over."""
     rendezvous: bool = True
-    """Host a TCPStore for the epochs' data-plane rendezvous (so no replica holds it)."""
+    """Host the epochs' data-plane rendezvous (so no replica holds it): the ``Rendezvous`` gRPC service, behind
+    the same TLS and job token as the rest of the port."""
+    insecure_tcp_rendezvous: bool = False
+    """Host it on a plain TCPStore instead (no token, no TLS): an explicit opt-in, refused unless ``bind`` is a
+    loopback address, and logged as a warning."""
     tick_s: float = 0.05
     """How often liveness is checked."""
     security: ServerSecurity = field(default_factory=ServerSecurity)

@@ -8,6 +8,7 @@ import functools
 from lighthouse.epoch_view import EpochView
 from lighthouse.errors import ValidationError
 from lighthouse.model import ACTIVE, JOINING, Endpoints, Epoch, EpochMember
+from lighthouse.rendezvous import SCHEME, namespace_of
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.validate import ENDPOINT_MAX, check_text
 
@@ -34,7 +35,8 @@ def endpoints_to_pb(e: Endpoints) -> pb.Endpoints:
 
 
 def epoch_to_pb(job_id: str, epoch: Epoch | None, rendezvous: str) -> pb.Epoch:
-    """The pushed epoch (number 0 before the first one); ``rendezvous`` is the lighthouse's TCPStore, if any."""
+    """The pushed epoch (number 0 before the first one); ``rendezvous`` is where the lighthouse hosts the data
+    plane's rendezvous: ``SCHEME`` (its gRPC Rendezvous service), a TCPStore's ``host:port``, or '' (none)."""
     if epoch is None:
         return pb.Epoch(job_id=job_id, number=0)
     return pb.Epoch(
@@ -43,7 +45,8 @@ def epoch_to_pb(job_id: str, epoch: Epoch | None, rendezvous: str) -> pb.Epoch:
         members=[pb.Member(replica_id=x.replica_id, incarnation=x.incarnation, role=ROLE_TO_PB[x.role],
                            shard_count=x.shard_count, endpoints=endpoints_to_pb(x.endpoints))
                  for x in epoch.members],
-        rendezvous=f"{rendezvous}/{job_id}/epoch{epoch.number}" if rendezvous else "",
+        rendezvous=(SCHEME if rendezvous == SCHEME else f"{rendezvous}/" if rendezvous else "")
+        + (namespace_of(job_id, epoch.number) if rendezvous else ""),
         created_unix=epoch.created_at,
         reason=epoch.reason,
         plane=epoch.data_plane,

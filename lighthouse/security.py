@@ -9,6 +9,7 @@ certificate signed by it (mTLS).
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import pathlib
 import ssl
@@ -57,6 +58,18 @@ def _read(path: str | None, what: str) -> bytes | None:
         return pathlib.Path(path).read_bytes()
     except OSError as e:
         raise SecurityConfigError(f"cannot read {what} {path!r}: {e.strerror}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP, brackets allowed) is a loopback address: ``localhost`` or an IP in
+    127.0.0.0/8 or ::1. Used to confine the unauthenticated opt-ins (no token, plain TCP) to this machine."""
+    h = host.strip("[]")
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def token_matches(expected: str | None, presented: str | None) -> bool:

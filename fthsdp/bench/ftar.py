@@ -36,6 +36,7 @@ def _member(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from ftar import EpochFeed, FTARConfig, LaneEngine, LighthouseMembership
+    from ftar.store import open_store
     from lighthouse.client import LighthouseClient
 
     torch.set_num_threads(1)
@@ -50,11 +51,12 @@ def _member(a: argparse.Namespace) -> None:
     client.start()
     epoch = client.wait_epoch(0, 60)
     assert epoch is not None
-    host, port = epoch.rendezvous.split("/", 1)[0].rsplit(":", 1)
-    # The baseline: a plain Gloo group of the same processes, through the same store server.
-    store = dist.PrefixStore("baseline", dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60)))
+    membership = LighthouseMembership(client, feed)
+    # The baseline: a plain Gloo group of the same processes, through the same (authenticated) rendezvous store.
+    base = open_store(epoch.rendezvous, membership.store_target(), timedelta(seconds=60))
+    store = dist.PrefixStore("baseline", base)
     dist.init_process_group("gloo", store=store, rank=a.index, world_size=a.members, timeout=timedelta(seconds=60))
-    engine = LaneEngine(LighthouseMembership(client, feed), 0,
+    engine = LaneEngine(membership, 0,
                         FTARConfig(timeout_s=a.timeout, connect_timeout_s=30, epoch_wait_s=30))
     numel = int(a.mb * 2**20 // 4)
     x = torch.full((numel,), float(a.index + 1))

@@ -9,6 +9,7 @@ fetched again; a source that breaks gives its unfinished chunks back to the queu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import socket
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ftar.devices import start_thread
-from fthsdp.catchup import wire
+from fthsdp.catchup import auth, wire
 from fthsdp.catchup.server import tensor_bytes
 from fthsdp.catchup.wire import CatchupError, FetchFailed, Hello, Kind, Manifest, ProtocolError, Refused
 
@@ -63,11 +64,13 @@ class Fetch:
     """One fetch of a rank's snapshot; ``start()`` runs it on background threads, ``result()`` waits for it."""
 
     def __init__(self, sources: Sequence[Source], *, job: str, replica_id: str, rank: int, step: int,
-                 token: str = "", expected: Sequence[tuple[str, str, tuple[int, ...]]] | None = None,
+                 incarnation: str = "", token: str = "",
+                 expected: Sequence[tuple[str, str, tuple[int, ...]]] | None = None,
                  connect_timeout_s: float = 10.0, wait_s: float = 60.0, io_timeout_s: float = 30.0,
                  batch_bytes: int = 8 << 20, on_chunk: Callable[[int, int], None] | None = None) -> None:
         self.sources = list(sources)
-        self.hello = Hello(job, token, replica_id, rank, step)
+        self.hello = Hello(job, replica_id, incarnation, rank, step)
+        self._token = token
         self.expected = [(n, d, tuple(s)) for n, d, s in expected] if expected is not None else None
         self.connect_timeout_s, self.wait_s, self.io_timeout_s = connect_timeout_s, wait_s, io_timeout_s
         self.batch_bytes = batch_bytes
@@ -154,7 +157,10 @@ class Fetch:
                     raise FetchFailed("cancelled")
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.wait_s + self.io_timeout_s)
-            wire.send_control(sock, Kind.HELLO, wire.hello_doc(self.hello))
+            _, challenge = wire.recv_control(sock, (Kind.CHALLENGE,))
+            nonce = wire.parse_challenge(challenge)
+            hello = dataclasses.replace(self.hello, proof=auth.proof(self._token, nonce, self.hello))
+            wire.send_control(sock, Kind.HELLO, wire.hello_doc(hello))
             kind, obj = wire.recv_control(sock, (Kind.REDIRECT, Kind.MANIFEST))
             if kind == Kind.MANIFEST:
                 sock.settimeout(self.io_timeout_s)

@@ -4,11 +4,15 @@ A joiner asks for the snapshot of step S (the state after committing step S-1), 
 rank. The training thread takes the snapshot itself at that commit boundary (``at_commit``): a copy of the
 rank's parameter and optimizer-state shards, data cursors and RNG state, never parameters in flight. Connection
 threads stream it from the copy while training goes on, and drop it once no joiner needs it.
+
+Every session starts with a challenge (``fthsdp.catchup.auth``): the joiner proves the job token without sending
+it, and is admitted only as a joining member, with its incarnation, of this replica's current epoch; a request
+refused is refused before it is registered, so no state is ever copied for it. Without a token the server
+listens on loopback only, and says so.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
@@ -19,10 +23,16 @@ from dataclasses import dataclass
 import torch
 
 from ftar.devices import start_thread
-from fthsdp.catchup import wire
+from fthsdp.catchup import auth, wire
 from fthsdp.catchup.wire import CatchupError, Entry, Kind, Manifest, ProtocolError
+from lighthouse.epoch_view import EpochView
 
 log = logging.getLogger("fthsdp.catchup")
+
+
+class InsecureServing(CatchupError):
+    """A catch-up server without a job token was asked to listen on a non-loopback address."""
+
 
 SnapshotFn = Callable[[], Sequence[tuple[str, torch.Tensor]]]
 """Returns (name, CPU contiguous tensor) for everything a joiner needs, copied: called on the training thread."""
@@ -57,16 +67,25 @@ class _Snapshot:
 
 
 class CatchupServer:
-    """Serves snapshots of this rank's state to joiners. Thread-safe; ``close`` when done."""
+    """Serves snapshots of this rank's state to joiners. Thread-safe; ``close`` when done. ``epoch`` returns
+    this replica's current epoch (who may fetch: ``auth.admit``)."""
 
     def __init__(self, *, job: str, replica_id: str, rank: int, world_size: int, snapshot: SnapshotFn,
+                 epoch: Callable[[], EpochView | None],
                  host: str = "127.0.0.1", port: int = 0, token: str = "", wait_s: float = 60.0,
                  idle_s: float = 60.0, max_sessions: int = 16, chunk_bytes: int = wire.DEFAULT_CHUNK,
                  on_chunk_sent: Callable[[int, int], None] | None = None,
                  corrupt: Callable[[int, int, bytearray], bool] | None = None) -> None:
         self.job, self.replica_id, self.rank, self.world_size = job, replica_id, rank, world_size
         self._take = snapshot
-        self._token = token.encode()
+        self._epoch = epoch
+        if not auth.serving_allowed(host, token):
+            raise InsecureServing(f"the catch-up server has no job token (FTHSDP_TOKEN_FILE), so it serves on "
+                                  f"loopback only, not on {host!r}")
+        if not token:
+            log.warning("catchup replica=%s rank=%d: NO JOB TOKEN: serving snapshots unauthenticated, on loopback "
+                        "(%s) only", replica_id, rank, host)
+        self._token = token
         self.wait_s, self.idle_s, self.max_sessions, self.chunk_bytes = wait_s, idle_s, max_sessions, chunk_bytes
         self._on_chunk_sent = on_chunk_sent
         self._corrupt = corrupt
@@ -155,9 +174,11 @@ class CatchupServer:
             conn.settimeout(self.idle_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            nonce = auth.new_nonce()
+            wire.send_control(conn, Kind.CHALLENGE, {"nonce": nonce})
             _, obj = wire.recv_control(conn, (Kind.HELLO,))
             hello = wire.parse_hello(obj)
-            problem = self._check(hello)
+            problem = self._check(hello, nonce)
             if problem is not None:
                 self._refuse(conn, *problem)
                 return
@@ -190,11 +211,12 @@ class CatchupServer:
                         del self._snapshots[step]
                         self._lock.notify_all()
 
-    def _check(self, hello: wire.Hello) -> tuple[str, str] | None:
-        if self._token and not hmac.compare_digest(hello.token.encode(), self._token):
-            return "unauthenticated", "wrong or missing job token"
-        if hello.job != self.job:
-            return "wrong_job", f"this replica serves job {self.job!r}, not {hello.job!r}"
+    def _check(self, hello: wire.Hello, nonce: str) -> tuple[str, str] | None:
+        """The refusal of ``hello``, if any: before anything is registered, so nothing is copied for it."""
+        if not auth.verify(self._token, nonce, hello):
+            return "unauthenticated", "wrong or missing proof of the job token"
+        if (refusal := auth.admit(self._epoch(), self.job, hello)) is not None:
+            return refusal
         if hello.rank >= self.world_size:
             return "bad_request", f"rank {hello.rank} is outside this replica's {self.world_size} ranks"
         if hello.rank != self.rank and len(self.directory) != self.world_size:

@@ -7,7 +7,8 @@ with a fixed schema (checked field by field on receipt); data frames carry a fix
 A session (joiner rank s to source rank s)::
 
     joiner                                  source
-    HELLO {job, token, replica, rank, step}  ->
+                                          <-  CHALLENGE {nonce}
+    HELLO {job, replica, incarnation, rank, step, proof}  ->   (proof: ``fthsdp.catchup.auth``; never the token)
                                           <-  REDIRECT {addr}        (asked the wrong rank)
                                           <-  MANIFEST {step, entries, chunk_bytes}   (once the snapshot exists)
     GET {ranges: [[entry, offset, length]]} ->
@@ -33,7 +34,8 @@ checksum: Callable[[bytes | bytearray | memoryview], int] = crc32c
 """CRC-32C: hardware-accelerated (~3x zlib's CRC-32), and off the GIL."""
 
 MAGIC = b"FTCU"
-VERSION = 1
+VERSION = 2
+"""2: the token is proven by HMAC over a nonce (``CHALLENGE``), never sent."""
 FRAME = struct.Struct("!4sBBI")
 """magic, version, kind, payload length."""
 CHUNK = struct.Struct("!IQII")
@@ -54,6 +56,7 @@ class Kind(IntEnum):
     END = 6
     BYE = 7
     ERROR = 8
+    CHALLENGE = 9
 
 
 class CatchupError(RuntimeError):
@@ -65,8 +68,8 @@ class ProtocolError(CatchupError):
 
 
 class Refused(CatchupError):
-    """The peer answered with an ERROR frame (``code``: bad_request, unauthenticated, wrong_job, not_active,
-    too_late, busy, closed, timeout)."""
+    """The peer answered with an ERROR frame (``code``: bad_request, unauthenticated, wrong_job, not_member,
+    not_joining, stale_incarnation, not_active, too_late, busy, closed, timeout)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
@@ -97,11 +100,15 @@ class Entry:
 
 @dataclass(frozen=True)
 class Hello:
+    """A joiner's request: who it is (replica, incarnation), what it wants (rank, step), and its ``proof`` of the
+    job token for this session's nonce (``fthsdp.catchup.auth``)."""
+
     job: str
-    token: str
     replica: str
+    incarnation: str
     rank: int
     step: int
+    proof: str = ""
 
 
 @dataclass(frozen=True)
@@ -212,12 +219,20 @@ def _int(obj: Any, key: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
 
 
 def hello_doc(h: Hello) -> dict[str, Any]:
-    return {"job": h.job, "token": h.token, "replica": h.replica, "rank": h.rank, "step": h.step}
+    return {"job": h.job, "replica": h.replica, "incarnation": h.incarnation, "rank": h.rank, "step": h.step,
+            "proof": h.proof}
 
 
 def parse_hello(obj: dict[str, Any]) -> Hello:
-    return Hello(str_field(obj, "job", 256), str_field(obj, "token", 4096), str_field(obj, "replica", 256),
-                 _int(obj, "rank", 0, 1 << 20), _int(obj, "step"))
+    return Hello(str_field(obj, "job", 256), str_field(obj, "replica", 256), str_field(obj, "incarnation", 256),
+                 _int(obj, "rank", 0, 1 << 20), _int(obj, "step"), str_field(obj, "proof", 128))
+
+
+def parse_challenge(obj: dict[str, Any]) -> str:
+    nonce = str_field(obj, "nonce", 128)
+    if len(nonce) < 32:
+        raise ProtocolError("the challenge's nonce is too short")
+    return nonce
 
 
 def manifest_doc(m: Manifest) -> dict[str, Any]:

@@ -23,7 +23,7 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
     from lighthouse.config import LighthouseConfig, etcd_tls_from_env
     from lighthouse.errors import StoreAccessDenied, StoreUnavailable
     from lighthouse.membership import Policy
-    from lighthouse.security import SecurityConfigError, ServerSecurity
+    from lighthouse.security import SecurityConfigError, ServerSecurity, is_loopback
     from lighthouse.server.app import serve
     from lighthouse.stores.etcd_tls import EtcdTLS
     from lighthouse.stores.factory import open_store
@@ -52,8 +52,10 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
     except StoreUnavailable as e:  # down for now: the lighthouse starts and follows until it answers
         logging.getLogger("fthsdp.lighthouse").warning("store not answering at start: %s", e)
     config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job or ["default"]), policy=policy,
-                              rendezvous=not a.no_rendezvous, security=security, advertise=a.advertise,
-                              election_ttl_s=a.election_ttl)
+                              rendezvous=not a.no_rendezvous, insecure_tcp_rendezvous=a.insecure_tcp_rendezvous,
+                              security=security, advertise=a.advertise, election_ttl_s=a.election_ttl)
+    if config.insecure_tcp_rendezvous and not is_loopback(config.host):
+        sys.exit(f"fthsdp lighthouse: --insecure-tcp-rendezvous needs a loopback --bind, not {config.host!r}")
 
     def ready(lh: Any) -> None:
         if a.port_file:
@@ -131,8 +133,12 @@ def register(sub: Subparsers) -> None:
     lh.add_argument("--etcd-cert", default="", help="client certificate (PEM) presented to an etcd run with "
                     "--client-cert-auth (env FTHSDP_ETCD_CERT)")
     lh.add_argument("--etcd-key", default="", help="its private key (PEM) (env FTHSDP_ETCD_KEY)")
-    lh.add_argument("--no-rendezvous", action="store_true", help="do not host the data-plane TCPStore")
-    lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=H:P' here once serving")
+    lh.add_argument("--no-rendezvous", action="store_true", help="do not host the data-plane rendezvous")
+    lh.add_argument("--insecure-tcp-rendezvous", action="store_true",
+                    help="host the data-plane rendezvous on a plain TCPStore (no token, no TLS; loopback --bind "
+                         "only) instead of the authenticated gRPC Rendezvous service")
+    lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=R' here once serving (R: "
+                    "'lighthouse:' for the gRPC service, H:P for the opt-in TCPStore, empty when off)")
     lh.add_argument("--advertise", default="", help="gRPC HOST:PORT other lighthouses name as the leader's "
                     "(HA on etcd; default: the bound address)")
     lh.add_argument("--election-ttl", type=int, default=5,

@@ -103,10 +103,11 @@ class RuntimeConfig:
     """``FTHSDP_EPOCH_WAIT``: how long a step may wait for a usable epoch before failing."""
     host: str = "127.0.0.1"
     """``FTHSDP_HOST``: the address this rank's catch-up server binds and advertises (reachable by the other
-    replicas' ranks)."""
+    replicas' ranks). Without a token it must be a loopback address (the server refuses to start otherwise)."""
     token: str = ""
-    """``FTHSDP_TOKEN_FILE``: file holding the job token; joiners present it to the catch-up servers (and the
-    lighthouse checks it when it has one). Empty: no token."""
+    """``FTHSDP_TOKEN_FILE``: file holding the job token; joiners prove it to the catch-up servers (HMAC over a
+    nonce, never sent), and the lighthouse and its data-plane rendezvous check it when they have one. Empty: no
+    token (catch-up on loopback only)."""
     lr_rule: str = "sqrt"
     """``FTHSDP_LR_RULE``: degraded-mode learning rate, ``lr = lr_base * f(N_contributing / N_total)`` with f =
     ``sqrt`` (default), ``linear`` or ``none``."""

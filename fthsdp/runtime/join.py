@@ -127,7 +127,7 @@ class Joiner:
         sources = fetch_sources(epoch.members if epoch is not None else (), self.config.replica_id, self.slot)
         self.log(logging.INFO, "fetching the snapshot of step %d from %s", step, [s.replica_id for s in sources])
         return Fetch(sources, job=self.config.job_id, replica_id=self.config.replica_id, rank=self.rank, step=step,
-                     token=self.config.token, wait_s=self.config.epoch_wait_s,
+                     incarnation=self.client.incarnation, token=self.config.token, wait_s=self.config.epoch_wait_s,
                      on_chunk=lambda s, n: self.faults.at(s, Phase.FETCH)).start()
 
     def verify(self, got: FetchResult, mine: bytes) -> None:

@@ -72,8 +72,7 @@ class Replica:
         if dist.get_world_size() != cfg.world_size or dist.get_rank() != cfg.rank:
             raise RuntimeError("the replica's process group does not match RANK/WORLD_SIZE")
         self.rank, self.world_size = cfg.rank, cfg.world_size
-        self.slot = cfg.replica_index
-        """This replica's data slot."""
+        self.slot = cfg.replica_index  # this replica's data slot
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.backend == "nccl" \
             else torch.device("cpu")
         self.mesh = init_device_mesh(self.device.type, (cfg.world_size,))
@@ -91,6 +90,7 @@ class Replica:
         self.check = DigestCheck(cfg.digest_every, self.slot, self._log)
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, snapshot=self._snapshot, host=cfg.host,
+                                    epoch=lambda: self.client.epoch if hasattr(self, "client") else None,
                                     token=cfg.token, wait_s=cfg.epoch_wait_s, on_chunk_sent=self.faults.on_chunk_sent,
                                     corrupt=self.faults.corrupter())
         self.server.directory = gather_addresses(self.server.address, self.world_size, self.device)

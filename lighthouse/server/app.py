@@ -18,12 +18,15 @@ from grpc_reflection.v1alpha import reflection
 from lighthouse.config import LighthouseConfig
 from lighthouse.errors import StoreUnavailable
 from lighthouse.metrics import LighthouseMetrics
-from lighthouse.security import TokenInterceptor
+from lighthouse.rendezvous import SCHEME
+from lighthouse.security import SecurityConfigError, TokenInterceptor, is_loopback
 from lighthouse.server import status
 from lighthouse.server.edge import Edge
 from lighthouse.server.http import StatusHTTPServer
 from lighthouse.server.jobs import Job, clock
 from lighthouse.server.leadership import Leadership
+from lighthouse.server.rdzv import SERVICE as RDZV_SERVICE
+from lighthouse.server.rdzv import RendezvousService
 from lighthouse.server.service import SERVICE, LighthouseService
 from lighthouse.state_doc import state_from_doc
 from lighthouse.stores.base import Store
@@ -53,6 +56,7 @@ class Lighthouse:
         self.edge = Edge(self.store, self.policy, self.metrics)
         self._service = LighthouseService(self.jobs, self.edge, self.leadership, self.metrics, self.policy,
                                           lambda: self._stopping)
+        self._rendezvous = RendezvousService(self.jobs, self.leadership, self.metrics)
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._tcp_store: Any = None
@@ -71,11 +75,10 @@ class Lighthouse:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         host = self.config.host
-        if self.config.rendezvous:
-            from torch.distributed import TCPStore  # imported here: the lighthouse can run without it
-
-            self._tcp_store = TCPStore(host.strip("[]"), 0, is_master=True, wait_for_workers=False)
-            self.rendezvous_addr = f"{host}:{self._tcp_store.port}"
+        if self.config.rendezvous and self.config.insecure_tcp_rendezvous:
+            self._host_tcp_store(host)
+        elif self.config.rendezvous:
+            self.rendezvous_addr = SCHEME
         for job_id in self.config.jobs:
             check_id("job", job_id)
             self.jobs[job_id] = job = await self._load(job_id)
@@ -93,6 +96,18 @@ class Lighthouse:
                  self.port, http or "off", self.rendezvous_addr or "off", self.policy.min_replicas,
                  self.policy.heartbeat_timeout_s, sec.tls, bool(sec.tls_client_ca), bool(sec.token),
                  self.leadership.election is not None)
+
+    def _host_tcp_store(self, host: str) -> None:
+        """The opt-in plain TCPStore: unauthenticated, so only on a loopback address, and said loudly."""
+        if not is_loopback(host):
+            raise SecurityConfigError(f"--insecure-tcp-rendezvous needs a loopback --bind (not {host!r}): a "
+                                      "TCPStore has neither token nor TLS")
+        from torch.distributed import TCPStore  # imported here: the lighthouse can run without it
+
+        self._tcp_store = TCPStore(host.strip("[]"), 0, is_master=True, wait_for_workers=False)
+        self.rendezvous_addr = f"{host}:{self._tcp_store.port}"
+        log.warning("lighthouse: INSECURE data-plane rendezvous: a plain TCPStore at %s (no token, no TLS; "
+                    "anyone on this host can read and write it)", self.rendezvous_addr)
 
     async def _load(self, job_id: str) -> Job:
         try:
@@ -116,7 +131,11 @@ class Lighthouse:
             ("grpc.so_reuseport", 0),
         ])
         self._server.add_generic_rpc_handlers((self._service.handlers(),))
-        reflection.enable_server_reflection((SERVICE, reflection.SERVICE_NAME), self._server)
+        services = [SERVICE, reflection.SERVICE_NAME]
+        if self.rendezvous_addr == SCHEME:
+            self._server.add_generic_rpc_handlers((self._rendezvous.handlers(),))
+            services.append(RDZV_SERVICE)
+        reflection.enable_server_reflection(services, self._server)
         creds = sec.grpc_credentials()
         self.port = (self._server.add_secure_port(self.config.bind, creds) if creds is not None
                      else self._server.add_insecure_port(self.config.bind))

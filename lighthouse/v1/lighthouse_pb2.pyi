@@ -247,3 +247,31 @@ class StatusResponse(_message.Message):
     finished: bool
     finished_step: int
     def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ...) -> None: ...
+
+class RendezvousRequest(_message.Message):
+    __slots__ = ("job_id", "namespace", "keys", "value", "expected", "amount", "timeout_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    timeout_s: float
+    def __init__(self, job_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class RendezvousResponse(_message.Message):
+    __slots__ = ("value", "number", "ok")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    number: int
+    ok: bool
+    def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...

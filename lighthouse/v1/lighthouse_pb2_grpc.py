@@ -359,3 +359,379 @@ class Lighthouse:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RendezvousStub:
+    """The data plane's rendezvous (torch.distributed.Store over gRPC). Served by the leading lighthouse only.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Set = channel.unary_unary(
+                '/fthsdp.v1.Rendezvous/Set',
+                request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
+        self.Get = channel.unary_unary(
+                '/fthsdp.v1.Rendezvous/Get',
+                request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
+        self.Add = channel.unary_unary(
+                '/fthsdp.v1.Rendezvous/Add',
+                request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
+        self.CompareSet = channel.unary_unary(
+                '/fthsdp.v1.Rendezvous/CompareSet',
+                request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
+        self.Check = channel.unary_unary(
+                '/fthsdp.v1.Rendezvous/Check',
+                request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
+        self.Wait = channel.unary_unary(
+                '/fthsdp.v1.Rendezvous/Wait',
+                request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
+        self.DeleteKey = channel.unary_unary(
+                '/fthsdp.v1.Rendezvous/DeleteKey',
+                request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
+        self.NumKeys = channel.unary_unary(
+                '/fthsdp.v1.Rendezvous/NumKeys',
+                request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
+
+
+class RendezvousServicer:
+    """The data plane's rendezvous (torch.distributed.Store over gRPC). Served by the leading lighthouse only.
+    """
+
+    def Set(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Add(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompareSet(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Check(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wait(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NumKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RendezvousServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Set': grpc.unary_unary_rpc_method_handler(
+                    servicer.Set,
+                    request_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.FromString,
+                    response_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.SerializeToString,
+            ),
+            'Get': grpc.unary_unary_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.FromString,
+                    response_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.SerializeToString,
+            ),
+            'Add': grpc.unary_unary_rpc_method_handler(
+                    servicer.Add,
+                    request_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.FromString,
+                    response_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.SerializeToString,
+            ),
+            'CompareSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompareSet,
+                    request_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.FromString,
+                    response_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.SerializeToString,
+            ),
+            'Check': grpc.unary_unary_rpc_method_handler(
+                    servicer.Check,
+                    request_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.FromString,
+                    response_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.SerializeToString,
+            ),
+            'Wait': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wait,
+                    request_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.FromString,
+                    response_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.SerializeToString,
+            ),
+            'DeleteKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteKey,
+                    request_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.FromString,
+                    response_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.SerializeToString,
+            ),
+            'NumKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.NumKeys,
+                    request_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.FromString,
+                    response_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'fthsdp.v1.Rendezvous', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('fthsdp.v1.Rendezvous', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Rendezvous:
+    """The data plane's rendezvous (torch.distributed.Store over gRPC). Served by the leading lighthouse only.
+    """
+
+    @staticmethod
+    def Set(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fthsdp.v1.Rendezvous/Set',
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fthsdp.v1.Rendezvous/Get',
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Add(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fthsdp.v1.Rendezvous/Add',
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompareSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fthsdp.v1.Rendezvous/CompareSet',
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Check(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fthsdp.v1.Rendezvous/Check',
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fthsdp.v1.Rendezvous/Wait',
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fthsdp.v1.Rendezvous/DeleteKey',
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NumKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fthsdp.v1.Rendezvous/NumKeys',
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousRequest.SerializeToString,
+            lighthouse_dot_v1_dot_lighthouse__pb2.RendezvousResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

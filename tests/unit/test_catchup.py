@@ -13,12 +13,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fthsdp.catchup import wire
+from fthsdp.catchup import auth, wire
 from fthsdp.catchup.client import Fetch, Source
 from fthsdp.catchup.server import CatchupServer
-from fthsdp.catchup.wire import FetchFailed, Kind, Refused
+from fthsdp.catchup.wire import FetchFailed, Hello, Kind, Refused
+from lighthouse.epoch_view import EpochView
+from lighthouse.model import JOINING, Endpoints, EpochMember
 
 pytestmark = pytest.mark.timeout(60)
+INC = "inc1"
+EPOCH = EpochView("job", 3, tuple(EpochMember(rid, INC, JOINING, 1, Endpoints()) for rid in ("joiner", "j", "x")),
+                  "", 0.0, "test")
+"""The sources' current epoch: the replicas that fetch in these tests are its joining members."""
 
 
 def _state(seed: int, step: int) -> list[tuple[str, torch.Tensor]]:
@@ -46,6 +52,7 @@ class Trainer:
 
 def _server(seed: int = 0, **kw: object) -> tuple[CatchupServer, Trainer]:
     holder: dict[str, Trainer] = {}
+    kw.setdefault("epoch", lambda: EPOCH)
     srv = CatchupServer(job="job", replica_id=f"r{seed}", rank=0, world_size=1,
                         snapshot=lambda: [(n, t.clone()) for n, t in _state(0, holder["t"].step)],
                         chunk_bytes=64 << 10, **kw)  # type: ignore[arg-type]
@@ -68,6 +75,7 @@ def _throttle(step: int, n: int) -> None:
 
 
 def _fetch(sources: list[Source], step: int, **kw: object) -> Fetch:
+    kw.setdefault("incarnation", INC)
     return Fetch(sources, job="job", replica_id="joiner", rank=0, step=step, batch_bytes=128 << 10,
                  **kw).start()  # type: ignore[arg-type]
 
@@ -140,7 +148,7 @@ def test_a_joiner_that_dies_mid_fetch_costs_the_source_nothing() -> None:
     a = _server(0)
     try:
         step = a[1].step + 20
-        f = Fetch([Source("r0", a[0].address)], job="job", replica_id="j", rank=0, step=step,
+        f = Fetch([Source("r0", a[0].address)], job="job", replica_id="j", rank=0, step=step, incarnation=INC,
                   on_chunk=lambda s, n: f.cancel())
         f.start()
         with pytest.raises(FetchFailed):
@@ -158,15 +166,20 @@ def test_a_joiner_that_dies_mid_fetch_costs_the_source_nothing() -> None:
         _stop(a)
 
 
-@pytest.mark.parametrize("change,code", [({"token": "wrong"}, "unauthenticated"), ({"job": "other"}, "wrong_job"),
-                                         ({"rank": 5}, "bad_request")])
+@pytest.mark.parametrize("change,code", [({"token": "wrong"}, "unauthenticated"), ({"token": ""}, "unauthenticated"),
+                                         ({"job": "other"}, "wrong_job"), ({"rank": 5}, "bad_request")])
 def test_bad_hello_is_refused_with_a_clear_code(change: dict[str, object], code: str) -> None:
     a = _server(0, token="s3cret")
     try:
-        hello = {"job": "job", "token": "s3cret", "replica": "j", "rank": 0, "step": a[1].step + 20, **change}
+        fields: dict[str, object] = {"job": "job", "replica": "j", "incarnation": INC, "rank": 0,
+                                     "step": a[1].step + 20, **change}
+        token = str(fields.pop("token", "s3cret"))
         with socket.create_connection(_addr(a[0])) as s:
             s.settimeout(10)
-            wire.send_control(s, Kind.HELLO, hello)
+            _, challenge = wire.recv_control(s, (Kind.CHALLENGE,))
+            hello = Hello(**fields)  # type: ignore[arg-type]
+            hello = Hello(**{**fields, "proof": auth.proof(token, wire.parse_challenge(challenge), hello)})  # type: ignore[arg-type]
+            wire.send_control(s, Kind.HELLO, wire.hello_doc(hello))
             with pytest.raises(Refused) as e:
                 wire.recv_control(s, (Kind.MANIFEST,))
             assert e.value.code == code
@@ -185,7 +198,7 @@ def test_a_step_already_past_is_refused_too_late() -> None:
 
 
 def test_a_joining_replica_does_not_serve() -> None:
-    srv = CatchupServer(job="job", replica_id="r", rank=0, world_size=1, snapshot=lambda: [])
+    srv = CatchupServer(job="job", replica_id="r", rank=0, world_size=1, snapshot=lambda: [], epoch=lambda: EPOCH)
     try:
         srv.at_commit(3, active=False)
         with pytest.raises(FetchFailed, match="not_active"):
@@ -221,12 +234,14 @@ def _shared() -> tuple[CatchupServer, Trainer]:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(
     st.binary(max_size=64),
-    st.builds(lambda k, n, body: struct.pack("!4sBBI", b"FTCU", 1, k, n) + body,
+    st.builds(lambda k, n, body: struct.pack("!4sBBI", b"FTCU", wire.VERSION, k, n) + body,
               st.integers(0, 255), st.integers(0, 2**32 - 1), st.binary(max_size=64)),
-    st.builds(lambda body: struct.pack("!4sBBI", b"FTCU", 1, 1, len(body)) + body,
+    st.builds(lambda body: struct.pack("!4sBBI", b"FTCU", wire.VERSION, 1, len(body)) + body,
               st.one_of(st.binary(max_size=64), st.just(b'{"job":"job"}'), st.just(b"[1,2]"),
-                        st.just(b'{"job":"job","token":"t","replica":"x","rank":-1,"step":1}'),
-                        st.just(b'{"job":"job","token":"t","replica":"x","rank":0,"step":true}'))),
+                        st.just(b'{"job":"job","replica":"x","incarnation":"inc1","rank":-1,"step":1,"proof":""}'),
+                        st.just(b'{"job":"job","replica":"x","incarnation":"inc1","rank":0,"step":true,"proof":""}'),
+                        st.just(b'{"job":"job","replica":"x","incarnation":"inc1","rank":0,"step":1,"proof":"00"}'),
+                        st.just(b'{"job":"job","token":"t","replica":"x","rank":0,"step":1}'))),
 ))
 def test_malformed_input_gets_an_error_and_changes_nothing(data: bytes) -> None:
     srv, tr = _shared()
@@ -237,7 +252,10 @@ def test_malformed_input_gets_an_error_and_changes_nothing(data: bytes) -> None:
         reply = b""
         while chunk := s.recv(65536):
             reply += chunk
-    # Either an ERROR frame or a plain close (truncated input): never a manifest, never a crash.
+    # The session opens with the challenge; after it, either an ERROR frame or a plain close (truncated input):
+    # never a manifest, never a crash.
+    assert reply[:4] == b"FTCU" and reply[5] == Kind.CHALLENGE, reply[:40]
+    reply = reply[wire.FRAME.size + struct.unpack("!I", reply[6:10])[0]:]
     if reply:
         assert reply[:4] == b"FTCU" and reply[5] == Kind.ERROR, reply[:40]
     assert not srv._requested and not srv._snapshots and srv._acceptor.is_alive()

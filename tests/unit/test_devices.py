@@ -113,9 +113,13 @@ def test_the_device_defaults_to_the_creating_threads(cuda: FakeCuda) -> None:
 def test_the_connect_thread_builds_the_communicator_on_the_lanes_device(cuda: FakeCuda) -> None:
     seen: list[int] = []
 
-    class PG:
-        def configure(self, *args: Any) -> None:
-            seen.append(torch.cuda.current_device())  # what torchft's _create_pg connects to
+    class PG:  # torchft's wrapper as ftar.group.configure_with_store drives it
+        def abort(self, errored: bool = True) -> None:
+            pass
+
+        def _create_pg(self, *args: Any) -> object:
+            seen.append(torch.cuda.current_device())  # what torchft's _create_pg connects the communicator to
+            return object()
 
     _configure(PG(), "prefix", "r0", 0, 2, 0, Reaper(0, GPU1), lambda: False)
     assert seen == [1]

@@ -1,0 +1,78 @@
+"""Who may fetch a snapshot (docs/design.md §6), as pure functions: the challenge-response that proves the job
+token without sending it, and the admission rule a source applies before it registers (let alone copies) anything.
+
+The source opens every session with a random nonce; the joiner answers with
+``HMAC-SHA256(token, context || nonce || job || replica || incarnation || rank || step)`` (fields separated by NUL,
+none of which may hold one), which the source recomputes and compares in constant time. The token itself never
+crosses the wire, and a proof is good for one nonce, one joiner and one step only. Without a token the source
+serves loopback only (``serving_allowed``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from fthsdp.catchup.wire import Hello
+from lighthouse.epoch_view import EpochView
+from lighthouse.model import JOINING
+from lighthouse.security import is_loopback
+
+CONTEXT = b"fthsdp-catchup-v2"
+"""Binds a proof to this protocol (no other use of the token yields the same MAC)."""
+NONCE_BYTES = 32
+
+
+def new_nonce() -> str:
+    """A fresh random challenge (hex)."""
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def _message(nonce: str, hello: Hello) -> bytes:
+    fields = (nonce, hello.job, hello.replica, hello.incarnation, str(hello.rank), str(hello.step))
+    if any("\0" in f for f in fields):
+        raise ValueError("a catch-up handshake field holds a NUL character")
+    return b"\0".join([CONTEXT, *(f.encode() for f in fields)])
+
+
+def proof(token: str, nonce: str, hello: Hello) -> str:
+    """The joiner's answer to ``nonce`` for ``hello`` (its ``proof`` field is ignored): hex HMAC-SHA256, or ''
+    without a token."""
+    if not token:
+        return ""
+    return hmac.new(token.encode(), _message(nonce, hello), hashlib.sha256).hexdigest()
+
+
+def verify(token: str, nonce: str, hello: Hello) -> bool:
+    """Whether ``hello.proof`` answers ``nonce`` with ``token`` (always true without a token: loopback only)."""
+    if not token:
+        return True
+    try:
+        expected = proof(token, nonce, hello)
+    except ValueError:
+        return False
+    return hmac.compare_digest(hello.proof.encode("ascii", "replace"), expected.encode())
+
+
+def admit(epoch: EpochView | None, job: str, hello: Hello) -> tuple[str, str] | None:
+    """The refusal (code, message) of a snapshot request, or None to honour it: only a member of the source's
+    current epoch, of this job, with the joining role and the incarnation the epoch names."""
+    if hello.job != job:
+        return "wrong_job", f"this replica serves job {job!r}, not {hello.job[:80]!r}"
+    if epoch is None:
+        return "not_member", "this replica knows no epoch yet"
+    member = epoch.member(hello.replica)
+    if member is None:
+        return "not_member", f"{hello.replica[:80]!r} is not a member of epoch {epoch.number}"
+    if member.role != JOINING:
+        return "not_joining", f"{hello.replica!r} is {member.role} in epoch {epoch.number}, not joining"
+    if member.incarnation != hello.incarnation:
+        return "stale_incarnation", (f"{hello.replica!r} is incarnation {member.incarnation!r} in epoch "
+                                     f"{epoch.number}, not {hello.incarnation[:80]!r}")
+    return None
+
+
+def serving_allowed(host: str, token: str) -> bool:
+    """A catch-up server may listen on ``host``: anywhere with a token, only on loopback without one."""
+    return bool(token) or is_loopback(host)

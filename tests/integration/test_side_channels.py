@@ -1,0 +1,212 @@
+"""No unauthenticated side channel (issue 15): with a job token, a client without it can neither read nor write the
+data-plane rendezvous (the lighthouse's gRPC Rendezvous service; no TCPStore is hosted) nor fetch a snapshot, and
+the token never crosses the wire in clear in anything the catch-up client sends (captured by a recording proxy on
+loopback). Holders of the token still build a Gloo group from the store fast."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import grpc
+import pytest
+import torch
+import torch.distributed as dist
+from torchft.process_group import ProcessGroupGloo
+
+from ftar.group import configure_with_store
+from ftar.store import LighthouseStore, StoreRefused, StoreTarget, StoreTimeout
+from fthsdp.catchup.client import Fetch, Source
+from fthsdp.catchup.server import CatchupServer
+from fthsdp.catchup.wire import FetchFailed
+from lighthouse.epoch_view import EpochView
+from lighthouse.errors import SecurityConfigError
+from lighthouse.model import ACTIVE, JOINING, Endpoints, EpochMember
+from lighthouse.security import ClientSecurity, ServerSecurity
+from lighthouse.v1 import lighthouse_pb2 as pb
+from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
+from tests.helpers.lighthouse import JOB, ServerThread, make_config
+
+pytestmark = pytest.mark.timeout(120)
+TOKEN = "side-channel-token-7f3a9c"
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[ServerThread]:
+    srv = ServerThread(make_config(rendezvous=True, security=ServerSecurity(token=TOKEN)))
+    try:
+        with grpc.insecure_channel(srv.addr) as ch:
+            r = pb_grpc.LighthouseStub(ch).Register(  # type: ignore[no-untyped-call]
+                pb.RegisterRequest(job_id=JOB, replica_id="a", incarnation="i1", shard_count=1), timeout=10,
+                metadata=ClientSecurity(token=TOKEN).metadata())
+        assert r.epoch.number == 1 and r.epoch.rendezvous == f"lighthouse:{JOB}/epoch1"
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _store(srv: ServerThread, token: str | None, wait_s: float = 2.0) -> LighthouseStore:
+    return LighthouseStore(StoreTarget(srv.addr, ClientSecurity(token=token), JOB), f"{JOB}/epoch1",
+                           timedelta(seconds=wait_s))
+
+
+def test_the_rendezvous_needs_the_token_and_no_tcpstore_is_hosted(lighthouse: ServerThread) -> None:
+    assert lighthouse.lh._tcp_store is None and lighthouse.lh.rendezvous_addr == "lighthouse:"
+    good = _store(lighthouse, TOKEN)
+    good.set("lane0/arrived/0", b"1")
+    key = "lane0/arrived/0"
+    calls: list[tuple[str, tuple[object, ...]]] = [
+        ("set", (key, b"forged")), ("set", ("lane0/failed/1/2", b"1")), ("get", (key,)), ("check", ([key],)),
+        ("add", ("lane0/n", 1)), ("delete_key", (key,)), ("num_keys", ()), ("compare_set", (key, b"1", b"x")),
+        ("wait", ([key],))]
+    for token in (None, "wrong"):
+        bad = _store(lighthouse, token, wait_s=0.5)
+        for method, args in calls:
+            with pytest.raises(StoreRefused, match="UNAUTHENTICATED"):
+                getattr(bad, method)(*args)
+    assert good.get("lane0/arrived/0") == b"1" and good.num_keys() == 1  # nothing written by them
+    with pytest.raises(StoreRefused, match="INVALID_ARGUMENT.*exceeds"):
+        good.set("lane0/big", b"x" * 40_000)
+    with pytest.raises(StoreRefused, match="INVALID_ARGUMENT"):
+        LighthouseStore(StoreTarget(lighthouse.addr, ClientSecurity(token=TOKEN), JOB), f"{JOB}/epoch2",
+                        timedelta(seconds=1)).set("k", b"1")  # an epoch that does not exist yet
+    assert good.num_keys() == 1
+
+
+def test_blocking_gets_wait_on_the_lighthouse_until_the_key_is_set(lighthouse: ServerThread) -> None:
+    waiters = 20
+    got: list[bytes] = []
+    lock = threading.Lock()
+
+    def get() -> None:
+        value = _store(lighthouse, TOKEN, wait_s=30).get("lane0/late")
+        with lock:
+            got.append(value)
+
+    threads = [threading.Thread(target=get, daemon=True) for _ in range(waiters)]
+    for t in threads:
+        t.start()
+    writer = _store(lighthouse, TOKEN)
+    with pytest.raises(StoreTimeout):
+        writer.wait(["lane0/never"], timedelta(seconds=0.2))  # a wait that times out says so
+    writer.set("lane0/late", b"here")
+    for t in threads:
+        t.join(30)
+    assert got == [b"here"] * waiters
+
+
+def test_an_insecure_tcpstore_is_only_an_explicit_loopback_opt_in() -> None:
+    with pytest.raises(SecurityConfigError, match="loopback"):
+        ServerThread(make_config(bind="0.0.0.0:0", rendezvous=True, insecure_tcp_rendezvous=True))
+
+
+def test_token_holders_build_a_gloo_group_from_the_store_fast(lighthouse: ServerThread) -> None:
+    world = 3
+    took: dict[int, float] = {}
+    sums: dict[int, list[float]] = {}
+
+    def member(rank: int) -> None:
+        base = _store(lighthouse, TOKEN, wait_s=10)
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+        t0 = time.perf_counter()
+        configure_with_store(pg, dist.PrefixStore("lane0/pg", base), f"r{rank}", rank, world)
+        took[rank] = time.perf_counter() - t0
+        t = torch.full((4,), float(rank + 1))
+        pg.allreduce([t], dist.AllreduceOptions()).wait()
+        sums[rank] = t.tolist()
+        pg.abort(errored=False)
+
+    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sums == {r: [6.0] * 4 for r in range(world)}
+    assert max(took.values()) < 1.0, took
+
+
+class RecordingProxy:
+    """A TCP proxy on loopback that records every byte the client sends through it."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.sent = bytearray()
+        self._lock = threading.Lock()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            server = socket.create_connection(self.upstream, timeout=10)
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if record:
+                    with self._lock:
+                        self.sent += data
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close()
+
+
+def test_catchup_needs_the_token_and_never_sends_it() -> None:
+    epoch = EpochView(JOB, 2, (EpochMember("src", "i0", ACTIVE, 1, Endpoints()),
+                               EpochMember("j", "i1", JOINING, 1, Endpoints())), "", 0.0, "test")
+    copies: list[int] = []
+
+    def snapshot() -> list[tuple[str, torch.Tensor]]:
+        copies.append(1)
+        return [("w", torch.arange(8, dtype=torch.float32))]
+
+    srv = CatchupServer(job=JOB, replica_id="src", rank=0, world_size=1, snapshot=snapshot, token=TOKEN,
+                        epoch=lambda: epoch, wait_s=10)
+    proxy = RecordingProxy(srv.address)
+    stop = threading.Event()
+
+    def train() -> None:
+        step = 1
+        while not stop.is_set():
+            srv.at_commit(step, active=True)
+            step += 1
+            stop.wait(0.01)  # a training step's worth of time (pacing, not synchronisation)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    try:
+        for token in ("", "wrong"):
+            with pytest.raises(FetchFailed, match="unauthenticated"):
+                Fetch([Source("src", proxy.address)], job=JOB, replica_id="j", incarnation="i1", rank=0, step=500,
+                      token=token).start().result(30)
+        assert not copies  # refused before anything was registered: no state copied
+        got = Fetch([Source("src", proxy.address)], job=JOB, replica_id="j", incarnation="i1", rank=0, step=500,
+                    token=TOKEN).start().result(60)
+        assert torch.equal(got.tensors["w"], torch.arange(8, dtype=torch.float32)) and copies == [1]
+        sent = bytes(proxy.sent)
+        assert b'"proof"' in sent and b"FTCU" in sent  # the capture holds the handshakes
+        assert TOKEN.encode() not in sent and TOKEN.encode().hex().encode() not in sent
+    finally:
+        stop.set()
+        trainer.join(5)
+        proxy.close()
+        srv.close(drain_s=1)
