@@ -14,7 +14,8 @@ on over a half-reduced buffer. So a watcher reports what it sees (``Progress``) 
 
 ``FutureWatcher`` is Gloo's; ``StreamWatcher`` is NCCL's: a CUDA event recorded on the lane's stream after the
 collective (the stream waits for it on the device), ``event.query()`` polled by the CPU, and the group's error read
-from torchft's ``_errored`` and the work's own exception (never ``errored()``, which synchronises the device).
+from torchft's ``_errored`` and the work's own state (``is_completed``/``is_success``; never ``errored()``, which
+synchronises the device).
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class StreamWatcher:
         self._pg = pg
         self._why = ""
         self._next_pause = FIRST_POLL_S
+        self._can_ask = True
         try:
             self._work.wait()  # the current stream waits for the collective: a device-side wait, the CPU goes on
         except Exception as e:  # already failed (an aborted communicator)
@@ -140,14 +142,23 @@ class StreamWatcher:
         if group_error is not None:
             self._why = f"group error: {group_error}"
             return True
-        try:
-            work_error = self._work.exception()
-        except Exception as e:  # a work that cannot even say: never read its buffer
-            work_error = e
-        if work_error is not None:
-            self._why = f"collective error: {work_error}"
+        if self._work_failed():
+            self._why = "collective error: the NCCL work recorded an error (a peer died or the communicator aborted)"
             return True
         return False
+
+    def _work_failed(self) -> bool:
+        """The work's own error state: ``is_completed()`` (non-blocking; true once NCCL recorded an async error)
+        and then ``is_success()``. Not ``exception()``: its binding cannot return the error to Python (seen on
+        torch 2.11 with NCCL 2.28: "Unable to convert function return value to a Python type", for every work,
+        failed or not). A work that cannot answer leaves the group's error and the deadline to decide."""
+        if not self._can_ask:
+            return False
+        try:
+            return bool(self._work.is_completed()) and not bool(self._work.is_success())
+        except Exception:  # this torch's binding cannot say: do not call it again
+            self._can_ask = False
+            return False
 
     def pause(self, timeout: float) -> None:
         time.sleep(max(0.0, min(timeout, self._next_pause)))  # the device has no callback into this thread: poll

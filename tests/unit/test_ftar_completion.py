@@ -49,7 +49,8 @@ def test_an_error_wins_over_every_other_input() -> None:
 
 
 class FakeWork:
-    """An NCCL work: its future and ``wait()`` return once queued; errors show in ``exception()``."""
+    """An NCCL work: its future and ``wait()`` return once queued; an error shows in ``is_completed()`` and
+    ``is_success()``; ``exception()`` raises, as torch's binding does for every work (seen on a GPU)."""
 
     def __init__(self, log: list[str] | None = None) -> None:
         self.log = log if log is not None else []
@@ -60,7 +61,13 @@ class FakeWork:
         return True
 
     def exception(self) -> BaseException | None:
-        return self.error
+        raise TypeError("Unable to convert function return value to a Python type!")
+
+    def is_completed(self) -> bool:
+        return self.error is not None
+
+    def is_success(self) -> bool:
+        return self.error is None
 
     def get_future(self) -> torch.futures.Future[None]:
         fut: torch.futures.Future[None] = torch.futures.Future()
@@ -112,6 +119,25 @@ def test_nccl_watcher_the_works_own_error_is_a_failure() -> None:
     work = FakeWork()
     w = StreamWatcher(work, FakePG(), lambda: FakeEvent(lambda: True))
     work.error = RuntimeError("NCCL remote error")  # NCCL's watchdog aborted the communicator
+    assert outcome(w.poll(), Verdict.WAIT) is Outcome.FAILED
+
+
+def test_nccl_watcher_a_healthy_work_is_done_although_its_exception_binding_raises() -> None:
+    """On a GPU every NCCL exchange failed while the watcher asked ``exception()`` (its binding raises)."""
+    w = StreamWatcher(FakeWork(), FakePG(), lambda: FakeEvent(lambda: True))
+    assert outcome(w.poll(), Verdict.WAIT) is Outcome.DONE
+
+
+def test_nccl_watcher_a_work_that_cannot_say_leaves_it_to_the_group_and_the_deadline() -> None:
+    class Mute(FakeWork):
+        def is_completed(self) -> bool:
+            raise RuntimeError("not supported by this backend")
+
+    pg = FakePG()
+    w = StreamWatcher(Mute(), pg, lambda: FakeEvent(lambda: False))
+    assert outcome(w.poll(), Verdict.WAIT) is Outcome.WAIT
+    assert outcome(w.poll(), Verdict.DEADLINE) is Outcome.ABORT_DEADLINE
+    pg._errored = RuntimeError("aborted")
     assert outcome(w.poll(), Verdict.WAIT) is Outcome.FAILED
 
 
