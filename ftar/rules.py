@@ -32,9 +32,13 @@ def newer(current: EpochView | None, epoch: EpochView) -> bool:
 def pick_epoch(current: EpochView | None, after: int, replica_id: str) -> EpochView | int:
     """The epoch an attempt may run in: ``current`` if its number is above ``after`` (epochs only go up: a stale
     or reused number is refused) and it has this replica as a member. Otherwise the number to wait above (an
-    epoch without this replica is skipped: wait for one that includes it)."""
+    epoch without this replica is skipped: wait for one that includes it). A replica alone in ``current`` may
+    run in it again after it failed there: it has no partner whose next exchange a redo could pair with, and no
+    peer to report, so no newer epoch would ever form (docs/gpu.md §3)."""
     if current is not None and current.number > after:
         return current if current.member(replica_id) is not None else current.number
+    if current is not None and current.number == after and current.replica_ids == (replica_id,):
+        return current
     return after
 
 

@@ -229,6 +229,7 @@ class FakeNcclGroup(EpochGroup):
     scripts: dict[int, str] = {}
     groups: list[FakeNcclGroup] = []
     started = threading.Event()
+    hung_once = False
 
     @classmethod
     def open(cls, epoch: EpochView, replica_id: str, *args: Any) -> EpochGroup:  # type: ignore[override]
@@ -244,6 +245,8 @@ class FakeNcclGroup(EpochGroup):
     def start_exchange(self, buffers: list[torch.Tensor], timeout_s: float) -> list[Any]:
         self.seq += 1
         script = self.scripts.get(self.epoch.number, "ok")
+        if script == "hang-once":  # the first exchange of the epoch hangs, the next ones go through
+            script, FakeNcclGroup.hung_once = ("ok" if FakeNcclGroup.hung_once else "hang"), True
         FakeNcclGroup.started.set()
         if script == "ok":
             return [self.allreduce(b, torch.distributed.ReduceOp.SUM, timeout_s) for b in buffers]
@@ -264,6 +267,7 @@ def fake_groups(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeNcclGroup]
     monkeypatch.setattr(engine_mod, "EpochGroup", FakeNcclGroup)
     FakeNcclGroup.scripts, FakeNcclGroup.groups = {}, []
     FakeNcclGroup.started = threading.Event()
+    FakeNcclGroup.hung_once = False
     yield FakeNcclGroup
 
 
@@ -321,6 +325,20 @@ def test_a_deadline_aborts_the_communicator(fake_groups: type[FakeNcclGroup]) ->
     # Aborted at the deadline (timeout + slack), before the blame grace (2 s) was over: not at the release.
     assert aborted_at and aborted_at[0] < 0.2 + 0.5 + 1.5
     assert m.reports == [("r1", 1)]
+
+
+def test_a_replica_alone_redoes_in_its_epoch_after_a_deadline(fake_groups: type[FakeNcclGroup]) -> None:
+    """Seen on a GPU: alone in its epoch, a failed collective left nobody to report and the lane waited for an
+    epoch that never came. Now the communicator is aborted and the exchange redone in the same epoch."""
+    fake_groups.scripts = {1: "hang-once"}
+    m = FakeMembership(epoch(1, ("r0",)))
+    config = FTARConfig(timeout_s=0.2, blame_grace_s=0.05, epoch_wait_s=5.0, connect_timeout_s=1.0)
+    t, result = run(fake_groups, m, config)
+    assert not isinstance(result, Exception), result
+    assert result.epoch == 1 and result.attempts == 2
+    assert torch.equal(result.tensors[0], torch.arange(6, dtype=torch.float32))
+    assert fake_groups.groups[0].pg.aborted.is_set() and len(fake_groups.groups) == 2  # aborted, then rebuilt
+    assert m.reports == []
 
 
 def test_an_epoch_push_aborts_the_communicator_without_blame(fake_groups: type[FakeNcclGroup]) -> None:

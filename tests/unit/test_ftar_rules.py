@@ -138,6 +138,16 @@ def test_a_stale_or_reused_epoch_is_refused() -> None:
     assert state.pick(e5, after=4) is e5
 
 
+def test_a_replica_alone_in_its_epoch_redoes_there() -> None:
+    """Alone, a failed collective (an NCCL deadline) leaves nobody to report and no newer epoch would ever form:
+    the lone member redoes in the same epoch. With a partner it waits for a newer one, as before."""
+    alone = epoch(5, "r0")
+    assert pick_epoch(alone, after=5, replica_id="r0") is alone
+    assert pick_epoch(epoch(5, "r0", "r1"), after=5, replica_id="r0") == 5
+    assert pick_epoch(epoch(5, "r1"), after=5, replica_id="r0") == 5
+    assert pick_epoch(alone, after=6, replica_id="r0") == 6  # an older epoch stays refused
+
+
 def test_an_epoch_without_this_replica_is_skipped_and_ends_as_excluded() -> None:
     e6 = epoch(6, "r1", "r2")
     assert pick_epoch(e6, after=5, replica_id="r0") == 6  # wait above it
