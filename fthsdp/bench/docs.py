@@ -15,7 +15,8 @@ runs, e.g. ``out/bench/``) over them. Known files:
   saturation(1000)))"`` (heartbeats offered faster and faster to one lighthouse);
 - ``notes.json``: ``{"conditions": [lines], "saturation": [lines]}``, prose written after looking at a run
   (machine load, the profile): the generator cannot know it;
-- ``overhead.json``, ``ftar.json``: ``fthsdp bench overhead|ftar --json`` (optional).
+- ``overhead.json``, ``ftar.json``: ``fthsdp bench overhead|ftar --json`` (optional);
+- ``recovery-double.json``: ``fthsdp bench recovery --kill 1@20 --kill 2@20 --json`` (optional).
 
 The simulator section is computed here (``fthsdp.bench.sim``) from the measured stalls.
 """
@@ -32,8 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 from fthsdp.bench.sim import SimConfig, simulate  # noqa: E402
 
-KNOWN = ("recovery.json", "recovery-hsdp.json", "baselines.json", "lighthouse.json", "saturation.json",
-         "overhead.json", "ftar.json", "notes.json")
+KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
+         "saturation.json", "overhead.json", "ftar.json", "notes.json")
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -408,6 +409,22 @@ def section_recovery_hsdp(doc: dict[str, Any] | None) -> list[str]:
     return out
 
 
+def section_recovery_double(doc: dict[str, Any] | None) -> list[str]:
+    """Two groups killed at the same step (``fthsdp bench recovery --kill 1@20 --kill 2@20 --json``)."""
+    f = (doc or {}).get("fthsdp")
+    if not isinstance(f, dict):
+        return []
+    return ["## Two replica groups killed at the same step", "",
+            f"`fthsdp bench recovery --kill 1@20 --kill 2@20 --json` (data: `docs/bench-data/recovery-double.json`): "
+            f"the reference model, {f.get('replicas')} groups x {f.get('ranks_per_replica')} ranks, SIGKILL "
+            f"{f.get('kill')}, restarts 2 s later. The last survivor's stall beyond a median step: "
+            f"**{fmt(f.get('survivor_stall_s'))} s** (the second death's report counts against the epoch the first "
+            f"one's replaced, so it costs one report round, not a heartbeat timeout: docs/design.md §4); first "
+            f"restarted group's first joined step {fmt(f.get('rejoin_s'), '.1f')} s after the kill; effective "
+            f"training time {fmt(f.get('effective_training_time'))}; final states equal: {fmt(f.get('final_equal'))}.",
+            ""]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--import", dest="import_dir", default="", help="copy known JSONs from here first")
@@ -438,9 +455,11 @@ def main(argv: list[str] | None = None) -> None:
              "between identical runs here (more when the machine is busy), so every comparison is a ratio or a "
              "side-by-side taken in the same invocation.", ""]
     if notes and notes.get("conditions"):
-        lines += list(notes["conditions"]) + [""]
+        for para in notes["conditions"]:
+            lines += [para, ""]
     lines += section_recovery(rec, base, img)
     lines += section_recovery_hsdp(load(data, "recovery-hsdp.json"))
+    lines += section_recovery_double(load(data, "recovery-double.json"))
     lines += section_lighthouse(load(data, "lighthouse.json"), load(data, "saturation.json"), notes, img)
     lines += section_sim(rec, base, img)
     lines += section_other(load(data, "overhead.json"), load(data, "ftar.json"))
