@@ -11,12 +11,11 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from lighthouse.errors import ValidationError
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.rendezvous import Namespace, RendezvousTable, check_keys, check_wait
 from lighthouse.server.jobs import Job
 from lighthouse.server.leadership import Leadership
-from lighthouse.server.service import _Malformed, _parser
+from lighthouse.server.service import _parser, guarded
 from lighthouse.v1 import lighthouse_pb2 as pb
 
 SERVICE = "fthsdp.v1.Rendezvous"
@@ -59,15 +58,11 @@ class RendezvousService:
         })
 
     def _guard(self, name: str, fn: Callable[[Req, _JobRendezvous, Namespace], Awaitable[Resp]]) -> Callable[
-            [Any, Context], Awaitable[Resp]]:
+            [Any, Context], Awaitable[Any]]:
+        """``fn`` on the request's job table and namespace, behind the lighthouse's common guard."""
         method = f"Rendezvous.{name}"
 
-        async def handler(req: Any, context: Context) -> Resp:
-            if not self.leadership.leading:
-                await self.leadership.refuse(context, method)
-            if isinstance(req, _Malformed):
-                self.metrics.rpc_error(method, "INVALID_ARGUMENT")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {req.error}")
+        async def on_job(req: Req, context: Context) -> Resp:
             job = self.jobs.get(req.job_id)
             if job is None:
                 self.metrics.rpc_error(method, "NOT_FOUND")
@@ -77,16 +72,10 @@ class RendezvousService:
             if rdzv is None:
                 rdzv = self._tables[job.job_id] = _JobRendezvous(job.job_id)
             epoch = job.state.epoch
-            try:
-                _, ns = rdzv.table.namespace(req.namespace, job.number,
-                                             epoch.data_plane if epoch is not None else 0)
-                return await fn(req, rdzv, ns)
-            except ValidationError as e:
-                self.metrics.rpc_error(method, "INVALID_ARGUMENT")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise AssertionError("unreachable")  # pragma: no cover (abort raises)
+            _, ns = rdzv.table.namespace(req.namespace, job.number, epoch.data_plane if epoch is not None else 0)
+            return await fn(req, rdzv, ns)
 
-        return handler
+        return guarded(self.leadership, self.metrics, method, on_job)
 
     async def _set(self, req: Req, rdzv: _JobRendezvous, ns: Namespace) -> Resp:
         (key,) = check_keys(list(req.keys), rdzv.table.limits, one=True)

@@ -41,6 +41,26 @@ def _parser(cls: Any) -> Callable[[bytes], Any]:
     return parse
 
 
+def guarded(leadership: Leadership, metrics: LighthouseMetrics, name: str,
+            fn: Callable[[Any, Context], Awaitable[Any]]) -> Callable[[Any, Context], Awaitable[Any]]:
+    """A handler that redirects while following and turns malformed input and validation errors into
+    INVALID_ARGUMENT, around ``fn`` (every service on the lighthouse's port: ``Lighthouse`` and ``Rendezvous``)."""
+
+    async def handler(request: Any, context: Context) -> Any:
+        if not leadership.leading:
+            await leadership.refuse(context, name)
+        if isinstance(request, _Malformed):
+            metrics.rpc_error(name, "INVALID_ARGUMENT")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
+        try:
+            return await fn(request, context)
+        except ValidationError as e:
+            metrics.rpc_error(name, "INVALID_ARGUMENT")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    return handler
+
+
 def _passthrough(x: bytes | Any) -> bytes:
     return x if isinstance(x, bytes) else x.SerializeToString()
 
@@ -60,7 +80,7 @@ class LighthouseService:
     def handlers(self) -> grpc.GenericRpcHandler[Any, Any]:
         def unary(fn: Callable[[Any, Context], Awaitable[Any]], req: Any, resp: Any) -> grpc.RpcMethodHandler[Any, Any]:
             return grpc.unary_unary_rpc_method_handler(
-                self._guard(fn.__name__, fn), request_deserializer=_parser(req),
+                guarded(self.leadership, self.metrics, fn.__name__, fn), request_deserializer=_parser(req),
                 response_serializer=resp.SerializeToString)
 
         return grpc.method_handlers_generic_handler(SERVICE, {
@@ -73,24 +93,6 @@ class LighthouseService:
             "Watch": grpc.unary_stream_rpc_method_handler(
                 self.Watch, request_deserializer=_parser(pb.WatchRequest), response_serializer=_passthrough),
         })
-
-    def _guard(self, name: str, fn: Callable[[Any, Context], Awaitable[Any]]) -> Callable[[Any, Context],
-                                                                                         Awaitable[Any]]:
-        """Redirect while following; turn malformed input and validation errors into INVALID_ARGUMENT."""
-
-        async def handler(request: Any, context: Context) -> Any:
-            if not self.leadership.leading:
-                await self.leadership.refuse(context, name)
-            if isinstance(request, _Malformed):
-                self.metrics.rpc_error(name, "INVALID_ARGUMENT")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
-            try:
-                return await fn(request, context)
-            except ValidationError as e:
-                self.metrics.rpc_error(name, "INVALID_ARGUMENT")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
-        return handler
 
     async def _job(self, job_id: str, context: Context, method: str) -> Job:
         job = self.jobs.get(job_id)
