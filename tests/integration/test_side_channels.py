@@ -29,6 +29,7 @@ from lighthouse.model import ACTIVE, JOINING, Endpoints, EpochMember
 from lighthouse.security import ClientSecurity, ServerSecurity
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
+from tests.helpers.catchup import training
 from tests.helpers.lighthouse import JOB, ServerThread, make_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -182,31 +183,19 @@ def test_catchup_needs_the_token_and_never_sends_it() -> None:
     srv = CatchupServer(job=JOB, replica_id="src", rank=0, world_size=1, snapshot=snapshot, token=TOKEN,
                         epoch=lambda: epoch, wait_s=10)
     proxy = RecordingProxy(srv.address)
-    stop = threading.Event()
-
-    def train() -> None:
-        step = 1
-        while not stop.is_set():
-            srv.at_commit(step, active=True)
-            step += 1
-            stop.wait(0.01)  # a training step's worth of time (pacing, not synchronisation)
-
-    trainer = threading.Thread(target=train, daemon=True)
-    trainer.start()
     try:
-        for token in ("", "wrong"):
-            with pytest.raises(FetchFailed, match="unauthenticated"):
-                Fetch([Source("src", proxy.address)], job=JOB, replica_id="j", incarnation="i1", rank=0, step=500,
-                      token=token).start().result(30)
-        assert not copies  # refused before anything was registered: no state copied
-        got = Fetch([Source("src", proxy.address)], job=JOB, replica_id="j", incarnation="i1", rank=0, step=500,
-                    token=TOKEN).start().result(60)
-        assert torch.equal(got.tensors["w"], torch.arange(8, dtype=torch.float32)) and copies == [1]
-        sent = bytes(proxy.sent)
-        assert b'"proof"' in sent and b"FTCU" in sent  # the capture holds the handshakes
-        assert TOKEN.encode() not in sent and TOKEN.encode().hex().encode() not in sent
+        with training(srv, 1):
+            for token in ("", "wrong"):
+                with pytest.raises(FetchFailed, match="unauthenticated"):
+                    Fetch([Source("src", proxy.address)], job=JOB, replica_id="j", incarnation="i1", rank=0, step=500,
+                          token=token).start().result(30)
+            assert not copies  # refused before anything was registered: no state copied
+            got = Fetch([Source("src", proxy.address)], job=JOB, replica_id="j", incarnation="i1", rank=0, step=500,
+                        token=TOKEN).start().result(60)
+            assert torch.equal(got.tensors["w"], torch.arange(8, dtype=torch.float32)) and copies == [1]
+            sent = bytes(proxy.sent)
+            assert b'"proof"' in sent and b"FTCU" in sent  # the capture holds the handshakes
+            assert TOKEN.encode() not in sent and TOKEN.encode().hex().encode() not in sent
     finally:
-        stop.set()
-        trainer.join(5)
         proxy.close()
         srv.close(drain_s=1)

@@ -5,7 +5,6 @@ and that a source copies no state for a request it refuses."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from fthsdp.catchup.server import CatchupServer, InsecureServing
 from fthsdp.catchup.wire import FetchFailed, Hello
 from lighthouse.epoch_view import EpochView
 from lighthouse.model import ACTIVE, JOINING, Endpoints, EpochMember
+from tests.helpers.catchup import training
 
 pytestmark = pytest.mark.timeout(60)
 HELLO = Hello("job", "j", "inc1", 0, 12)
@@ -61,24 +61,13 @@ def test_without_a_token_only_loopback_is_served() -> None:
                       host="0.0.0.0")
 
 
-def _source(epoch: EpochView | None, copies: list[int]) -> tuple[CatchupServer, threading.Event]:
+def _source(epoch: EpochView | None, copies: list[int]) -> CatchupServer:
     def snapshot() -> list[tuple[str, torch.Tensor]]:
         copies.append(1)
         return [("w", torch.ones(4))]
 
-    srv = CatchupServer(job="job", replica_id="src", rank=0, world_size=1, snapshot=snapshot, token="s3cret",
-                        epoch=lambda: epoch, wait_s=5)
-    stop = threading.Event()
-
-    def train() -> None:
-        step = 10
-        while not stop.is_set():
-            srv.at_commit(step, active=True)
-            step += 1
-            stop.wait(0.01)  # a training step's worth of time (pacing, not synchronisation)
-
-    threading.Thread(target=train, daemon=True).start()
-    return srv, stop
+    return CatchupServer(job="job", replica_id="src", rank=0, world_size=1, snapshot=snapshot, token="s3cret",
+                         epoch=lambda: epoch, wait_s=5)
 
 
 @pytest.mark.parametrize("token,replica,epoch,code", [
@@ -89,25 +78,25 @@ def _source(epoch: EpochView | None, copies: list[int]) -> tuple[CatchupServer, 
 ])
 def test_a_refused_request_copies_no_state(token: str, replica: str, epoch: EpochView, code: str) -> None:
     copies: list[int] = []
-    srv, stop = _source(epoch, copies)
+    srv = _source(epoch, copies)
     try:
-        f = Fetch([Source("src", srv.address)], job="job", replica_id=replica, incarnation="inc1", rank=0,
-                  step=30, token=token).start()
-        with pytest.raises(FetchFailed, match=code):
-            f.result(30)
-        assert not copies and not srv._requested and not srv._snapshots
+        with training(srv, 10):
+            f = Fetch([Source("src", srv.address)], job="job", replica_id=replica, incarnation="inc1", rank=0,
+                      step=30, token=token).start()
+            with pytest.raises(FetchFailed, match=code):
+                f.result(30)
+            assert not copies and not srv._requested and not srv._snapshots
     finally:
-        stop.set()
         srv.close(drain_s=1)
 
 
 def test_an_admitted_joiner_with_the_token_is_served() -> None:
     copies: list[int] = []
-    srv, stop = _source(EPOCH, copies)
+    srv = _source(EPOCH, copies)
     try:
-        got = Fetch([Source("src", srv.address)], job="job", replica_id="j", incarnation="inc1", rank=0,
-                    step=40, token="s3cret").start().result(30)
+        with training(srv, 10):
+            got = Fetch([Source("src", srv.address)], job="job", replica_id="j", incarnation="inc1", rank=0,
+                        step=40, token="s3cret").start().result(30)
         assert got.step == 40 and torch.equal(got.tensors["w"], torch.ones(4)) and copies == [1]
     finally:
-        stop.set()
         srv.close(drain_s=1)
