@@ -31,7 +31,7 @@ from fthsdp.runtime.state import DIGEST
 from fthsdp.testing.faults import FaultInjector, Phase
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
-from lighthouse.errors import Busy
+from lighthouse.errors import Busy, FencedOut
 
 MAX_FETCHES = 5
 """Failed fetches of one catch-up before the replica gives up (and restarts to try again)."""
@@ -78,12 +78,16 @@ class Joiner:
         return entered
 
     def _announce(self) -> None:
-        """Ready(JOINING), retried while another replica is joining (one at a time), up to epoch_wait_s."""
+        """Ready(JOINING), retried while another replica is joining (one at a time), up to epoch_wait_s. Refused
+        because this incarnation is over (e.g. the job finished while it fetched): ``RejoinRequired``, so the next
+        incarnation registers and learns why (a finished job: it takes the final checkpoint), never a crash."""
         deadline = time.monotonic() + self.config.epoch_wait_s
         while True:
             try:
                 self.client.ready(m.JOINING)
                 return
+            except FencedOut as e:  # this incarnation is over (dropped, or the job finished meanwhile): come back
+                raise RejoinRequired(f"could not enter the data plane: {e}") from e
             except Busy as e:
                 if time.monotonic() > deadline:
                     raise RejoinRequired(f"could not enter the data plane: {e}") from e
