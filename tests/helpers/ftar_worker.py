@@ -54,7 +54,9 @@ def main() -> None:
         if reg is not None and reg.role == m.JOINING:
             client.ready(m.JOINING)
         membership = LighthouseMembership(client, feed)
-        cfg = FTARConfig(timeout_s=a.timeout, connect_timeout_s=5.0, epoch_wait_s=20.0)
+        # hold=True as the replica runtime does: a collective can complete at some members and fail at others (a
+        # member hung mid-ring), and the members left behind are then served the results by one that holds them.
+        cfg = FTARConfig(timeout_s=a.timeout, connect_timeout_s=5.0, epoch_wait_s=20.0, hold=True)
         engines = [LaneEngine(membership, lane, cfg) for lane in range(a.lanes)]
         code = 0
         try:
