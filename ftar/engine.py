@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ftar import devices
+from ftar.blame import blame_failure
 from ftar.completion import Outcome, outcome
 from ftar.errors import Abandoned, EngineClosed, FTARError, InputsConsumed, Misaligned, PeerFailure
 from ftar.exchange import BACKENDS, OPS, ExchangeResult, FTARConfig, Handle, Request
@@ -59,8 +60,6 @@ from ftar.rules import (
     Recovery,
     agreed_tag,
     alignment_probe,
-    blame,
-    missing,
     newer,
     no_epoch,
     recovery,
@@ -76,10 +75,6 @@ POLL_S = 0.02
 """How often a wait on a collective checks its deadline and the pushed epochs."""
 EPOCH_POLL_S = 0.5
 """Longest single wait for the next epoch (the engine re-checks exclusion and closing between them)."""
-BLAME_POLL_S = 0.01
-"""How often the store is read for check-ins during the blame grace."""
-REPORT_LIMIT = 1000
-"""Characters of a failure report's reason."""
 
 
 class LaneEngine:
@@ -235,7 +230,8 @@ class LaneEngine:
                 self._after_failure(req, epoch)
             except PeerFailure as e:
                 self._log(logging.WARNING, epoch.number, req.tag, "exchange failed: %s", e)
-                self._blame(epoch, str(e))
+                blame_failure(self._group, epoch, self.membership, self.lane, self.config.blame_grace_s, str(e),
+                              self._log)
                 self._drop_group()
                 self._after_failure(req, epoch)
 
@@ -396,25 +392,3 @@ class LaneEngine:
             kept = tuple(t.clone() for t in out) if req.inplace else tuple(out)  # the caller may change its own
             self._held.record(tag, Held(kept, epoch.number, contributors))
         return ExchangeResult(out, epoch.number, contributors, attempt, tag, devices.record(self.device))
-
-    # --- blame --------------------------------------------------------------------------------------------------
-
-    def _blame(self, epoch: EpochView, reason: str) -> None:
-        """Check in as failed, give the others ``blame_grace_s`` to do the same, report those that did not."""
-        group = self._group
-        suspects: list[str] = []
-        if group is not None:
-            key = group.failure_key()
-            group.check_in(key)
-            deadline = time.monotonic() + self.config.blame_grace_s
-            while True:
-                suspects = missing(epoch.replica_ids, self.replica_id, group.present(key))
-                if not suspects or time.monotonic() >= deadline or newer(self.membership.current(), epoch):
-                    break
-                time.sleep(BLAME_POLL_S)  # polling the store with a deadline
-        verdict = blame(epoch, self.membership.current(), self.replica_id, suspects, reason)
-        if verdict.everyone:
-            self._log(logging.WARNING, epoch.number, None, "failure with every member checked in; asking for a "
-                      "re-formed epoch")
-        for suspect in verdict.suspects:
-            self.membership.report(suspect, epoch.number, f"lane {self.lane}: {verdict.reason}"[:REPORT_LIMIT])

@@ -35,8 +35,9 @@ class Membership(Protocol):
         came."""
         ...
 
-    def report(self, suspect: str, epoch: int, reason: str) -> None:
-        """Report ``suspect`` as failed in ``epoch`` (blame); a report the lighthouse refuses is not an error."""
+    def report(self, suspect: str, epoch: int, reason: str, *, early: bool = False) -> None:
+        """Report ``suspect`` as failed in ``epoch`` (blame); a report the lighthouse refuses is not an error.
+        ``early``: sent before the blame grace ended, acted on only with evidence (``ftar.blame``)."""
         ...
 
     def add_listener(self, fn: Callable[[EpochView], None]) -> Callable[[], None]:
@@ -82,10 +83,11 @@ class LighthouseMembership:
     def wait_epoch(self, after: int, timeout: float) -> EpochView | None:
         return self.client.wait_epoch(after, timeout)
 
-    def report(self, suspect: str, epoch: int, reason: str) -> None:
+    def report(self, suspect: str, epoch: int, reason: str, *, early: bool = False) -> None:
         try:
-            result = self.client.report_failure(suspect, epoch, reason)
-            log.info("ftar replica=%s epoch=%d blamed %s: %s", self.replica_id, epoch, suspect, result.detail)
+            result = self.client.report_failure(suspect, epoch, reason, early=early)
+            log.info("ftar replica=%s epoch=%d blamed %s%s: %s", self.replica_id, epoch, suspect,
+                     " early" if early else "", result.detail)
         except LighthouseError as e:  # stale epoch etc.: the lighthouse already moved on
             log.info("ftar replica=%s epoch=%d report on %s not taken: %s", self.replica_id, epoch, suspect, e)
 

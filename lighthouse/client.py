@@ -130,8 +130,8 @@ class LighthouseClient:
             self._cond.wait_for(lambda: self._latest is not None and self._latest.number > after, timeout)
             return self._latest if self._latest is not None and self._latest.number > after else None
 
-    def report_failure(self, suspect: str, epoch: int, reason: str) -> ReportResult:
-        return self._run(self.aio.report_failure(suspect, epoch, reason))
+    def report_failure(self, suspect: str, epoch: int, reason: str, *, early: bool = False) -> ReportResult:
+        return self._run(self.aio.report_failure(suspect, epoch, reason, early=early))
 
     def ready(self, role: str) -> int:
         return self._run(self.aio.ready(role))

@@ -231,10 +231,12 @@ class LighthouseRpc:
         self.heartbeats += 1
         return resp.epoch
 
-    async def report_failure(self, suspect: str, epoch: int, reason: str) -> ReportResult:
+    async def report_failure(self, suspect: str, epoch: int, reason: str, *, early: bool = False) -> ReportResult:
+        """Blame ``suspect`` for a failure in ``epoch``. ``early``: before the blame grace ended, so the lighthouse
+        acts on it only with evidence of the suspect's own (its connection closed, or its silence)."""
         resp = await self._call("ReportFailure", pb.FailureReport(
             job_id=self.job_id, reporter_replica_id=self.replica_id, reporter_incarnation=self.incarnation,
-            suspect_replica_id=suspect, epoch=epoch, reason=reason[: REASON_MAX]))
+            suspect_replica_id=suspect, epoch=epoch, reason=reason[: REASON_MAX], early=early))
         assert isinstance(resp, pb.FailureReportResponse)
         return ReportResult(resp.confirmed, resp.detail, resp.epoch)
 
@@ -271,7 +273,8 @@ class LighthouseRpc:
         # Raw bytes (no response deserializer): the views are memoized by content, see proto_codec.epoch_from_bytes.
         call = channel.unary_stream(WATCH_METHOD, request_serializer=pb.WatchRequest.SerializeToString,
                                     response_deserializer=None)(
-            pb.WatchRequest(job_id=self.job_id, after_epoch=after_epoch), metadata=self._metadata)
+            pb.WatchRequest(job_id=self.job_id, after_epoch=after_epoch, replica_id=self.replica_id,
+                            incarnation=self.incarnation), metadata=self._metadata)
         try:
             async for raw in call:
                 try:

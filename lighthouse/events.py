@@ -24,6 +24,9 @@ class DeathCause(StrEnum):
     """No heartbeat for ``heartbeat_timeout_s``."""
     CONFIRMED = "confirmed"
     """A failure report, confirmed at once: the suspect's last heartbeat was at least ``confirm_age_s`` old."""
+    DISCONNECTED = "disconnected"
+    """A failure report, confirmed at once: the suspect's own connection to the lighthouse had closed (its
+    process died), so its silence need not be waited for."""
     REPORTED = "reported"
     """Reported earlier in the epoch, then silent for ``confirm_age_s`` (confirmed at a later tick)."""
     HUNG = "hung"
@@ -54,6 +57,8 @@ class Died:
     """STALLED: seconds it spent in the data plane as a joiner."""
     step: int = 0
     """JOB_FINISHED: the step the job finished at."""
+    disconnected_s: float = 0.0
+    """DISCONNECTED: seconds since its watch stream closed."""
     kind: ClassVar[str] = "failure"
 
 
@@ -158,6 +163,9 @@ def phrase(event: MembershipEvent) -> str:
         case Died(cause=DeathCause.CONFIRMED):
             return (f"replica {event.replica_id} dead ({event.report}, confirmed: no heartbeat for "
                     f"{event.silent_s:.2f}s; blamed by {','.join(event.reporters)})")
+        case Died(cause=DeathCause.DISCONNECTED):
+            return (f"replica {event.replica_id} dead ({event.report}, confirmed: its connection closed "
+                    f"{event.disconnected_s:.2f}s before; blamed by {','.join(event.reporters)})")
         case Died(cause=DeathCause.REPORTED):
             return (f"replica {event.replica_id} dead (reported by {','.join(event.reporters)}, no heartbeat for "
                     f"{event.silent_s:.2f}s)")

@@ -27,7 +27,10 @@ Rules (docs/design.md §4):
 - An incarnation that died, left or was replaced is over for good: its calls are refused (FAILED_PRECONDITION)
   and it cannot register again (``State.departed``).
 - Death: no heartbeat for ``heartbeat_timeout_s``; or a failure report the lighthouse confirms, because the
-  suspect's last heartbeat is older than ``confirm_age_s`` (at the report, or at a later tick).
+  suspect's last heartbeat is older than ``confirm_age_s`` (at the report, or at a later tick), or at once
+  because the suspect's own connection to the lighthouse closed (``Report.disconnected_s``: its process died,
+  and the kernel closed its watch stream). An ``early`` report (sent before the reporter's blame grace ended)
+  only confirms on that evidence and otherwise records nothing.
 - A reported suspect that keeps heartbeating for ``confirm_age_s`` is alive: the epoch is re-formed with the
   same members (a new number), so that every member rebuilds its data plane instead of waiting forever. One
   reported again after ``max_reforms`` consecutive re-forms is hung (heartbeating, not training): dead, if the
@@ -118,6 +121,12 @@ class Report:
     reason: str
     now: float
     last_seen: Mapping[str, float]
+    disconnected_s: float | None = None
+    """Seconds since a watch stream of the suspect's current incarnation closed from its end without being
+    replaced (the edge knows its streams); ``None`` while every stream it opened is open."""
+    early: bool = False
+    """Sent before the reporter's blame grace ended, while live peers may still be checking in: confirmed only on
+    evidence (disconnected, or silent for ``confirm_age_s``), else it changes nothing."""
 
 
 @dataclass(frozen=True)
@@ -291,16 +300,18 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
     suspicions = {**state.suspicions, ev.suspect: reporters}
     age = ev.now - ev.last_seen.get(ev.suspect, state.members[ev.suspect].registered_at)
     why = ev.reason or "failure report"
-    # Only the suspect's own silence confirms: peers' reports are not votes, because a reporter cannot tell a
-    # dead peer from one that was merely slower to notice the same failure (FTAR blames everyone who did not
-    # check in within its grace period).
-    if age < policy.confirm_age_s:
+    # Only the suspect's own evidence confirms (its silence, or its closed connection): peers' reports are not
+    # votes, because a reporter cannot tell a dead peer from one that was merely slower to notice the same
+    # failure (FTAR blames everyone who did not check in within its grace period).
+    if ev.disconnected_s is None and age < policy.confirm_age_s:
+        if ev.early:
+            return Outcome(state=state)
         suspected_at = {**state.suspected_at, ev.suspect: state.suspected_at.get(ev.suspect, ev.now)}
         return Outcome(state=dataclasses.replace(state, suspicions=suspicions, suspected_at=suspected_at))
     new = dataclasses.replace(drop(state, (ev.suspect,)), suspicions=suspicions)
-    died = Died(ev.suspect, DeathCause.CONFIRMED, silent_s=age, reporters=(ev.reporter,), report=why)
-    out = _reconcile(new, (died,), ev.now, policy)
-    return dataclasses.replace(out, confirmed=True)
+    died = Died(ev.suspect, DeathCause.CONFIRMED if ev.disconnected_s is None else DeathCause.DISCONNECTED,
+                silent_s=age, reporters=(ev.reporter,), report=why, disconnected_s=ev.disconnected_s or 0.0)
+    return dataclasses.replace(_reconcile(new, (died,), ev.now, policy), confirmed=True)
 
 
 def _silent_in_both(state: State, ev: Report, policy: Policy) -> bool:

@@ -4,6 +4,7 @@ nothing; a follower refuses everything with a redirect to the leader."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias
 
@@ -149,7 +150,17 @@ class LighthouseService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {req.error}")
             return
         job = await self._job(req.job_id, context, "Watch")
+        watcher = (req.replica_id, req.incarnation) if req.replica_id else None
+        if watcher is not None:
+            try:
+                check_id("replica_id", req.replica_id)
+                check_id("incarnation", req.incarnation)
+            except ValidationError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                return
+            job.stream_opened(*watcher)
         sent = req.after_epoch
+        closed_by_peer = False
         self.metrics.watchers.inc()
         try:
             while not self._stopping():
@@ -161,22 +172,30 @@ class LighthouseService:
                     continue
                 # No await between the check above and taking the event: a publish cannot slip in between.
                 await job.changed.wait()
+        except asyncio.CancelledError:  # the replica's end went away (grpc cancels the handler)
+            closed_by_peer = not self._stopping()
+            raise
         finally:
             self.metrics.watchers.dec()
+            if watcher is not None:
+                job.stream_closed(*watcher, clock() if closed_by_peer else None)
 
     async def ReportFailure(self, req: pb.FailureReport, context: Context) -> pb.FailureReportResponse:
         job = await self._job(req.job_id, context, "ReportFailure")
         check_id("reporter_replica_id", req.reporter_replica_id)
         check_id("suspect_replica_id", req.suspect_replica_id)
         check_text("reason", req.reason)
+        now = clock()
         out = await self.edge.apply(job, m.Report(req.reporter_replica_id, req.reporter_incarnation,
-                                                  req.suspect_replica_id, req.epoch, req.reason, clock(),
-                                                  job.last_seen))
+                                                  req.suspect_replica_id, req.epoch, req.reason, now,
+                                                  job.last_seen, job.disconnected_s(req.suspect_replica_id, now),
+                                                  req.early))
         if out.rejection is not None:
             self.metrics.reports.labels("refused").inc()
             await self._refuse(out.rejection, context, "ReportFailure")
         self.metrics.reports.labels("confirmed" if out.confirmed else "pending").inc()
         detail = out.reason or ("suspect already declared dead" if out.confirmed else
+                                "early report without evidence: nothing recorded" if req.early else
                                 "recorded; not confirmed yet (suspect still heartbeating)")
         return pb.FailureReportResponse(confirmed=out.confirmed, detail=detail, epoch=job.number)
 

@@ -117,28 +117,34 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("job_id", "after_epoch")
+    __slots__ = ("job_id", "after_epoch", "replica_id", "incarnation")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     after_epoch: int
-    def __init__(self, job_id: _Optional[str] = ..., after_epoch: _Optional[int] = ...) -> None: ...
+    replica_id: str
+    incarnation: str
+    def __init__(self, job_id: _Optional[str] = ..., after_epoch: _Optional[int] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("job_id", "reporter_replica_id", "reporter_incarnation", "suspect_replica_id", "epoch", "reason")
+    __slots__ = ("job_id", "reporter_replica_id", "reporter_incarnation", "suspect_replica_id", "epoch", "reason", "early")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPORTER_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     REPORTER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SUSPECT_REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    EARLY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     reporter_replica_id: str
     reporter_incarnation: str
     suspect_replica_id: str
     epoch: int
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., reporter_replica_id: _Optional[str] = ..., reporter_incarnation: _Optional[str] = ..., suspect_replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    early: bool
+    def __init__(self, job_id: _Optional[str] = ..., reporter_replica_id: _Optional[str] = ..., reporter_incarnation: _Optional[str] = ..., suspect_replica_id: _Optional[str] = ..., epoch: _Optional[int] = ..., reason: _Optional[str] = ..., early: _Optional[bool] = ...) -> None: ...
 
 class FailureReportResponse(_message.Message):
     __slots__ = ("confirmed", "detail", "epoch")

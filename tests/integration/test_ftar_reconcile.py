@@ -58,7 +58,7 @@ class Member:
             e = self.epochs.epoch
         return e if e is not None and e.number > after else None
 
-    def report(self, suspect: str, epoch: int, reason: str) -> None:
+    def report(self, suspect: str, epoch: int, reason: str, *, early: bool = False) -> None:
         pass
 
     def add_listener(self, fn: Callable[[EpochView], None]) -> Callable[[], None]:

@@ -22,7 +22,7 @@ class NoMembership:
         threading.Event().wait(min(timeout, 0.01))
         return None
 
-    def report(self, suspect: str, epoch: int, reason: str) -> None:
+    def report(self, suspect: str, epoch: int, reason: str, *, early: bool = False) -> None:
         raise AssertionError("nothing to report")
 
     def add_listener(self, fn: Callable[[EpochView], None]) -> Callable[[], None]:

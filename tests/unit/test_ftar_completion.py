@@ -184,6 +184,7 @@ class FakeMembership:
         self.cond = threading.Condition()
         self.listeners: list[Callable[[EpochView], None]] = []
         self.reports: list[tuple[str, int]] = []
+        self.early_reports: list[tuple[str, int]] = []
         self.on_report: Callable[[], None] = lambda: None
 
     def current(self) -> EpochView:
@@ -194,7 +195,10 @@ class FakeMembership:
             self.cond.wait_for(lambda: self.epoch.number > after, timeout)
             return self.epoch if self.epoch.number > after else None
 
-    def report(self, suspect: str, epoch: int, reason: str) -> None:
+    def report(self, suspect: str, epoch: int, reason: str, *, early: bool = False) -> None:
+        if early:  # a lighthouse without evidence (the suspect's connection is open): changes nothing
+            self.early_reports.append((suspect, epoch))
+            return
         self.reports.append((suspect, epoch))
         self.on_report()
 

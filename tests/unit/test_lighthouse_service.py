@@ -59,12 +59,14 @@ def http_get(addr: str, path: str) -> tuple[int, str, str]:
 class Watcher:
     """A Watch stream read on a background thread, so a test can wait on what arrived with a deadline."""
 
-    def __init__(self, stub: pb_grpc.LighthouseStub, after: int = 0, job: str = JOB) -> None:
+    def __init__(self, stub: pb_grpc.LighthouseStub, after: int = 0, job: str = JOB,
+                 replica: tuple[str, str] = ("", "")) -> None:
         self.epochs: list[pb.Epoch] = []
         self.error: grpc.RpcError | None = None
         self.ended = threading.Event()
         self._cond = threading.Condition()
-        self.call = stub.Watch(pb.WatchRequest(job_id=job, after_epoch=after), timeout=60)
+        self.call = stub.Watch(pb.WatchRequest(job_id=job, after_epoch=after, replica_id=replica[0],
+                                               incarnation=replica[1]), timeout=60)
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
@@ -98,8 +100,9 @@ class Watcher:
 def watchers() -> Iterator[Callable[..., Watcher]]:
     made: list[Watcher] = []
 
-    def watch(stub: pb_grpc.LighthouseStub, after: int = 0, job: str = JOB) -> Watcher:
-        w = Watcher(stub, after, job)
+    def watch(stub: pb_grpc.LighthouseStub, after: int = 0, job: str = JOB, replica: tuple[str, str] = ("", "")
+              ) -> Watcher:
+        w = Watcher(stub, after, job, replica)
         made.append(w)
         return w
 
@@ -201,6 +204,48 @@ def test_unconfirmed_report_is_confirmed_once_the_suspect_stays_silent(
     assert code_of(lambda: stub.ReportFailure(pb.FailureReport(
         job_id=JOB, reporter_replica_id="a", reporter_incarnation=incs["a"], suspect_replica_id="b", epoch=2),
         timeout=5)) == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_report_about_a_replica_whose_own_watch_closed_is_confirmed_at_once(
+        pair: Any, watchers: Callable[..., Watcher]) -> None:
+    s, stub, incs = pair
+    w = watchers(stub, after=1)
+    own = watchers(stub, replica=("b", incs["b"]))  # b's own stream, as its client opens it
+    own.wait_for(1)
+
+    def early() -> pb.FailureReportResponse:
+        return stub.ReportFailure(pb.FailureReport(job_id=JOB, reporter_replica_id="a", reporter_incarnation=incs["a"],
+                                                   suspect_replica_id="b", epoch=1, reason="connection reset",
+                                                   early=True), timeout=5)
+
+    heartbeat(stub, "b", incs["b"])
+    before = snapshot(stub)
+    r = early()  # b's stream is open and it heartbeats: no evidence, nothing recorded
+    assert not r.confirmed and "nothing recorded" in r.detail
+    assert snapshot(stub) == before
+    # A stream that closed and was replaced (a reconnect) is no evidence either.
+    own.close()
+    wait_until(lambda: s.on_loop(lambda: s.lh.jobs[JOB].open_streams("b")) == 0, 5, what="b's stream to close")
+    again = watchers(stub, replica=("b", incs["b"]))
+    again.wait_for(1)
+    assert not early().confirmed and snapshot(stub) == before
+    # b's end goes away for good (its process died: the kernel closes the connection; here its client cancels).
+    again.close()
+    confirmed = wait_until(lambda: (x := early()).confirmed and x, 5, what="the early report to be confirmed")
+    assert confirmed.confirmed
+    e2 = w.wait_for(2)
+    assert [x.replica_id for x in e2.members] == ["a"] and "connection closed" in e2.reason, e2.reason
+    # Heartbeats were fresh: the silence rule (confirm age 1 s) could not have confirmed it.
+    assert "blamed by a" in e2.reason
+
+
+def test_a_watch_naming_a_bad_replica_is_invalid_argument(pair: Any) -> None:
+    s, stub, incs = pair
+    before = snapshot(stub)
+    for rid, inc in (("b b", incs["b"]), ("b", ""), ("b", "x" * 200)):
+        call = stub.Watch(pb.WatchRequest(job_id=JOB, replica_id=rid, incarnation=inc), timeout=5)
+        assert code_of(lambda: next(call)) == grpc.StatusCode.INVALID_ARGUMENT  # noqa: B023 (called at once)
+    assert snapshot(stub) == before
 
 
 def test_silent_member_dies_and_a_newcomer_restarts_the_job(server: ServerThread, stub: pb_grpc.LighthouseStub,

@@ -56,10 +56,11 @@ def tick(state: m.State, now: float, policy: m.Policy = P, **ages: float) -> m.O
 
 
 def report(state: m.State, reporter: str, suspect: str, now: float, *, epoch: int | None = None,
-           policy: m.Policy = P, n: int = 1, **ages: float) -> m.Outcome:
+           policy: m.Policy = P, n: int = 1, disconnected_s: float | None = None, early: bool = False,
+           **ages: float) -> m.Outcome:
     number = state.epoch.number if epoch is None and state.epoch is not None else (epoch or 0)
     return m.decide(state, m.Report(reporter, inc(reporter, n), suspect, number, "collective timed out", now,
-                                    seen(state, now, **ages)), policy)
+                                    seen(state, now, **ages), disconnected_s, early), policy)
 
 
 def ready(state: m.State, rid: str, role: str, now: float = 0.0, *, n: int = 1, policy: m.Policy = P) -> m.Outcome:
@@ -204,6 +205,33 @@ def test_reports_are_not_votes_while_the_suspect_heartbeats() -> None:
     dead = tick(again.state, 11.0, d=1.0)  # silence for confirm_age settles it
     assert dead.state.epoch is not None and dead.state.epoch.replica_ids() == ("a", "b", "c")
     assert dead.state.suspicions == {}  # a new epoch starts with a clean slate
+
+
+def test_report_about_a_disconnected_suspect_is_confirmed_at_once() -> None:
+    # Its own evidence: its connection to the lighthouse closed (its process died). No waiting for its silence,
+    # whether or not the report is early.
+    state = boot(["a", "b", "c"])
+    for early in (False, True):
+        out = report(state, "a", "c", 10.0, disconnected_s=0.01, early=early, c=0.05)
+        assert out.rejection is None and out.confirmed
+        assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("a", "b")
+        died = [e for e in out.state.epoch.events if isinstance(e, Died)]
+        assert [(d.replica_id, d.cause, d.reporters) for d in died] == [("c", DeathCause.DISCONNECTED, ("a",))]
+        assert "connection closed" in out.reason and "blamed by a" in out.reason
+
+
+def test_an_early_report_without_evidence_changes_nothing() -> None:
+    # A live member only slower to check in: not recorded, so it never re-forms the epoch.
+    state = boot(["a", "b", "c"])
+    out = report(state, "a", "c", 10.0, early=True, c=0.05)
+    assert out.rejection is None and not out.confirmed and out.state is state
+    assert tick(out.state, 11.5, c=0.05).state is state  # no suspicion to act on later
+    # Control: the same report sent when the grace ended is recorded.
+    late = report(state, "a", "c", 10.0, c=0.05)
+    assert late.state.suspicions == {"c": frozenset({"a"})}
+    # An early report still confirms on silence, the other evidence.
+    silent = report(state, "a", "c", 10.0, early=True, c=1.5)
+    assert silent.confirmed and silent.state.epoch is not None and silent.state.epoch.replica_ids() == ("a", "b")
 
 
 def test_unconfirmed_report_is_confirmed_by_tick_once_age_passes() -> None:
