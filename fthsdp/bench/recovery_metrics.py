@@ -17,8 +17,8 @@ Definitions:
   window longer than ``stall_factor`` x the median (catches a second stall when the failed replica rejoins).
 - ``rejoin_s``: from each failure to the failed replica's first committed step after it (the step it joined
   in; rows marked ``joined``, or with ``require_joined=False`` any row of a later incarnation).
-- ``effective_training_time``: distinct (replica, step) pairs trained (joined steps excluded; a step trained
-  again after a restart counts once) x the median step, over replicas x the wall time from the first to the last
+- ``effective_training_time``: distinct (replica, step) pairs trained (joined steps, and fthsdp's zero step
+  after them, excluded; a step trained again after a restart counts once) x the median step, over replicas x the wall time from the first to the last
   commit.
 """
 
@@ -94,7 +94,7 @@ def recovery_metrics(steps: Steps, failures: Sequence[Failure], replicas: int, w
     all_rows = [x for rows in rows_by.values() for x in rows]
     t_first = min((x.t for x in all_rows), default=0.0)
     t_end = max((x.t for x in all_rows), default=0.0)
-    trained = len({(i, x.step) for i, rows in rows_by.items() for x in rows if not x.joined})
+    trained = len({(i, x.step) for i, rows in rows_by.items() for x in rows if not x.joined and x.contributed})
     ett = trained * med / (replicas * (t_end - t_first)) if t_end > t_first else 0.0
     return {
         "median_step_s": med,

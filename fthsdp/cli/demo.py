@@ -71,7 +71,9 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
     print(f"\nfinal state hash equal on all {config.replicas} replicas: {len(hashes) == 1 and not missing} "
           f"({next(iter(hashes))[:16] if len(hashes) == 1 else hashes})"
           + (f"; no final state on replica(s) {', '.join(missing)}" if missing else ""))
-    print(f"survivors' worst stall beyond a median step: {report['survivor_max_stall_s']}s; "
+    per_failure = ", ".join(f"{x}s" for x in report.get("stall_per_failure_s", [])) or "no failure"
+    print(f"survivors' stall beyond a median step, per failure: {per_failure} (worst gap of the run, warm-up "
+          f"included: {report['survivor_max_stall_s']}s); "
           f"rejoin (kill to first joined step): {report['rejoin_s']}s; "
           f"effective training time: {report['effective_training_time']:.0%}")
     for x in report["resumed"]:

@@ -132,7 +132,8 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
             progress.write(event="step", step=r.step, loss=r.loss, epoch=r.epoch, contributors=r.contributors,
                            joined=r.joined, attempts=r.attempts, step_s=time.perf_counter() - t0,
                            exchange_s=r.exchange_s, batches=r.batches, lr_factor=r.lr_factor, catchup=r.catchup,
-                           **({"diverged": list(r.diverged)} if r.diverged else {}))
+                           **({"diverged": list(r.diverged)} if r.diverged else {}),
+                           **({} if r.contributed else {"contributed": False}))
             _pace(a.min_step_s, t0)
         progress.write(event="final", step=ft.step, param_hash=ft.state_hash())
     except DigestMismatch as e:  # loud, whether this replica rejoins (in the minority) or the job must stop

@@ -8,19 +8,12 @@ A training process (one rank of one replica group, started by torchrun) does::
     while ft.step < steps:
         result = ft.train_step(lambda: loss_fn(model, batch_for(ft.slot, ft.cursor)))
 
-``train_step`` runs one step under the commit protocol (docs/design.md §3): forward/backward (FSDP2 reduce-scatters
-inside the replica), FTAR of every gradient shard across replicas (lane = rank, one exchange per bucket:
-``fthsdp.runtime.buckets``), a replica-local vote (every rank ok, all in the same epoch), then commit (optimizer
-step with the degraded-mode learning rate, data cursors advanced, ``step += 1``) or redo the exchange under the
-next epoch from the same local gradients. The rules are a pure state machine (``fthsdp.runtime.commit``); this
-module drives it. No lighthouse round trip happens on this path.
-
-Data is exactly-once (docs/design.md §7): one slot per configured replica (``ft.slot``), with a cursor each
-(``ft.cursor``: this slot's next batch) that every replica advances alike, on commit only.
-
-A replica that starts while others train registers as *joining* and catches up without stalling them (docs/design.md
-§6, ``fthsdp.runtime.join``). Every ``FTHSDP_DIGEST_EVERY`` steps the replicas compare a digest of their whole
-state (``fthsdp.runtime.agreement``).
+``train_step`` runs one step under the commit protocol (docs/design.md §3): forward/backward, FTAR of every
+gradient bucket across replicas (``fthsdp.runtime.buckets``), a replica-local vote, then commit (optimizer step,
+data cursors advanced: exactly-once data, §7) or redo the exchange under the next epoch from the same gradients.
+The rules are a pure state machine (``fthsdp.runtime.commit``); no lighthouse round trip happens on this path.
+A replica that starts while others train catches up without stalling them (§6, ``fthsdp.runtime.join``); the
+replicas compare state digests every ``FTHSDP_DIGEST_EVERY`` steps (``fthsdp.runtime.agreement``).
 """
 
 from __future__ import annotations
@@ -83,6 +76,7 @@ class Replica:
         self.cursors = torch.zeros(cfg.num_replicas, dtype=torch.int64)
         """Per data slot, the batches trained so far (the same on every replica)."""
         self.joining = False
+        self._settling = False  # caught up at the last commit: the next step contributes zeros (_zero_step)
         self.protocol = CommitProtocol()
         self._lr_factor = 1.0
         self.state = TrainerState()
@@ -112,8 +106,7 @@ class Replica:
             self.client.close()  # not registered: nothing to heartbeat
             self._log(logging.WARNING, "the job finished at step %d before this replica came back: taking its "
                       "final checkpoint, training nothing", finished_step)
-        self.resumed_from: int | None = None
-        """The step of the checkpoint this replica resumed from, if it did."""
+        self.resumed_from: int | None = None  # the step of the checkpoint this replica resumed from, if it did
         self.joining = role == Role.JOINING
         """True until this replica has caught up with the others."""
         self.metrics.on_joining(self.joining)
@@ -126,10 +119,8 @@ class Replica:
         self._sharded: list[nn.Parameter] = []
         self._buckets: BucketExchange | None = None
         self._shards: ShardState | None = None
-        self._terminated = False
-        """Stopped by SIGTERM (the job is not over: no end-of-job barrier)."""
-        self._learned = -1
-        """A joiner: the step it learned from the others (-1: not yet)."""
+        self._terminated = False  # stopped by SIGTERM (the job is not over: no end-of-job barrier)
+        self._learned = -1  # a joiner: the step it learned from the others (-1: not yet)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self._log(logging.INFO, "replica up as %s (incarnation %s, catch-up server %s)",
@@ -145,9 +136,8 @@ class Replica:
                 epoch, getattr(self, "step", 0), *args)
 
     def _on_lost(self, reason: str) -> None:
-        """The lighthouse dropped this incarnation (it was declared dead, e.g. while hung): its state can no
-        longer be trusted to follow the others'. Fail the exchanges now, so the replica restarts and rejoins
-        (instead of waiting ``epoch_wait_s`` for an epoch that will not include it)."""
+        """The lighthouse dropped this incarnation (declared dead, e.g. while hung): fail the exchanges now, so the
+        replica restarts and rejoins instead of waiting ``epoch_wait_s`` for an epoch that will not include it."""
         self._log(logging.WARNING, "the lighthouse dropped this replica (%s); restarting to rejoin", reason)
         engine = getattr(self, "engine", None)
         if engine is not None:
@@ -157,12 +147,9 @@ class Replica:
         self.protocol.sigterm()  # acted on at the next commit boundary, on every rank together
 
     def shard(self, model: nn.Module, blocks: Iterable[nn.Module] = ()) -> nn.Module:
-        """Shard ``model`` with FSDP2 over this replica's ranks (each of ``blocks`` as its own unit).
-
-        Each unit's gradient shards form one FTAR bucket, exchanged as soon as FSDP2 has reduce-scattered them
-        (a post-accumulate-grad hook), so the exchange overlaps the rest of the backward pass. Buckets go out in
-        a fixed order (the blocks last to first, then the root's own parameters), the same on every replica.
-        """
+        """Shard ``model`` with FSDP2 over this replica's ranks (each of ``blocks`` as its own unit). Each unit's
+        gradient shards form one FTAR bucket, exchanged as soon as FSDP2 has reduce-scattered them, so the exchange
+        overlaps the rest of the backward pass (``fthsdp.runtime.buckets``)."""
         blocks = list(blocks)
         for block in blocks:
             fully_shard(block, mesh=self.mesh)
@@ -231,6 +218,8 @@ class Replica:
                               self.step)
         if self.joining:
             return self._catch_up(closure, shards)
+        if self._settling:
+            return self._zero_step()
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
@@ -383,7 +372,7 @@ class Replica:
             if self.step != commit.step + 1:
                 raise StateMismatch(f"replay ended at step {self.step}, expected {commit.step + 1}")
             t_applied = time.perf_counter()
-            self.joining = False
+            self.joining, self._settling = False, True
             self.metrics.on_joining(False)
             self.metrics.on_catchup(got.bytes, time.perf_counter() - t_start)
             self.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, self.joiner.attempts)
@@ -394,7 +383,18 @@ class Replica:
                       "step(s) replayed; now active", commit.step, got.step, got.bytes / 1e6, got.transfer_s,
                       sorted(got.sources), len(replay))
             return StepResult(commit.step, None, commit.epoch, results[0].contributors, True, self.joiner.attempts,
-                              time.perf_counter() - t0, (), self._lr_factor, catchup)
+                              time.perf_counter() - t0, (), self._lr_factor, catchup, contributed=False)
+
+    def _zero_step(self) -> StepResult:
+        """The step after catching up contributes zeros and trains no batch (its slot's cursor stays): the snapshot's
+        load, check and replay made this replica start it late, and the others would have waited for its gradients."""
+        self._settling, t0 = False, time.perf_counter()
+        commit, results = self._settle(self._exchange_all(contribute=False), contribute=False)
+        batches = self._commit(commit.step, results)
+        self.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
+        self._after_commit(batches, commit.stop)
+        return StepResult(commit.step, None, commit.epoch, results[0].contributors, False, commit.attempts,
+                          time.perf_counter() - t0, batches, self._lr_factor, contributed=False)
 
     # --- state --------------------------------------------------------------------------------------------------
 

@@ -26,5 +26,7 @@ class StepResult:
     lr_factor: float = 1.0
     catchup: dict[str, object] | None = None
     """For the joined step: how the catch-up went (bytes, seconds, sources, failures, replayed steps)."""
+    contributed: bool = True
+    """False when this replica sent zeros and trained no batch of its own: the joined step, and the one after it."""
     diverged: tuple[int, ...] = ()
     """The replicas (indexes) whose state digest differed from the majority's at this step (they restart)."""

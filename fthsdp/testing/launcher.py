@@ -276,6 +276,7 @@ class Cluster:
                                       "members": h["members"]} for h in history],
             "median_step_s": round(median_step, 4),
             "survivor_max_stall_s": round(survivor_stall, 3),
+            "stall_per_failure_s": [round(x, 3) for x in m["stall_per_failure_s"]],
             "rejoin_s": round(max(rejoin), 3) if rejoin else None,
             "effective_training_time": round(ett, 3),
             "loss": {str(i): [[x.step, x.loss] for x in rows if x.loss is not None]

@@ -4,7 +4,7 @@ them through ``read_progress``.
 
 Events (``event``): ``start`` (an incarnation registered: ``joining``, ``resumed_from``, ``step``), ``step`` (one
 committed step: ``step``, ``loss`` — None on a joiner's zero-gradient step —, ``epoch``, ``contributors``,
-``joined``, ``attempts``, ``step_s``, ``exchange_s``, ``batches`` as [slot, batch index] pairs, ``lr_factor``,
+``joined``, ``contributed`` (only when false), ``attempts``, ``step_s``, ``exchange_s``, ``batches`` as [slot, batch index] pairs, ``lr_factor``,
 ``catchup``), ``final`` (``step`` and ``param_hash``; the plain and restart baselines write ``local_param_hash``),
 ``terminated`` (stopped by SIGTERM: ``step``, ``checkpoint``), ``job_finished`` (back after the job completed at
 ``step``, with no final checkpoint to take: no final state), ``fatal`` (``error``). The whole-job restart
@@ -36,6 +36,8 @@ class ProgressRow:
     epoch: int | None = None
     contributors: int | None = None
     joined: bool = False
+    contributed: bool = True
+    """fthsdp: False on a step this replica sent zeros in (the joined step and the one after it)."""
     attempts: int | None = None
     step_s: float | None = None
     exchange_s: float | None = None
