@@ -64,4 +64,4 @@ def blame_failure(group: EpochGroup | None, epoch: EpochView, membership: Member
         log(logging.WARNING, epoch.number, None, "failure with every member checked in; asking for a re-formed "
             "epoch")
     for suspect in verdict.suspects:
-        membership.report(suspect, epoch.number, f"lane {lane}: {verdict.reason}"[:REPORT_LIMIT])
+        membership.report(suspect, epoch.number, f"lane {lane}: {verdict.reason}"[:REPORT_LIMIT], early=verdict.early)

@@ -261,14 +261,19 @@ class Blame:
     reason: str
     everyone: bool
     """Nobody was missing: every other member is reported (alive, so not confirmed) to get a re-formed epoch."""
+    early: bool = False
+    """Send as early reports: acted on only with the suspect's own evidence (``lighthouse.membership``)."""
 
 
 def blame(epoch: EpochView, current: EpochView | None, me: str, suspects: Sequence[str], reason: str) -> Blame:
-    """Whom to report after a failure in ``epoch``: nobody if the lighthouse already moved on; else the members
-    that did not check in (``suspects``); if everyone checked in, the data plane is broken all the same, so every
-    other member, which makes the lighthouse re-form the epoch and everyone rebuild."""
+    """Whom to report after a failure in ``epoch``. If the lighthouse already moved on (another member's death
+    formed the epoch), only the suspects still in its epoch, as early reports: two members that died at once are
+    both confirmed by their evidence, a live one is left alone. Else the members that did not check in
+    (``suspects``); if everyone checked in, the data plane is broken all the same, so every other member, which
+    makes the lighthouse re-form the epoch and everyone rebuild."""
     if newer(current, epoch):
-        return Blame((), reason, False)
+        assert current is not None
+        return Blame(tuple(s for s in suspects if current.member(s) is not None), reason, False, early=True)
     if suspects:
         return Blame(tuple(suspects), reason, False)
     return Blame(tuple(rid for rid in epoch.replica_ids if rid != me), f"nobody to blame: {reason}", True)

@@ -28,9 +28,8 @@ Rules (docs/design.md §4):
   and it cannot register again (``State.departed``).
 - Death: no heartbeat for ``heartbeat_timeout_s``; or a failure report the lighthouse confirms, because the
   suspect's last heartbeat is older than ``confirm_age_s`` (at the report, or at a later tick), or at once
-  because the suspect's own connection to the lighthouse closed (``Report.disconnected_s``: its process died,
-  and the kernel closed its watch stream). An ``early`` report (sent before the reporter's blame grace ended)
-  only confirms on that evidence and otherwise records nothing.
+  because its own connection closed (``Report.disconnected_s``: its process died). An ``early`` report (before
+  the reporter's blame grace ended) only confirms on such evidence and otherwise records nothing.
 - A reported suspect that keeps heartbeating for ``confirm_age_s`` is alive: the epoch is re-formed with the
   same members (a new number), so that every member rebuilds its data plane instead of waiting forever. One
   reported again after ``max_reforms`` consecutive re-forms is hung (heartbeating, not training): dead, if the
@@ -279,7 +278,7 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
     if ev.suspect == ev.reporter:
         return _reject(state, "INVALID_ARGUMENT", "a replica cannot report itself; leave instead")
     current = state.epoch.number if state.epoch is not None else 0
-    if ev.epoch < current and not _silent_in_both(state, ev, policy):
+    if ev.epoch < current and not _dead_in_both(state, ev, policy):
         return _reject(state, "FAILED_PRECONDITION", f"stale epoch {ev.epoch}: the current epoch is {current}")
     if ev.epoch > current:
         return _reject(state, "INVALID_ARGUMENT", f"epoch {ev.epoch} does not exist yet (current {current})")
@@ -314,15 +313,17 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
     return dataclasses.replace(_reconcile(new, (died,), ev.now, policy), confirmed=True)
 
 
-def _silent_in_both(state: State, ev: Report, policy: Policy) -> bool:
+def _dead_in_both(state: State, ev: Report, policy: Policy) -> bool:
     """A report against an older epoch still counts when its suspect is a member of that epoch and of the current
-    one (same incarnation) and already silent for ``confirm_age_s``: two replicas died at once and the report of
-    the second arrives after the first's formed an epoch. A live suspect's old report stays stale (no re-form)."""
+    one (same incarnation) and its own evidence says it is dead (disconnected, or silent for ``confirm_age_s``): two
+    replicas died at once and the report of the second arrives after the first's formed an epoch. A live
+    suspect's old report stays stale (no re-form)."""
     old = next((e for e in state.history if e.number == ev.epoch), None)
     then = old.member(ev.suspect) if old is not None else None
     now = state.epoch.member(ev.suspect) if state.epoch is not None else None
-    return (then is not None and now is not None and then.incarnation == now.incarnation
-            and ev.suspect in ev.last_seen and ev.now - ev.last_seen[ev.suspect] >= policy.confirm_age_s)
+    silent = ev.suspect in ev.last_seen and ev.now - ev.last_seen[ev.suspect] >= policy.confirm_age_s
+    return then is not None and now is not None and then.incarnation == now.incarnation and (
+        ev.disconnected_s is not None or silent)
 
 
 def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:

@@ -18,8 +18,8 @@ Definitions:
 - ``rejoin_s``: from each failure to the failed replica's first committed step after it (the step it joined
   in; rows marked ``joined``, or with ``require_joined=False`` any row of a later incarnation).
 - ``effective_training_time``: distinct (replica, step) pairs trained (joined steps, and fthsdp's zero step
-  after them, excluded; a step trained again after a restart counts once) x the median step, over replicas x the wall time from the first to the last
-  commit.
+  after them, excluded; a step trained again after a restart counts once) x the median step, over replicas x
+  the wall time from the first to the last commit.
 """
 
 from __future__ import annotations

@@ -104,3 +104,14 @@ def test_everyone_checked_in_asks_for_a_re_formed_epoch_without_early_reports() 
     _, logged = run(FakeGroup(0, {1}), lh, e)
     assert [(s, early) for s, _, early, _ in lh.reports] == [("r1", False)]
     assert any("every member checked in" in str(x) for x in logged)
+
+
+def test_after_another_death_formed_the_epoch_a_second_dead_member_is_still_reported_early() -> None:
+    # r1 and r2 died at once; another member's report of r1 formed epoch 5, which still holds r2. The grace ends
+    # at once (the lighthouse moved on), and r2, still in the new epoch, is reported early (its own evidence
+    # confirms it); r1, already gone, is not reported.
+    e4 = epoch(4, ("r0", "r1", "r2"))
+    lh = FakeLighthouse(e4, dead=set())
+    lh.epoch = epoch(5, ("r0", "r2"))  # pushed before this member's grace began
+    run(FakeGroup(0, set()), lh, e4)
+    assert [(s, n, early) for s, n, early, _ in lh.reports] == [("r2", 4, True)]

@@ -994,6 +994,19 @@ def test_two_replicas_dead_at_once_cost_one_report_round_not_a_timeout() -> None
     assert second.state.epoch.number == 3
 
 
+def test_two_replicas_that_died_at_once_are_confirmed_by_early_reports_on_their_closed_connections() -> None:
+    """As above, but 20 ms after the kill (FTAR's early reports): neither is silent yet; both connections closed."""
+    state = boot(["a", "b", "c"])
+    first = report(state, "a", "b", 10.0, disconnected_s=0.02, early=True, b=0.05, c=0.05)
+    assert first.confirmed and first.state.epoch is not None and first.state.epoch.replica_ids() == ("a", "c")
+    second = report(first.state, "a", "c", 10.01, epoch=1, disconnected_s=0.03, early=True, c=0.06)
+    assert second.rejection is None and second.confirmed
+    assert second.state.epoch is not None and second.state.epoch.replica_ids() == ("a",)
+    # Control: the same old report without the evidence is stale (c could be alive).
+    stale = report(first.state, "a", "c", 10.01, epoch=1, early=True, c=0.06)
+    assert stale.rejection is not None and stale.rejection.code == "FAILED_PRECONDITION"
+
+
 def test_an_old_report_of_a_live_replica_stays_stale() -> None:
     state = boot(["a", "b", "c"])
     state = report(state, "a", "b", 10.0, b=1.5).state  # epoch 2: a, c
