@@ -387,7 +387,8 @@ def section_recovery_hsdp(doc: dict[str, Any] | None) -> list[str]:
     if not isinstance(f, dict):
         return []
     c = f.get("catchup", {})
-    rows = [("survivors' stall at the failure (s)", f.get("survivor_stall_s"), "detection, new epoch, redo"),
+    rows = [("survivors' stall per failure (s)", f.get("survivor_stall_s"),
+             "longest gap from the kill on (the death, and the rejoin), less the median step"),
             ("survivors' step while the joiner catches up / while it was down", f.get("catchup_step_ratio"),
              "target <= 1.1"),
             ("joiner: process start -> active (s)", f.get("join_s"),
@@ -418,8 +419,9 @@ def section_recovery_double(doc: dict[str, Any] | None) -> list[str]:
             f"`fthsdp bench recovery --kill 1@20 --kill 2@20 --json` (data: `docs/bench-data/recovery-double.json`): "
             f"the reference model, {f.get('replicas')} groups x {f.get('ranks_per_replica')} ranks, SIGKILL "
             f"{f.get('kill')}, restarts 2 s later. The last survivor's stall beyond a median step: "
-            f"**{fmt(f.get('survivor_stall_s'))} s** (the second death's report counts against the epoch the first "
-            f"one's replaced, so it costs one report round, not a heartbeat timeout: docs/design.md §4); first "
+            f"**{fmt(f.get('survivor_stall_s'))} s** (both deaths are confirmed by their own closed connections, "
+            f"the second one's report counting against the epoch the first one's replaced: one report round, not a "
+            f"heartbeat timeout, docs/design.md §4); first "
             f"restarted group's first joined step {fmt(f.get('rejoin_s'), '.1f')} s after the kill; effective "
             f"training time {fmt(f.get('effective_training_time'))}; final states equal: {fmt(f.get('final_equal'))}.",
             ""]

@@ -78,6 +78,8 @@ class Job:
                 self._streams.pop(replica_id, None)
         if closed_by_peer_at is not None:
             self._disconnected[replica_id] = (incarnation, closed_by_peer_at)
+            if len(self._disconnected) > 2 * len(self.state.members) + 64:  # ids that are no members: forget them
+                self._disconnected = {r: v for r, v in self._disconnected.items() if r in self.state.members}
 
     def open_streams(self, replica_id: str) -> int:
         """Watch streams of the replica's latest-seen incarnation open here."""
