@@ -76,7 +76,7 @@ class Replica:
         self.cursors = torch.zeros(cfg.num_replicas, dtype=torch.int64)
         """Per data slot, the batches trained so far (the same on every replica)."""
         self.joining = False
-        self._settling = False  # caught up at the last commit: the next step contributes zeros (_zero_step)
+        self._settling: list[Handle | None] | None = None  # caught up: the next step's zeros, sent (_zero_step)
         self.protocol = CommitProtocol()
         self._lr_factor = 1.0
         self.state = TrainerState()
@@ -119,8 +119,7 @@ class Replica:
         self._sharded: list[nn.Parameter] = []
         self._buckets: BucketExchange | None = None
         self._shards: ShardState | None = None
-        self._terminated = False  # stopped by SIGTERM (the job is not over: no end-of-job barrier)
-        self._learned = -1  # a joiner: the step it learned from the others (-1: not yet)
+        self._terminated, self._learned = False, -1  # stopped by SIGTERM; a joiner: the step it learned (-1: not yet)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self._log(logging.INFO, "replica up as %s (incarnation %s, catch-up server %s)",
@@ -218,8 +217,8 @@ class Replica:
                               self.step)
         if self.joining:
             return self._catch_up(closure, shards)
-        if self._settling:
-            return self._zero_step()
+        if self._settling is not None:
+            return self._zero_step(self._settling)
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
@@ -362,6 +361,8 @@ class Replica:
             got = self.joiner.exchanged(commit.step, results, commit.attempts)
             if got is None:
                 continue
+            # The next step's zeros go out first: the others need not wait for the load and replay (design.md §6).
+            zeros = self._exchange_all(contribute=False)
             t_in = time.perf_counter()
             self.cursors = shards.load(got.tensors, self.cursors)
             self.step = got.step
@@ -371,8 +372,7 @@ class Replica:
                 self._commit(step, kept)
             if self.step != commit.step + 1:
                 raise StateMismatch(f"replay ended at step {self.step}, expected {commit.step + 1}")
-            t_applied = time.perf_counter()
-            self.joining, self._settling = False, True
+            t_applied, self.joining, self._settling = time.perf_counter(), False, zeros
             self.metrics.on_joining(False)
             self.metrics.on_catchup(got.bytes, time.perf_counter() - t_start)
             self.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, self.joiner.attempts)
@@ -385,11 +385,11 @@ class Replica:
             return StepResult(commit.step, None, commit.epoch, results[0].contributors, True, self.joiner.attempts,
                               time.perf_counter() - t0, (), self._lr_factor, catchup, contributed=False)
 
-    def _zero_step(self) -> StepResult:
-        """The step after catching up contributes zeros and trains no batch (its slot's cursor stays): the snapshot's
-        load, check and replay made this replica start it late, and the others would have waited for its gradients."""
-        self._settling, t0 = False, time.perf_counter()
-        commit, results = self._settle(self._exchange_all(contribute=False), contribute=False)
+    def _zero_step(self, zeros: list[Handle | None]) -> StepResult:
+        """The step after catching up contributes ``zeros`` (sent before the snapshot was loaded) and trains no batch
+        (its slot's cursor stays): its own gradients would have come late, and the others would have waited."""
+        self._settling, t0 = None, time.perf_counter()
+        commit, results = self._settle(zeros, contribute=False)
         batches = self._commit(commit.step, results)
         self.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
         self._after_commit(batches, commit.stop)
