@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ftar import devices
 from ftar.blame import blame_failure
 from ftar.completion import Outcome, outcome
-from ftar.errors import Abandoned, EngineClosed, FTARError, InputsConsumed, Misaligned, PeerFailure
+from ftar.errors import Abandoned, EngineClosed, FTARError, InputsConsumed, Interrupted, Misaligned, PeerFailure
 from ftar.exchange import BACKENDS, OPS, ExchangeResult, FTARConfig, Handle, Request
 from ftar.group import EpochGroup, Reaper
 from ftar.membership import Membership
@@ -214,7 +214,11 @@ class LaneEngine:
             if self._closed:
                 raise EngineClosed("engine closed")
             held = self._group.epoch if self._group is not None else None
-            epoch = self._state.place(self._usable_epoch(), held, req.new_epoch_ok)
+            try:
+                epoch = self._state.place(self._usable_epoch(), held, req.new_epoch_ok, req.redo)
+            except Interrupted:
+                self._drop_group()  # it lost a member: the redo goes to the newer epoch's group
+                raise
             try:
                 group = self._ensure_group(epoch, req.tag)
                 if req.tag is not None and req.tag in self._served:

@@ -84,7 +84,7 @@ class LaneState:
         self.check_excluded()
         return pick_epoch(current, self.failed_epoch if after is None else after, self.replica_id)
 
-    def place(self, epoch: EpochView, group: EpochView | None, new_epoch_ok: bool) -> EpochView:
+    def place(self, epoch: EpochView, group: EpochView | None, new_epoch_ok: bool, redo: bool = True) -> EpochView:
         """The epoch whose group the attempt runs in, given the usable ``epoch`` and the epoch of the group this
         lane holds (``None`` if none).
 
@@ -92,9 +92,18 @@ class LaneState:
         every member decides this from the epoch alone, so they all stay together. Mid-sequence
         (``new_epoch_ok=False``) an exchange stays in the group the sequence began in while it is whole (every
         member may be continuing in it); a group that lost a member ends the sequence (``Interrupted``), to be
-        redone from its start."""
+        redone from its start. A sequence whose caller redoes it after a vote of its own lanes (``redo=False``) does
+        not start in a newer epoch that dropped a member of the held group either: another lane of the same
+        replica may be failing the same step in the held group, and had this lane paired there with a partner's
+        redo, the two replicas would no longer agree on the epoch to redo in (each waiting for the other). It is
+        interrupted in the held epoch, like the other lanes, and redone after the vote."""
         if group is not None and epoch.number != group.number and epoch.data_plane == group.data_plane:
             epoch = group
+        if new_epoch_ok and not redo and group is not None and group.number != epoch.number \
+                and set(group.replica_ids) - set(epoch.replica_ids):
+            self.interrupted = group.number
+            raise Interrupted(f"lane {self.lane}: epoch {epoch.number} dropped a member of epoch {group.number} "
+                              "as the sequence began", group.number)
         if not new_epoch_ok and (group is None or group.number != epoch.number):
             if group is None or set(group.replica_ids) - set(epoch.replica_ids):
                 self.interrupted = epoch.number

@@ -108,6 +108,26 @@ def test_a_role_change_keeps_the_group_of_the_held_epoch() -> None:
     assert state.place(e5, e3, new_epoch_ok=True) is e5
 
 
+def test_a_sequence_redone_after_a_vote_does_not_start_in_an_epoch_that_dropped_a_member_of_the_held_group() -> None:
+    """Seen in bench recovery (5 s stall): one lane of a replica failed step t in epoch 3; its other lane, late,
+    started step t in epoch 4 (which dropped the dead member) and paired there with a partner's redo, so this
+    replica would redo only above epoch 4 while the partner waited for it in epoch 4."""
+    e3, e4 = epoch(3, "r0", "r1", "r2"), epoch(4, "r0", "r1")
+    state = LaneState("r0", lane=1)
+    with pytest.raises(Interrupted) as info:
+        state.place(e4, e3, new_epoch_ok=True, redo=False)
+    assert info.value.epoch == 3  # interrupted in the held epoch, like the lane that failed there
+    state.reset()
+    assert state.place(e4, None, new_epoch_ok=True, redo=False) is e4  # the group dropped: the redo goes to e4
+    # Controls: an engine that redoes by itself moves on; an epoch that only adds a member, or re-forms the same
+    # members, is started in as before.
+    assert LaneState("r0", lane=1).place(e4, e3, new_epoch_ok=True) is e4
+    e5 = epoch(5, "r0", "r1", "r2", "r3")
+    assert LaneState("r0", lane=1).place(e5, e3, new_epoch_ok=True, redo=False) is e5
+    e6 = epoch(6, "r0", "r1", "r2")
+    assert LaneState("r0", lane=1).place(e6, e3, new_epoch_ok=True, redo=False) is e6
+
+
 def test_mid_sequence_an_exchange_stays_in_a_whole_group_and_is_interrupted_by_one_that_lost_a_member() -> None:
     state = LaneState("r0", lane=0)
     e3 = epoch(3, "r0", "r1", "r2")
