@@ -40,7 +40,10 @@ def blame_failure(group: EpochGroup | None, epoch: EpochView, membership: Member
     """Check in as failed in ``group`` (the failed exchange's), wait up to ``grace_s`` for the others to do the
     same (reporting the missing early, once), then report those still missing, unless the lighthouse moved on."""
     me = membership.replica_id
-    why = f"lane {lane}: {reason}"[:REPORT_LIMIT]
+
+    def text(why: str) -> str:
+        return f"lane {lane}: {why}"[:REPORT_LIMIT]
+
     suspects: list[str] = []
     if group is not None:
         key = group.failure_key()
@@ -56,7 +59,7 @@ def blame_failure(group: EpochGroup | None, epoch: EpochView, membership: Member
                 early_sent = True
                 if len(suspects) <= EARLY_REPORT_MAX:
                     for suspect in suspects:
-                        membership.report(suspect, epoch.number, why, early=True)
+                        membership.report(suspect, epoch.number, text(reason), early=True)
                     continue  # the reports took time: look again before sleeping
             time.sleep(BLAME_POLL_S)  # polling the store with a deadline
     verdict = blame(epoch, membership.current(), me, suspects, reason)
@@ -64,4 +67,4 @@ def blame_failure(group: EpochGroup | None, epoch: EpochView, membership: Member
         log(logging.WARNING, epoch.number, None, "failure with every member checked in; asking for a re-formed "
             "epoch")
     for suspect in verdict.suspects:
-        membership.report(suspect, epoch.number, f"lane {lane}: {verdict.reason}"[:REPORT_LIMIT], early=verdict.early)
+        membership.report(suspect, epoch.number, text(verdict.reason), early=verdict.early)

@@ -32,8 +32,6 @@ class Job:
         """Set (and replaced by a fresh one) whenever a new epoch is published or the server stops. An Event wakes
         every watcher in one go; a Condition would hand its lock from watcher to watcher, one loop iteration
         each, which delays the last of a thousand watchers by the whole chain."""
-        self._streams: dict[str, tuple[str, int]] = {}
-        """replica id -> (incarnation, watch streams of it open here)."""
         self._disconnected: dict[str, tuple[str, float]] = {}
         """replica id -> (incarnation, when a watch stream of it closed from its end without being replaced)."""
         self.restore(state, seen_at)
@@ -61,29 +59,17 @@ class Job:
         changed.set()
 
     def stream_opened(self, replica_id: str, incarnation: str) -> None:
-        """A watch stream of ``incarnation`` opened here (it replaces one that closed, if any)."""
-        inc, n = self._streams.get(replica_id, (incarnation, 0))
-        self._streams[replica_id] = (incarnation, n + 1 if inc == incarnation else 1)
+        """A watch stream of ``incarnation`` opened here: it replaces one that closed, if any."""
         if self._disconnected.get(replica_id, ("", 0.0))[0] == incarnation:
             del self._disconnected[replica_id]
 
     def stream_closed(self, replica_id: str, incarnation: str, closed_by_peer_at: float | None) -> None:
         """A watch stream of ``incarnation`` ended; ``closed_by_peer_at`` when the replica's end closed it (its
-        process died, or its connection broke), ``None`` when this server ended it."""
-        inc, n = self._streams.get(replica_id, (incarnation, 1))
-        if inc == incarnation:
-            if n > 1:
-                self._streams[replica_id] = (inc, n - 1)
-            else:
-                self._streams.pop(replica_id, None)
+        process died, or its connection broke), ``None`` when this server ended it (no evidence)."""
         if closed_by_peer_at is not None:
             self._disconnected[replica_id] = (incarnation, closed_by_peer_at)
             if len(self._disconnected) > 2 * len(self.state.members) + 64:  # ids that are no members: forget them
                 self._disconnected = {r: v for r, v in self._disconnected.items() if r in self.state.members}
-
-    def open_streams(self, replica_id: str) -> int:
-        """Watch streams of the replica's latest-seen incarnation open here."""
-        return self._streams.get(replica_id, ("", 0))[1]
 
     def disconnected_s(self, replica_id: str, now: float) -> float | None:
         """Seconds since a watch stream of the member's current incarnation closed from its end without being

@@ -225,7 +225,8 @@ def test_a_report_about_a_replica_whose_own_watch_closed_is_confirmed_at_once(
     assert snapshot(stub) == before
     # A stream that closed and was replaced (a reconnect) is no evidence either.
     own.close()
-    wait_until(lambda: s.on_loop(lambda: s.lh.jobs[JOB].open_streams("b")) == 0, 5, what="b's stream to close")
+    wait_until(lambda: s.on_loop(lambda: s.lh.jobs[JOB].disconnected_s("b", 0.0)) is not None, 5,
+               what="b's closed stream to be recorded")
     again = watchers(stub, replica=("b", incs["b"]))
     again.wait_for(1)
     assert not early().confirmed and snapshot(stub) == before
