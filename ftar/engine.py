@@ -10,8 +10,9 @@ An exchange, under epoch E:
    check that every member calls with the same tag (step). A member behind is served the results it lacks by a
    member that holds them (``ftar.reconcile``), or, when none does, raises ``Misaligned``. A joiner calls with
    ``tag=None`` and learns the step (it fetches the state itself, outside the data plane).
-2. copy the local tensors into one flat buffer (plus a contributor-count element), all-reduce it, divide, once
-   it is known complete without error (``ftar.completion``: on NCCL a work's future says queued, not done).
+2. copy the local tensors into one flat buffer (ending with the contributor count and the tag proof), all-reduce
+   it, check the proof and divide, once it is known complete without error (``ftar.completion``: on NCCL a work's
+   future says queued, not done).
 3. on a peer error, a deadline, or a newer epoch pushed while in flight: abort the group (its private buffer is
    never read; the originals are untouched), blame the members that did not check in on the epoch's store,
    report them, wait for the next epoch, rebuild, and redo from the originals.
@@ -62,9 +63,9 @@ from ftar.rules import (
     alignment_probe,
     newer,
     no_epoch,
+    proof_holds,
     recovery,
-    tag_check,
-    tags_agree,
+    tag_proof,
 )
 from lighthouse.epoch_view import EpochView
 
@@ -380,13 +381,13 @@ class LaneEngine:
             watcher.pause(min(watch.left(now), POLL_S))
 
     def _run_collective(self, group: EpochGroup, req: Request, epoch: EpochView, attempt: int) -> ExchangeResult:
-        packed = pack(req.tensors, contribute=req.contribute, keep_inputs=req.keep_inputs, staging=group.staging)
-        self._direct = packed.direct
         tag = req.tag if req.tag is not None else self._tag
-        check = torch.tensor(tag_check(tag), dtype=torch.int64, device=group.staging.device)
-        for work in group.start_exchange(packed.buffers() + [check], self.config.timeout_s):
+        packed = pack(req.tensors, contribute=req.contribute, keep_inputs=req.keep_inputs, staging=group.staging,
+                      proof=tag_proof(tag), world=group.world)
+        self._direct = packed.direct
+        for work in group.start_exchange(packed.buffers(), self.config.timeout_s):
             self._wait(work, epoch)
-        if not tags_agree(tag, [int(x) for x in check.tolist()], group.world):
+        if not proof_holds(tag, packed.proof(), group.world):
             raise PeerFailure(f"members exchanged different tags in one group (mine {tag}): out of step")
         contributors = packed.contributors()
         if req.op == "avg" and contributors == 0:

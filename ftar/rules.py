@@ -239,16 +239,32 @@ def agreed_tag(tag: int | None, reduced: Sequence[int], epoch: int, lane: int) -
     return highest
 
 
-def tag_check(tag: int) -> list[int]:
-    """What a member adds to every exchange (SUM), beside the data: ``[tag, tag**2]``. The tag check at a group's
-    start aligns its members; this proves every later exchange pairs the same tag on every member."""
-    return [tag, tag * tag]
+PROOF_DIGIT_BITS = 4
+PROOF_DIGITS = 64 // PROOF_DIGIT_BITS
+PROOF_MAX = ((1 << PROOF_DIGIT_BITS) - 1) ** 2
+"""The largest value in a tag proof: its sums over ``world`` members are exact integers in a float32 buffer while
+``world * PROOF_MAX < 2**24`` (74,565 members)."""
 
 
-def tags_agree(tag: int, summed: Sequence[int], world: int) -> bool:
-    """Whether every one of the ``world`` members exchanged ``tag``: the sums are ``world * tag`` and
-    ``world * tag**2`` exactly when they all did (equality in Cauchy-Schwarz)."""
-    return summed[0] == world * tag and summed[1] == world * tag * tag
+def tag_proof(tag: int) -> list[int]:
+    """What a member adds to every exchange (SUM), beside the data: for each base-16 digit ``d`` of the tag (64
+    bits, two's complement), ``[d, d*d]``. The tag check at a group's start aligns its members; this proves every
+    later exchange pairs the same tag on every member. Small integers, so the proof rides in the data's own
+    float buffer (``ftar.packing``) instead of a collective of its own."""
+    word = tag % (1 << 64)
+    out = []
+    for i in range(PROOF_DIGITS):
+        d = (word >> (PROOF_DIGIT_BITS * i)) & ((1 << PROOF_DIGIT_BITS) - 1)
+        out += [d, d * d]
+    return out
+
+
+def proof_holds(tag: int, summed: Sequence[float], world: int) -> bool:
+    """Whether every one of the ``world`` members exchanged ``tag``, from the summed ``tag_proof``s: per digit the
+    sums are ``world * d`` and ``world * d**2`` exactly when every member sent ``d`` (equality in
+    Cauchy-Schwarz), so the digits, hence the tags, all agree."""
+    return [int(x) for x in summed] == [world * v for v in tag_proof(tag)] and all(float(x).is_integer()
+                                                                                   for x in summed)
 
 
 # --- blame ------------------------------------------------------------------------------------------------------

@@ -129,9 +129,14 @@ class OverheadResult(_AsJson):
     steps: int
     warmup_steps: int
     rounds: int
+    heartbeat_interval_s: float
+    """The lighthouse's heartbeat interval in the fthsdp runs (its default)."""
     baseline_step_s: float
     fthsdp_step_s: float
     step_time_ratio: float
+    """The median of ``round_ratios``."""
+    round_ratios: list[float]
+    """Per round, its fthsdp run's median step over its baseline run's."""
     baseline_runs_s: list[float]
     fthsdp_runs_s: list[float]
     benchmark: str = "overhead"
@@ -141,7 +146,7 @@ class OverheadResult(_AsJson):
         d = dataclasses.asdict(self)
         head = {"benchmark": d.pop("benchmark")}
         head.update((k, d.pop(k)) for k in ("replicas", "ranks_per_replica", "model", "steps", "warmup_steps",
-                                            "rounds", "baseline"))
+                                            "rounds", "baseline", "heartbeat_interval_s"))
         return {**head, **d}
 
 

@@ -85,7 +85,8 @@ def register(sub: Subparsers) -> None:
     bo.add_argument("--ranks", type=int, default=2)
     bo.add_argument("--steps", type=int, default=60)
     bo.add_argument("--model", default="reference")
-    bo.add_argument("--rounds", type=int, default=1, help="baseline/fthsdp alternations")
+    bo.add_argument("--rounds", type=int, default=3,
+                    help="baseline/fthsdp alternations (the ratio is the median of the rounds' ratios)")
     bo.add_argument("--json", action="store_true")
     bo.set_defaults(fn=cmd_bench_overhead)
     br = bsub.add_parser("recovery", help="a SIGKILL and rejoin: survivors' stall, catch-up cost, join time, "

@@ -6,8 +6,11 @@ from __future__ import annotations
 import torch
 
 from ftar.packing import Packed, Staging, pack, unpack
+from ftar.rules import PROOF_MAX, proof_holds, tag_proof
 
 CPU = torch.device("cpu")
+TAG = 7
+KW = {"proof": tag_proof(TAG), "world": 3}
 
 
 def reduce_sum(packs: list[Packed]) -> None:
@@ -30,8 +33,8 @@ def member_tensors(i: int) -> list[torch.Tensor]:
 def test_round_trip_of_mixed_dtypes_averages_and_sums_exactly() -> None:
     inputs = [member_tensors(i) for i in range(3)]
     originals = [[t.clone() for t in ts] for ts in inputs]
-    packs = [pack(ts, contribute=True, keep_inputs=True, staging=Staging(CPU)) for ts in inputs]
-    assert len(packs[0].flats) == 3 and packs[0].count is None  # one per dtype; the count rides in a float one
+    packs = [pack(ts, contribute=True, keep_inputs=True, staging=Staging(CPU), **KW) for ts in inputs]
+    assert len(packs[0].flats) == 3 and not packs[0].separate  # one per dtype; the trailer rides in a float one
     assert not packs[0].direct
     reduce_sum(packs)
     assert packs[0].contributors() == 3
@@ -42,6 +45,8 @@ def test_round_trip_of_mixed_dtypes_averages_and_sums_exactly() -> None:
     assert torch.equal(avg[3], torch.full((3,), 4.0))
     assert [t.shape for t in avg] == [t.shape for t in inputs[0]]
     assert [t.dtype for t in avg] == [t.dtype for t in inputs[0]]
+    assert proof_holds(TAG, packs[0].proof(), 3) and not proof_holds(TAG + 1, packs[0].proof(), 3)
+    assert len({t.untyped_storage().data_ptr() for t in avg if t.dtype == torch.float32}) == 1  # views of one
     total = unpack(packs[1], inputs[1], op="sum", contributors=3, inplace=False)
     assert torch.equal(total[1], torch.arange(5) * 6)
     for ts, orig in zip(inputs, originals, strict=True):  # not in place: the inputs are untouched
@@ -50,9 +55,10 @@ def test_round_trip_of_mixed_dtypes_averages_and_sums_exactly() -> None:
 
 def test_a_non_contributor_sends_zeros_and_is_not_counted() -> None:
     inputs = [member_tensors(0), member_tensors(1)]
-    packs = [pack(inputs[0], contribute=True, keep_inputs=True, staging=Staging(CPU)),
-             pack(inputs[1], contribute=False, keep_inputs=True, staging=Staging(CPU))]
-    assert all(not b.any() for b in packs[1].buffers())
+    packs = [pack(inputs[0], contribute=True, keep_inputs=True, staging=Staging(CPU), **KW),
+             pack(inputs[1], contribute=False, keep_inputs=True, staging=Staging(CPU), **KW)]
+    data = [flat[:sum(inputs[1][i].numel() for i in idx)] for flat, idx in packs[1].flats]
+    assert all(not d.any() for d in data) and packs[1].trailer[0] == 0  # the tag proof is sent all the same
     reduce_sum(packs)
     assert packs[1].contributors() == 1
     out = unpack(packs[1], inputs[1], op="avg", contributors=1, inplace=False)
@@ -61,8 +67,8 @@ def test_a_non_contributor_sends_zeros_and_is_not_counted() -> None:
 
 def test_without_a_float_tensor_the_count_travels_separately() -> None:
     inputs = [[torch.arange(4, dtype=torch.int64) * (i + 1)] for i in range(2)]
-    packs = [pack(ts, contribute=True, keep_inputs=True, staging=Staging(CPU)) for ts in inputs]
-    assert packs[0].count is not None and len(packs[0].buffers()) == 2
+    packs = [pack(ts, contribute=True, keep_inputs=True, staging=Staging(CPU), **KW) for ts in inputs]
+    assert packs[0].separate and len(packs[0].buffers()) == 2
     reduce_sum(packs)
     assert packs[0].contributors() == 2
     assert torch.equal(unpack(packs[0], inputs[0], op="sum", contributors=2, inplace=False)[0], torch.arange(4) * 3)
@@ -70,7 +76,7 @@ def test_without_a_float_tensor_the_count_travels_separately() -> None:
 
 def test_in_place_writes_the_result_into_the_inputs() -> None:
     inputs = [member_tensors(i) for i in range(2)]
-    packs = [pack(ts, contribute=True, keep_inputs=True, staging=Staging(CPU)) for ts in inputs]
+    packs = [pack(ts, contribute=True, keep_inputs=True, staging=Staging(CPU), **KW) for ts in inputs]
     reduce_sum(packs)
     out = unpack(packs[0], inputs[0], op="avg", contributors=2, inplace=True)
     assert all(a is b for a, b in zip(out, inputs[0], strict=True))
@@ -79,8 +85,8 @@ def test_in_place_writes_the_result_into_the_inputs() -> None:
 
 def test_direct_reduces_the_callers_tensors_where_they_lie() -> None:
     inputs = [[torch.full((6,), float(i + 1)), torch.arange(3, dtype=torch.int64)] for i in range(2)]
-    packs = [pack(ts, contribute=True, keep_inputs=False, staging=Staging(CPU)) for ts in inputs]
-    assert packs[0].direct and packs[0].count is not None  # no spare element in the caller's tensor
+    packs = [pack(ts, contribute=True, keep_inputs=False, staging=Staging(CPU), **KW) for ts in inputs]
+    assert packs[0].direct and packs[0].separate  # no spare element in the caller's tensor
     assert packs[0].flats[0][0].data_ptr() == inputs[0][0].data_ptr()
     reduce_sum(packs)
     assert torch.equal(inputs[0][0], torch.full((6,), 3.0))  # reduced already, before unpacking
@@ -90,10 +96,10 @@ def test_direct_reduces_the_callers_tensors_where_they_lie() -> None:
 
 def test_direct_falls_back_to_a_copy_when_it_cannot_apply() -> None:
     non_contiguous = torch.ones(3, 4).t()
-    assert not pack([non_contiguous], contribute=True, keep_inputs=False, staging=Staging(CPU)).direct
+    assert not pack([non_contiguous], contribute=True, keep_inputs=False, staging=Staging(CPU), **KW).direct
     two_of_a_dtype = [torch.ones(2), torch.ones(3)]
-    assert not pack(two_of_a_dtype, contribute=True, keep_inputs=False, staging=Staging(CPU)).direct
-    assert not pack([torch.ones(2)], contribute=False, keep_inputs=False, staging=Staging(CPU)).direct
+    assert not pack(two_of_a_dtype, contribute=True, keep_inputs=False, staging=Staging(CPU), **KW).direct
+    assert not pack([torch.ones(2)], contribute=False, keep_inputs=False, staging=Staging(CPU), **KW).direct
 
 
 def test_staging_buffers_are_reused_and_grown() -> None:
@@ -104,3 +110,22 @@ def test_staging_buffers_are_reused_and_grown() -> None:
     bigger = staging.get(torch.float32, 200)
     assert bigger.numel() == 200
     assert staging.get(torch.float64, 10).dtype == torch.float64
+
+
+def test_the_tag_proof_travels_separately_when_a_float32_sum_would_not_be_exact() -> None:
+    world = 2**24 // PROOF_MAX + 1  # world * PROOF_MAX reaches 2**24
+    tensors = [torch.ones(3, dtype=torch.float32)]
+    p32 = pack(tensors, contribute=True, keep_inputs=True, staging=Staging(CPU), proof=tag_proof(-1), world=world)
+    assert p32.separate and p32.trailer.dtype == torch.int64
+    p64 = pack([torch.ones(3, dtype=torch.float64)], contribute=True, keep_inputs=True, staging=Staging(CPU),
+               proof=tag_proof(-1), world=world)
+    assert not p64.separate  # float64 is exact far beyond
+
+
+def test_the_trailer_does_not_change_what_is_sent_for_the_data() -> None:
+    a, b = [torch.randn(5)], [torch.randn(5)]
+    packs = [pack(ts, contribute=True, keep_inputs=True, staging=Staging(CPU), proof=tag_proof(TAG), world=2)
+             for ts in (a, b)]
+    reduce_sum(packs)
+    out = unpack(packs[0], a, op="sum", contributors=2, inplace=False)
+    assert torch.equal(out[0], a[0] + b[0]) and packs[0].contributors() == 2 and proof_holds(TAG, packs[0].proof(), 2)

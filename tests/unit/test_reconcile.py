@@ -109,15 +109,25 @@ def test_held_results_are_forgotten_below_a_tag() -> None:
 
 
 def test_every_exchange_proves_all_members_paired_the_same_tag() -> None:
-    from ftar.rules import tag_check, tags_agree
+    from ftar.rules import PROOF_MAX, proof_holds, tag_proof
 
-    def summed(tags: list[int]) -> list[int]:
-        return [sum(col) for col in zip(*(tag_check(t) for t in tags), strict=True)]
+    def summed(tags: list[int], dtype: torch.dtype = torch.float32) -> list[float]:
+        # summed the way the data plane does: in the float buffer the proof rides in
+        return torch.stack([torch.tensor(tag_proof(t), dtype=dtype) for t in tags]).sum(0).tolist()
 
-    assert tags_agree(6, summed([6, 6, 6]), 3)
-    assert not tags_agree(6, summed([6, 6, 9]), 3)
-    assert not tags_agree(6, summed([5, 7]), 2) and not tags_agree(6, summed([5, 6, 7]), 3)  # sums alone would pass
-    assert tags_agree(10**7, summed([10**7] * 5000), 5000)  # no overflow at scale
+    assert proof_holds(6, summed([6, 6, 6]), 3)
+    assert not proof_holds(6, summed([6, 6, 9]), 3)
+    assert not proof_holds(6, summed([5, 7]), 2) and not proof_holds(6, summed([5, 6, 7]), 3)  # sums alone pass
+    assert not proof_holds(0x16, summed([0x15, 0x17]), 2)  # digit by digit too
+    assert not proof_holds(6, summed([6, 6]), 3) and not proof_holds(6, summed([6, 6, 6]), 2)  # the count matters
+    assert proof_holds(-3, summed([-3, -3]), 2) and not proof_holds(-3, summed([-3, 3]), 2)
+    big = 2**62 + 12345
+    assert proof_holds(big, summed([big] * 3), 3) and not proof_holds(big, summed([big, big, big + 16]), 3)
+    assert max(tag_proof(2**64 - 1)) == PROOF_MAX
+    world = (2**24 - 1) // PROOF_MAX  # the most members a float32 buffer carries the proof for exactly
+    t = 0xFEDCBA9876543210
+    assert proof_holds(t, (torch.tensor(tag_proof(t), dtype=torch.float32) * world).tolist(), world)
+    assert not proof_holds(6, [x + 0.5 for x in summed([6, 6])], 2)  # a fraction is no proof
 
 
 def test_a_result_changed_in_place_is_no_longer_held() -> None:

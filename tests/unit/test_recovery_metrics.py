@@ -64,3 +64,14 @@ def test_whole_job_restart_counts_lost_steps() -> None:
     assert m["stall_per_failure_s"] == [pytest.approx(12.0)]
     assert m["replica_steps_trained"] == 3 * 60  # a step trained twice counts once
     assert m["effective_training_time"] == pytest.approx(180 * 1.0 / (3 * (27.5 + 44)))
+
+
+def test_overhead_ratio_pairs_each_run_with_its_neighbour() -> None:
+    from fthsdp.bench.overhead import paired_ratios
+
+    # the machine drifts 30% between rounds; each round's fthsdp run is 2% slower than its baseline
+    ratio, ratios = paired_ratios([1.0, 1.3, 1.1], [1.02, 1.326, 1.122])
+    assert ratios == pytest.approx([1.02, 1.02, 1.02]) and ratio == pytest.approx(1.02)
+    assert paired_ratios([1.0, 1.0, 1.0], [1.5, 1.0, 1.1])[0] == pytest.approx(1.1)  # the median, not the mean
+    with pytest.raises(ValueError, match="as many"):
+        paired_ratios([1.0], [])
