@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -103,6 +103,8 @@ class LaneEngine:
         self._served: dict[int, Held] = {}  # what a holder served this lane in the current group, by tag
         self._closed = False
         self.last_rebuild_s = 0.0
+        self.tag_label: Callable[[int], str] = lambda tag: f"tag={tag}"
+        """How log lines name a tag: a caller whose tags encode more (the runtime: a step and a bucket) says so."""
         self._remove_listener = membership.add_listener(self._on_epoch)
         self._thread = devices.start_thread(self._worker, name=f"ftar-lane{lane}-{self.replica_id}",
                                             device=self.device)
@@ -202,8 +204,8 @@ class LaneEngine:
                 item.future.set_exception(EngineClosed("engine closed"))
 
     def _log(self, level: int, epoch: int, tag: int | None, msg: str, *args: Any) -> None:
-        log.log(level, "ftar replica=%s lane=%d epoch=%d tag=%s " + msg, self.replica_id, self.lane, epoch,
-                "?" if tag is None else tag, *args)
+        log.log(level, "ftar replica=%s lane=%d epoch=%d %s " + msg, self.replica_id, self.lane, epoch,
+                "tag=?" if tag is None else self.tag_label(tag), *args)
 
     def _exchange(self, req: Request) -> ExchangeResult:
         """Attempts of one exchange, each in a newer epoch, until one succeeds or the rules end it."""

@@ -20,7 +20,7 @@ class Misaligned(FTARError):
     behind the others and must catch up (its state is stale); the ones ahead wait for the next epoch."""
 
     def __init__(self, tag: int, lowest: int, highest: int) -> None:
-        super().__init__(f"lane members disagree on the step: mine {tag}, lowest {lowest}, highest {highest}")
+        super().__init__(f"lane members disagree on the tag: mine {tag}, lowest {lowest}, highest {highest}")
         self.tag, self.lowest, self.highest = tag, lowest, highest
 
 

@@ -8,6 +8,7 @@ reduce-scatter stream), and a step's results become the parameters' ``.grad`` in
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,6 +54,12 @@ class BucketTag:
 
     def __str__(self) -> str:
         return f"step {self.step} bucket {self.bucket}"
+
+    @classmethod
+    def label(cls, tag: int, buckets: int) -> str:
+        """How a log line names wire tag ``tag``: by the training step and bucket it stands for."""
+        t = cls.decode(tag, buckets)
+        return f"step={t.step} bucket={t.bucket}"
 
 
 def grads_untouched(opt: torch.optim.Optimizer) -> bool:
@@ -133,6 +140,7 @@ class BucketExchange:
         """This replica's state digest for the step being exchanged (None: not a checked step)."""
         self.alias = False
         """``install`` makes the results the gradients, without a copy (set when ``grads_untouched``)."""
+        engine.tag_label = functools.partial(BucketTag.label, buckets=len(self.buckets))  # its logs: step, bucket
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
 
@@ -226,7 +234,7 @@ class BucketExchange:
             except FTARError as e:
                 why = failure_of(e)
                 if why is Failure.ERROR:
-                    log(logging.WARNING, "exchange failed: %s", e)
+                    log(logging.WARNING, "bucket %d of %d: exchange failed: %s", k, len(handles), e)
                 rejoin = protocol.lane(Failed(why))
                 if rejoin is not None:
                     raise RejoinRequired(f"{rejoin.reason}: {e}") from e

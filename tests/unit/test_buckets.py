@@ -256,3 +256,11 @@ def test_fsdp2_gradients_are_bound_and_step_like_copied_ones(one_rank_group: Any
         opt.step()
         updated.append([local_tensor(p.detach()).clone() for p in params])
     assert all(torch.equal(a, b) for a, b in zip(*updated, strict=True))
+
+
+def test_the_engines_logs_name_the_step_and_bucket_not_the_wire_tag() -> None:
+    model, engine = Model(), FakeEngine()
+    buckets = exchange(model, engine)
+    assert len(buckets) == 3
+    assert engine.tag_label(27) == "step=9 bucket=0"
+    assert engine.tag_label(BucketTag(4, 2).encode(3)) == "step=4 bucket=2"
