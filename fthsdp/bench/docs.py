@@ -372,7 +372,10 @@ def section_other(overhead: dict[str, Any] | None, ftar: dict[str, Any] | None) 
         out += ["## Steady-state overhead", "",
                 f"`fthsdp bench overhead --json`: {overhead['replicas']} replicas x {overhead['ranks_per_replica']} "
                 f"ranks, plain FSDP2-HSDP {overhead['baseline_step_s']} s/step, fthsdp {overhead['fthsdp_step_s']} "
-                f"s/step: ratio **{overhead['step_time_ratio']}**.", ""]
+                f"s/step (medians over rounds): ratio **{overhead['step_time_ratio']}**"
+                + (f" (median of the rounds' ratios {overhead['round_ratios']}, each fthsdp run over the baseline "
+                   f"run beside it; lighthouse heartbeats every {overhead['heartbeat_interval_s']} s)"
+                   if "round_ratios" in overhead else "") + ".", ""]
     if ftar:
         out += ["## FTAR", "", f"`fthsdp bench ftar --json`: {ftar.get('members')} members, {ftar.get('mb')} MB: "
                 f"throughput ratio to `torch.distributed.all_reduce` {ftar.get('throughput_ratio')}, rebuild for a "
