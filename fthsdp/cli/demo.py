@@ -136,13 +136,21 @@ def plot_timeline(report: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def kills_of(a: argparse.Namespace) -> tuple[Kill, ...]:
+    """The kills a demo injects: ``--kill``s (default ``1@20``) and, with ``--kill-all``, every replica at that
+    step. The default kill is the default scenario: ``--kill-all`` is another one, not an addition to it."""
+    specs = [] if a.no_kill or (a.kill_all is not None and not a.kill) else (a.kill or ["1@20"])
+    kills = tuple(Kill.parse(k) for k in specs)
+    if a.kill_all is not None:
+        kills += tuple(Kill(r, a.kill_all) for r in range(a.replicas))
+    return kills
+
+
 def cmd_demo(a: argparse.Namespace) -> None:
-    specs = [] if a.no_kill else (a.kill or ["1@20"])
     try:
-        kills = tuple(Kill.parse(k) for k in specs)
+        kills = kills_of(a)
         delay = a.restart_delay
         if a.kill_all is not None:
-            kills += tuple(Kill(r, a.kill_all) for r in range(a.replicas))
             # Come back once the lighthouse has declared the dead incarnations dead: the first replica back then
             # resumes from the newest checkpoint and the others catch up from it.
             delay = max(delay, ClusterConfig.heartbeat_timeout_s + 1.0)

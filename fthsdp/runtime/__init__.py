@@ -5,8 +5,10 @@ tag), ``commit`` (the commit protocol, a pure state machine), ``join`` (catching
 snapshot and hash), ``trainer_state`` (param groups and registered objects, as JSON), ``digest`` (the periodic
 digest's packing and verdict, pure) and ``agreement`` (driving it), ``startup`` (taking a place in the job),
 ``result`` (what a step returns), ``errors``, ``config`` (the settings, read from the environment), ``lr``,
-``checkpoint`` and ``metrics``."""
+``checkpoint`` and ``metrics``; for the trainer: ``session`` (``training()``: the replica and the exits a trainer
+would otherwise write) and ``data`` (which batch each rank of each replica trains next)."""
 
+from fthsdp.runtime.data import SlotSampler, batch_index, next_batch
 from fthsdp.runtime.errors import (
     EXIT_REJOIN,
     DigestMismatch,
@@ -20,7 +22,9 @@ from fthsdp.runtime.errors import (
 )
 from fthsdp.runtime.replica import Replica
 from fthsdp.runtime.result import StepResult
+from fthsdp.runtime.session import training
 from fthsdp.runtime.trainer_state import UnencodableState
 
 __all__ = ["EXIT_REJOIN", "DigestMismatch", "Diverged", "JobFinished", "NoStateToResume", "RejoinRequired", "Replica",
-           "SlotConflict", "StateMismatch", "StepResult", "Terminated", "UnencodableState"]
+           "SlotConflict", "SlotSampler", "StateMismatch", "StepResult", "Terminated", "UnencodableState",
+           "batch_index", "next_batch", "training"]

@@ -126,6 +126,9 @@ class RuntimeConfig:
     """``FTHSDP_DIGEST_EVERY``: every K steps the replicas compare a 64-bit digest of their whole state, riding the
     step's exchange (docs/design.md §7); a replica whose state differs is found within K steps. 0: never. The
     same on every replica."""
+    step_log: bool = True
+    """``FTHSDP_STEP_LOG``: rank 0 logs one line per committed step at INFO (logger ``fthsdp.runtime``: step,
+    loss, epoch, contributors, attempts); 0: off."""
     local_rank: int | None = None
     """``LOCAL_RANK`` (torchrun): the rank on this host (None: unset); picks the GPU (default: ``rank``)."""
     metrics_port: int | None = None
@@ -200,6 +203,7 @@ class RuntimeConfig:
             max_replay=_int(e, "FTHSDP_CATCHUP_MAX_REPLAY", "256"),
             join_warmup=_int(e, "FTHSDP_JOIN_WARMUP", "1") != 0,
             digest_every=digest_every,
+            step_log=_int(e, "FTHSDP_STEP_LOG", "1") != 0,
             local_rank=local_rank,
             metrics_port=_metrics_port(e, local_rank),
             under_torchrun="TORCHELASTIC_RUN_ID" in e,

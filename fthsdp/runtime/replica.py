@@ -65,7 +65,7 @@ class Replica:
         if dist.get_world_size() != cfg.world_size or dist.get_rank() != cfg.rank:
             raise RuntimeError("the replica's process group does not match RANK/WORLD_SIZE")
         self.rank, self.world_size = cfg.rank, cfg.world_size
-        self.slot = cfg.replica_index  # this replica's data slot
+        self.slot, self.slots = cfg.replica_index, cfg.num_replicas  # this replica's data slot; the job's slots
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.backend == "nccl" \
             else torch.device("cpu")
         self.mesh = init_device_mesh(self.device.type, (cfg.world_size,))
@@ -83,7 +83,8 @@ class Replica:
         """The optimizer's param groups and the registered objects: they travel and are digested with the tensors."""
         self.check = DigestCheck(cfg.digest_every, self.slot, self._log)
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
-                                    world_size=self.world_size, snapshot=self._snapshot, host=cfg.host,
+                                    world_size=self.world_size, host=cfg.host,
+                                    snapshot=lambda: self._parts()[0].snapshot(self.cursors),
                                     epoch=lambda: self.client.epoch if hasattr(self, "client") else None,
                                     token=cfg.token, wait_s=cfg.epoch_wait_s, on_chunk_sent=self.faults.on_chunk_sent,
                                     corrupt=self.faults.corrupter())
@@ -240,6 +241,9 @@ class Replica:
         self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
                                stall_s=exchange_s if commit.attempts > 1 else 0.0)
         self._after_commit(batches, commit.stop)
+        if self.rank == 0 and self.config.step_log:
+            self._log(logging.INFO, "step %d committed: loss %.4f, %d contributor(s), %d attempt(s), exchange "
+                      "%.3fs", commit.step, loss_value, contributors, commit.attempts, exchange_s)
         return result
 
     def _settle(self, handles: list[Handle | None], contribute: bool) -> tuple[Commit, list[ExchangeResult]]:
@@ -397,10 +401,6 @@ class Replica:
                           time.perf_counter() - t0, batches, self._lr_factor, contributed=False)
 
     # --- state --------------------------------------------------------------------------------------------------
-
-    def _snapshot(self) -> list[tuple[str, torch.Tensor]]:
-        """The catch-up server's snapshot (taken by the training thread at a commit boundary)."""
-        return self._parts()[0].snapshot(self.cursors)
 
     def state_hash(self) -> str:
         """SHA-256 over every rank's tensors, the cursors, param groups and registered state (a collective over the

@@ -100,6 +100,9 @@ class ClusterConfig:
     after the job finished takes it (without one it stops with no final state)."""
     env: dict[int, dict[str, str]] = field(default_factory=dict)
     """Extra environment per replica group (tests: fault switches)."""
+    command: tuple[str, ...] = ()
+    """A user's script and its arguments, run as they are by each group's torchrun from the current directory
+    (``fthsdp run``); empty: the example trainer with this config's ``steps``, ``model``, ``batch``... ."""
 
     def replica_env(self, index: int, lighthouse: str, progress: pathlib.Path, workdir: pathlib.Path,
                     fault: Kill | None) -> dict[str, str]:
@@ -167,8 +170,9 @@ class Cluster:
         c = self.config
         g.fault = g.pending_faults.pop(0) if g.pending_faults else None
         env = c.replica_env(g.index, self.addr, g.progress, self.workdir, g.fault)
-        cmd = [*torchrun(c.ranks), "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
-               "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s)]
+        cmd = [*torchrun(c.ranks), *c.command] if c.command else \
+            [*torchrun(c.ranks), "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
+             "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s)]
         with open(g.log_path, "ab") as out:  # the child keeps its own copy of the descriptor
             g.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         g.incarnations += 1
@@ -199,6 +203,13 @@ class Cluster:
             stop_process(self.lighthouse)
 
     def run(self) -> dict[str, Any]:
+        """Run the job (``execute``) and return its report."""
+        t_start, history = self.execute()
+        return self._report(t_start, history)
+
+    def execute(self) -> tuple[float, list[dict[str, Any]]]:
+        """Run the job until every group finished; returns its start time and the lighthouse's epoch history.
+        Raises ``ReplicaFailed`` (a fatal error, or too many restarts) or ``TimeoutError``."""
         c = self.config
         self.start_lighthouse()
         t_start = time.time()
@@ -214,12 +225,12 @@ class Cluster:
                 if self.on_tick is not None:
                     self.on_tick(self)
                 time.sleep(0.02)  # supervision period
-            history = self.status()["history"]
+            history: list[dict[str, Any]] = self.status()["history"]
         finally:
             for g in self.groups:
                 kill_group(g.proc)
             self.stop_lighthouse()
-        return self._report(t_start, history)
+        return t_start, history
 
     def _supervise(self, g: Group) -> None:
         if g.finished or g.proc is None:

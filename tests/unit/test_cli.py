@@ -20,7 +20,7 @@ SIM = ["sim", "--gpus", "98304", "--replica-gpus", "8192", "--mtbf-min", "18", "
        "--stall-min", "3", "--rejoin-min", "10"]
 
 
-@pytest.mark.parametrize("argv", [[], ["lighthouse"], ["status"], ["emulate"], ["demo"], ["chaos"], ["sim"],
+@pytest.mark.parametrize("argv", [[], ["lighthouse"], ["status"], ["emulate"], ["run"], ["demo"], ["chaos"], ["sim"],
                                   ["bench"], ["bench", "lighthouse"], ["bench", "ftar"], ["bench", "overhead"],
                                   ["bench", "recovery"]])
 def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -139,3 +139,29 @@ def test_chaos_refuses_a_soak_of_no_run(tmp_path: pathlib.Path) -> None:
     with pytest.raises(SystemExit) as e:
         main(["chaos", "--runs", "0", "--workdir", str(tmp_path)])
     assert "--runs must be at least 1" in str(e.value.code)
+
+
+def test_run_passes_the_scripts_own_arguments_untouched() -> None:
+    a = build_parser().parse_args(["run", "--replicas", "3", "train.py", "--steps", "5", "--replicas", "9", "-x"])
+    assert a.replicas == 3 and a.script == "train.py" and a.args == ["--steps", "5", "--replicas", "9", "-x"]
+
+
+def test_run_refuses_a_missing_script_and_judges_final_states(tmp_path: pathlib.Path) -> None:
+    from fthsdp.cli.run import problems
+
+    with pytest.raises(SystemExit, match="no such script"):
+        main(["run", str(tmp_path / "nope.py")])
+    same = {"step": 5, "param_hash": "ab"}
+    assert problems({"0": same, "1": dict(same)}) == []
+    assert problems({"0": same, "1": None}) == ["replica 1 wrote no final state"]
+    assert "differ" in problems({"0": same, "1": {"step": 5, "param_hash": "cd"}})[0]
+
+
+def test_demo_kill_all_is_its_own_scenario() -> None:
+    def kills(*argv: str) -> list[tuple[int, int]]:
+        return [(k.replica, k.step) for k in demo.kills_of(build_parser().parse_args(["demo", *argv]))]
+
+    assert kills() == [(1, 20)]
+    assert kills("--kill-all", "17") == [(0, 17), (1, 17), (2, 17)]  # not also replica 1 at step 20
+    assert kills("--kill", "2@5", "--kill-all", "17") == [(2, 5), (0, 17), (1, 17), (2, 17)]
+    assert kills("--no-kill") == []

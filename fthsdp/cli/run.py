@@ -1,0 +1,111 @@
+"""``fthsdp run``: a user's own training script, fault-tolerantly, on this host: an embedded lighthouse on
+loopback, one torchrun of S ranks per replica group running the script with its own arguments untouched (from
+the current directory), restarts of a group that dies, a stop on a fatal error, live progress from the
+lighthouse, and a report. The script uses the runtime (``with fthsdp.runtime.training() as ft:``); on several
+hosts, run each group's torchrun yourself against a shared lighthouse (``deploy/``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import tempfile
+import time
+import urllib.error
+from typing import TYPE_CHECKING, Any
+
+from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, ReplicaFailed
+from fthsdp.testing.progress import read_progress
+
+if TYPE_CHECKING:
+    from fthsdp.cli.common import Subparsers
+
+
+class StatusView:
+    """Prints the members' steps and roles (the lighthouse's ``/status``) when they change, at most once a second."""
+
+    def __init__(self, period_s: float = 1.0) -> None:
+        self.period_s, self.last, self.shown, self.t0 = period_s, 0.0, "", time.time()
+
+    def __call__(self, cluster: Cluster) -> None:
+        now = time.time()
+        if now - self.last < self.period_s:
+            return
+        self.last = now
+        try:
+            status = cluster.status()
+        except (OSError, urllib.error.URLError, ValueError):
+            return
+        cells = [f"{m['replica_id']}: step {m['step']} {m['role']}" for m in status.get("members", [])]
+        down = [f"r{g.index}: DOWN" for g in cluster.groups if g.restart_at is not None]
+        line = f"epoch {status.get('epoch')} | " + " | ".join(cells + down)
+        if line != self.shown:
+            self.shown = line
+            print(f"[{now - self.t0:6.1f}s] {line}", flush=True)
+
+
+def finals(cluster: Cluster) -> dict[str, dict[str, Any] | None]:
+    """Each group's last ``final`` line (written by ``fthsdp.runtime.training()``): its step and state hash."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for g in cluster.groups:
+        row = next((x for x in reversed(read_progress(g.progress)) if x.event == "final"), None)
+        out[str(g.index)] = {"step": row.step, "param_hash": row.param_hash} if row else None
+    return out
+
+
+def problems(final: dict[str, dict[str, Any] | None]) -> list[str]:
+    """Why a finished run did not end in agreement: a group with no final state, or final states that differ."""
+    out = [f"replica {i} wrote no final state" for i, f in final.items() if f is None]
+    states = {(f["step"], f["param_hash"]) for f in final.values() if f is not None}
+    if len(states) > 1:
+        out.append(f"final states differ: {sorted(states)}")
+    return out
+
+
+def cmd_run(a: argparse.Namespace) -> None:
+    script = pathlib.Path(a.script)
+    if not script.is_file():
+        sys.exit(f"fthsdp run: no such script: {a.script}")
+    workdir = pathlib.Path(a.workdir) if a.workdir else pathlib.Path(tempfile.mkdtemp(prefix="fthsdp-run-"))
+    try:
+        config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, command=(str(script), *a.args),
+                               kills=tuple(Kill.parse(k) for k in a.kill or []), restart_delay_s=a.restart_delay,
+                               max_restarts=a.max_restarts, timeout_s=a.timeout, final_checkpoint=False)
+        print(f"fthsdp run: {a.replicas} replica groups x {a.ranks} ranks of {script} {' '.join(a.args)}; logs in "
+              f"{workdir}", flush=True)
+        cluster = Cluster(config, workdir, on_tick=StatusView())
+        t_start, history = cluster.execute()
+    except (ValueError, ReplicaFailed, TimeoutError) as e:
+        sys.exit(f"fthsdp run: {e} (logs in {workdir})")
+    final = finals(cluster)
+    report = {"command": [str(script), *a.args], "replicas": a.replicas, "ranks_per_replica": a.ranks,
+              "t_start": t_start, "final": final, "problems": problems(final),
+              "events": cluster.events + [{"t": h["time"], "event": "epoch", "epoch": h["epoch"],
+                                           "reason": h["reason"], "members": h["members"]} for h in history]}
+    if a.report:
+        pathlib.Path(a.report).write_text(json.dumps(report, indent=1))
+    for p in report["problems"]:
+        print(f"fthsdp run: FAILED: {p}", file=sys.stderr)
+    if report["problems"]:
+        sys.exit(1)
+    done = next(iter(final.values()))
+    print(f"fthsdp run: every replica ended at step {done['step'] if done else '?'} with one state "
+          f"({done['param_hash'][:16] if done else '?'}...)", flush=True)
+
+
+def register(sub: Subparsers) -> None:
+    r = sub.add_parser("run", help="run your own training script fault-tolerantly on this host",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--replicas", type=int, default=2, help="replica groups (one torchrun each)")
+    r.add_argument("--ranks", type=int, default=1, help="ranks per replica group (FSDP2 shards)")
+    r.add_argument("--kill", action="append", default=None, metavar="REPLICA@STEP[:PHASE]",
+                   help="SIGKILL that replica group at that step, to see it recover (repeatable)")
+    r.add_argument("--restart-delay", type=float, default=2.0, help="seconds before a dead group restarts")
+    r.add_argument("--max-restarts", type=int, default=10, help="restarts of one group before the job is given up")
+    r.add_argument("--timeout", type=float, default=24 * 3600.0, help="give up after this many seconds")
+    r.add_argument("--workdir", default="", help="logs and progress files (default: a new temporary directory)")
+    r.add_argument("--report", default="", help="write the JSON report here (final states, events, epochs)")
+    r.add_argument("script", help="the training script (run by torchrun, from the current directory)")
+    r.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments, passed untouched")
+    r.set_defaults(fn=cmd_run)

@@ -1,0 +1,66 @@
+"""A plain FSDP2 trainer, as a user writes one: a residual MLP, AdamW, a cosine LR schedule, synthetic data.
+The "before" of ``train_fthsdp.py`` (tests/integration/test_user_script.py checks the diff between them)."""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(depth))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def loss_on(model: nn.Module, index: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(index)
+    x = torch.randn(8, 32, generator=g)
+    return nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+
+
+def train(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+    log = open(os.path.join(args.out, f"lr-{os.environ.get('FTHSDP_REPLICA_INDEX', '0')}.jsonl"), "a")  # noqa: SIM115 - the run's lifetime
+    for step in range(args.steps):
+        opt.zero_grad()
+        loss_on(model, step * dist.get_world_size() + dist.get_rank()).backward()
+        opt.step()
+        sched.step()
+        if dist.get_rank() == 0:
+            log.write(json.dumps({"step": step, "lr": sched.get_last_lr()[0]}) + "\n")
+            log.flush()
+        time.sleep(args.pace)  # stands in for more compute per step
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--out", required=True)
+    p.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    train(args)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

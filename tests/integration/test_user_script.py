@@ -1,0 +1,71 @@
+"""A user's own FSDP2 script made fault-tolerant (issue 19): ``tests/helpers/user/train_plain.py`` is the plain
+trainer (residual MLP, AdamW, ``CosineAnnealingLR``), ``train_fthsdp.py`` the same under fthsdp. The change stays
+small, and ``fthsdp run`` runs the script from outside the repository with its own arguments, through a SIGKILL:
+one final state, and the scheduler's learning rate equal across replicas at every step after the rejoin."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from fthsdp.testing.procutil import child_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+USER = pathlib.Path(__file__).resolve().parent.parent / "helpers" / "user"
+
+
+def changed_lines(before: str, after: str) -> int:
+    """Lines of ``after`` that are new or altered (what the user writes), blank lines aside."""
+    a, b = before.splitlines(), after.splitlines()
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return sum(1 for tag, _, _, j1, j2 in ops if tag in ("insert", "replace") for line in b[j1:j2] if line.strip())
+
+
+def test_the_fthsdp_version_of_a_plain_script_changes_few_lines() -> None:
+    n = changed_lines((USER / "train_plain.py").read_text(), (USER / "train_fthsdp.py").read_text())
+    assert 0 < n <= 12, f"{n} changed lines"
+    assert changed_lines("a\nb\n", "a\nc\nd\n") == 2  # the measure counts what it should
+
+
+def _lr(path: pathlib.Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        out[row["step"]] = row["lr"]  # a later incarnation's entry for a step replaces an earlier one's
+    return out
+
+
+def test_fthsdp_run_trains_a_user_script_through_a_kill(tmp_path: pathlib.Path) -> None:
+    work = tmp_path / "elsewhere"  # outside the repository, as a user's project
+    work.mkdir()
+    shutil.copy(USER / "train_fthsdp.py", work / "train.py")
+    out, report_path = work / "out", tmp_path / "report.json"
+    out.mkdir()
+    steps = 200
+    proc = subprocess.run(
+        [sys.executable, "-m", "fthsdp", "run", "--replicas", "2", "--ranks", "2", "--kill", "1@10",
+         "--restart-delay", "0.5", "--timeout", "240", "--workdir", str(tmp_path / "logs"),
+         "--report", str(report_path), "train.py", "--steps", str(steps), "--out", str(out), "--pace", "0.1"],
+        cwd=work, env=child_env(), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["command"] == ["train.py", "--steps", str(steps), "--out", str(out), "--pace", "0.1"]
+    finals = report["final"]
+    assert set(finals) == {"0", "1"} and all(f is not None and f["step"] == steps for f in finals.values())
+    assert len({f["param_hash"] for f in finals.values()}) == 1, finals
+    assert not report["problems"]
+    assert any(e["event"] == "exit" and e["replica"] == 1 and e["killed"] for e in report["events"])
+    assert any(e["event"] == "start" and e["replica"] == 1 and e["incarnation"] == 2 for e in report["events"])
+    lr0, lr1 = _lr(out / "lr-0.jsonl"), _lr(out / "lr-1.jsonl")
+    assert sorted(lr0) == list(range(steps))
+    after = [s for s in lr1 if s > 10]  # the restarted replica's steps, from its catch-up on
+    assert len(after) > 20, f"the restarted replica logged {len(after)} steps after the kill"
+    assert all(lr1[s] == lr0[s] for s in after), {s: (lr0[s], lr1[s]) for s in after if lr1[s] != lr0[s]}
+    assert "replica-1: step" in proc.stdout  # live progress from the lighthouse

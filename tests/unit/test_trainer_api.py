@@ -1,0 +1,129 @@
+"""The trainer-facing helpers without processes: the data helpers (``fthsdp.runtime.data``) and the exits of
+``fthsdp.runtime.training()`` (``fthsdp.runtime.session``), with a stand-in for ``Replica``."""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from fthsdp.runtime import session
+from fthsdp.runtime.data import SlotSampler, batch_index, next_batch
+from fthsdp.runtime.errors import EXIT_REJOIN, Diverged, JobFinished, RejoinRequired, SlotConflict
+from fthsdp.testing.progress import read_progress
+
+
+def test_every_rank_of_every_slot_gets_its_own_batch_at_every_cursor() -> None:
+    slots, ranks = 3, 2
+    seen = [batch_index(s, c, r, slots, ranks) for c in range(5) for s in range(slots) for r in range(ranks)]
+    assert sorted(seen) == list(range(5 * slots * ranks))  # distinct, and no gap
+    assert batch_index(1, 0, 1, slots, ranks) == 3 and batch_index(0, 1, 0, slots, ranks) == 6
+    for bad in [(3, 0, 0), (0, 0, 2), (0, -1, 0), (-1, 0, 0)]:
+        with pytest.raises(ValueError, match="out of range"):
+            batch_index(bad[0], bad[1], bad[2], slots, ranks)
+
+
+@dataclass
+class FakeReplica:
+    slot: int = 1
+    rank: int = 1
+    world_size: int = 2
+    slots: int = 3
+    cursor: int = 4
+    config: Any = field(default_factory=lambda: type("C", (), {"replica_id": "replica-1"})())
+    step: int = 7
+    incarnation: str = "abc"
+    joining: bool = False
+    closed: list[bool] = field(default_factory=list)
+
+    def close(self, leave: bool = True) -> None:
+        self.closed.append(leave)
+
+    def state_hash(self) -> str:
+        return "f00d"
+
+
+def test_the_sampler_visits_the_dataset_once_per_pass_in_a_seeded_order() -> None:
+    sampler = SlotSampler(10, 4, seed=3)
+    stream = [i for b in range(5) for i in sampler.indices(b)]  # 20 items: two passes
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))
+    assert stream[:10] != stream[10:]  # each pass its own permutation
+    assert SlotSampler(10, 4, seed=3).indices(2) == sampler.indices(2)  # the same on every replica, after restarts
+    assert SlotSampler(10, 4, seed=4).indices(0) != sampler.indices(0)
+    assert SlotSampler(5, 2, shuffle=False).indices(3) == [1, 2]
+    ft = FakeReplica()
+    assert next_batch(ft) == batch_index(1, 4, 1, 3, 2) and sampler.next(ft) == sampler.indices(next_batch(ft))
+    with pytest.raises(ValueError):
+        SlotSampler(0, 4)
+    with pytest.raises(ValueError):
+        sampler.indices(-1)
+
+
+def run(monkeypatch: pytest.MonkeyPatch, body_error: BaseException | None = None,
+        start_error: BaseException | None = None, rank: int = 1) -> tuple[FakeReplica, int | None]:
+    made = FakeReplica(rank=rank)
+
+    def make(config: object = None) -> FakeReplica:
+        if start_error is not None:
+            raise start_error
+        return made
+
+    monkeypatch.setattr(session, "Replica", make)
+    code: int | None = None
+    try:
+        with session.training() as ft:
+            assert ft is made
+            if body_error is not None:
+                raise body_error
+    except SystemExit as e:
+        code = int(e.code or 0)
+    return made, code
+
+
+def test_the_block_ends_and_the_replica_closes_leaving_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    ft, code = run(monkeypatch)
+    assert code is None and ft.closed == [True]
+
+
+@pytest.mark.parametrize("error", [RejoinRequired("state lost"), Diverged("digest differs", 10, (1,))])
+def test_a_rejoin_exits_with_its_status_at_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                                error: RejoinRequired) -> None:
+    with caplog.at_level(logging.ERROR, logger="fthsdp.runtime"):
+        ft, code = run(monkeypatch, body_error=error)
+    assert code == EXIT_REJOIN and ft.closed == []  # no close: it would wait for abandoned collectives
+    assert "exiting to rejoin" in caplog.text and "step=7" in caplog.text
+
+
+def test_a_finished_job_exits_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    ft, code = run(monkeypatch, body_error=JobFinished("finished at step 60", 60))
+    assert code == 0 and ft.closed == [False]
+    _, code = run(monkeypatch, start_error=JobFinished("finished at step 60", 60))
+    assert code == 0
+
+
+def test_other_errors_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="bad batch"):
+        run(monkeypatch, body_error=ValueError("bad batch"))
+
+
+def test_under_a_launcher_it_writes_the_lines_the_launcher_supervises_by(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "progress.jsonl"
+    monkeypatch.setenv("FTHSDP_PROGRESS", str(path))
+    monkeypatch.setenv("RANK", "0")
+    run(monkeypatch, rank=1)
+    assert read_progress(path) == []  # rank 1 writes no start and no final line
+    run(monkeypatch, rank=0)
+    rows = read_progress(path)
+    assert [x.event for x in rows] == ["start", "final"] and rows[-1].param_hash == "f00d" and rows[-1].step == 7
+    path.unlink()
+    with pytest.raises(SlotConflict):  # a restart would meet it again: the launcher is told to stop
+        run(monkeypatch, body_error=SlotConflict("two replicas train slot 1"), rank=0)
+    assert [x.event for x in read_progress(path)] == ["start", "fatal"]
+    path.unlink()
+    with pytest.raises(ValueError):  # anything else: no fatal line, the launcher restarts the group
+        run(monkeypatch, body_error=ValueError("flaky"), rank=0)
+    assert [x.event for x in read_progress(path)] == ["start"]
