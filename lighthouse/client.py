@@ -119,6 +119,11 @@ class LighthouseClient:
         """Reported with the next heartbeat (informational)."""
         self._step = step
 
+    def set_digest(self, step: int, digest: str) -> None:
+        """The replica's state digest (hex) before ``step``, reported with the next heartbeats (informational: the
+        lighthouse's status shows whether the replicas agree)."""
+        self.aio.digest = (step, digest)
+
     @property
     def epoch(self) -> EpochView | None:
         with self._cond:

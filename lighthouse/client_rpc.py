@@ -126,6 +126,8 @@ class LighthouseRpc:
         self.incarnation = incarnation or uuid.uuid4().hex[:16]
         self.rpc_timeout_s = rpc_timeout_s
         self.heartbeat_interval_s = 0.5
+        self.digest: tuple[int, str] = (0, "")
+        """(step, hex digest) of the replica's latest state digest, sent with every heartbeat (informational)."""
         self.role = ""
         self.in_data_plane = False
         """A joiner: the lighthouse accepted its Ready(JOINING)."""
@@ -225,8 +227,11 @@ class LighthouseRpc:
                             finished=resp.finished, finished_step=resp.finished_step)
 
     async def heartbeat(self, step: int = 0, epoch: int = 0) -> int:
+        """One heartbeat, with the step, the epoch and the latest state digest (``digest``)."""
+        digest_step, digest = self.digest
         resp = await self._call("Heartbeat", pb.HeartbeatRequest(
-            job_id=self.job_id, replica_id=self.replica_id, incarnation=self.incarnation, step=step, epoch=epoch))
+            job_id=self.job_id, replica_id=self.replica_id, incarnation=self.incarnation, step=step, epoch=epoch,
+            digest_step=digest_step, digest=digest))
         assert isinstance(resp, pb.HeartbeatResponse)
         self.heartbeats += 1
         return resp.epoch

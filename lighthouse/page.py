@@ -31,16 +31,19 @@ def _fallback(status: dict[str, Any]) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(str(x['replica_id']))}</td><td>{html.escape(str(x['role']))}</td>"
         f"<td>{'yes' if x.get('in_epoch') else 'no'}</td><td>{int(x.get('step', 0))}</td>"
-        f"<td>{float(x.get('last_heartbeat_age_s', 0)):.2f}</td></tr>"
-        for x in status.get("members", []))
+        f"<td>{float(x.get('last_heartbeat_age_s', 0)):.2f}</td><td>{html.escape(str(x.get('digest') or '-'))}</td>"
+        "</tr>" for x in status.get("members", []))
     hist = "".join(
         f"<tr><td>{int(e['epoch'])}</td><td>{time.strftime('%H:%M:%S', time.localtime(e['time']))}</td>"
         f"<td>{len(e.get('members', []))}</td><td>{html.escape(str(e.get('reason', '')))}</td></tr>"
         for e in reversed(status.get("history", [])))
     finished = status.get("finished_step")
+    agreement = status.get("agreement")
     return (f"<p>job {html.escape(str(status.get('job', '')))} · epoch {int(status.get('epoch', 0))}"
-            + (f" · job finished at step {int(finished)}" if finished is not None else "") + "</p>"
-            "<table><tr><th>replica</th><th>role</th><th>in epoch</th><th>step</th><th>heartbeat age (s)</th></tr>"
+            + (f" · job finished at step {int(finished)}" if finished is not None else "")
+            + (f" · state: {html.escape(str(agreement.get('text', '')))}" if agreement else "") + "</p>"
+            "<table><tr><th>replica</th><th>role</th><th>in epoch</th><th>step</th><th>heartbeat age (s)</th>"
+            "<th>state digest</th></tr>"
             f"{rows}</table><table><tr><th>epoch</th><th>time</th><th>members</th><th>reason</th></tr>{hist}</table>")
 
 
@@ -50,6 +53,7 @@ body{font-family:system-ui,sans-serif;margin:24px;color:var(--ink);background:#f
 h1{font-size:22px;margin:0 0 8px}h2{font-size:17px;margin:24px 0 8px}
 .summary span{display:inline-block;margin-right:18px}.summary b{font-size:18px}
 .stale{color:var(--failure)}.muted{color:#757575;font-size:12px}
+.digest{font-family:monospace;font-size:12px}.digest.differ{color:var(--failure);font-weight:bold}
 table{border-collapse:collapse}td,th{border:1px solid #cfd8dc;padding:3px 9px;text-align:left;font-size:13px}
 th{background:#eceff1}
 .role{display:inline-block;padding:1px 8px;border-radius:9px;color:#fff;font-size:12px}
@@ -105,6 +109,9 @@ _SCRIPT = r"""
     if (s.finished_step !== null && s.finished_step !== undefined) {
       item("job finished at step", s.finished_step, "finished");
     }
+    var a = s.agreement;
+    item("state", a ? (a.agree ? "agree" : "DIFFER (" + a.differ.join(", ") + ")") + " at step " + a.step
+                    : "not compared yet", "agreement");
     item("leader", s.leader ? "this lighthouse"
                             : ("no" + (s.leader_address ? " (leader: " + s.leader_address + ")" : "")), "leader");
     var upd = el("span", {"class": "muted", "id": "updated"},
@@ -114,10 +121,14 @@ _SCRIPT = r"""
   }
   function members(s) {
     var t = el("table", {"id": "members"});
-    t.appendChild(row(["replica", "role", "in epoch", "step", "heartbeat age (s)", "incarnation"], true));
+    t.appendChild(row(["replica", "role", "in epoch", "step", "heartbeat age (s)", "incarnation",
+                       "state digest (step)"], true));
+    var differ = (s.agreement && s.agreement.differ) || [];
     (s.members || []).forEach(function (x) {
+      var dg = el("span", {"class": "digest" + (differ.indexOf(x.replica_id) >= 0 ? " differ" : "")},
+                  x.digest ? x.digest + " (" + x.digest_step + ")" : "-");
       var tr = row([x.replica_id, el("span", {"class": "role " + x.role}, x.role), x.in_epoch ? "yes" : "no",
-                    x.step, Number(x.last_heartbeat_age_s).toFixed(2), String(x.incarnation || "").slice(0, 12)]);
+                    x.step, Number(x.last_heartbeat_age_s).toFixed(2), String(x.incarnation || "").slice(0, 12), dg]);
       tr.setAttribute("data-replica", x.replica_id);
       tr.setAttribute("data-role", x.role);
       if (x.last_heartbeat_age_s > (s.heartbeat_timeout_s || 1e9) / 2) { tr.className = "stale"; }

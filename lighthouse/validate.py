@@ -18,6 +18,11 @@ MAX_MESSAGE_BYTES = 64 * 1024
 """Largest request the server accepts; larger ones get RESOURCE_EXHAUSTED before any handler runs."""
 
 
+def check_digest(value: str) -> bool:
+    """Whether a heartbeat's state digest is well formed: 1 to 64 hexadecimal digits."""
+    return 0 < len(value) <= 64 and all(c in "0123456789abcdefABCDEF" for c in value)
+
+
 def check_id(field: str, value: str) -> str:
     """``value`` if it is a valid identifier (job, replica, incarnation)."""
     if not value:

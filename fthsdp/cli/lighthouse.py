@@ -96,10 +96,13 @@ def cmd_status(a: argparse.Namespace) -> None:
     print(f"job {status['job']}  epoch {status['epoch']}  leader {'yes' if status['leader'] else 'no'}  "
           f"members {len(status['members'])}  min_replicas {status['min_replicas']}"
           + (f"  (leader at {status['leader_address'] or 'unknown'})" if not status["leader"] else ""))
-    print(f"{'REPLICA':<24} {'ROLE':<8} {'IN EPOCH':<8} {'STEP':>8} {'HB AGE (s)':>10}")
+    print(f"{'REPLICA':<24} {'ROLE':<8} {'IN EPOCH':<8} {'STEP':>8} {'HB AGE (s)':>10}  DIGEST (STEP)")
     for x in status["members"]:
+        digest = f"{x['digest']} ({x['digest_step']})" if x.get("digest") else "-"
         print(f"{x['replica_id']:<24} {x['role']:<8} {'yes' if x['in_epoch'] else 'no':<8} {x['step']:>8} "
-              f"{x['last_heartbeat_age_s']:>10.2f}")
+              f"{x['last_heartbeat_age_s']:>10.2f}  {digest}")
+    agreement = status.get("agreement")
+    print("state: " + (agreement["text"] if agreement else "not compared yet (no step has two digests)"))
     if status["history"]:
         print("\nrecent epochs:")
         for h in status["history"][-a.history:]:

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 
 class StatusView:
-    """Prints the members' steps and roles (the lighthouse's ``/status``) when they change, at most once a second."""
+    """Prints the members' steps and roles, and whether their state digests agree (the lighthouse's ``/status``),
+    when they change, at most once a second."""
 
     def __init__(self, period_s: float = 1.0) -> None:
         self.period_s, self.last, self.shown, self.t0 = period_s, 0.0, "", time.time()
@@ -39,7 +40,9 @@ class StatusView:
             return
         cells = [f"{m['replica_id']}: step {m['step']} {m['role']}" for m in status.get("members", [])]
         down = [f"r{g.index}: DOWN" for g in cluster.groups if g.restart_at is not None]
-        line = f"epoch {status.get('epoch')} | " + " | ".join(cells + down)
+        agreement = status.get("agreement")
+        line = f"epoch {status.get('epoch')} | " + " | ".join(cells + down) + \
+            (f" | state: {agreement['text']}" if agreement else "")
         if line != self.shown:
             self.shown = line
             print(f"[{now - self.t0:6.1f}s] {line}", flush=True)

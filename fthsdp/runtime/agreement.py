@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,8 +26,11 @@ from fthsdp.runtime.state import ShardState, replica_hash
 class DigestCheck:
     """One rank's side of the periodic digest check."""
 
-    def __init__(self, every: int, slot: int, log: LogFn) -> None:
+    def __init__(self, every: int, slot: int, log: LogFn,
+                 on_digest: Callable[[int, str], None] = lambda step, digest: None) -> None:
         self.every, self.slot, self.log = every, slot, log
+        self.on_digest = on_digest
+        """Told each digest computed (the step, the 64 compared bits in hex): the lighthouse shows them."""
         self.last_cost_s = 0.0
         """How long the last digest took to compute (hash and all-gather)."""
 
@@ -40,6 +43,7 @@ class DigestCheck:
         t0 = time.perf_counter()
         out = bytes.fromhex(replica_hash(shards.digest(cursors), world_size, device))
         self.last_cost_s = time.perf_counter() - t0
+        self.on_digest(step, out[:8].hex())  # the 64 bits the replicas compare
         return out
 
     def check(self, step: int, results: Sequence[ExchangeResult]) -> tuple[int, ...]:

@@ -81,7 +81,7 @@ class Replica:
         self._lr_factor = 1.0
         self.state = TrainerState()
         """The optimizer's param groups and the registered objects: they travel and are digested with the tensors."""
-        self.check = DigestCheck(cfg.digest_every, self.slot, self._log)
+        self.check = DigestCheck(cfg.digest_every, self.slot, self._log, lambda s, d: self.client.set_digest(s, d))
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, host=cfg.host,
                                     snapshot=lambda: self._parts()[0].snapshot(self.cursors),

@@ -186,7 +186,7 @@ class Lighthouse:
                 state = state_from_doc(doc, now)
             except StoreUnavailable:
                 pass
-        return status.build(job.job_id, state, last_seen=job.last_seen, steps=job.steps,
+        return status.build(job.job_id, state, last_seen=job.last_seen, steps=job.steps, digests=job.digests,
                             rendezvous=job.epoch_pb.rendezvous, policy=self.policy,
                             leader=self.leadership.view(), now=now)
 

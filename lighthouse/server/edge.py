@@ -55,6 +55,7 @@ class Edge:
             for rid in before.members.keys() - out.state.members.keys():
                 job.last_seen.pop(rid, None)
                 job.steps.pop(rid, None)
+                job.digests.pop(rid, None)
         if new_epoch is not None:
             self._publish(job, new_epoch)
         elif out.events:

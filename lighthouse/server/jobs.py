@@ -42,6 +42,8 @@ class Job:
         self.last_seen: dict[str, float] = {rid: seen_at for rid in state.members}
         self.steps: dict[str, int] = {}
         """replica id -> the step it reported with its last heartbeat (informational)."""
+        self.digests: dict[str, tuple[int, str]] = {}
+        """replica id -> (step, state digest) of the latest digest its heartbeats carried (informational)."""
         self.set_epoch(state.epoch)
 
     def set_epoch(self, epoch: Epoch | None) -> None:

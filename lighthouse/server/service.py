@@ -20,7 +20,7 @@ from lighthouse.server.edge import Edge
 from lighthouse.server.jobs import Job, clock
 from lighthouse.server.leadership import Leadership
 from lighthouse.v1 import lighthouse_pb2 as pb
-from lighthouse.validate import check_epoch, check_id, check_shard_count, check_text
+from lighthouse.validate import check_digest, check_epoch, check_id, check_shard_count, check_text
 
 SERVICE = "fthsdp.v1.Lighthouse"
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
@@ -138,8 +138,12 @@ class LighthouseService:
         if (rej := m.check_incarnation(job.state, req.replica_id, req.incarnation)) is not None:
             check_id("replica_id", req.replica_id)
             await self._refuse(rej, context, "Heartbeat")
+        if req.digest and not check_digest(req.digest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "digest: at most 64 hexadecimal digits")
         job.last_seen[req.replica_id] = clock()
         job.steps[req.replica_id] = req.step
+        if req.digest:
+            job.digests[req.replica_id] = (req.digest_step, req.digest)
         self.metrics.heartbeats.inc()
         return pb.HeartbeatResponse(epoch=job.number)
 
@@ -219,7 +223,7 @@ class LighthouseService:
 
     async def Status(self, req: pb.StatusRequest, context: Context) -> pb.StatusResponse:
         job = await self._job(req.job_id, context, "Status")
-        view = status.build(job.job_id, job.state, last_seen=job.last_seen, steps=job.steps,
+        view = status.build(job.job_id, job.state, last_seen=job.last_seen, steps=job.steps, digests=job.digests,
                             rendezvous=job.epoch_pb.rendezvous, policy=self.policy,
                             leader=self.leadership.view(), now=clock())
         return status.to_pb(view, job.epoch_pb)

@@ -3,6 +3,7 @@ what the page at ``/`` draws. Built from the job's state by a pure function, the
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,9 @@ class MemberRow:
     in_epoch: bool
     last_heartbeat_age_s: float
     step: int
+    digest_step: int = 0
+    digest: str = ""
+    """The latest state digest its heartbeats carried (empty: none) and the step it was taken before."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,48 @@ class StatusView:
     history: tuple[HistoryRow, ...]
     finished_step: int | None = None
     """The job completed at this step (``State.finished_step``); None: not finished."""
+    agreement: Agreement | None = None
+    """Whether the members' state digests agree (``agreement``); None: no step has two digests yet."""
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The members' state digests at the newest step at least two of them reported one for."""
+
+    step: int
+    digests: tuple[tuple[str, str], ...]
+    """(replica id, digest) of the members that reported one for ``step``."""
+
+    @property
+    def agree(self) -> bool:
+        return len({d for _, d in self.digests}) == 1
+
+    @property
+    def differ(self) -> tuple[str, ...]:
+        """The members whose digest is not the most common one (all of them when none is held by a majority)."""
+        counts = Counter(d for _, d in self.digests)
+        value, n = counts.most_common(1)[0]
+        if 2 * n > len(self.digests):
+            return tuple(rid for rid, d in self.digests if d != value)
+        return tuple(rid for rid, _ in self.digests)
+
+    def text(self) -> str:
+        if self.agree:
+            return f"agree at step {self.step} ({len(self.digests)} replicas)"
+        return f"differ at step {self.step}: " + ", ".join(f"{rid} {d}" for rid, d in self.digests)
+
+
+def agreement(digests: dict[str, tuple[int, str]]) -> Agreement | None:
+    """Compare the members' latest digests: at the newest step that at least two of them reported one for (a
+    replica's heartbeat carries only its latest, so members a digest apart are not compared)."""
+    by_step: dict[int, list[tuple[str, str]]] = {}
+    for rid, (step, digest) in digests.items():
+        by_step.setdefault(step, []).append((rid, digest))
+    steps = [s for s, rows in by_step.items() if len(rows) >= 2]
+    if not steps:
+        return None
+    step = max(steps)
+    return Agreement(step, tuple(sorted(by_step[step])))
 
 
 @dataclass(frozen=True)
@@ -61,20 +107,23 @@ class Leader:
 
 
 def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict[str, int], rendezvous: str,
-          policy: Policy, leader: Leader, now: float) -> StatusView:
+          policy: Policy, leader: Leader, now: float, digests: dict[str, tuple[int, str]] | None = None) -> StatusView:
     """The status of a job in ``state``, with its liveness as of ``now``."""
     in_epoch = set(state.epoch.replica_ids() if state.epoch else ())
+    digests = {rid: d for rid, d in (digests or {}).items() if rid in state.members}
     return StatusView(
         job=job_id, leader=leader.leading, leader_address=leader.leader_address, address=leader.address,
         epoch=state.epoch.number if state.epoch is not None else 0, rendezvous=rendezvous,
         min_replicas=policy.min_replicas, heartbeat_timeout_s=policy.heartbeat_timeout_s,
         members=tuple(
             MemberRow(x.replica_id, x.incarnation, x.role, x.replica_id in in_epoch,
-                      max(0.0, now - last_seen.get(x.replica_id, x.registered_at)), steps.get(x.replica_id, 0))
+                      max(0.0, now - last_seen.get(x.replica_id, x.registered_at)), steps.get(x.replica_id, 0),
+                      *digests.get(x.replica_id, (0, "")))
             for x in sorted(state.members.values(), key=lambda x: x.replica_id)),
         history=tuple(HistoryRow(e.number, e.created_at, e.reason, e.replica_ids(), tuple(replica_kinds(e.events)))
                       for e in state.history[-STATUS_HISTORY:]),
         finished_step=state.finished_step,
+        agreement=agreement(digests),
     )
 
 
@@ -91,7 +140,8 @@ def to_json(view: StatusView) -> dict[str, Any]:
         "heartbeat_timeout_s": view.heartbeat_timeout_s,
         "members": [
             {"replica_id": x.replica_id, "incarnation": x.incarnation, "role": x.role, "in_epoch": x.in_epoch,
-             "last_heartbeat_age_s": round(x.last_heartbeat_age_s, 3), "step": x.step}
+             "last_heartbeat_age_s": round(x.last_heartbeat_age_s, 3), "step": x.step,
+             "digest_step": x.digest_step, "digest": x.digest}
             for x in view.members
         ],
         "history": [
@@ -100,6 +150,9 @@ def to_json(view: StatusView) -> dict[str, Any]:
             for e in view.history
         ],
         "finished_step": view.finished_step,
+        "agreement": None if view.agreement is None else {
+            "step": view.agreement.step, "agree": view.agreement.agree, "differ": list(view.agreement.differ),
+            "digests": dict(view.agreement.digests), "text": view.agreement.text()},
     }
 
 
@@ -108,7 +161,8 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
     return pb.StatusResponse(
         epoch=epoch,
         members=[pb.MemberStatus(replica_id=x.replica_id, incarnation=x.incarnation, role=ROLE_TO_PB[x.role],
-                                 in_epoch=x.in_epoch, last_heartbeat_age_s=x.last_heartbeat_age_s, step=x.step)
+                                 in_epoch=x.in_epoch, last_heartbeat_age_s=x.last_heartbeat_age_s, step=x.step,
+                                 digest_step=x.digest_step, digest=x.digest)
                  for x in view.members],
         history=[pb.HistoryEntry(epoch=e.epoch, created_unix=e.time, reason=e.reason, members=list(e.members),
                                  events=[pb.ReplicaEvent(replica_id=rid, kind=kind) for rid, kind in e.events])
@@ -116,4 +170,5 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
         leader=view.leader,
         finished=view.finished_step is not None,
         finished_step=view.finished_step or 0,
+        agreement="" if view.agreement is None else view.agreement.text(),
     )

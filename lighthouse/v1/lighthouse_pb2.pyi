@@ -97,18 +97,22 @@ class RegisterResponse(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., epoch: _Optional[_Union[Epoch, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., resume: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job_id", "replica_id", "incarnation", "step", "epoch")
+    __slots__ = ("job_id", "replica_id", "incarnation", "step", "epoch", "digest_step", "digest")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica_id: str
     incarnation: str
     step: int
     epoch: int
-    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    digest_step: int
+    digest: str
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("epoch",)
@@ -201,20 +205,24 @@ class StatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
-    __slots__ = ("replica_id", "incarnation", "role", "in_epoch", "last_heartbeat_age_s", "step")
+    __slots__ = ("replica_id", "incarnation", "role", "in_epoch", "last_heartbeat_age_s", "step", "digest_step", "digest")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     IN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     incarnation: str
     role: Role
     in_epoch: bool
     last_heartbeat_age_s: float
     step: int
-    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., in_epoch: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
+    digest_step: int
+    digest: str
+    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., in_epoch: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class ReplicaEvent(_message.Message):
     __slots__ = ("replica_id", "kind")
@@ -239,20 +247,22 @@ class HistoryEntry(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("epoch", "members", "history", "leader", "finished", "finished_step")
+    __slots__ = ("epoch", "members", "history", "leader", "finished", "finished_step", "agreement")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_STEP_FIELD_NUMBER: _ClassVar[int]
+    AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     epoch: Epoch
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     history: _containers.RepeatedCompositeFieldContainer[HistoryEntry]
     leader: bool
     finished: bool
     finished_step: int
-    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ...) -> None: ...
+    agreement: str
+    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., agreement: _Optional[str] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("job_id", "namespace", "keys", "value", "expected", "amount", "timeout_s")

@@ -15,7 +15,7 @@ import grpc
 from fthsdp.testing.procutil import stop_process, wait_for_file
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
-from tests.helpers.lighthouse import JOB, register, status
+from tests.helpers.lighthouse import JOB, heartbeat, register, status
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -43,11 +43,24 @@ def test_cli_lighthouse_serves_status_and_stops_cleanly_on_sigterm(tmp_path: pat
             watch = stub.Watch(pb.WatchRequest(job_id=JOB), timeout=30)
             assert next(watch).number == 1
 
-            out = subprocess.run([sys.executable, "-m", "fthsdp", "status", "--http", f"127.0.0.1:{ports['http']}"],
-                                 cwd=ROOT, capture_output=True, text=True, timeout=60)
-            assert out.returncode == 0, out.stderr
-            assert "REPLICA" in out.stdout and "HB AGE" in out.stdout
-            assert re.search(r"^cli-replica\s+active\s+yes\s+0\s+\d+\.\d\d$", out.stdout, re.M), out.stdout
+            def fthsdp_status() -> str:
+                out = subprocess.run([sys.executable, "-m", "fthsdp", "status", "--http",
+                                      f"127.0.0.1:{ports['http']}"], cwd=ROOT, capture_output=True, text=True,
+                                     timeout=60)
+                assert out.returncode == 0, out.stderr
+                return out.stdout
+
+            text = fthsdp_status()
+            assert "REPLICA" in text and "HB AGE" in text
+            assert re.search(r"^cli-replica\s+active\s+yes\s+0\s+\d+\.\d\d  -$", text, re.M), text
+            assert "state: not compared yet" in text
+            # The replicas' state digests and whether they agree (heartbeats carry them).
+            other = register(stub, "cli-replica-2")
+            heartbeat(stub, "cli-replica", r.incarnation, step=5, digest=(4, "00ff00ff00ff00ff"))
+            heartbeat(stub, "cli-replica-2", other.incarnation, step=5, digest=(4, "00ff00ff00ff00ff"))
+            text = fthsdp_status()
+            assert re.search(r"^cli-replica\s+active\s+yes\s+5\s+\d+\.\d\d  00ff00ff00ff00ff \(4\)$", text, re.M), text
+            assert "state: agree at step 4 (2 replicas)" in text
 
             started = time.monotonic()
             code = stop_process(proc, timeout=15)

@@ -30,6 +30,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # process hosts the lighthouse and the emulator) does not make the live ones miss it.
 POLICY = m.Policy(min_replicas=1, heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0, confirm_age_s=0.6,
                   expected_replicas=3)
+DIGESTS = {"page-00000": "00aa00aa00aa00aa", "page-00001": "00aa00aa00aa00aa", "page-00002": "ff00ff00ff00ff00"}
 # The page's colours (lighthouse/page.py :root) that the screenshot must contain.
 ACTIVE, FAILURE, REJOIN = (0x2E, 0x7D, 0x32), (0xC6, 0x28, 0x28), (0x15, 0x65, 0xC0)
 
@@ -83,6 +84,12 @@ def cluster() -> Iterator[ServerThread]:
         lt.run(make(2, slice(1, 2)))  # page-00001 again: a new incarnation, joining
         wait_until(_history_has(server, "replica page-00001 caught up, now active"), timeout=15,
                    what="page-00001 rejoined and active")
+        # State digests with the heartbeats: page-00002's differs from the other two's at step 40.
+        live = {r.client.replica_id: r for emu in emus for r in emu.replicas if not r.stop.is_set()}
+        for rid, digest in DIGESTS.items():
+            live[rid].client.digest = (40, digest)
+        wait_until(lambda: (_get_status(server).get("agreement") or {}).get("differ") == ["page-00002"],
+                   timeout=15, what="the digests at the lighthouse")
         yield server
     finally:
         for emu in emus:
@@ -132,6 +139,12 @@ def test_live_page_in_chromium(cluster: ServerThread, tmp_path: pathlib.Path) ->
     assert f'data-epoch="{dead}" data-kind="failure"' in row.group(1)
     assert f'data-epoch="{back}" data-kind="rejoin"' in row.group(1)
     assert dead < back
+    # Each replica's state digest, and whether they agree: page-00002's is drawn as the one that differs.
+    assert re.search(r'id="agreement">DIFFER \(page-00002\) at step 40<', dom), "agreement not drawn"
+    for rid, digest in DIGESTS.items():
+        cls = "digest differ" if rid == "page-00002" else "digest"
+        assert re.search(rf'<tr data-replica="{rid}" data-role="\w+">.*?<span class="{cls}">{digest} \(40\)</span>',
+                         dom), (rid, digest)
 
 
 def _colours(png: pathlib.Path) -> tuple[Any, int]:

@@ -69,3 +69,4 @@ def test_fthsdp_run_trains_a_user_script_through_a_kill(tmp_path: pathlib.Path) 
     assert len(after) > 20, f"the restarted replica logged {len(after)} steps after the kill"
     assert all(lr1[s] == lr0[s] for s in after), {s: (lr0[s], lr1[s]) for s in after if lr1[s] != lr0[s]}
     assert "replica-1: step" in proc.stdout  # live progress from the lighthouse
+    assert "state: agree at step" in proc.stdout and "differ" not in proc.stdout  # the digests, as it sees them

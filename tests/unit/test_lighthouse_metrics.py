@@ -54,13 +54,16 @@ def test_the_bootstrap_epoch_counts_no_events() -> None:
 def test_status_view_lists_every_event_for_grpc_and_http_alike() -> None:
     state = _burst()
     view = status.build("job", state, last_seen={"r0000": 4.9}, steps={"r0000": 7}, rendezvous="",
-                        policy=m.Policy(), leader=status.Leader(True, "lh:1", "lh:1"), now=5.0)
+                        policy=m.Policy(), leader=status.Leader(True, "lh:1", "lh:1"), now=5.0,
+                        digests={"r0000": (5, "00ff00ff00ff00ff"), "gone": (5, "00ff00ff00ff00ff")})
     doc = status.to_json(view)
+    assert doc["agreement"] is None  # one member's digest (a non-member's is not counted): nothing to compare
     assert [h["epoch"] for h in doc["history"]] == [1, 2]
     assert doc["history"][0]["events"] == [{"replica_id": f"r{N:04d}", "kind": "join"}]  # the last to register
     assert doc["history"][1]["events"] == [{"replica_id": f"r{i:04d}", "kind": "failure"} for i in range(1, N + 1)]
     assert doc["members"] == [{"replica_id": "r0000", "incarnation": "i0", "role": "active", "in_epoch": True,
-                               "last_heartbeat_age_s": 0.1, "step": 7}]
+                               "last_heartbeat_age_s": 0.1, "step": 7, "digest_step": 5,
+                               "digest": "00ff00ff00ff00ff"}]
     from lighthouse.v1 import lighthouse_pb2 as pb
 
     answer = status.to_pb(view, pb.Epoch(job_id="job", number=2))
@@ -69,3 +72,16 @@ def test_status_view_lists_every_event_for_grpc_and_http_alike() -> None:
         [(h["epoch"], h["reason"], h["members"], [(x["replica_id"], x["kind"]) for x in h["events"]])
          for h in doc["history"]]
     assert [(x.replica_id, x.step, x.in_epoch) for x in answer.members] == [("r0000", 7, True)] and answer.leader
+    assert [(x.digest_step, x.digest) for x in answer.members] == [(5, "00ff00ff00ff00ff")] and answer.agreement == ""
+
+
+def test_agreement_compares_the_newest_step_two_members_digested() -> None:
+    assert status.agreement({}) is None and status.agreement({"a": (10, "x1")}) is None
+    assert status.agreement({"a": (10, "x1"), "b": (20, "x2")}) is None  # a digest apart: not compared
+    same = status.agreement({"a": (20, "d1"), "b": (20, "d1"), "c": (10, "d0")})
+    assert same is not None and same.agree and same.step == 20 and same.differ == ()
+    assert same.text() == "agree at step 20 (2 replicas)"
+    odd = status.agreement({"a": (30, "d1"), "b": (30, "d9"), "c": (30, "d1"), "d": (20, "d1")})
+    assert odd is not None and not odd.agree and odd.differ == ("b",) and "differ at step 30" in odd.text()
+    split = status.agreement({"a": (30, "d1"), "b": (30, "d9")})
+    assert split is not None and split.differ == ("a", "b")  # no majority: nobody can tell which is right

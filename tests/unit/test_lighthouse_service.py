@@ -403,6 +403,18 @@ def test_heartbeat_refusals(pair: Any) -> None:
     assert heartbeat(stub, "a", incs["a"]).epoch == 1
 
 
+@pytest.mark.parametrize("digest", ["xyz", "0" * 65, "12 4"])
+def test_a_malformed_digest_is_invalid_argument_and_changes_nothing(pair: Any, digest: str) -> None:
+    s, stub, incs = pair
+    heartbeat(stub, "a", incs["a"], digest=(10, "00aa"))
+    before = json.loads(http_get(s.http, "/status")[2])["members"]
+    code, detail = details_of(lambda: heartbeat(stub, "a", incs["a"], step=99, digest=(20, digest)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "digest" in detail
+    after = json.loads(http_get(s.http, "/status")[2])["members"]
+    assert [(x["step"], x["digest_step"], x["digest"]) for x in after] == \
+        [(x["step"], x["digest_step"], x["digest"]) for x in before]
+
+
 def test_report_refusals(pair: Any) -> None:
     s, stub, incs = pair
     c = register(stub, "c")
@@ -510,7 +522,8 @@ def test_refusals_are_counted_in_metrics(pair: Any) -> None:
 
 def test_http_status_metrics_and_page(pair: Any) -> None:
     s, stub, incs = pair
-    heartbeat(stub, "a", incs["a"], step=42)
+    heartbeat(stub, "a", incs["a"], step=42, digest=(40, "00ff00ff00ff00ff"))
+    heartbeat(stub, "b", incs["b"], step=41, digest=(40, "00ff00ff00ff00ff"))
     code, ctype, body = http_get(s.http, "/status")
     assert code == 200 and ctype.startswith("application/json")
     doc = json.loads(body)
@@ -518,6 +531,9 @@ def test_http_status_metrics_and_page(pair: Any) -> None:
     assert [(x["replica_id"], x["role"]) for x in doc["members"]] == [("a", "active"), ("b", "active")]
     a = doc["members"][0]
     assert a["step"] == 42 and a["in_epoch"] is True
+    assert (a["digest_step"], a["digest"]) == (40, "00ff00ff00ff00ff")
+    assert doc["agreement"]["agree"] is True and doc["agreement"]["step"] == 40
+    assert status(stub).agreement == "agree at step 40 (2 replicas)"
     assert isinstance(a["last_heartbeat_age_s"], float) and 0 <= a["last_heartbeat_age_s"] < 30
     assert len(doc["history"]) == 1
     h = doc["history"][0]
