@@ -229,7 +229,8 @@ class LaneEngine:
                 return self._run_collective(group, req, epoch, attempt)
             except Misaligned as e:
                 self._state.misaligned(epoch.number, e)
-                self._log(logging.WARNING, epoch.number, req.tag, "members behind (%s); waiting for next epoch", e)
+                self._log(logging.WARNING, epoch.number, req.tag, "members behind (lowest %s, highest %s); waiting "
+                          "for the next epoch", self.tag_label(e.lowest), self.tag_label(e.highest))
                 self._drop_group()
             except Abandoned:
                 self._log(logging.INFO, epoch.number, req.tag, "newer epoch pushed mid-exchange")
@@ -342,9 +343,9 @@ class LaneEngine:
             self._bcast(group, epoch, flat, holder)
         if not mine and tag is not None and tag < highest:
             self._served = {t: h for t, h in layout.split(flats).items() if t >= tag}
-            self._log(logging.WARNING, epoch.number, tag, "behind the others: served the results of tags %d..%d "
-                      "(computed in epoch %s) by rank %d", min(self._served), highest - 1,
-                      sorted({h.epoch for h in self._served.values()}), holder)
+            self._log(logging.WARNING, epoch.number, tag, "behind the others: served the results of %s to %s "
+                      "(computed in epoch %s) by rank %d", self.tag_label(min(self._served)),
+                      self.tag_label(highest - 1), sorted({h.epoch for h in self._served.values()}), holder)
 
     def _take_served(self, req: Request, attempt: int) -> ExchangeResult:
         """A served result as the result of ``req`` (in the epoch it was computed in)."""

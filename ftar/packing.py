@@ -1,5 +1,5 @@
-"""Packing of an exchange's tensors for the data plane (docs/design.md §5): one flat buffer per dtype, the last
-float one ending with the trailer (the contributor count and the tag proof), and back.
+"""Packing of an exchange's tensors for the data plane (docs/design.md §5): one flat buffer per dtype, the first
+float one whose sums stay exact ending with the trailer (the contributor count and the tag proof), and back.
 
 The collective runs on a private staging buffer, so a failed attempt leaves the caller's tensors intact; only a
 ``direct`` exchange (``keep_inputs=False``) reduces the tensors where they lie.
@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ftar.rules import PROOF_MAX
 
 CARRIER_EXACT = {torch.float32: 2**24, torch.float64: 2**53}
 """Dtypes whose buffer can carry the trailer (the contributor count and the tag proof) in extra elements, with the
@@ -65,7 +67,7 @@ class Packed:
 
 
 def pack(tensors: Sequence[torch.Tensor], *, contribute: bool, keep_inputs: bool, staging: Staging,
-         proof: Sequence[int], world: int) -> Packed:
+         proof: Sequence[int], world: int, proof_max: int = PROOF_MAX) -> Packed:
     """Lay ``tensors`` out for one all-reduce among ``world`` members, with the trailer: the contributor count (1,
     or 0 for a non-contributor, which sends zeros) and ``proof`` (``ftar.rules.tag_proof``; every value at most
     ``ftar.rules.PROOF_MAX``). With ``keep_inputs=False``, when every dtype has a single contiguous tensor, the
@@ -79,7 +81,7 @@ def pack(tensors: Sequence[torch.Tensor], *, contribute: bool, keep_inputs: bool
     if direct:
         flats = [(tensors[idx[0]].view(-1), idx) for idx in groups.values()]
         return Packed(flats, _separate(trailer, staging.device), True, True)
-    bound = world * max(trailer)
+    bound = world * max(1, proof_max)  # the same choice on every member, whatever its own tag
     carrier = next((d for d in groups if d in CARRIER_EXACT and bound < CARRIER_EXACT[d]), None)
     flats = []
     tail: torch.Tensor | None = None

@@ -8,6 +8,7 @@ the time and what the data plane did, and acts on what they decide.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -263,8 +264,9 @@ def proof_holds(tag: int, summed: Sequence[float], world: int) -> bool:
     """Whether every one of the ``world`` members exchanged ``tag``, from the summed ``tag_proof``s: per digit the
     sums are ``world * d`` and ``world * d**2`` exactly when every member sent ``d`` (equality in
     Cauchy-Schwarz), so the digits, hence the tags, all agree."""
-    return [int(x) for x in summed] == [world * v for v in tag_proof(tag)] and all(float(x).is_integer()
-                                                                                   for x in summed)
+    if not all(math.isfinite(x) and float(x).is_integer() for x in summed):
+        return False  # not even integers: members summed other data into it (out of step)
+    return [int(x) for x in summed] == [world * v for v in tag_proof(tag)]
 
 
 # --- blame ------------------------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     try:
         config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, command=(str(script), *a.args),
                                kills=tuple(Kill.parse(k) for k in a.kill or []), restart_delay_s=a.restart_delay,
-                               max_restarts=a.max_restarts, timeout_s=a.timeout, final_checkpoint=False)
+                               max_restarts=a.max_restarts, timeout_s=a.timeout)
         print(f"fthsdp run: {a.replicas} replica groups x {a.ranks} ranks of {script} {' '.join(a.args)}; logs in "
               f"{workdir}", flush=True)
         cluster = Cluster(config, workdir, on_tick=StatusView())

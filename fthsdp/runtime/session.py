@@ -10,7 +10,7 @@ hand, so that a training script handles no fthsdp exception itself.
 
 Under a launcher (``FTHSDP_PROGRESS`` set: ``fthsdp run``, ``fthsdp demo``) it also writes the lines the launcher
 supervises by: ``start``, ``final`` with the replica's state hash (all ranks compute it, rank 0 writes it) at the
-block's end, ``job_finished``, and ``fatal`` from whichever rank one of the ``FATAL`` errors ends.
+block's end, ``job_finished``, and ``fatal`` from whichever rank one of the ``FATAL*`` errors ends.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 from fthsdp.runtime.config import ConfigError, RuntimeConfig
 from fthsdp.runtime.errors import (
     EXIT_REJOIN,
+    DigestMismatch,
     JobFinished,
     NoStateToResume,
     RejoinRequired,
@@ -37,9 +38,13 @@ from fthsdp.testing.progress import ProgressRow
 
 log = logging.getLogger("fthsdp.runtime")
 
-FATAL = (ConfigError, NoStateToResume, SlotConflict, StateMismatch)
-"""Errors a restart would meet again: the launcher is told (a ``fatal`` line) and stops the job. Other errors
-propagate without one, and the launcher restarts the group (a bounded number of times)."""
+FATAL_AT_START = (ConfigError, NoStateToResume, StateMismatch)
+"""Errors of ``Replica()`` a restart would meet again (a bad setting, no state to resume, a model that differs
+from the others'): the launcher is told (a ``fatal`` line) and stops the job."""
+FATAL = (SlotConflict, DigestMismatch)
+"""Errors while training that a restart would meet again: two replicas on one slot, states that differ with no
+majority (a ``Diverged`` replica, in the minority, rejoins instead). Other errors propagate without a ``fatal``
+line, and the launcher restarts the group (a bounded number of times), as the example trainer's does."""
 
 
 def _progress(**kv: Any) -> None:
@@ -62,7 +67,7 @@ def training(config: RuntimeConfig | None = None) -> Iterator[Replica]:
         if rank0:
             _progress(event="job_finished", step=e.step, error=str(e))
         sys.exit(0)
-    except FATAL as e:
+    except FATAL_AT_START as e:
         _progress(event="fatal", error=f"{type(e).__name__}: {e}")
         raise
     common = {"replica": ft.slot, "incarnation": ft.incarnation, "mode": "fthsdp"}

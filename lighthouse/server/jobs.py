@@ -42,8 +42,9 @@ class Job:
         self.last_seen: dict[str, float] = {rid: seen_at for rid in state.members}
         self.steps: dict[str, int] = {}
         """replica id -> the step it reported with its last heartbeat (informational)."""
-        self.digests: dict[str, tuple[int, str]] = {}
-        """replica id -> (step, state digest) of the latest digest its heartbeats carried (informational)."""
+        self.digests: dict[str, tuple[str, int, str]] = {}
+        """replica id -> (incarnation, step, state digest) of the latest digest its heartbeats carried
+        (informational; an older incarnation's is not shown)."""
         self.set_epoch(state.epoch)
 
     def set_epoch(self, epoch: Epoch | None) -> None:

@@ -143,7 +143,7 @@ class LighthouseService:
         job.last_seen[req.replica_id] = clock()
         job.steps[req.replica_id] = req.step
         if req.digest:
-            job.digests[req.replica_id] = (req.digest_step, req.digest)
+            job.digests[req.replica_id] = (req.incarnation, req.digest_step, req.digest.lower())
         self.metrics.heartbeats.inc()
         return pb.HeartbeatResponse(epoch=job.number)
 

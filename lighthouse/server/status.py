@@ -86,7 +86,8 @@ class Agreement:
 
 def agreement(digests: dict[str, tuple[int, str]]) -> Agreement | None:
     """Compare the members' latest digests: at the newest step that at least two of them reported one for (a
-    replica's heartbeat carries only its latest, so members a digest apart are not compared)."""
+    replica's heartbeat carries only its latest, so members a digest apart are not compared, and two that differ
+    there with no third are both named: the replicas' own check, on every contributor's digest, tells which)."""
     by_step: dict[int, list[tuple[str, str]]] = {}
     for rid, (step, digest) in digests.items():
         by_step.setdefault(step, []).append((rid, digest))
@@ -107,10 +108,13 @@ class Leader:
 
 
 def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict[str, int], rendezvous: str,
-          policy: Policy, leader: Leader, now: float, digests: dict[str, tuple[int, str]] | None = None) -> StatusView:
-    """The status of a job in ``state``, with its liveness as of ``now``."""
+          policy: Policy, leader: Leader, now: float,
+          digests: dict[str, tuple[str, int, str]] | None = None) -> StatusView:
+    """The status of a job in ``state``, with its liveness as of ``now``. ``digests``: per replica, the
+    (incarnation, step, digest) its heartbeats last carried; only a current member incarnation's count."""
     in_epoch = set(state.epoch.replica_ids() if state.epoch else ())
-    digests = {rid: d for rid, d in (digests or {}).items() if rid in state.members}
+    digests_of = {rid: (step, d) for rid, (inc, step, d) in (digests or {}).items()
+                  if rid in state.members and state.members[rid].incarnation == inc}
     return StatusView(
         job=job_id, leader=leader.leading, leader_address=leader.leader_address, address=leader.address,
         epoch=state.epoch.number if state.epoch is not None else 0, rendezvous=rendezvous,
@@ -118,12 +122,12 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
         members=tuple(
             MemberRow(x.replica_id, x.incarnation, x.role, x.replica_id in in_epoch,
                       max(0.0, now - last_seen.get(x.replica_id, x.registered_at)), steps.get(x.replica_id, 0),
-                      *digests.get(x.replica_id, (0, "")))
+                      *digests_of.get(x.replica_id, (0, "")))
             for x in sorted(state.members.values(), key=lambda x: x.replica_id)),
         history=tuple(HistoryRow(e.number, e.created_at, e.reason, e.replica_ids(), tuple(replica_kinds(e.events)))
                       for e in state.history[-STATUS_HISTORY:]),
         finished_step=state.finished_step,
-        agreement=agreement(digests),
+        agreement=agreement(digests_of),
     )
 
 

@@ -129,3 +129,16 @@ def test_the_trailer_does_not_change_what_is_sent_for_the_data() -> None:
     reduce_sum(packs)
     out = unpack(packs[0], a, op="sum", contributors=2, inplace=False)
     assert torch.equal(out[0], a[0] + b[0]) and packs[0].contributors() == 2 and proof_holds(TAG, packs[0].proof(), 2)
+
+
+def test_where_the_trailer_travels_does_not_depend_on_the_members_own_tag() -> None:
+    world = 2**24 // 9  # a tag with digits of at most 3 alone would fit a float32 sum, one with 15 not
+    small, large = (pack([torch.ones(3)], contribute=True, keep_inputs=True, staging=Staging(CPU),
+                         proof=tag_proof(t), world=world) for t in (0x3333, 0xFFFF))
+    assert small.separate and large.separate and len(small.buffers()) == len(large.buffers())
+
+
+def test_a_proof_summed_with_other_data_is_refused_not_raised() -> None:
+    summed = [float(2 * v) for v in tag_proof(TAG)]
+    for bad in (float("nan"), float("inf"), 1e30):
+        assert not proof_holds(TAG, [bad, *summed[1:]], 2)

@@ -55,9 +55,12 @@ def test_status_view_lists_every_event_for_grpc_and_http_alike() -> None:
     state = _burst()
     view = status.build("job", state, last_seen={"r0000": 4.9}, steps={"r0000": 7}, rendezvous="",
                         policy=m.Policy(), leader=status.Leader(True, "lh:1", "lh:1"), now=5.0,
-                        digests={"r0000": (5, "00ff00ff00ff00ff"), "gone": (5, "00ff00ff00ff00ff")})
+                        digests={"r0000": ("i0", 5, "00ff00ff00ff00ff"), "gone": ("i9", 5, "00ff00ff00ff00ff")})
     doc = status.to_json(view)
     assert doc["agreement"] is None  # one member's digest (a non-member's is not counted): nothing to compare
+    stale = status.build("job", state, last_seen={}, steps={}, rendezvous="", policy=m.Policy(),
+                         leader=status.Leader(True, "lh:1", "lh:1"), now=5.0, digests={"r0000": ("i-old", 5, "aa")})
+    assert stale.members[0].digest == ""  # an earlier incarnation's digest (before a restart) is not shown
     assert [h["epoch"] for h in doc["history"]] == [1, 2]
     assert doc["history"][0]["events"] == [{"replica_id": f"r{N:04d}", "kind": "join"}]  # the last to register
     assert doc["history"][1]["events"] == [{"replica_id": f"r{i:04d}", "kind": "failure"} for i in range(1, N + 1)]

@@ -415,6 +415,14 @@ def test_a_malformed_digest_is_invalid_argument_and_changes_nothing(pair: Any, d
         [(x["step"], x["digest_step"], x["digest"]) for x in before]
 
 
+def test_digests_are_compared_in_one_case(pair: Any) -> None:
+    s, stub, incs = pair
+    heartbeat(stub, "a", incs["a"], digest=(10, "00AA00AA00AA00AA"))
+    heartbeat(stub, "b", incs["b"], digest=(10, "00aa00aa00aa00aa"))
+    doc = json.loads(http_get(s.http, "/status")[2])
+    assert doc["members"][0]["digest"] == "00aa00aa00aa00aa" and doc["agreement"]["agree"] is True
+
+
 def test_report_refusals(pair: Any) -> None:
     s, stub, incs = pair
     c = register(stub, "c")

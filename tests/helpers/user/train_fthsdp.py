@@ -1,5 +1,5 @@
-"""A plain FSDP2 trainer, as a user writes one: a residual MLP, AdamW, a cosine LR schedule, synthetic data.
-The "before" of ``train_fthsdp.py`` (tests/integration/test_user_script.py checks the diff between them)."""
+"""``train_plain.py`` under fthsdp, changed as the README says (the "after"; run it with ``fthsdp run``): each
+replica group trains its own data slot and survives the others' deaths; the runtime steps the scheduler."""
 
 import argparse
 import json
