@@ -103,33 +103,59 @@ def exit_code(report: dict[str, Any]) -> int:
     return 1 if failures(report) else 0
 
 
+LANE_COLOURS = {"training": "#2e7d32", "joining": "#f9a825", "starting": "#b0bec5", "down": "#c62828"}
+"""The timeline's colours per state (``fthsdp.testing.lanes``); the page's for active, joining and failure."""
+
+
+def smoothed(values: list[float], window: int = 5) -> list[float]:
+    """A trailing moving average (the first points average what there is)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
 def plot_timeline(report: dict[str, Any], path: pathlib.Path) -> None:
-    """PNG: committed step vs time per replica, kills and restarts marked."""
+    """PNG: one lane per replica (training, joining, starting, down; kills and restarts marked) against time, and
+    each replica's loss as a smoothed curve against the step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    fig, (ax, lx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax, lx) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1.4, 1]})
     t0 = report["t_start"]
-    for n, (replica, segments) in enumerate(report["timeline"].items()):
-        for k, points in enumerate(segments):
-            ax.plot([p[0] for p in points], [p[1] for p in points], ".-", ms=3, color=f"C{n}",
-                    label=f"replica {replica}" if k == 0 else None)
+    replicas = sorted(report["lanes"], key=int)
+    for row, replica in enumerate(replicas):
+        for state in LANE_COLOURS:
+            spans = [(a, b - a) for s, a, b in report["lanes"][replica] if s == state]
+            if spans:
+                ax.broken_barh(spans, (row - 0.35, 0.7), facecolors=LANE_COLOURS[state])
     for e in report["events"]:
+        if e.get("replica") is None or str(e["replica"]) not in replicas:
+            continue
+        row = replicas.index(str(e["replica"]))
         if e["event"] == "exit":
-            ax.axvline(e["t"] - t0, color="red", ls="--", lw=1)
-            ax.text(e["t"] - t0, 0, f" kill r{e['replica']}", color="red", rotation=90, va="bottom")
-        elif e["event"] == "start" and e["incarnation"] > 1:
-            ax.axvline(e["t"] - t0, color="green", ls=":", lw=1)
+            ax.plot(e["t"] - t0, row, marker="X", ms=11, color="black", zorder=3)
+        elif e["event"] == "start" and e.get("incarnation", 1) > 1:
+            ax.plot(e["t"] - t0, row, marker=">", ms=9, color="black", zorder=3)
+    ax.set_yticks(range(len(replicas)), [f"replica {r}" for r in replicas])
+    ax.invert_yaxis()
     ax.set_xlabel("time (s)")
-    ax.set_ylabel("committed step")
-    ax.set_title(f"{report['replicas']} replicas x {report['ranks_per_replica']} ranks")
-    ax.legend()
-    for n, (replica, points) in enumerate(report["loss"].items()):
-        lx.plot([p[0] for p in points], [p[1] for p in points], ".", ms=2, color=f"C{n}", label=f"replica {replica}")
+    ax.set_title(f"{report['replicas']} replicas x {report['ranks_per_replica']} ranks (X: killed, >: restarted)")
+    ax.legend(handles=[Patch(color=c, label=s) for s, c in LANE_COLOURS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.15), ncol=4, frameon=False)
+    for n, (replica, points) in enumerate(sorted(report["loss"].items(), key=lambda kv: int(kv[0]))):
+        points = sorted(points)
+        if points:
+            lx.plot([p[0] for p in points], smoothed([p[1] for p in points]), "-", lw=1.6, color=f"C{n}",
+                    label=f"replica {replica}")
     lx.set_xlabel("step")
-    lx.set_ylabel("loss (rank 0 micro-batch)")
+    lx.set_ylabel("loss (rank 0 micro-batch, moving average of 5)")
     lx.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

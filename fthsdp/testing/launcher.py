@@ -20,6 +20,7 @@ from typing import Any
 
 from fthsdp.bench.recovery_metrics import Failure, recovery_metrics
 from fthsdp.testing.faults import PHASES
+from fthsdp.testing.lanes import lanes
 from fthsdp.testing.lighthouse_process import start_lighthouse_process
 from fthsdp.testing.procutil import child_env, kill_group, stop_process, torchrun
 from fthsdp.testing.progress import ProgressRow, progress_path, read_progress, steps_of
@@ -270,6 +271,7 @@ class Cluster:
     def _report(self, t_start: float, history: list[dict[str, Any]]) -> dict[str, Any]:
         c = self.config
         per = {g.index: self.progress(g) for g in self.groups}
+        t_end = max([time.time(), *(e["t"] for e in self.events)])
         steps = {i: steps_of(rows) for i, rows in per.items()}
         finals = {i: next((x for x in reversed(rows) if x.event == "final"), None) for i, rows in per.items()}
         exits = [Failure(e["t"], e["replica"]) for e in self.events if e["event"] == "exit"]
@@ -293,6 +295,8 @@ class Cluster:
             "loss": {str(i): [[x.step, x.loss] for x in rows if x.loss is not None]
                      for i, rows in steps.items()},
             "timeline": {str(i): _segments(rows, t_start) for i, rows in steps.items()},
+            "lanes": {str(i): [[s, round(a - t_start, 3), round(b - t_start, 3)]
+                               for s, a, b in lanes(per[i], self.events, i, t_end)] for i in per},
             "t_start": t_start,
         }
 
