@@ -71,7 +71,9 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
     print(f"\nfinal state hash equal on all {config.replicas} replicas: {len(hashes) == 1 and not missing} "
           f"({next(iter(hashes))[:16] if len(hashes) == 1 else hashes})"
           + (f"; no final state on replica(s) {', '.join(missing)}" if missing else ""))
-    per_failure = ", ".join(f"{x}s" for x in report.get("stall_per_failure_s", [])) or "no failure"
+    killed = {e["replica"] for e in report["events"] if e["event"] == "exit"}
+    per_failure = ("none: every replica died" if len(killed) == config.replicas else
+                   ", ".join(f"{x}s" for x in report.get("stall_per_failure_s", [])) or "no failure")
     print(f"survivors' stall beyond a median step, per failure: {per_failure} (worst gap of the run, warm-up "
           f"included: {report['survivor_max_stall_s']}s); "
           f"rejoin (kill to first joined step): {report['rejoin_s']}s; "
