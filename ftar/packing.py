@@ -67,7 +67,7 @@ class Packed:
 
 
 def pack(tensors: Sequence[torch.Tensor], *, contribute: bool, keep_inputs: bool, staging: Staging,
-         proof: Sequence[int], world: int, proof_max: int = PROOF_MAX) -> Packed:
+         proof: Sequence[int], world: int) -> Packed:
     """Lay ``tensors`` out for one all-reduce among ``world`` members, with the trailer: the contributor count (1,
     or 0 for a non-contributor, which sends zeros) and ``proof`` (``ftar.rules.tag_proof``; every value at most
     ``ftar.rules.PROOF_MAX``). With ``keep_inputs=False``, when every dtype has a single contiguous tensor, the
@@ -81,7 +81,7 @@ def pack(tensors: Sequence[torch.Tensor], *, contribute: bool, keep_inputs: bool
     if direct:
         flats = [(tensors[idx[0]].view(-1), idx) for idx in groups.values()]
         return Packed(flats, _separate(trailer, staging.device), True, True)
-    bound = world * max(1, proof_max)  # the same choice on every member, whatever its own tag
+    bound = world * PROOF_MAX  # the same choice on every member, whatever its own tag
     carrier = next((d for d in groups if d in CARRIER_EXACT and bound < CARRIER_EXACT[d]), None)
     flats = []
     tail: torch.Tensor | None = None

@@ -15,8 +15,7 @@ import time
 import urllib.error
 from typing import TYPE_CHECKING, Any
 
-from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, ReplicaFailed
-from fthsdp.testing.progress import read_progress
+from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, ReplicaFailed, epoch_events, finals
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
@@ -48,15 +47,6 @@ class StatusView:
             print(f"[{now - self.t0:6.1f}s] {line}", flush=True)
 
 
-def finals(cluster: Cluster) -> dict[str, dict[str, Any] | None]:
-    """Each group's last ``final`` line (written by ``fthsdp.runtime.training()``): its step and state hash."""
-    out: dict[str, dict[str, Any] | None] = {}
-    for g in cluster.groups:
-        row = next((x for x in reversed(read_progress(g.progress)) if x.event == "final"), None)
-        out[str(g.index)] = {"step": row.step, "param_hash": row.param_hash} if row else None
-    return out
-
-
 def problems(final: dict[str, dict[str, Any] | None]) -> list[str]:
     """Why a finished run did not end in agreement: a group with no final state, or final states that differ."""
     out = [f"replica {i} wrote no final state" for i, f in final.items() if f is None]
@@ -84,8 +74,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     final = finals(cluster)
     report = {"command": [str(script), *a.args], "replicas": a.replicas, "ranks_per_replica": a.ranks,
               "t_start": t_start, "final": final, "problems": problems(final),
-              "events": cluster.events + [{"t": h["time"], "event": "epoch", "epoch": h["epoch"],
-                                           "reason": h["reason"], "members": h["members"]} for h in history]}
+              "events": cluster.events + epoch_events(history)}
     if a.report:
         pathlib.Path(a.report).write_text(json.dumps(report, indent=1))
     for p in report["problems"]:

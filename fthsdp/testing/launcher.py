@@ -273,7 +273,6 @@ class Cluster:
         per = {g.index: self.progress(g) for g in self.groups}
         t_end = max([time.time(), *(e["t"] for e in self.events)])
         steps = {i: steps_of(rows) for i, rows in per.items()}
-        finals = {i: next((x for x in reversed(rows) if x.event == "final"), None) for i, rows in per.items()}
         exits = [Failure(e["t"], e["replica"]) for e in self.events if e["event"] == "exit"]
         m = recovery_metrics(steps, exits, c.replicas)
         median_step, survivor_stall, ett = m["median_step_s"], m["survivor_max_stall_s"], m["effective_training_time"]
@@ -283,10 +282,8 @@ class Cluster:
             "ranks_per_replica": c.ranks,
             "steps": c.steps,
             "model": c.model,
-            "final": {str(i): ({"step": f.step, "param_hash": f.param_hash} if f else None)
-                      for i, f in finals.items()},
-            "events": self.events + [{"t": h["time"], "event": "epoch", "epoch": h["epoch"], "reason": h["reason"],
-                                      "members": h["members"]} for h in history],
+            "final": finals(self),
+            "events": self.events + epoch_events(history),
             "median_step_s": round(median_step, 4),
             "survivor_max_stall_s": round(survivor_stall, 3),
             "stall_per_failure_s": [round(x, 3) for x in m["stall_per_failure_s"]],
@@ -299,6 +296,23 @@ class Cluster:
                                for s, a, b in lanes(per[i], self.events, i, t_end)] for i in per},
             "t_start": t_start,
         }
+
+
+def _final(rows: list[ProgressRow]) -> ProgressRow | None:
+    """A replica's last ``final`` row (its step and state hash), if it wrote one."""
+    return next((x for x in reversed(rows) if x.event == "final"), None)
+
+
+def finals(cluster: Cluster) -> dict[str, dict[str, Any] | None]:
+    """Per group (by index), its final ``step`` and ``param_hash``, or None when it wrote no final state."""
+    return {str(g.index): ({"step": f.step, "param_hash": f.param_hash} if (f := _final(cluster.progress(g))) else None)
+            for g in cluster.groups}
+
+
+def epoch_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The lighthouse's epoch history (``/status``) as report events."""
+    return [{"t": h["time"], "event": "epoch", "epoch": h["epoch"], "reason": h["reason"], "members": h["members"]}
+            for h in history]
 
 
 def _segments(rows: list[ProgressRow], t_start: float) -> list[list[list[float]]]:
