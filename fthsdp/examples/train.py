@@ -44,7 +44,8 @@ def _args(argv: list[str] | None, settings: TrainerSettings) -> argparse.Namespa
                    help="LR scheduler: cosine (CosineAnnealingLR over --steps), lambda (LambdaLR, x0.97 per step), "
                    "none (default: FTHSDP_SCHEDULER)")
     p.add_argument("--min-step-s", type=float, default=0.0,
-                   help="pace steps to take at least this long (stands in for more compute in tests)")
+                   help="pace steps that train a batch to take at least this long (stands in for more compute in "
+                   "tests; a joiner's zero steps compute nothing and are not paced)")
     return p.parse_args(argv)
 
 
@@ -134,7 +135,8 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
                            exchange_s=r.exchange_s, batches=r.batches, lr_factor=r.lr_factor, catchup=r.catchup,
                            **({"diverged": list(r.diverged)} if r.diverged else {}),
                            **({} if r.contributed else {"contributed": False}))
-            _pace(a.min_step_s, t0)
+            if r.contributed:  # the pause stands in for compute: a zero step (no batch) would have none
+                _pace(a.min_step_s, t0)
         progress.write(event="final", step=ft.step, param_hash=ft.state_hash())
     except DigestMismatch as e:  # loud, whether this replica rejoins (in the minority) or the job must stop
         progress.write(event="digest_mismatch", step=e.step, replicas=list(e.replicas), error=str(e))

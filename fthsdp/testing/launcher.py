@@ -89,7 +89,8 @@ class ClusterConfig:
     max_restarts: int = 10
     """Restarts of one replica group before the job is given up."""
     min_step_s: float = 0.0
-    """Pace the trainer's steps to at least this long (tests: keeps runs long enough for a rejoin)."""
+    """Pace the trainer's steps that train a batch to at least this long (tests: keeps runs long enough for a
+    rejoin; it stands in for compute, so a joiner's zero steps are not paced)."""
     checkpoint_every: int = 0
     """Durable checkpoint every K steps (0: only on SIGTERM, if a directory is set)."""
     checkpoint_dir: str = ""
