@@ -147,9 +147,25 @@ class Joiner:
             raise DigestMismatch(msg, got.step, (self.slot,))
         self.log(logging.INFO, "the loaded snapshot of step %d matches its source's digest", got.step)
 
-    def replay(self, last: int) -> list[tuple[int, list[ExchangeResult]]]:
-        """The kept steps to apply after loading the snapshot: from its step to ``last``, in order."""
-        return [(s, self.kept[s]) for s in range(self.target, last + 1)]
+    def keep(self, step: int, results: list[ExchangeResult], attempts: int) -> None:
+        """Step ``step`` was exchanged while the snapshot is applied: keep its averaged gradients for the replay."""
+        self.attempts += attempts
+        self.kept[step] = results
+        if len(self.kept) > self.config.max_replay:
+            raise RejoinRequired(f"the catch-up replay is {len(self.kept)} steps behind (FTHSDP_CATCHUP_MAX_REPLAY="
+                                 f"{self.config.max_replay})")
+
+    def replay_slice(self, last: int, commit: Callable[[int, list[ExchangeResult]], object], budget_s: float,
+                     at_least: int) -> int:
+        """Replay kept steps in order through ``commit(step, results)`` (it advances the state's step), up to
+        ``last``: at least ``at_least`` of them, then on while within ``budget_s``. Returns how many it replayed;
+        each one's gradients are dropped once applied."""
+        t0, n = time.perf_counter(), 0
+        while self.kept and min(self.kept) <= last and (n < at_least or time.perf_counter() - t0 < budget_s):
+            step = min(self.kept)
+            commit(step, self.kept.pop(step))
+            n += 1
+        return n
 
     def report(self, got: FetchResult, replayed: int, t_start: float, t_in: float, t_applied: float,
                entered: float) -> dict[str, object]:

@@ -32,12 +32,12 @@ from torch.distributed.fsdp import fully_shard
 
 from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneEngine, LighthouseMembership
 from fthsdp.catchup.server import CatchupServer
-from fthsdp.runtime import checkpoint
+from fthsdp.runtime import catching_up, checkpoint
 from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange, BucketTag, grads_untouched
 from fthsdp.runtime.commit import Commit, CommitProtocol, Rejoin, Tally, advance_cursors, contributing_slots
 from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.errors import JobFinished, NoStateToResume, RejoinRequired, StateMismatch, Terminated
+from fthsdp.runtime.errors import JobFinished, NoStateToResume, RejoinRequired, Terminated
 from fthsdp.runtime.join import Joiner
 from fthsdp.runtime.lr import lr_factor
 from fthsdp.runtime.metrics import ReplicaMetrics
@@ -354,51 +354,13 @@ class Replica:
     # --- catching up --------------------------------------------------------------------------------------------
 
     def _catch_up(self, closure: Callable[[], torch.Tensor], shards: ShardState) -> StepResult:
-        """Exchange zeros step after step, keeping the averaged gradients, while the snapshot of step S (ahead of
-        the others) is fetched; then load it, replay the kept steps from S, and turn active."""
-        t_start = time.perf_counter()
-        entered = self.joiner.enter(shards.opt, closure)
-        while True:
-            t0 = time.perf_counter()
-            commit, results = self._settle(self._exchange_all(contribute=False), contribute=False)
-            self.step, self._learned = commit.step + 1, commit.step
-            got = self.joiner.exchanged(commit.step, results, commit.attempts)
-            if got is None:
-                continue
-            # The next step's zeros go out first: the others need not wait for the load and replay (design.md §6).
-            zeros = self._exchange_all(contribute=False)
-            t_in = time.perf_counter()
-            self.cursors = shards.load(got.tensors, self.cursors)
-            self.step = got.step
-            self.joiner.verify(got, shards.digest(self.cursors, rng=True))
-            replay = self.joiner.replay(commit.step)
-            for step, kept in replay:
-                self._commit(step, kept)
-            if self.step != commit.step + 1:
-                raise StateMismatch(f"replay ended at step {self.step}, expected {commit.step + 1}")
-            t_applied, self.joining, self._settling = time.perf_counter(), False, zeros
-            self.metrics.on_joining(False)
-            self.metrics.on_catchup(got.bytes, time.perf_counter() - t_start)
-            self.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, self.joiner.attempts)
-            self._after_commit((), commit.stop)
-            self.joiner.turn_active()
-            catchup = self.joiner.report(got, len(replay), t_start, t_in, t_applied, entered)
-            self._log(logging.INFO, "caught up at step %d: snapshot of step %d (%.1f MB in %.3fs from %s), %d "
-                      "step(s) replayed; now active", commit.step, got.step, got.bytes / 1e6, got.transfer_s,
-                      sorted(got.sources), len(replay))
-            return StepResult(commit.step, None, commit.epoch, results[0].contributors, True, self.joiner.attempts,
-                              time.perf_counter() - t0, (), self._lr_factor, catchup, contributed=False)
+        """Exchange zeros while the snapshot is fetched, then load it and replay the kept steps while exchanging
+        zeros, and turn active (``fthsdp.runtime.catching_up``)."""
+        return catching_up.catch_up(self, closure, shards)
 
     def _zero_step(self, zeros: list[Handle | None]) -> StepResult:
-        """The step after catching up contributes ``zeros`` (sent before the snapshot was loaded) and trains no batch
-        (its slot's cursor stays): its own gradients would have come late, and the others would have waited."""
-        self._settling, t0 = None, time.perf_counter()
-        commit, results = self._settle(zeros, contribute=False)
-        batches = self._commit(commit.step, results)
-        self.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
-        self._after_commit(batches, commit.stop)
-        return StepResult(commit.step, None, commit.epoch, results[0].contributors, False, commit.attempts,
-                          time.perf_counter() - t0, batches, self._lr_factor, contributed=False)
+        """The step after catching up: ``zeros`` were sent before the last replay slice; no batch is trained."""
+        return catching_up.zero_step(self, zeros)
 
     # --- state --------------------------------------------------------------------------------------------------
 

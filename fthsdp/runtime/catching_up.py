@@ -1,0 +1,116 @@
+"""A joiner's steps (docs/design.md §6), driven from ``Replica.train_step``: exchange zeros step after step while
+the snapshot is fetched, then load it and replay the kept steps — still exchanging zeros, a slice per step — and
+turn active, with one more zero step after that.
+
+Every step's zeros go out *before* that step's share of the load and replay: the others compute the step
+meanwhile, so they wait for nothing as long as a slice takes less than their step. The first slice loads and
+checks the snapshot; the others replay kept steps for about half of the others' step (measured here, as the time
+between two exchanges while fetching), at least two each, so the backlog shrinks by at least one per step
+(replaying a step is an optimizer step, cheaper than training one). A replay of many kept steps after a slow
+fetch used to run in one go, and the others waited for all of it in their next exchange.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from ftar import ExchangeResult, Handle
+from fthsdp.runtime.commit import Commit
+from fthsdp.runtime.errors import StateMismatch
+from fthsdp.runtime.join import Joiner
+from fthsdp.runtime.metrics import ReplicaMetrics
+from fthsdp.runtime.result import StepResult
+from fthsdp.runtime.startup import all_ranks
+from fthsdp.runtime.state import ShardState
+
+SLICE_SHARE = 0.5
+"""A replay slice's budget: this share of the others' step."""
+MIN_SLICE = 2
+"""Kept steps a slice replays at least (while any are left)."""
+
+
+class Replica(Protocol):
+    """What a joiner's steps use of ``fthsdp.runtime.replica.Replica`` (which imports this module)."""
+
+    joiner: Joiner
+    metrics: ReplicaMetrics
+    device: torch.device
+    step: int
+    cursors: torch.Tensor
+    joining: bool
+    _learned: int
+    _settling: list[Handle | None] | None
+    _lr_factor: float
+
+    def _exchange_all(self, contribute: bool) -> list[Handle | None]: ...
+    def _settle(self, handles: list[Handle | None], contribute: bool) -> tuple[Commit, list[ExchangeResult]]: ...
+    def _commit(self, step: int, results: list[ExchangeResult]) -> tuple[tuple[int, int], ...]: ...
+    def _after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None: ...
+    def _log(self, level: int, msg: str, *args: object) -> None: ...
+
+
+def catch_up(rep: Replica, closure: Callable[[], torch.Tensor], shards: ShardState) -> StepResult:
+    """Catch up (one ``train_step`` call): returns the joined step's result once this replica holds the same state
+    as the others, with the next step's zeros in flight (``Replica._settling``)."""
+    t_start = time.perf_counter()
+    entered = rep.joiner.enter(shards.opt, closure)
+    handles, got, intervals, t_in, replayed, at = rep._exchange_all(contribute=False), None, [], 0.0, 0, -1
+    t_last = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        commit, results = rep._settle(handles, contribute=False)
+        rep.step, rep._learned = commit.step + 1, commit.step
+        if got is None:
+            intervals.append(time.perf_counter() - t_last)
+            got = rep.joiner.exchanged(commit.step, results, commit.attempts)
+            if got is None:
+                handles, t_last = rep._exchange_all(contribute=False), time.perf_counter()
+                continue
+            t_in, at = time.perf_counter(), -1
+        else:
+            rep.joiner.keep(commit.step, results, commit.attempts)
+        handles = rep._exchange_all(contribute=False)  # the next step's zeros first: the others need not wait
+        exchanging = rep.step
+        if at < 0:  # the first slice: load the snapshot and check it
+            rep.cursors = shards.load(got.tensors, rep.cursors)
+            rep.step = got.step
+            rep.joiner.verify(got, shards.digest(rep.cursors, rng=True))
+        else:
+            rep.step = at
+        budget = SLICE_SHARE * statistics.median(intervals[-5:])
+        replayed += rep.joiner.replay_slice(commit.step, rep._commit, budget, MIN_SLICE if at >= 0 else 0)
+        at, rep.step = rep.step, exchanging  # the state is at step ``at``; the exchanges go on at ``exchanging``
+        if all_ranks(at == commit.step + 1, rep.device):
+            break
+    if rep.step != commit.step + 1 or at != rep.step:
+        raise StateMismatch(f"replay ended at step {at}, expected {commit.step + 1}")
+    t_applied, rep.joining, rep._settling = time.perf_counter(), False, handles
+    rep.metrics.on_joining(False)
+    rep.metrics.on_catchup(got.bytes, time.perf_counter() - t_start)
+    rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, rep.joiner.attempts)
+    rep._after_commit((), commit.stop)
+    rep.joiner.turn_active()
+    catchup = rep.joiner.report(got, replayed, t_start, t_in, t_applied, entered)
+    rep._log(logging.INFO, "caught up at step %d: snapshot of step %d (%.1f MB in %.3fs from %s), %d step(s) "
+             "replayed in %.3fs while exchanging; now active", commit.step, got.step, got.bytes / 1e6, got.transfer_s,
+             sorted(got.sources), replayed, t_applied - t_in)
+    return StepResult(commit.step, None, commit.epoch, results[0].contributors, True, rep.joiner.attempts,
+                      time.perf_counter() - t0, (), rep._lr_factor, catchup, contributed=False)
+
+
+def zero_step(rep: Replica, zeros: list[Handle | None]) -> StepResult:
+    """The step after catching up contributes ``zeros`` (sent before the last slice of the replay) and trains no
+    batch (its slot's cursor stays): its own gradients would have come late, and the others would have waited."""
+    rep._settling, t0 = None, time.perf_counter()
+    commit, results = rep._settle(zeros, contribute=False)
+    batches = rep._commit(commit.step, results)
+    rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
+    rep._after_commit(batches, commit.stop)
+    return StepResult(commit.step, None, commit.epoch, results[0].contributors, False, commit.attempts,
+                      time.perf_counter() - t0, batches, rep._lr_factor, contributed=False)
