@@ -20,6 +20,7 @@ from lighthouse.epoch_view import EpochView
 from lighthouse.errors import LighthouseError, LighthouseUnavailable
 from lighthouse.model import Endpoints
 from lighthouse.security import ClientSecurity
+from lighthouse.stragglers import Pace
 from lighthouse.v1 import lighthouse_pb2 as pb
 
 log = logging.getLogger("fthsdp.lighthouse.client")
@@ -123,6 +124,11 @@ class LighthouseClient:
         """The replica's state digest (hex) before ``step``, reported with the next heartbeats (informational: the
         lighthouse's status shows whether the replicas agree)."""
         self.aio.digest = (step, digest)
+
+    def set_pace(self, pace: Pace) -> None:
+        """The replica's pace (medians of compute and exchange wait over its last steps), reported with the next
+        heartbeats (fail-slow evidence: ``lighthouse.stragglers``)."""
+        self.aio.pace = pace
 
     @property
     def epoch(self) -> EpochView | None:

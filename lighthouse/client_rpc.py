@@ -30,6 +30,7 @@ from lighthouse.errors import (
 from lighthouse.model import ACTIVE, JOINING, Endpoints
 from lighthouse.proto_codec import ROLE_FROM_PB, ROLE_TO_PB, endpoints_to_pb, epoch_from_bytes, epoch_from_pb
 from lighthouse.security import LEADER_METADATA, ClientSecurity
+from lighthouse.stragglers import Pace
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse.validate import REASON_MAX
@@ -128,6 +129,8 @@ class LighthouseRpc:
         self.heartbeat_interval_s = 0.5
         self.digest: tuple[int, str] = (0, "")
         """(step, hex digest) of the replica's latest state digest, sent with every heartbeat (informational)."""
+        self.pace: Pace | None = None
+        """The replica's latest pace report, sent with every heartbeat (fail-slow evidence)."""
         self.role = ""
         self.in_data_plane = False
         """A joiner: the lighthouse accepted its Ready(JOINING)."""
@@ -227,11 +230,13 @@ class LighthouseRpc:
                             finished=resp.finished, finished_step=resp.finished_step)
 
     async def heartbeat(self, step: int = 0, epoch: int = 0) -> int:
-        """One heartbeat, with the step, the epoch and the latest state digest (``digest``)."""
+        """One heartbeat, with the step, the epoch, the latest state digest (``digest``) and pace (``pace``)."""
         digest_step, digest = self.digest
+        pace = self.pace
         resp = await self._call("Heartbeat", pb.HeartbeatRequest(
             job_id=self.job_id, replica_id=self.replica_id, incarnation=self.incarnation, step=step, epoch=epoch,
-            digest_step=digest_step, digest=digest))
+            digest_step=digest_step, digest=digest, pace_step=pace.step if pace else 0,
+            compute_s=pace.compute_s if pace else 0.0, wait_s=pace.wait_s if pace else 0.0))
         assert isinstance(resp, pb.HeartbeatResponse)
         self.heartbeats += 1
         return resp.epoch

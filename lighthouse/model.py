@@ -38,6 +38,11 @@ class Policy:
     """A joiner that has not turned active this long after an epoch first put it in the data plane is dropped
     (declared dead), so that a lost ``Ready(ACTIVE)`` or a stuck catch-up cannot hold the one-joiner slot
     forever. 0: never."""
+    straggler_factor: float = 1.5
+    """A member whose compute per step is at least this many times the others' is a straggler (once confirmed:
+    ``lighthouse.stragglers``). 1.5: with three replicas, ejecting one that slow would win back what it costs."""
+    straggler_confirm: int = 3
+    """Consecutive slow reports (of distinct steps) before a member is named a straggler."""
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
@@ -48,6 +53,8 @@ class Policy:
             raise ValueError("need 0 < confirm_age_s <= heartbeat_timeout_s")
         if min(self.join_window_s, self.expected_replicas, self.max_reforms, self.join_deadline_s) < 0:
             raise ValueError("join_window_s, expected_replicas, max_reforms and join_deadline_s must be >= 0")
+        if not self.straggler_factor > 1.0 or self.straggler_confirm < 1:
+            raise ValueError("need straggler_factor > 1 and straggler_confirm >= 1")
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,11 @@ def _fallback(status: dict[str, Any]) -> str:
         for e in reversed(status.get("history", [])))
     finished = status.get("finished_step")
     agreement = status.get("agreement")
+    slow = "; ".join(str(x.get("text", "")) for x in status.get("stragglers") or [])
     return (f"<p>job {html.escape(str(status.get('job', '')))} · epoch {int(status.get('epoch', 0))}"
             + (f" · job finished at step {int(finished)}" if finished is not None else "")
-            + (f" · state: {html.escape(str(agreement.get('text', '')))}" if agreement else "") + "</p>"
+            + (f" · state: {html.escape(str(agreement.get('text', '')))}" if agreement else "")
+            + (f" · stragglers: {html.escape(slow)}" if slow else "") + "</p>"
             "<table><tr><th>replica</th><th>role</th><th>in epoch</th><th>step</th><th>heartbeat age (s)</th>"
             "<th>state digest</th></tr>"
             f"{rows}</table><table><tr><th>epoch</th><th>time</th><th>members</th><th>reason</th></tr>{hist}</table>")
@@ -54,6 +56,7 @@ h1{font-size:22px;margin:0 0 8px}h2{font-size:17px;margin:24px 0 8px}
 .summary span{display:inline-block;margin-right:18px}.summary b{font-size:18px}
 .stale{color:var(--failure)}.muted{color:#757575;font-size:12px}
 .digest{font-family:monospace;font-size:12px}.digest.differ{color:var(--failure);font-weight:bold}
+.pace.slow{color:var(--failure);font-weight:bold}
 table{border-collapse:collapse}td,th{border:1px solid #cfd8dc;padding:3px 9px;text-align:left;font-size:13px}
 th{background:#eceff1}
 .role{display:inline-block;padding:1px 8px;border-radius:9px;color:#fff;font-size:12px}
@@ -112,6 +115,9 @@ _SCRIPT = r"""
     var a = s.agreement;
     item("state", a ? (a.agree ? "agree" : "DIFFER (" + a.differ.join(", ") + ")") + " at step " + a.step
                     : "not compared yet", "agreement");
+    var slow = s.stragglers || [];
+    item("stragglers", slow.length ? slow.map(function (x) { return x.replica_id + " " + x.slowdown + "x"; })
+                                            .join(", ") : "none", "stragglers");
     item("leader", s.leader ? "this lighthouse"
                             : ("no" + (s.leader_address ? " (leader: " + s.leader_address + ")" : "")), "leader");
     var upd = el("span", {"class": "muted", "id": "updated"},
@@ -122,13 +128,17 @@ _SCRIPT = r"""
   function members(s) {
     var t = el("table", {"id": "members"});
     t.appendChild(row(["replica", "role", "in epoch", "step", "heartbeat age (s)", "incarnation",
-                       "state digest (step)"], true));
+                       "compute / wait (s)", "state digest (step)"], true));
+    var slowIds = (s.stragglers || []).map(function (x) { return x.replica_id; });
     var differ = (s.agreement && s.agreement.differ) || [];
     (s.members || []).forEach(function (x) {
       var dg = el("span", {"class": "digest" + (differ.indexOf(x.replica_id) >= 0 ? " differ" : "")},
                   x.digest ? x.digest + " (" + x.digest_step + ")" : "-");
+      var pace = el("span", {"class": "pace" + (slowIds.indexOf(x.replica_id) >= 0 ? " slow" : "")},
+                    x.pace ? Number(x.pace.compute_s).toFixed(3) + " / " + Number(x.pace.wait_s).toFixed(3) : "-");
       var tr = row([x.replica_id, el("span", {"class": "role " + x.role}, x.role), x.in_epoch ? "yes" : "no",
-                    x.step, Number(x.last_heartbeat_age_s).toFixed(2), String(x.incarnation || "").slice(0, 12), dg]);
+                    x.step, Number(x.last_heartbeat_age_s).toFixed(2), String(x.incarnation || "").slice(0, 12), pace,
+                    dg]);
       tr.setAttribute("data-replica", x.replica_id);
       tr.setAttribute("data-role", x.role);
       if (x.last_heartbeat_age_s > (s.heartbeat_timeout_s || 1e9) / 2) { tr.className = "stale"; }

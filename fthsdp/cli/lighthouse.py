@@ -29,11 +29,15 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
     from lighthouse.stores.factory import open_store
 
     interval = a.heartbeat_interval if a.heartbeat_interval else min(0.5, a.heartbeat_timeout / 4)
-    policy = Policy(min_replicas=a.min_replicas, heartbeat_interval_s=interval,
-                    heartbeat_timeout_s=a.heartbeat_timeout,
-                    confirm_age_s=a.confirm_age if a.confirm_age else min(a.heartbeat_timeout, 2 * interval),
-                    join_window_s=a.join_window, expected_replicas=a.expected_replicas,
-                    max_reforms=a.max_reforms, join_deadline_s=a.join_deadline)
+    try:
+        policy = Policy(min_replicas=a.min_replicas, heartbeat_interval_s=interval,
+                        heartbeat_timeout_s=a.heartbeat_timeout,
+                        confirm_age_s=a.confirm_age if a.confirm_age else min(a.heartbeat_timeout, 2 * interval),
+                        join_window_s=a.join_window, expected_replicas=a.expected_replicas,
+                        max_reforms=a.max_reforms, join_deadline_s=a.join_deadline,
+                        straggler_factor=a.straggler_factor, straggler_confirm=a.straggler_confirm)
+    except ValueError as e:
+        sys.exit(f"fthsdp lighthouse: {e}")
     try:
         security = ServerSecurity.from_files(a.tls_cert, a.tls_key, a.tls_client_ca, a.token_file)
         security.ssl_context()  # fail now, with a clear message, on unreadable TLS files
@@ -96,13 +100,18 @@ def cmd_status(a: argparse.Namespace) -> None:
     print(f"job {status['job']}  epoch {status['epoch']}  leader {'yes' if status['leader'] else 'no'}  "
           f"members {len(status['members'])}  min_replicas {status['min_replicas']}"
           + (f"  (leader at {status['leader_address'] or 'unknown'})" if not status["leader"] else ""))
-    print(f"{'REPLICA':<24} {'ROLE':<8} {'IN EPOCH':<8} {'STEP':>8} {'HB AGE (s)':>10}  DIGEST (STEP)")
+    print(f"{'REPLICA':<24} {'ROLE':<8} {'IN EPOCH':<8} {'STEP':>8} {'HB AGE (s)':>10} {'COMPUTE':>8} {'WAIT':>7}  "
+          "DIGEST (STEP)")
     for x in status["members"]:
         digest = f"{x['digest']} ({x['digest_step']})" if x.get("digest") else "-"
+        pace = x.get("pace")
+        compute, wait = (f"{pace['compute_s']:.3f}", f"{pace['wait_s']:.3f}") if pace else ("-", "-")
         print(f"{x['replica_id']:<24} {x['role']:<8} {'yes' if x['in_epoch'] else 'no':<8} {x['step']:>8} "
-              f"{x['last_heartbeat_age_s']:>10.2f}  {digest}")
+              f"{x['last_heartbeat_age_s']:>10.2f} {compute:>8} {wait:>7}  {digest}")
     agreement = status.get("agreement")
     print("state: " + (agreement["text"] if agreement else "not compared yet (no step has two digests)"))
+    slow = status.get("stragglers") or []
+    print("stragglers: " + ("; ".join(x["text"] for x in slow) if slow else "none"))
     if status["history"]:
         print("\nrecent epochs:")
         for h in status["history"][-a.history:]:
@@ -130,6 +139,11 @@ def register(sub: Subparsers) -> None:
     lh.add_argument("--join-deadline", type=float, default=300.0,
                     help="seconds a joiner may stay in the data plane without turning active before it is dropped; "
                          "0: never")
+    lh.add_argument("--straggler-factor", type=float, default=1.5,
+                    help="name a replica a straggler when its compute per step is at least this many times the "
+                    "others' (status, page, fthsdp status)")
+    lh.add_argument("--straggler-confirm", type=int, default=3,
+                    help="consecutive slow reports (distinct steps) before a replica is named a straggler")
     lh.add_argument("--store", default="memory://", help="durable store URL (memory:// is the default)")
     lh.add_argument("--etcd-ca", default="", help="etcd over TLS: the CA certificate (PEM) that signed etcd's "
                     "server certificates (env FTHSDP_ETCD_CA)")

@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from fthsdp.testing.faults import FaultSettings
+from fthsdp.testing.faults import FaultSettings, parse_slow
 from lighthouse.config import security_from_env
 from lighthouse.security import ClientSecurity
 
@@ -70,11 +70,16 @@ def _metrics_port(e: dict[str, str], local_rank: int | None) -> int | None:
 def _faults(e: dict[str, str]) -> FaultSettings:
     """The fault hooks' settings (``fthsdp.testing.faults``: tests and demos only)."""
     slow, corrupt = "FTHSDP_FAULT_SLOW_SERVE_S", "FTHSDP_FAULT_CORRUPT_CHUNKS"
+    if e.get("FTHSDP_FAULT_SLOW"):
+        try:
+            parse_slow(e["FTHSDP_FAULT_SLOW"])
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     return FaultSettings(spec=e.get("FTHSDP_FAULT", ""), path=e.get("FTHSDP_FAULT_FILE", ""),
                          slow_serve_s=_float(e, slow, "0") if e.get(slow) else 0.0,
                          corrupt_chunks=_int(e, corrupt) if e.get(corrupt) else 0,
                          corrupt_step=_int(e, "FTHSDP_FAULT_CORRUPT") if e.get("FTHSDP_FAULT_CORRUPT") else -1,
-                         kill_agent="TORCHELASTIC_RUN_ID" in e)
+                         kill_agent="TORCHELASTIC_RUN_ID" in e, slow=e.get("FTHSDP_FAULT_SLOW", ""))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,10 @@ Series (all prefixed ``fthsdp_replica_``):
   fetched and how long it took; ``joining`` (gauge, 1 while this replica catches up);
 - ``exchange_bytes_total``, ``exchange_seconds_total``: FTAR payload and time (throughput over a window:
   ``rate(exchange_bytes_total[1m]) / rate(exchange_seconds_total[1m])``); ``exchange_throughput_bytes_per_second``
-  (gauge): the last exchange's.
+  (gauge): the last exchange's;
+- ``compute_seconds``, ``exchange_wait_seconds`` (histograms): per contributing step, the forward and backward
+  (until the last bucket went to FTAR), and the wait after it until the step's last bucket came back: the
+  replica the others wait on computes longest and waits least (fail-slow evidence, ``lighthouse.stragglers``).
 """
 
 from __future__ import annotations
@@ -77,6 +80,10 @@ class ReplicaMetrics:
                                       registry=r))
         self._xrate = bind(Gauge(PREFIX + "exchange_throughput_bytes_per_second",
                                  "Throughput of the last FTAR exchange", labels, registry=r))
+        self._compute = bind(Histogram(PREFIX + "compute_seconds", "Forward and backward of a contributing step",
+                                       labels, buckets=_STEP_BUCKETS, registry=r))
+        self._wait = bind(Histogram(PREFIX + "exchange_wait_seconds", "Wait after the backward until the step's "
+                                    "last bucket came back", labels, buckets=_STALL_BUCKETS, registry=r))
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -120,6 +127,11 @@ class ReplicaMetrics:
         self._xseconds.inc(max(0.0, seconds))
         if seconds > 0:
             self._xrate.set(nbytes / seconds)
+
+    def on_pace(self, compute_s: float, wait_s: float) -> None:
+        """A contributing step computed for ``compute_s`` and then waited ``wait_s`` for its exchange."""
+        self._compute.observe(max(0.0, compute_s))
+        self._wait.observe(max(0.0, wait_s))
 
     # --- exposition ---------------------------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from fthsdp.runtime.errors import JobFinished, NoStateToResume, RejoinRequired, 
 from fthsdp.runtime.join import Joiner
 from fthsdp.runtime.lr import lr_factor
 from fthsdp.runtime.metrics import ReplicaMetrics
+from fthsdp.runtime.pace import PaceWindow
 from fthsdp.runtime.result import StepResult
 from fthsdp.runtime.startup import Role, agree_incarnation, die_with_parent, gather_addresses, register, start_from
 from fthsdp.runtime.state import ShardState, replica_hash
@@ -78,6 +79,7 @@ class Replica:
         self.joining = False
         self._settling: list[Handle | None] | None = None  # caught up: the next step's zeros, sent (_zero_step)
         self.protocol = CommitProtocol()
+        self.pace, self._own_compute_s = PaceWindow(), 0.0  # fail-slow evidence; the last step's compute, unslowed
         self._lr_factor = 1.0
         self.state = TrainerState()
         """The optimizer's param groups and the registered objects: they travel and are digested with the tensors."""
@@ -223,15 +225,20 @@ class Replica:
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
+        t_compute = time.perf_counter()
         with buckets.armed(self.step):  # buckets go to FTAR as FSDP2 produces their gradient shards
             loss = closure()
+            slowed = self.faults.slow_down(self.step, self._own_compute_s)  # FTHSDP_FAULT_SLOW
             self.faults.at(self.step, Phase.BACKWARD)
             t0 = time.perf_counter()
             loss.backward()  # type: ignore[no-untyped-call]
         loss_value = float(loss.detach().item())
         handles = buckets.launch_rest(self.step)  # parameters that got no gradient
+        t_computed = time.perf_counter()
         commit, results = self._settle(handles, contribute=True)
         exchange_s = time.perf_counter() - t0
+        self._own_compute_s = t_computed - t_compute - slowed
+        self._pace(commit.attempts, commit.step, t_computed - t_compute, time.perf_counter() - t_computed)
         batches = self._commit(commit.step, results)
         diverged = self.check.check(commit.step, results)
         contributors = results[0].contributors
@@ -245,6 +252,13 @@ class Replica:
             self._log(logging.INFO, "step %d committed: loss %.4f, %d contributor(s), %d attempt(s), exchange "
                       "%.3fs", commit.step, loss_value, contributors, commit.attempts, exchange_s)
         return result
+
+    def _pace(self, attempts: int, step: int, compute_s: float, wait_s: float) -> None:
+        """Fail-slow evidence: a failure-free step's compute and exchange wait, to Prometheus and (rank 0, once
+        ``PaceWindow`` is full) to the lighthouse with the next heartbeats."""
+        self.metrics.on_pace(compute_s, wait_s)
+        if attempts == 1 and (pace := self.pace.add(step, compute_s, wait_s)) is not None and self.rank == 0:
+            self.client.set_pace(pace)
 
     def _settle(self, handles: list[Handle | None], contribute: bool) -> tuple[Commit, list[ExchangeResult]]:
         """Wait for the step's buckets and vote, redoing the exchange until the commit protocol commits."""

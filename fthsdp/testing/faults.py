@@ -13,6 +13,10 @@ Every rank's catch-up server also takes two test hooks: ``FTHSDP_FAULT_SLOW_SERV
 long after every chunk sent) and ``FTHSDP_FAULT_CORRUPT_CHUNKS=N`` (flip a byte in the first N chunks sent; the
 joiner must detect them and fetch them again).
 
+``FTHSDP_FAULT_SLOW=STEP:FACTOR`` (set for one replica group) makes every rank of it compute FACTOR times as long
+from STEP on (fail-slow): after each forward it sleeps FACTOR - 1 times its previous step's own compute time, so
+its buckets reach FTAR that much later and the others wait for them.
+
 ``FTHSDP_FAULT_CORRUPT=STEP`` (set for one replica group) makes its rank 0 flip the lowest bit of one byte of its
 first parameter shard right after committing STEP (not while replaying it as a joiner): silent corruption, which
 the replicas' periodic state-digest check (``FTHSDP_DIGEST_EVERY``) must find within K steps.
@@ -68,6 +72,8 @@ class FaultSettings:
     """``FTHSDP_FAULT_CORRUPT``: rank 0 corrupts a parameter after committing this step (-1: never)."""
     kill_agent: bool = False
     """Under torchrun (``TORCHELASTIC_RUN_ID`` set): a fault kills the agent too (its workers follow)."""
+    slow: str = ""
+    """``FTHSDP_FAULT_SLOW``: ``STEP:FACTOR``, every rank computes FACTOR times as long from STEP on."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,9 @@ class FaultInjector:
     corrupt_chunks: int = 0
     corrupt_step: int = -1
     """Rank 0: the step after whose commit the state is corrupted (``FTHSDP_FAULT_CORRUPT``; -1: never)."""
+    slow_from: int = -1
+    slow_factor: float = 1.0
+    """``FTHSDP_FAULT_SLOW``: from step ``slow_from`` on (-1: never), compute ``slow_factor`` times as long."""
     _file: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What ``path`` held when last read: its inode, mtime and size, and the fault parsed from it (or None)."""
 
@@ -90,9 +99,20 @@ class FaultInjector:
         """Rank 0 fires faults (``spec``, ``path``); every rank's catch-up server takes the serve hooks."""
         armed = bool(settings.spec) and rank == 0
         step, phase = _parse(settings.spec) if armed else (-1, "")
+        slow_from, slow_factor = parse_slow(settings.slow) if settings.slow else (-1, 1.0)
         return cls(step, phase, armed, settings.path if rank == 0 else "", kill_agent=settings.kill_agent,
                    slow_serve_s=settings.slow_serve_s, corrupt_chunks=settings.corrupt_chunks,
-                   corrupt_step=settings.corrupt_step if rank == 0 else -1)
+                   corrupt_step=settings.corrupt_step if rank == 0 else -1, slow_from=slow_from,
+                   slow_factor=slow_factor)
+
+    def slow_down(self, step: int, compute_s: float) -> float:
+        """``FTHSDP_FAULT_SLOW``: after the forward of ``step``, sleep ``slow_factor - 1`` times ``compute_s`` (the
+        previous step's own compute time) once ``step`` is past ``slow_from``. Returns the seconds slept."""
+        if self.slow_from < 0 or step < self.slow_from or compute_s <= 0:
+            return 0.0
+        extra = (self.slow_factor - 1.0) * compute_s
+        time.sleep(extra)  # emulated slow compute, not synchronisation
+        return extra
 
     def corrupts(self, step: int) -> bool:
         """Whether to corrupt the state right after committing ``step`` (``FTHSDP_FAULT_CORRUPT``)."""
@@ -150,6 +170,18 @@ class FaultInjector:
             return True
 
         return corrupt
+
+
+def parse_slow(spec: str) -> tuple[int, float]:
+    """``STEP:FACTOR`` of ``FTHSDP_FAULT_SLOW`` (FACTOR >= 1); ``ValueError`` otherwise."""
+    step, sep, factor = spec.partition(":")
+    try:
+        out = int(step), float(factor)
+    except ValueError:
+        out = (-1, 0.0)
+    if not sep or out[0] < 0 or not 1.0 <= out[1] <= 100.0:
+        raise ValueError(f"FTHSDP_FAULT_SLOW={spec!r}: expected STEP:FACTOR, a step >= 0 and 1 <= FACTOR <= 100")
+    return out
 
 
 def _parse(spec: str) -> tuple[int, str]:

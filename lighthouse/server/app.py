@@ -187,6 +187,7 @@ class Lighthouse:
             except StoreUnavailable:
                 pass
         return status.build(job.job_id, state, last_seen=job.last_seen, steps=job.steps, digests=job.digests,
+                            paces=job.paces,
                             rendezvous=job.epoch_pb.rendezvous, policy=self.policy,
                             leader=self.leadership.view(), now=now)
 

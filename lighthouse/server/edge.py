@@ -56,6 +56,7 @@ class Edge:
                 job.last_seen.pop(rid, None)
                 job.steps.pop(rid, None)
                 job.digests.pop(rid, None)
+                job.paces.pop(rid, None)
         if new_epoch is not None:
             self._publish(job, new_epoch)
         elif out.events:

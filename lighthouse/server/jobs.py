@@ -11,6 +11,7 @@ import time
 
 from lighthouse.model import Epoch, State
 from lighthouse.proto_codec import epoch_to_pb
+from lighthouse.stragglers import Pace
 
 _CLOCK_OFFSET = time.time() - time.monotonic()
 
@@ -45,6 +46,9 @@ class Job:
         self.digests: dict[str, tuple[str, int, str]] = {}
         """replica id -> (incarnation, step, state digest) of the latest digest its heartbeats carried
         (informational; an older incarnation's is not shown)."""
+        self.paces: dict[str, tuple[str, tuple[Pace, ...]]] = {}
+        """replica id -> (incarnation, its last pace reports of distinct steps): fail-slow evidence
+        (``lighthouse.stragglers``; an older incarnation's is not counted)."""
         self.set_epoch(state.epoch)
 
     def set_epoch(self, epoch: Epoch | None) -> None:

@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from lighthouse import membership as m
+from lighthouse import stragglers
 from lighthouse.errors import ValidationError
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.proto_codec import ROLE_TO_PB, endpoints_from_pb, role_from_pb
@@ -19,6 +20,7 @@ from lighthouse.server import status
 from lighthouse.server.edge import Edge
 from lighthouse.server.jobs import Job, clock
 from lighthouse.server.leadership import Leadership
+from lighthouse.stragglers import Pace
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.validate import check_digest, check_epoch, check_id, check_shard_count, check_text
 
@@ -140,10 +142,18 @@ class LighthouseService:
             await self._refuse(rej, context, "Heartbeat")
         if req.digest and not check_digest(req.digest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "digest: at most 64 hexadecimal digits")
+        pace = Pace(req.pace_step, req.compute_s, req.wait_s) if req.pace_step else None
+        if pace is not None and not stragglers.valid(pace):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"compute_s, wait_s: finite, in [0, {stragglers.MAX_SECONDS:g}] seconds")
         job.last_seen[req.replica_id] = clock()
         job.steps[req.replica_id] = req.step
         if req.digest:
             job.digests[req.replica_id] = (req.incarnation, req.digest_step, req.digest.lower())
+        if pace is not None:
+            inc, history = job.paces.get(req.replica_id, ("", ()))
+            job.paces[req.replica_id] = (req.incarnation, stragglers.remember(
+                history if inc == req.incarnation else (), pace))
         self.metrics.heartbeats.inc()
         return pb.HeartbeatResponse(epoch=job.number)
 
@@ -224,6 +234,7 @@ class LighthouseService:
     async def Status(self, req: pb.StatusRequest, context: Context) -> pb.StatusResponse:
         job = await self._job(req.job_id, context, "Status")
         view = status.build(job.job_id, job.state, last_seen=job.last_seen, steps=job.steps, digests=job.digests,
+                            paces=job.paces,
                             rendezvous=job.epoch_pb.rendezvous, policy=self.policy,
                             leader=self.leadership.view(), now=clock())
         return status.to_pb(view, job.epoch_pb)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lighthouse.events import replica_kinds
-from lighthouse.model import Policy, State
+from lighthouse.model import ACTIVE, Policy, State
 from lighthouse.proto_codec import ROLE_TO_PB
+from lighthouse.stragglers import Pace, Straggler, assess
 from lighthouse.v1 import lighthouse_pb2 as pb
 
 STATUS_HISTORY = 32
@@ -27,6 +28,8 @@ class MemberRow:
     digest_step: int = 0
     digest: str = ""
     """The latest state digest its heartbeats carried (empty: none) and the step it was taken before."""
+    pace: Pace | None = None
+    """Its latest pace report (compute and exchange wait per step; ``lighthouse.stragglers``); None: none."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class StatusView:
     """The job completed at this step (``State.finished_step``); None: not finished."""
     agreement: Agreement | None = None
     """Whether the members' state digests agree (``agreement``); None: no step has two digests yet."""
+    stragglers: tuple[Straggler, ...] = ()
+    """The members the others wait on, slowest first (``lighthouse.stragglers.assess``)."""
 
 
 @dataclass(frozen=True)
@@ -109,12 +114,18 @@ class Leader:
 
 def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict[str, int], rendezvous: str,
           policy: Policy, leader: Leader, now: float,
-          digests: dict[str, tuple[str, int, str]] | None = None) -> StatusView:
+          digests: dict[str, tuple[str, int, str]] | None = None,
+          paces: dict[str, tuple[str, tuple[Pace, ...]]] | None = None) -> StatusView:
     """The status of a job in ``state``, with its liveness as of ``now``. ``digests``: per replica, the
-    (incarnation, step, digest) its heartbeats last carried; only a current member incarnation's count."""
+    (incarnation, step, digest) its heartbeats last carried; ``paces``: per replica, (incarnation, its last pace
+    reports); only a current member incarnation's count, and stragglers are looked for among the active members of
+    the epoch."""
     in_epoch = set(state.epoch.replica_ids() if state.epoch else ())
     digests_of = {rid: (step, d) for rid, (inc, step, d) in (digests or {}).items()
                   if rid in state.members and state.members[rid].incarnation == inc}
+    paces_of = {rid: h for rid, (inc, h) in (paces or {}).items()
+                if rid in state.members and state.members[rid].incarnation == inc and h}
+    training = {rid: h for rid, h in paces_of.items() if rid in in_epoch and state.members[rid].role == ACTIVE}
     return StatusView(
         job=job_id, leader=leader.leading, leader_address=leader.leader_address, address=leader.address,
         epoch=state.epoch.number if state.epoch is not None else 0, rendezvous=rendezvous,
@@ -122,12 +133,14 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
         members=tuple(
             MemberRow(x.replica_id, x.incarnation, x.role, x.replica_id in in_epoch,
                       max(0.0, now - last_seen.get(x.replica_id, x.registered_at)), steps.get(x.replica_id, 0),
-                      *digests_of.get(x.replica_id, (0, "")))
+                      *digests_of.get(x.replica_id, (0, "")),
+                      paces_of[x.replica_id][-1] if x.replica_id in paces_of else None)
             for x in sorted(state.members.values(), key=lambda x: x.replica_id)),
         history=tuple(HistoryRow(e.number, e.created_at, e.reason, e.replica_ids(), tuple(replica_kinds(e.events)))
                       for e in state.history[-STATUS_HISTORY:]),
         finished_step=state.finished_step,
         agreement=agreement(digests_of),
+        stragglers=assess(training, policy.straggler_factor, policy.straggler_confirm),
     )
 
 
@@ -145,7 +158,9 @@ def to_json(view: StatusView) -> dict[str, Any]:
         "members": [
             {"replica_id": x.replica_id, "incarnation": x.incarnation, "role": x.role, "in_epoch": x.in_epoch,
              "last_heartbeat_age_s": round(x.last_heartbeat_age_s, 3), "step": x.step,
-             "digest_step": x.digest_step, "digest": x.digest}
+             "digest_step": x.digest_step, "digest": x.digest,
+             "pace": None if x.pace is None else {"step": x.pace.step, "compute_s": round(x.pace.compute_s, 4),
+                                                  "wait_s": round(x.pace.wait_s, 4)}}
             for x in view.members
         ],
         "history": [
@@ -157,6 +172,9 @@ def to_json(view: StatusView) -> dict[str, Any]:
         "agreement": None if view.agreement is None else {
             "step": view.agreement.step, "agree": view.agreement.agree, "differ": list(view.agreement.differ),
             "digests": dict(view.agreement.digests), "text": view.agreement.text()},
+        "stragglers": [{"replica_id": x.replica_id, "slowdown": x.slowdown, "others_wait_s": x.others_wait_s,
+                        "since_step": x.since_step, "reports": x.reports, "text": x.text()}
+                       for x in view.stragglers],
     }
 
 
@@ -166,7 +184,9 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
         epoch=epoch,
         members=[pb.MemberStatus(replica_id=x.replica_id, incarnation=x.incarnation, role=ROLE_TO_PB[x.role],
                                  in_epoch=x.in_epoch, last_heartbeat_age_s=x.last_heartbeat_age_s, step=x.step,
-                                 digest_step=x.digest_step, digest=x.digest)
+                                 digest_step=x.digest_step, digest=x.digest,
+                                 pace_step=x.pace.step if x.pace else 0, compute_s=x.pace.compute_s if x.pace else 0.0,
+                                 wait_s=x.pace.wait_s if x.pace else 0.0)
                  for x in view.members],
         history=[pb.HistoryEntry(epoch=e.epoch, created_unix=e.time, reason=e.reason, members=list(e.members),
                                  events=[pb.ReplicaEvent(replica_id=rid, kind=kind) for rid, kind in e.events])
@@ -175,4 +195,6 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
         finished=view.finished_step is not None,
         finished_step=view.finished_step or 0,
         agreement="" if view.agreement is None else view.agreement.text(),
+        stragglers=[pb.Straggler(replica_id=x.replica_id, slowdown=x.slowdown, others_wait_s=x.others_wait_s,
+                                 since_step=x.since_step, reports=x.reports) for x in view.stragglers],
     )

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1elighthouse/v1/lighthouse.proto\x12\tfthsdp.v1\">\n\tEndpoints\x12\x12\n\ndata_plane\x18\x01 \x01(\t\x12\x0f\n\x07\x63\x61tchup\x18\x02 \x01(\t\x12\x0c\n\x04http\x18\x03 \x01(\t\"\x8e\x01\n\x06Member\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\'\n\tendpoints\x18\x05 \x01(\x0b\x32\x14.fthsdp.v1.Endpoints\"\x94\x01\n\x05\x45poch\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06number\x18\x02 \x01(\x04\x12\"\n\x07members\x18\x03 \x03(\x0b\x32\x11.fthsdp.v1.Member\x12\x12\n\nrendezvous\x18\x04 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05plane\x18\x07 \x01(\x04\"\xbb\x01\n\x0fRegisterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bshard_count\x18\x03 \x01(\r\x12\'\n\tendpoints\x18\x04 \x01(\x0b\x32\x14.fthsdp.v1.Endpoints\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x1d\n\x04role\x18\x06 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x12\n\nlast_epoch\x18\x07 \x01(\x04\"\xdb\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x1f\n\x05\x65poch\x18\x03 \x01(\x0b\x32\x10.fthsdp.v1.Epoch\x12\x1c\n\x14heartbeat_interval_s\x18\x04 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x05 \x01(\x01\x12\x0e\n\x06resume\x18\x06 \x01(\x08\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\x15\n\rfinished_step\x18\x08 \x01(\x04\"\x8d\x01\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x13\n\x0b\x64igest_step\x18\x06 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x07 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\\\n\x0cWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x66ter_epoch\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\xa4\x01\n\rFailureReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1b\n\x13reporter_replica_id\x18\x02 \x01(\t\x12\x1c\n\x14reporter_incarnation\x18\x03 \x01(\t\x12\x1a\n\x12suspect_replica_id\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05\x65\x61rly\x18\x07 \x01(\x08\"I\n\x15\x46\x61ilureReportResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"f\n\x0cReadyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x1d\n\x04role\x18\x04 \x01(\x0e\x32\x0f.fthsdp.v1.Role\"\x1e\n\rReadyResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"e\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x04\"\x1e\n\rLeaveResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\x1f\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xb9\x01\n\x0cMemberStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x10\n\x08in_epoch\x18\x04 \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\x05 \x01(\x01\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x13\n\x0b\x64igest_step\x18\x07 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x08 \x01(\t\"0\n\x0cReplicaEvent\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\"}\n\x0cHistoryEntry\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\'\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x17.fthsdp.v1.ReplicaEvent\"\xd1\x01\n\x0eStatusResponse\x12\x1f\n\x05\x65poch\x18\x01 \x01(\x0b\x32\x10.fthsdp.v1.Epoch\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.fthsdp.v1.MemberStatus\x12(\n\x07history\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.HistoryEntry\x12\x0e\n\x06leader\x18\x04 \x01(\x08\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinished_step\x18\x06 \x01(\x04\x12\x11\n\tagreement\x18\x07 \x01(\t\"\x88\x01\n\x11RendezvousRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x05 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x03\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"?\n\x12RendezvousResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_JOINING\x10\x01\x12\x0f\n\x0bROLE_ACTIVE\x10\x02\x32\xd3\x03\n\nLighthouse\x12\x43\n\x08Register\x12\x1a.fthsdp.v1.RegisterRequest\x1a\x1b.fthsdp.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.fthsdp.v1.HeartbeatRequest\x1a\x1c.fthsdp.v1.HeartbeatResponse\x12\x34\n\x05Watch\x12\x17.fthsdp.v1.WatchRequest\x1a\x10.fthsdp.v1.Epoch0\x01\x12K\n\rReportFailure\x12\x18.fthsdp.v1.FailureReport\x1a .fthsdp.v1.FailureReportResponse\x12:\n\x05Ready\x12\x17.fthsdp.v1.ReadyRequest\x1a\x18.fthsdp.v1.ReadyResponse\x12:\n\x05Leave\x12\x17.fthsdp.v1.LeaveRequest\x1a\x18.fthsdp.v1.LeaveResponse\x12=\n\x06Status\x12\x18.fthsdp.v1.StatusRequest\x1a\x19.fthsdp.v1.StatusResponse2\xc0\x04\n\nRendezvous\x12\x42\n\x03Set\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x42\n\x03Get\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x42\n\x03\x41\x64\x64\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12I\n\nCompareSet\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x44\n\x05\x43heck\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x43\n\x04Wait\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12H\n\tDeleteKey\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x46\n\x07NumKeys\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1elighthouse/v1/lighthouse.proto\x12\tfthsdp.v1\">\n\tEndpoints\x12\x12\n\ndata_plane\x18\x01 \x01(\t\x12\x0f\n\x07\x63\x61tchup\x18\x02 \x01(\t\x12\x0c\n\x04http\x18\x03 \x01(\t\"\x8e\x01\n\x06Member\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\'\n\tendpoints\x18\x05 \x01(\x0b\x32\x14.fthsdp.v1.Endpoints\"\x94\x01\n\x05\x45poch\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06number\x18\x02 \x01(\x04\x12\"\n\x07members\x18\x03 \x03(\x0b\x32\x11.fthsdp.v1.Member\x12\x12\n\nrendezvous\x18\x04 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05plane\x18\x07 \x01(\x04\"\xbb\x01\n\x0fRegisterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bshard_count\x18\x03 \x01(\r\x12\'\n\tendpoints\x18\x04 \x01(\x0b\x32\x14.fthsdp.v1.Endpoints\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x1d\n\x04role\x18\x06 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x12\n\nlast_epoch\x18\x07 \x01(\x04\"\xdb\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x1f\n\x05\x65poch\x18\x03 \x01(\x0b\x32\x10.fthsdp.v1.Epoch\x12\x1c\n\x14heartbeat_interval_s\x18\x04 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x05 \x01(\x01\x12\x0e\n\x06resume\x18\x06 \x01(\x08\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\x15\n\rfinished_step\x18\x08 \x01(\x04\"\xc3\x01\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x13\n\x0b\x64igest_step\x18\x06 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x07 \x01(\t\x12\x11\n\tpace_step\x18\x08 \x01(\x04\x12\x11\n\tcompute_s\x18\t \x01(\x01\x12\x0e\n\x06wait_s\x18\n \x01(\x01\"\"\n\x11HeartbeatResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\\\n\x0cWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x66ter_epoch\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\xa4\x01\n\rFailureReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1b\n\x13reporter_replica_id\x18\x02 \x01(\t\x12\x1c\n\x14reporter_incarnation\x18\x03 \x01(\t\x12\x1a\n\x12suspect_replica_id\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05\x65\x61rly\x18\x07 \x01(\x08\"I\n\x15\x46\x61ilureReportResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"f\n\x0cReadyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x1d\n\x04role\x18\x04 \x01(\x0e\x32\x0f.fthsdp.v1.Role\"\x1e\n\rReadyResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"e\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x04\"\x1e\n\rLeaveResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\x1f\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xef\x01\n\x0cMemberStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x10\n\x08in_epoch\x18\x04 \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\x05 \x01(\x01\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x13\n\x0b\x64igest_step\x18\x07 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x08 \x01(\t\x12\x11\n\tpace_step\x18\t \x01(\x04\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12\x0e\n\x06wait_s\x18\x0b \x01(\x01\"m\n\tStraggler\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08slowdown\x18\x02 \x01(\x01\x12\x15\n\rothers_wait_s\x18\x03 \x01(\x01\x12\x12\n\nsince_step\x18\x04 \x01(\x04\x12\x0f\n\x07reports\x18\x05 \x01(\r\"0\n\x0cReplicaEvent\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\"}\n\x0cHistoryEntry\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\'\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x17.fthsdp.v1.ReplicaEvent\"\xfb\x01\n\x0eStatusResponse\x12\x1f\n\x05\x65poch\x18\x01 \x01(\x0b\x32\x10.fthsdp.v1.Epoch\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.fthsdp.v1.MemberStatus\x12(\n\x07history\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.HistoryEntry\x12\x0e\n\x06leader\x18\x04 \x01(\x08\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinished_step\x18\x06 \x01(\x04\x12\x11\n\tagreement\x18\x07 \x01(\t\x12(\n\nstragglers\x18\x08 \x03(\x0b\x32\x14.fthsdp.v1.Straggler\"\x88\x01\n\x11RendezvousRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x05 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x03\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"?\n\x12RendezvousResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_JOINING\x10\x01\x12\x0f\n\x0bROLE_ACTIVE\x10\x02\x32\xd3\x03\n\nLighthouse\x12\x43\n\x08Register\x12\x1a.fthsdp.v1.RegisterRequest\x1a\x1b.fthsdp.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.fthsdp.v1.HeartbeatRequest\x1a\x1c.fthsdp.v1.HeartbeatResponse\x12\x34\n\x05Watch\x12\x17.fthsdp.v1.WatchRequest\x1a\x10.fthsdp.v1.Epoch0\x01\x12K\n\rReportFailure\x12\x18.fthsdp.v1.FailureReport\x1a .fthsdp.v1.FailureReportResponse\x12:\n\x05Ready\x12\x17.fthsdp.v1.ReadyRequest\x1a\x18.fthsdp.v1.ReadyResponse\x12:\n\x05Leave\x12\x17.fthsdp.v1.LeaveRequest\x1a\x18.fthsdp.v1.LeaveResponse\x12=\n\x06Status\x12\x18.fthsdp.v1.StatusRequest\x1a\x19.fthsdp.v1.StatusResponse2\xc0\x04\n\nRendezvous\x12\x42\n\x03Set\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x42\n\x03Get\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x42\n\x03\x41\x64\x64\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12I\n\nCompareSet\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x44\n\x05\x43heck\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x43\n\x04Wait\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12H\n\tDeleteKey\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x46\n\x07NumKeys\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lighthouse.v1.lighthouse_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2418
-  _globals['_ROLE']._serialized_end=2481
+  _globals['_ROLE']._serialized_start=2679
+  _globals['_ROLE']._serialized_end=2742
   _globals['_ENDPOINTS']._serialized_start=45
   _globals['_ENDPOINTS']._serialized_end=107
   _globals['_MEMBER']._serialized_start=110
@@ -44,39 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRESPONSE']._serialized_start=596
   _globals['_REGISTERRESPONSE']._serialized_end=815
   _globals['_HEARTBEATREQUEST']._serialized_start=818
-  _globals['_HEARTBEATREQUEST']._serialized_end=959
-  _globals['_HEARTBEATRESPONSE']._serialized_start=961
-  _globals['_HEARTBEATRESPONSE']._serialized_end=995
-  _globals['_WATCHREQUEST']._serialized_start=997
-  _globals['_WATCHREQUEST']._serialized_end=1089
-  _globals['_FAILUREREPORT']._serialized_start=1092
-  _globals['_FAILUREREPORT']._serialized_end=1256
-  _globals['_FAILUREREPORTRESPONSE']._serialized_start=1258
-  _globals['_FAILUREREPORTRESPONSE']._serialized_end=1331
-  _globals['_READYREQUEST']._serialized_start=1333
-  _globals['_READYREQUEST']._serialized_end=1435
-  _globals['_READYRESPONSE']._serialized_start=1437
-  _globals['_READYRESPONSE']._serialized_end=1467
-  _globals['_LEAVEREQUEST']._serialized_start=1469
-  _globals['_LEAVEREQUEST']._serialized_end=1570
-  _globals['_LEAVERESPONSE']._serialized_start=1572
-  _globals['_LEAVERESPONSE']._serialized_end=1602
-  _globals['_STATUSREQUEST']._serialized_start=1604
-  _globals['_STATUSREQUEST']._serialized_end=1635
-  _globals['_MEMBERSTATUS']._serialized_start=1638
-  _globals['_MEMBERSTATUS']._serialized_end=1823
-  _globals['_REPLICAEVENT']._serialized_start=1825
-  _globals['_REPLICAEVENT']._serialized_end=1873
-  _globals['_HISTORYENTRY']._serialized_start=1875
-  _globals['_HISTORYENTRY']._serialized_end=2000
-  _globals['_STATUSRESPONSE']._serialized_start=2003
-  _globals['_STATUSRESPONSE']._serialized_end=2212
-  _globals['_RENDEZVOUSREQUEST']._serialized_start=2215
-  _globals['_RENDEZVOUSREQUEST']._serialized_end=2351
-  _globals['_RENDEZVOUSRESPONSE']._serialized_start=2353
-  _globals['_RENDEZVOUSRESPONSE']._serialized_end=2416
-  _globals['_LIGHTHOUSE']._serialized_start=2484
-  _globals['_LIGHTHOUSE']._serialized_end=2951
-  _globals['_RENDEZVOUS']._serialized_start=2954
-  _globals['_RENDEZVOUS']._serialized_end=3530
+  _globals['_HEARTBEATREQUEST']._serialized_end=1013
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1015
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1049
+  _globals['_WATCHREQUEST']._serialized_start=1051
+  _globals['_WATCHREQUEST']._serialized_end=1143
+  _globals['_FAILUREREPORT']._serialized_start=1146
+  _globals['_FAILUREREPORT']._serialized_end=1310
+  _globals['_FAILUREREPORTRESPONSE']._serialized_start=1312
+  _globals['_FAILUREREPORTRESPONSE']._serialized_end=1385
+  _globals['_READYREQUEST']._serialized_start=1387
+  _globals['_READYREQUEST']._serialized_end=1489
+  _globals['_READYRESPONSE']._serialized_start=1491
+  _globals['_READYRESPONSE']._serialized_end=1521
+  _globals['_LEAVEREQUEST']._serialized_start=1523
+  _globals['_LEAVEREQUEST']._serialized_end=1624
+  _globals['_LEAVERESPONSE']._serialized_start=1626
+  _globals['_LEAVERESPONSE']._serialized_end=1656
+  _globals['_STATUSREQUEST']._serialized_start=1658
+  _globals['_STATUSREQUEST']._serialized_end=1689
+  _globals['_MEMBERSTATUS']._serialized_start=1692
+  _globals['_MEMBERSTATUS']._serialized_end=1931
+  _globals['_STRAGGLER']._serialized_start=1933
+  _globals['_STRAGGLER']._serialized_end=2042
+  _globals['_REPLICAEVENT']._serialized_start=2044
+  _globals['_REPLICAEVENT']._serialized_end=2092
+  _globals['_HISTORYENTRY']._serialized_start=2094
+  _globals['_HISTORYENTRY']._serialized_end=2219
+  _globals['_STATUSRESPONSE']._serialized_start=2222
+  _globals['_STATUSRESPONSE']._serialized_end=2473
+  _globals['_RENDEZVOUSREQUEST']._serialized_start=2476
+  _globals['_RENDEZVOUSREQUEST']._serialized_end=2612
+  _globals['_RENDEZVOUSRESPONSE']._serialized_start=2614
+  _globals['_RENDEZVOUSRESPONSE']._serialized_end=2677
+  _globals['_LIGHTHOUSE']._serialized_start=2745
+  _globals['_LIGHTHOUSE']._serialized_end=3212
+  _globals['_RENDEZVOUS']._serialized_start=3215
+  _globals['_RENDEZVOUS']._serialized_end=3791
 # @@protoc_insertion_point(module_scope)

@@ -97,7 +97,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., epoch: _Optional[_Union[Epoch, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., resume: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job_id", "replica_id", "incarnation", "step", "epoch", "digest_step", "digest")
+    __slots__ = ("job_id", "replica_id", "incarnation", "step", "epoch", "digest_step", "digest", "pace_step", "compute_s", "wait_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,9 @@ class HeartbeatRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PACE_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica_id: str
     incarnation: str
@@ -112,7 +115,10 @@ class HeartbeatRequest(_message.Message):
     epoch: int
     digest_step: int
     digest: str
-    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+    pace_step: int
+    compute_s: float
+    wait_s: float
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ..., pace_step: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("epoch",)
@@ -205,7 +211,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
-    __slots__ = ("replica_id", "incarnation", "role", "in_epoch", "last_heartbeat_age_s", "step", "digest_step", "digest")
+    __slots__ = ("replica_id", "incarnation", "role", "in_epoch", "last_heartbeat_age_s", "step", "digest_step", "digest", "pace_step", "compute_s", "wait_s")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +220,9 @@ class MemberStatus(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PACE_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     incarnation: str
     role: Role
@@ -222,7 +231,24 @@ class MemberStatus(_message.Message):
     step: int
     digest_step: int
     digest: str
-    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., in_epoch: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+    pace_step: int
+    compute_s: float
+    wait_s: float
+    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., in_epoch: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ..., pace_step: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class Straggler(_message.Message):
+    __slots__ = ("replica_id", "slowdown", "others_wait_s", "since_step", "reports")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    slowdown: float
+    others_wait_s: float
+    since_step: int
+    reports: int
+    def __init__(self, replica_id: _Optional[str] = ..., slowdown: _Optional[float] = ..., others_wait_s: _Optional[float] = ..., since_step: _Optional[int] = ..., reports: _Optional[int] = ...) -> None: ...
 
 class ReplicaEvent(_message.Message):
     __slots__ = ("replica_id", "kind")
@@ -247,7 +273,7 @@ class HistoryEntry(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("epoch", "members", "history", "leader", "finished", "finished_step", "agreement")
+    __slots__ = ("epoch", "members", "history", "leader", "finished", "finished_step", "agreement", "stragglers")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +281,7 @@ class StatusResponse(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_STEP_FIELD_NUMBER: _ClassVar[int]
     AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     epoch: Epoch
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     history: _containers.RepeatedCompositeFieldContainer[HistoryEntry]
@@ -262,7 +289,8 @@ class StatusResponse(_message.Message):
     finished: bool
     finished_step: int
     agreement: str
-    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., agreement: _Optional[str] = ...) -> None: ...
+    stragglers: _containers.RepeatedCompositeFieldContainer[Straggler]
+    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., agreement: _Optional[str] = ..., stragglers: _Optional[_Iterable[_Union[Straggler, _Mapping]]] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("job_id", "namespace", "keys", "value", "expected", "amount", "timeout_s")

@@ -22,6 +22,7 @@ import pytest
 
 from fthsdp.bench.emulate import Emulator
 from lighthouse import membership as m
+from lighthouse.stragglers import Pace
 from tests.helpers.lighthouse import ServerThread, make_config, wait_until
 
 T = TypeVar("T")
@@ -30,6 +31,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # process hosts the lighthouse and the emulator) does not make the live ones miss it.
 POLICY = m.Policy(min_replicas=1, heartbeat_interval_s=0.2, heartbeat_timeout_s=3.0, confirm_age_s=0.6,
                   expected_replicas=3)
+PACES = {"page-00000": (0.3, 0.0), "page-00001": (0.1, 0.2), "page-00002": (0.1, 0.2)}
 DIGESTS = {"page-00000": "00aa00aa00aa00aa", "page-00001": "00aa00aa00aa00aa", "page-00002": "ff00ff00ff00ff00"}
 # The page's colours (lighthouse/page.py :root) that the screenshot must contain.
 ACTIVE, FAILURE, REJOIN = (0x2E, 0x7D, 0x32), (0xC6, 0x28, 0x28), (0x15, 0x65, 0xC0)
@@ -90,6 +92,14 @@ def cluster() -> Iterator[ServerThread]:
             live[rid].client.digest = (40, digest)
         wait_until(lambda: (_get_status(server).get("agreement") or {}).get("differ") == ["page-00002"],
                    timeout=15, what="the digests at the lighthouse")
+        # Paces with the heartbeats, three distinct steps: the others wait on page-00000, three times slower.
+        for step in (40, 41, 42):
+            for rid, r in live.items():
+                r.client.pace = Pace(step, *PACES[rid])
+            wait_until(lambda s=step: all((x.get("pace") or {}).get("step") == s  # type: ignore[misc]
+                                          for x in _get_status(server)["members"]),
+                       timeout=15, what=f"the paces of step {step} at the lighthouse")
+        assert [x["replica_id"] for x in _get_status(server)["stragglers"]] == ["page-00000"]
         yield server
     finally:
         for emu in emus:
@@ -145,6 +155,12 @@ def test_live_page_in_chromium(cluster: ServerThread, tmp_path: pathlib.Path) ->
         cls = "digest differ" if rid == "page-00002" else "digest"
         assert re.search(rf'<tr data-replica="{rid}" data-role="\w+">.*?<span class="{cls}">{digest} \(40\)</span>',
                          dom), (rid, digest)
+    # Each replica's pace, and the straggler: page-00000, drawn as slow and named in the summary.
+    assert re.search(r'id="stragglers">page-00000 3x<', dom), "stragglers not drawn"
+    for rid, (compute, wait) in PACES.items():
+        cls = "pace slow" if rid == "page-00000" else "pace"
+        assert re.search(rf'<tr data-replica="{rid}" data-role="\w+">.*?<span class="{cls}">{compute:.3f} / {wait:.3f}'
+                         '</span>', dom), (rid, compute)
 
 
 def _colours(png: pathlib.Path) -> tuple[Any, int]:

@@ -423,6 +423,33 @@ def test_digests_are_compared_in_one_case(pair: Any) -> None:
     assert doc["members"][0]["digest"] == "00aa00aa00aa00aa" and doc["agreement"]["agree"] is True
 
 
+@pytest.mark.parametrize("pace", [(12, float("nan"), 0.0), (12, -0.5, 0.0), (12, 0.1, 1e9), (12, float("inf"), 0.1)])
+def test_a_malformed_pace_is_invalid_argument_and_changes_nothing(pair: Any, pace: tuple[int, float, float]) -> None:
+    s, stub, incs = pair
+    heartbeat(stub, "a", incs["a"], pace=(10, 0.1, 0.05))
+    before = json.loads(http_get(s.http, "/status")[2])["members"]
+    code, detail = details_of(lambda: heartbeat(stub, "a", incs["a"], step=99, pace=pace))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "compute_s" in detail
+    after = json.loads(http_get(s.http, "/status")[2])["members"]
+    assert [(x["step"], x["pace"]) for x in after] == [(x["step"], x["pace"]) for x in before]
+
+
+def test_paces_name_the_replica_the_others_wait_on(pair: Any) -> None:
+    """Two members: 'a' reports three times the compute of 'b', and 'b' waits: 'a' is named once three reports of
+    distinct steps hold it (a heartbeat repeating a report counts once)."""
+    s, stub, incs = pair
+    for step in (10, 11):
+        heartbeat(stub, "a", incs["a"], pace=(step, 0.3, 0.0))
+        heartbeat(stub, "a", incs["a"], pace=(step, 0.3, 0.0))
+        heartbeat(stub, "b", incs["b"], pace=(step, 0.1, 0.2))
+    assert json.loads(http_get(s.http, "/status")[2])["stragglers"] == []
+    heartbeat(stub, "a", incs["a"], pace=(12, 0.3, 0.0))
+    doc = json.loads(http_get(s.http, "/status")[2])
+    assert [(x["replica_id"], x["slowdown"], x["since_step"], x["reports"]) for x in doc["stragglers"]] == \
+        [("a", 3.0, 10, 3)]
+    assert [(x.replica_id, x.reports) for x in status(stub).stragglers] == [("a", 3)]
+
+
 def test_report_refusals(pair: Any) -> None:
     s, stub, incs = pair
     c = register(stub, "c")

@@ -1,0 +1,107 @@
+"""Fail-slow evidence: which replica the others wait on (docs/design.md §4, "Stragglers").
+
+In synchronous HSDP one slow replica sets the pace: every exchange waits for its buckets. Rank 0 of each replica
+reports with its heartbeats a ``Pace``: over its last ``PACE_WINDOW`` committed steps (failure-free ones, where it
+contributed), the median of its compute time (forward and backward, until its last bucket was handed to FTAR)
+and of its exchange wait (from there until its step's last bucket came back). The slow replica computes longer
+and waits least; the others wait about its excess. Medians make one slow step (a page fault, a checkpoint, the
+first step after a rejoin) count for nothing.
+
+The lighthouse keeps each member's last ``KEEP`` reports of distinct steps (``remember``); ``assess`` — a pure
+function of those histories — names a replica a straggler when its reported compute was at least ``factor`` times
+the others' (the median of their latest reports) in each of its last ``confirm`` reports, and the others do wait
+on it (their median wait is at least ``WAIT_SHARE`` of its excess). A flag that does not hold for ``confirm``
+reports in a row is no flag: one noisy window raises nothing. What the lighthouse does with a straggler is its
+policy (today ``report``: the status, the page and ``fthsdp status`` name it with its evidence).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+PACE_WINDOW = 7
+"""Committed steps a replica's report is the median of (4 slow steps in 7 move it)."""
+KEEP = 8
+"""Reports of distinct steps the lighthouse keeps per member."""
+WAIT_SHARE = 0.25
+"""The others' median exchange wait must be at least this share of a straggler's excess compute: a replica that
+computes longer while nobody waits for it (its buckets are not the last) costs nothing."""
+MAX_SECONDS = 86_400.0
+"""A reported time above this (or negative, or not finite) is malformed."""
+
+
+@dataclass(frozen=True)
+class Pace:
+    """One replica's report: the medians over its last ``PACE_WINDOW`` committed steps, ending at ``step``."""
+
+    step: int
+    compute_s: float
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A replica the others wait on, with the evidence."""
+
+    replica_id: str
+    slowdown: float
+    """Its latest compute over the others' median (2.0: it takes twice as long)."""
+    others_wait_s: float
+    """The others' median exchange wait per step: what it costs each of them."""
+    since_step: int
+    """The step of the first report of its current run of slow ones."""
+    reports: int
+    """Reports in that run (at least ``confirm``)."""
+
+    def text(self) -> str:
+        return (f"{self.replica_id} is {self.slowdown:.2f}x slower than the others since step {self.since_step}; "
+                f"they wait {self.others_wait_s:.3f}s per step on it")
+
+
+def valid(pace: Pace) -> bool:
+    """Whether a reported pace is well formed: a step, and times that are finite, non-negative and not absurd."""
+    return pace.step >= 0 and all(math.isfinite(x) and 0.0 <= x <= MAX_SECONDS
+                                  for x in (pace.compute_s, pace.wait_s))
+
+
+def remember(history: tuple[Pace, ...], pace: Pace, keep: int = KEEP) -> tuple[Pace, ...]:
+    """``history`` with ``pace`` added when it is of a newer step than the last one (a heartbeat repeats the latest
+    report until the next step), at most ``keep`` of them; a report of an older step (a new incarnation counts
+    from where the job is, never lower) starts a new history."""
+    if history and pace.step == history[-1].step:
+        return history
+    if history and pace.step < history[-1].step:
+        return (pace,)
+    return (*history, pace)[-keep:]
+
+
+def assess(histories: Mapping[str, Sequence[Pace]], factor: float, confirm: int) -> tuple[Straggler, ...]:
+    """The stragglers among the members whose reports are in ``histories`` (the caller passes only the current
+    incarnations of the members that train), slowest first. Needs at least two members with reports."""
+    if factor <= 1.0 or confirm < 1:
+        raise ValueError(f"need factor > 1 and confirm >= 1, got {factor} and {confirm}")
+    latest = {rid: h[-1] for rid, h in histories.items() if h}
+    if len(latest) < 2:
+        return ()
+    out: list[Straggler] = []
+    for rid, history in histories.items():
+        if len(history) < confirm:
+            continue
+        others = [p for r, p in latest.items() if r != rid]
+        base = statistics.median(p.compute_s for p in others)
+        waited = statistics.median(p.wait_s for p in others)
+        if base <= 0.0:
+            continue
+        run = 0
+        for p in reversed(history):
+            if p.compute_s < factor * base:
+                break
+            run += 1
+        mine = history[-1]
+        if run >= confirm and waited >= WAIT_SHARE * (mine.compute_s - base):
+            out.append(Straggler(rid, round(mine.compute_s / base, 3), round(waited, 4),
+                                 history[-run].step, run))
+    return tuple(sorted(out, key=lambda s: (-s.slowdown, s.replica_id)))

@@ -1,0 +1,47 @@
+"""Fail-slow end to end: replica groups under torchrun (Gloo, CPU, the tiny model); one of them is made slow from a
+step on (``FTHSDP_FAULT_SLOW``) and the lighthouse's status must name it, and only it, within ten steps, with no
+flag before."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Any
+
+import pytest
+
+from fthsdp.testing.launcher import Cluster, ClusterConfig
+from tests.helpers.cluster_checks import check_converged, check_survivor
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_a_replica_three_times_slower_is_named_within_ten_steps_and_nobody_before(tmp_path: pathlib.Path) -> None:
+    steps, slow_from = 60, 25
+    samples: list[tuple[int, list[dict[str, Any]]]] = []
+    polled = [0.0]
+
+    def poll(cluster: Cluster) -> None:
+        if time.monotonic() - polled[0] < 0.1:
+            return
+        polled[0] = time.monotonic()
+        doc = cluster.status()
+        trained = [x["step"] for x in doc["members"] if x["role"] == "active"]
+        if len(trained) == 3:  # the job's step as the status sees it: no member is past it
+            samples.append((max(trained), doc["stragglers"]))
+
+    config = ClusterConfig(replicas=3, ranks=1, model="tiny", steps=steps, min_step_s=0.15, timeout_s=240,
+                           env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}})
+    report = Cluster(config, tmp_path, on_tick=poll).run()
+    check_converged(report, steps)
+    for r in range(3):
+        check_survivor(tmp_path, r, steps)
+    healthy = [found for step, found in samples if step < slow_from]
+    assert len(healthy) >= 10, "too few status samples before the slowdown: nothing was checked"
+    assert all(found == [] for found in healthy), [s for s in samples if s[0] < slow_from and s[1]]
+    flagged = [(step, found) for step, found in samples if found]
+    assert flagged, "the slow replica was never named"
+    first_step, first = flagged[0]
+    assert first_step < slow_from + 10, f"named at step {first_step}, {first_step - slow_from} steps after it slowed"
+    assert all([x["replica_id"] for x in found] == ["replica-2"] for _, found in flagged), flagged
+    assert first[0]["slowdown"] >= 1.5 and first[0]["others_wait_s"] > 0 and first[0]["since_step"] >= slow_from

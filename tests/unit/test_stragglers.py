@@ -1,0 +1,153 @@
+"""The fail-slow detector (``lighthouse.stragglers``) on step traces: each replica's steps go through the window
+the runtime keeps (``fthsdp.runtime.pace``), its reports into the lighthouse's history, and ``assess`` runs after
+every step, as the status does. No network."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+
+from fthsdp.runtime.pace import PaceWindow
+from lighthouse import membership as m
+from lighthouse.server import status
+from lighthouse.stragglers import KEEP, Pace, Straggler, assess, remember, valid
+from lighthouse.v1 import lighthouse_pb2 as pb
+
+FACTOR, CONFIRM = 1.5, 3
+
+# (step, replica) -> that replica's compute time for the step, before noise.
+Speed = Callable[[int, int], float]
+
+
+def _run(speed: Speed, replicas: int = 3, steps: int = 300, jitter: float = 0.3, spikes: float = 0.02,
+         seed: int = 0) -> list[tuple[int, tuple[Straggler, ...]]]:
+    """Synchronous steps: each replica computes (its speed, +-jitter, and now and then a spike of 3x), the step
+    ends when the slowest is done, so each waits the difference. Returns (step, stragglers) after every step."""
+    rng = random.Random(seed)
+    windows = [PaceWindow() for _ in range(replicas)]
+    histories: dict[str, tuple[Pace, ...]] = {f"r{i}": () for i in range(replicas)}
+    out = []
+    for step in range(steps):
+        compute = [speed(step, i) * (1 + rng.uniform(-jitter, jitter)) * (3 if rng.random() < spikes else 1)
+                   for i in range(replicas)]
+        slowest = max(compute)
+        for i, c in enumerate(compute):
+            pace = windows[i].add(step, c, slowest - c + 0.002)
+            if pace is not None:
+                histories[f"r{i}"] = remember(histories[f"r{i}"], pace)
+        out.append((step, assess(histories, FACTOR, CONFIRM)))
+    return out
+
+
+def _flags(trace: list[tuple[int, tuple[Straggler, ...]]]) -> list[tuple[int, str]]:
+    return [(step, s.replica_id) for step, found in trace for s in found]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_healthy_run_that_only_jitters_raises_no_flag(seed: int) -> None:
+    """+-30% jitter on every step and a 3x spike on one step in fifty: never a straggler."""
+    assert _flags(_run(lambda step, i: 0.1, seed=seed)) == []
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 8])
+def test_one_replica_twice_as_slow_is_named_within_ten_steps(replicas: int) -> None:
+    start = 100
+    trace = _run(lambda step, i: 0.2 if i == 1 and step >= start else 0.1, replicas=replicas)
+    flags = _flags(trace)
+    assert flags and {rid for _, rid in flags} == {"r1"}
+    first = flags[0][0]
+    assert start <= first < start + 10, first
+    found = dict(trace)[start + 20][0]
+    assert found.replica_id == "r1" and found.slowdown == pytest.approx(2.0, rel=0.25)
+    assert found.others_wait_s == pytest.approx(0.1, abs=0.07)  # what it costs each of the others per step
+    assert found.since_step >= start and found.reports >= CONFIRM
+    assert "r1 is" in found.text() and "slower" in found.text()
+
+
+def test_a_replica_slow_for_three_steps_in_seven_is_never_named() -> None:
+    """Flapping: slow 3 steps, then healthy 4, over and over: each window's median is healthy."""
+    assert _flags(_run(lambda step, i: 0.25 if i == 2 and step % 7 < 3 else 0.1, jitter=0.1, spikes=0.0)) == []
+
+
+def test_a_straggler_that_recovers_is_no_longer_named() -> None:
+    trace = _run(lambda step, i: 0.2 if i == 0 and 50 <= step < 120 else 0.1)
+    assert any(s.replica_id == "r0" for s in dict(trace)[100])
+    assert all(found == () for step, found in trace if step >= 130)
+
+
+def test_everyone_slower_together_is_no_straggler() -> None:
+    """A slowdown of the whole job (a shared filesystem, the network) names nobody."""
+    assert _flags(_run(lambda step, i: 0.3 if step >= 100 else 0.1)) == []
+
+
+def test_a_replica_that_computes_longer_while_nobody_waits_is_not_named() -> None:
+    slow = tuple(Pace(s, 0.3, 0.0) for s in range(10, 14))
+    others = tuple(Pace(s, 0.1, 0.0) for s in range(10, 14))
+    assert assess({"a": slow, "b": others, "c": others}, FACTOR, CONFIRM) == ()
+    waited = tuple(Pace(s, 0.1, 0.2) for s in range(10, 14))
+    assert [s.replica_id for s in assess({"a": slow, "b": waited, "c": waited}, FACTOR, CONFIRM)] == ["a"]
+
+
+def test_too_few_reports_or_members_name_nobody() -> None:
+    slow = tuple(Pace(s, 0.3, 0.0) for s in range(10, 10 + CONFIRM - 1))
+    fast = tuple(Pace(s, 0.1, 0.2) for s in range(10, 14))
+    assert assess({"a": slow, "b": fast}, FACTOR, CONFIRM) == ()  # not confirmed yet
+    assert assess({"a": slow + (Pace(20, 0.3, 0.0),), "b": fast}, FACTOR, CONFIRM)  # now it is
+    assert assess({"a": fast}, FACTOR, CONFIRM) == ()
+    assert assess({}, FACTOR, CONFIRM) == ()
+    with pytest.raises(ValueError):
+        assess({"a": fast}, 1.0, CONFIRM)
+
+
+def test_remember_keeps_distinct_newer_steps_only() -> None:
+    h: tuple[Pace, ...] = ()
+    for s in range(20):
+        h = remember(remember(h, Pace(s, 0.1, 0.0)), Pace(s, 0.5, 0.0))  # a heartbeat repeats the latest
+    assert [p.step for p in h] == list(range(20 - KEEP, 20)) and all(p.compute_s == 0.1 for p in h)
+    assert remember(h, Pace(3, 0.1, 0.0)) == (Pace(3, 0.1, 0.0),)  # an older step: a new history
+
+
+@pytest.mark.parametrize("bad", [Pace(1, math.nan, 0.0), Pace(1, 0.1, -1.0), Pace(1, math.inf, 0.0),
+                                 Pace(1, 0.1, 1e9), Pace(-1, 0.1, 0.1)])
+def test_malformed_reports_are_refused(bad: Pace) -> None:
+    assert not valid(bad)
+    assert valid(Pace(1, 0.1, 0.0))
+
+
+def test_the_window_reports_medians_once_full() -> None:
+    w = PaceWindow(size=3)
+    assert w.add(1, 0.1, 0.5) is None and w.add(2, 9.0, 0.5) is None  # one outlier...
+    assert w.add(3, 0.2, 0.0) == Pace(3, 0.2, 0.5)  # ...counts for nothing
+
+
+def _state(*ids: str, joining: str = "") -> m.State:
+    members = {rid: m.Member(rid, f"i-{rid}", 1, m.Endpoints(), m.JOINING if rid == joining else m.ACTIVE, True,
+                             registered_at=0.0) for rid in ids}
+    epoch = m.Epoch(1, tuple(m.EpochMember(rid, f"i-{rid}", members[rid].role, 1, m.Endpoints()) for rid in ids),
+                    0.0, "test")
+    return m.State(members=members, epoch=epoch, last_number=1, history=(epoch,))
+
+
+def test_the_status_names_stragglers_among_the_active_members_only() -> None:
+    slow = tuple(Pace(s, 0.3, 0.0) for s in range(10, 14))
+    fast = tuple(Pace(s, 0.1, 0.2) for s in range(10, 14))
+    leader = status.Leader(True, "lh:1", "lh:1")
+
+    def build(state: m.State, paces: dict[str, tuple[str, tuple[Pace, ...]]]) -> status.StatusView:
+        return status.build("job", state, last_seen={}, steps={}, rendezvous="", policy=m.Policy(), leader=leader,
+                            now=1.0, paces=paces)
+
+    view = build(_state("a", "b", "c"), {"a": ("i-a", slow), "b": ("i-b", fast), "c": ("i-c", fast)})
+    doc = status.to_json(view)
+    assert [x["replica_id"] for x in doc["stragglers"]] == ["a"] and doc["stragglers"][0]["slowdown"] == 3.0
+    assert doc["members"][0]["pace"] == {"step": 13, "compute_s": 0.3, "wait_s": 0.0}
+    answer = status.to_pb(view, pb.Epoch(job_id="job", number=1))
+    assert [(s.replica_id, s.since_step) for s in answer.stragglers] == [("a", 10)]
+    assert answer.members[0].pace_step == 13 and answer.members[0].compute_s == pytest.approx(0.3)
+    # A joiner's (it exchanges zeros) and an earlier incarnation's reports count for nothing.
+    assert build(_state("a", "b", "c", joining="a"),
+                 {"a": ("i-a", slow), "b": ("i-b", fast), "c": ("i-c", fast)}).stragglers == ()
+    assert build(_state("a", "b", "c"), {"a": ("old", slow), "b": ("i-b", fast), "c": ("i-c", fast)}).stragglers == ()
