@@ -144,8 +144,9 @@ class LighthouseClient:
     def report_failure(self, suspect: str, epoch: int, reason: str, *, early: bool = False) -> ReportResult:
         return self._run(self.aio.report_failure(suspect, epoch, reason, early=early))
 
-    def ready(self, role: str) -> int:
-        return self._run(self.aio.ready(role))
+    def ready(self, role: str, probe_s: float = 0.0) -> int:
+        """Ready(``role``); JOINING with the seconds of a probe step (0: none): ``HeldOut`` while too slow."""
+        return self._run(self.aio.ready(role, probe_s))
 
     def leave(self, reason: str = "") -> int:
         """Leave the job gracefully, with the last step given to ``set_step``."""

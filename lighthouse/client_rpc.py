@@ -16,10 +16,12 @@ from typing import cast
 import grpc
 from google.protobuf.message import DecodeError
 
+from lighthouse.ejection import HELD_OUT
 from lighthouse.epoch_view import EpochView
 from lighthouse.errors import (
     Busy,
     FencedOut,
+    HeldOut,
     InvalidRequest,
     LighthouseError,
     LighthouseUnavailable,
@@ -78,6 +80,8 @@ def _translate(e: grpc.aio.AioRpcError, what: str) -> LighthouseError:
     if hint is not None:
         return NotLeader(f"{what}: {code.name}: {e.details()}", hint)
     cls = _ERRORS.get(code, LighthouseUnavailable)
+    if code == grpc.StatusCode.ABORTED and (e.details() or "").startswith(HELD_OUT):
+        cls = HeldOut
     return cls(f"{what}: {code.name}: {e.details()}")
 
 
@@ -250,11 +254,13 @@ class LighthouseRpc:
         assert isinstance(resp, pb.FailureReportResponse)
         return ReportResult(resp.confirmed, resp.detail, resp.epoch)
 
-    async def ready(self, role: str) -> int:
-        """Ready(``role``). Asking for ACTIVE is remembered: if this call fails, the session retries it."""
+    async def ready(self, role: str, probe_s: float = 0.0) -> int:
+        """Ready(``role``); JOINING with the seconds of a probe step (``probe_s``, 0: none). Asking for ACTIVE is
+        remembered: if this call fails, the session retries it."""
         self.active_wanted = self.active_wanted or role == ACTIVE
         resp = await self._call("Ready", pb.ReadyRequest(job_id=self.job_id, replica_id=self.replica_id,
-                                                         incarnation=self.incarnation, role=ROLE_TO_PB[role]))
+                                                         incarnation=self.incarnation, role=ROLE_TO_PB[role],
+                                                         probe_compute_s=probe_s))
         assert isinstance(resp, pb.ReadyResponse)
         if role == ACTIVE:
             self.role = ACTIVE

@@ -23,6 +23,11 @@ class Busy(LighthouseError):
     """The lighthouse cannot do this now; retry later (ABORTED), e.g. another replica is joining."""
 
 
+class HeldOut(Busy):
+    """A replica ejected as slow may not enter the data plane yet: its probe step was still as slow (ABORTED,
+    ``lighthouse.ejection.held_out``). Probe again, then retry."""
+
+
 class Unauthenticated(LighthouseError):
     """Wrong or missing credentials (UNAUTHENTICATED, PERMISSION_DENIED)."""
 

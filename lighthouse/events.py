@@ -34,6 +34,8 @@ class DeathCause(StrEnum):
     singled out by the blame (``lighthouse.escalation``)."""
     STALLED = "stalled"
     """A joiner that did not turn active within ``join_deadline_s`` of entering the data plane."""
+    SLOW = "slow"
+    """A straggler ejected under the ``eject`` fail-slow policy (``lighthouse.ejection``): the others waited on it."""
     JOB_FINISHED = "job_finished"
     """The job finished (``State.finished_step``) and no active member is left: a member still joining has
     nothing left to join, so it is dropped at once instead of waiting for an epoch that can never form."""
@@ -56,7 +58,11 @@ class Died:
     joining_s: float = 0.0
     """STALLED: seconds it spent in the data plane as a joiner."""
     step: int = 0
-    """JOB_FINISHED: the step the job finished at."""
+    """JOB_FINISHED: the step the job finished at; SLOW: the step it was first reported slow at."""
+    slowdown: float = 0.0
+    """SLOW: its compute over the others'."""
+    waited_s: float = 0.0
+    """SLOW: the others' median wait per step on it."""
     disconnected_s: float = 0.0
     """DISCONNECTED: seconds since its watch stream closed."""
     kind: ClassVar[str] = "failure"
@@ -172,6 +178,9 @@ def phrase(event: MembershipEvent) -> str:
         case Died(cause=DeathCause.STALLED):
             return (f"replica {event.replica_id} dropped (joining for {event.joining_s:.0f}s in the data plane "
                     "without turning active)")
+        case Died(cause=DeathCause.SLOW):
+            return (f"replica {event.replica_id} ejected (slow: {event.slowdown:.2f}x the others' compute since step "
+                    f"{event.step}; they waited {event.waited_s:.3f}s per step on it)")
         case Died(cause=DeathCause.JOB_FINISHED):
             return f"replica {event.replica_id} dropped (the job finished at step {event.step})"
         case Died():

@@ -16,9 +16,9 @@ Rules (docs/design.md §4):
   (at most ``join_window_s`` after ``min_replicas`` registered, when that is set), or without an expected count
   for ``join_window_s`` after ``min_replicas`` registered.
 - After that a registrant is ``joining`` (it must fetch state; one joiner enters the data plane at a time),
-  unless the job has no live active member left
-  (everyone died: it restarts from a checkpoint as active). A joiner that has not turned active
-  ``join_deadline_s`` after an epoch put it in the data plane is dropped, so it cannot hold the slot forever.
+  unless the job has no live active member left (everyone died: it restarts from a checkpoint as active). A
+  joiner that has not turned active ``join_deadline_s`` after an epoch put it in the data plane is dropped, so it
+  cannot hold the slot forever.
 - A lighthouse that lost its state (a restart on the in-memory store) relearns it: before its first epoch, a
   registration that claims the role its incarnation held (``claim``, with the last epoch it saw) gets that role
   back, in the data plane; the first epoch then forms ``heartbeat_timeout_s`` after ``min_replicas`` were back
@@ -34,6 +34,7 @@ Rules (docs/design.md §4):
   same members (a new number), so that every member rebuilds its data plane instead of waiting forever. One
   reported again after ``max_reforms`` consecutive re-forms is hung (heartbeating, not training): dead, if the
   blame singles it out; otherwise at most one of the suspects is (bounded escalation, ``lighthouse.escalation``).
+- A straggler (fail-slow, policy ``eject``) leaves like a failure, when that wins (``lighthouse.ejection``).
 - End of job: a member that leaves with reason ``"finished"`` marks the job completed at its step
   (``State.finished_step``, the highest if several do). From then on a registration (other than a reconnect of a
   member still in the job) changes nothing and is answered finished (``Outcome.finished_step``); once no active
@@ -44,9 +45,9 @@ Rules (docs/design.md §4):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lighthouse.ejection import eject
 from lighthouse.escalation import hung_verdict
 from lighthouse.events import (
     DeathCause,
@@ -67,6 +68,13 @@ from lighthouse.incarnations import check_incarnation as check_incarnation
 from lighthouse.incarnations import departed_message as departed_message
 from lighthouse.incarnations import drop
 from lighthouse.incarnations import finished_message as finished_message
+from lighthouse.inputs import Eject as Eject
+from lighthouse.inputs import Event as Event
+from lighthouse.inputs import Leave as Leave
+from lighthouse.inputs import Ready as Ready
+from lighthouse.inputs import Register as Register
+from lighthouse.inputs import Report as Report
+from lighthouse.inputs import Tick as Tick
 from lighthouse.model import ACTIVE as ACTIVE
 from lighthouse.model import FINISHED, HISTORY_LIMIT, ROLES, Member
 from lighthouse.model import JOINING as JOINING
@@ -75,66 +83,6 @@ from lighthouse.model import Epoch as Epoch
 from lighthouse.model import EpochMember as EpochMember
 from lighthouse.model import Policy as Policy
 from lighthouse.model import State as State
-
-# --- inputs -------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Register:
-    replica_id: str
-    incarnation: str
-    shard_count: int
-    endpoints: Endpoints
-    now: float
-    claim: str = ""
-    """Re-registering with a lighthouse that lost this incarnation: the role it held (``JOINING``: syncing in the
-    data plane); '' for a plain registration."""
-    last_epoch: int = 0
-    """The newest epoch this replica saw: numbering goes on above it."""
-
-
-@dataclass(frozen=True)
-class Ready:
-    replica_id: str
-    incarnation: str
-    role: str
-    now: float
-
-
-@dataclass(frozen=True)
-class Leave:
-    replica_id: str
-    incarnation: str
-    reason: str
-    now: float
-    step: int = 0
-    """The leaver's last committed step; with reason ``FINISHED`` ("finished"), the step the job completed at."""
-
-
-@dataclass(frozen=True)
-class Report:
-    reporter: str
-    reporter_incarnation: str
-    suspect: str
-    epoch: int
-    reason: str
-    now: float
-    last_seen: Mapping[str, float]
-    disconnected_s: float | None = None
-    """Seconds since a watch stream of the suspect's current incarnation closed from its end without being
-    replaced (the edge knows its streams); ``None`` while every stream it opened is open."""
-    early: bool = False
-    """Sent before the reporter's blame grace ended, while live peers may still be checking in: confirmed only on
-    evidence (disconnected, or silent for ``confirm_age_s``), else it changes nothing."""
-
-
-@dataclass(frozen=True)
-class Tick:
-    now: float
-    last_seen: Mapping[str, float]
-
-
-Event = Register | Ready | Leave | Report | Tick
 
 
 @dataclass(frozen=True)
@@ -174,6 +122,9 @@ def decide(state: State, event: Event, policy: Policy) -> Outcome:
         return _report(state, event, policy)
     if isinstance(event, Tick):
         return _tick(state, event, policy)
+    if isinstance(event, Eject):  # a straggler (``lighthouse.ejection``)
+        out = eject(state, event, policy, _reconcile)
+        return Outcome(state=state, rejection=out) if isinstance(out, Rejection) else out
     raise TypeError(f"unknown event {event!r}")
 
 

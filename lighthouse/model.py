@@ -43,6 +43,9 @@ class Policy:
     ``lighthouse.stragglers``). 1.5: with three replicas, ejecting one that slow would win back what it costs."""
     straggler_confirm: int = 3
     """Consecutive slow reports (of distinct steps) before a member is named a straggler."""
+    straggler_policy: str = "report"
+    """What a straggler gets: ``report`` (named in the status) or ``eject`` (taken out of the job when that wins:
+    ``lighthouse.ejection``; it comes back once a probe step shows it healthy)."""
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
@@ -55,6 +58,8 @@ class Policy:
             raise ValueError("join_window_s, expected_replicas, max_reforms and join_deadline_s must be >= 0")
         if not self.straggler_factor > 1.0 or self.straggler_confirm < 1:
             raise ValueError("need straggler_factor > 1 and straggler_confirm >= 1")
+        if self.straggler_policy not in ("report", "eject"):
+            raise ValueError(f"straggler_policy must be report or eject, got {self.straggler_policy!r}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lighthouse.model import ACTIVE, State
+
 PACE_WINDOW = 7
 """Committed steps a replica's report is the median of (4 slow steps in 7 move it)."""
 KEEP = 8
@@ -105,3 +107,18 @@ def assess(histories: Mapping[str, Sequence[Pace]], factor: float, confirm: int)
             out.append(Straggler(rid, round(mine.compute_s / base, 3), round(waited, 4),
                                  history[-run].step, run))
     return tuple(sorted(out, key=lambda s: (-s.slowdown, s.replica_id)))
+
+
+def training_paces(state: State, paces: Mapping[str, tuple[str, tuple[Pace, ...]]]) -> dict[str, tuple[Pace, ...]]:
+    """The histories ``assess`` looks at: those of the current incarnations of the active members of the epoch
+    (a joiner exchanges zeros; an earlier incarnation's reports are not its successor's)."""
+    epoch = state.epoch
+    if epoch is None:
+        return {}
+    out = {}
+    for x in epoch.members:
+        inc, history = paces.get(x.replica_id, ("", ()))
+        member = state.members.get(x.replica_id)
+        if history and member is not None and member.role == ACTIVE and member.incarnation == inc == x.incarnation:
+            out[x.replica_id] = history
+    return out

@@ -272,3 +272,44 @@ def format_sim(r: SimResult) -> str:
         lines.append(f"  {mode:<7} ETT {x.ett:.3f}  (closed form, fixed arrivals {x.closed_form_fixed:.3f}; "
                      f"Poisson limit {x.poisson_limit:.3f})")
     return "\n".join(lines)
+
+
+# --- bench straggler ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StragglerResult(_AsJson):
+    """``fthsdp bench straggler`` (``fthsdp.bench.straggler``'s module doc). Throughputs in samples per second."""
+
+    replicas: int
+    steps: int
+    model: str
+    slow_from: int
+    factor: float
+    detect_steps: int | None
+    """Steps from the slowdown until the status named the straggler (None: never)."""
+    false_flags: list[str]
+    """What the healthy job named or ejected (must be empty)."""
+    ejected_at_step: int | None
+    """The eject job's first step with two contributors."""
+    ejections: list[str]
+    """The eject job's epochs that ejected someone (their reasons)."""
+    throughput_healthy: float
+    throughput_healthy_2: float
+    throughput_do_nothing: float
+    throughput_after_eject: float
+    throughput_do_nothing_ratio: float
+    """The straggler's job left alone, over the healthy three-replica job."""
+    throughput_after_ratio: float
+    """The eject job once the straggler is out, over the healthy two-replica job."""
+    benchmark: str = "straggler"
+
+
+def format_straggler(r: StragglerResult) -> str:
+    return "\n".join([
+        f"{r.replicas} replicas x 1 rank, {r.model} model, replica 2 {r.factor}x slower from step {r.slow_from}",
+        f"  named after {r.detect_steps} step(s); false flags on a healthy job: {r.false_flags or 'none'}",
+        f"  doing nothing: {r.throughput_do_nothing} samples/s = {r.throughput_do_nothing_ratio} x healthy "
+        f"({r.throughput_healthy})",
+        f"  ejected at step {r.ejected_at_step}: {r.throughput_after_eject} samples/s = {r.throughput_after_ratio} x "
+        f"a healthy 2-replica job ({r.throughput_healthy_2})"])

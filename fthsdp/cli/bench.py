@@ -1,5 +1,5 @@
-"""``fthsdp bench lighthouse|ftar|overhead|recovery``: the benchmarks (``fthsdp.bench``), each against a baseline
-measured in the same run; ``--json`` prints the result's document, otherwise its table
+"""``fthsdp bench lighthouse|ftar|overhead|recovery|straggler``: the benchmarks (``fthsdp.bench``), each against
+a baseline measured in the same run; ``--json`` prints the result's document, otherwise its table
 (``fthsdp.bench.results``)."""
 
 from __future__ import annotations
@@ -61,6 +61,18 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
     emit(report, a.json, format_recovery)
 
 
+def cmd_bench_straggler(a: argparse.Namespace) -> None:
+    from fthsdp.bench.results import format_straggler
+    from fthsdp.bench.straggler import bench_straggler
+
+    try:
+        result = bench_straggler(steps=a.steps, slow_from=a.slow_from, factor=a.factor, model=a.model,
+                                 workdir=a.workdir)
+    except ValueError as e:
+        raise SystemExit(f"fthsdp bench straggler: {e}") from None
+    emit(result, a.json, format_straggler)
+
+
 def register(sub: Subparsers) -> None:
     bench = sub.add_parser("bench", help="benchmarks, each against a baseline measured in the same run")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -107,3 +119,12 @@ def register(sub: Subparsers) -> None:
                     help="also run torchft and a whole-job restart on the same workload")
     br.add_argument("--json", action="store_true")
     br.set_defaults(fn=cmd_bench_recovery)
+    bs = bsub.add_parser("straggler", help="one replica made slow: steps to detection, throughput doing nothing and "
+                                           "after ejecting it, against the same job with no straggler")
+    bs.add_argument("--steps", type=int, default=80)
+    bs.add_argument("--slow-from", type=int, default=20, help="replica 2 is slow from this step")
+    bs.add_argument("--factor", type=float, default=2.0, help="how many times as long replica 2 computes")
+    bs.add_argument("--model", default="reference")
+    bs.add_argument("--workdir", default=None, help="keep the jobs' logs and progress files here")
+    bs.add_argument("--json", action="store_true")
+    bs.set_defaults(fn=cmd_bench_straggler)

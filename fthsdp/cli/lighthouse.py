@@ -35,7 +35,8 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
                         confirm_age_s=a.confirm_age if a.confirm_age else min(a.heartbeat_timeout, 2 * interval),
                         join_window_s=a.join_window, expected_replicas=a.expected_replicas,
                         max_reforms=a.max_reforms, join_deadline_s=a.join_deadline,
-                        straggler_factor=a.straggler_factor, straggler_confirm=a.straggler_confirm)
+                        straggler_factor=a.straggler_factor, straggler_confirm=a.straggler_confirm,
+                        straggler_policy=a.straggler_policy)
     except ValueError as e:
         sys.exit(f"fthsdp lighthouse: {e}")
     try:
@@ -144,6 +145,9 @@ def register(sub: Subparsers) -> None:
                     "others' (status, page, fthsdp status)")
     lh.add_argument("--straggler-confirm", type=int, default=3,
                     help="consecutive slow reports (distinct steps) before a replica is named a straggler")
+    lh.add_argument("--straggler-policy", choices=("report", "eject"), default="report",
+                    help="report: name stragglers in the status; eject: also take one out of the job when that wins "
+                    "(it comes back once a probe step shows it healthy)")
     lh.add_argument("--store", default="memory://", help="durable store URL (memory:// is the default)")
     lh.add_argument("--etcd-ca", default="", help="etcd over TLS: the CA certificate (PEM) that signed etcd's "
                     "server certificates (env FTHSDP_ETCD_CA)")

@@ -26,12 +26,12 @@ from fthsdp.catchup.wire import FetchFailed
 from fthsdp.runtime.buckets import LogFn
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.errors import DigestMismatch, RejoinRequired
-from fthsdp.runtime.startup import all_ranks
+from fthsdp.runtime.startup import all_ranks, any_rank
 from fthsdp.runtime.state import DIGEST
 from fthsdp.testing.faults import FaultInjector, Phase
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
-from lighthouse.errors import Busy, FencedOut
+from lighthouse.errors import Busy, FencedOut, HeldOut
 
 MAX_FETCHES = 5
 """Failed fetches of one catch-up before the replica gives up (and restarts to try again)."""
@@ -72,22 +72,42 @@ class Joiner:
         if self.config.join_warmup and not self.announced:
             warm_up(opt, closure, self.log)
         entered = time.time()
-        if self.rank == 0 and not self.announced:
-            self._announce()
+        if not self.announced:
+            self._enter_data_plane(opt, closure)
             self.announced = True
         return entered
 
-    def _announce(self) -> None:
-        """Ready(JOINING), retried while another replica is joining (one at a time), up to epoch_wait_s. Refused
-        because this incarnation is over (e.g. the job finished while it fetched): ``RejoinRequired``, so the next
-        incarnation registers and learns why (a finished job: it takes the final checkpoint), never a crash."""
-        deadline = time.monotonic() + self.config.epoch_wait_s
+    def _enter_data_plane(self, opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor]) -> None:
+        """Every rank: rank 0 asks to enter (``_announce``). While the lighthouse holds this replica out (it was
+        ejected as slow: ``HeldOut``), every rank runs a probe step now and then, and rank 0 asks again with its
+        time: a slow replica waits, alive and visible in the status, until it is healthy or the job ends (then its
+        incarnation is over: ``FencedOut``, and the next one learns the job finished)."""
+        probe_s = 0.0
+        while True:
+            held = self._announce(probe_s, time.monotonic() + self.config.epoch_wait_s) if self.rank == 0 else ""
+            if not any_rank(bool(held), self.device):
+                return
+            time.sleep(max(1.0, 4 * probe_s))  # probe pacing: at most a fifth of its time probing
+            t0 = time.perf_counter()
+            took = probe(opt, closure)
+            probe_s = took + self.faults.slow_down(self.faults.slow_from, took)  # FTHSDP_FAULT_SLOW: a slow host
+            if self.rank == 0:
+                self.log(logging.WARNING, "%s; probe step took %.3fs", held, time.perf_counter() - t0)
+
+    def _announce(self, probe_s: float, deadline: float) -> str:
+        """Rank 0: Ready(JOINING) with the probe step's time, retried while another replica is joining (one at a
+        time), up to ``deadline``. Returns '' once in, or why the lighthouse holds this replica out (probe and ask
+        again). Refused because this incarnation is over (e.g. the job finished while it fetched):
+        ``RejoinRequired``, so the next incarnation registers and learns why (a finished job: it takes the final
+        checkpoint), never a crash."""
         while True:
             try:
-                self.client.ready(m.JOINING)
-                return
+                self.client.ready(m.JOINING, probe_s)
+                return ""
             except FencedOut as e:  # this incarnation is over (dropped, or the job finished meanwhile): come back
                 raise RejoinRequired(f"could not enter the data plane: {e}") from e
+            except HeldOut as e:
+                return str(e)
             except Busy as e:
                 if time.monotonic() > deadline:
                     raise RejoinRequired(f"could not enter the data plane: {e}") from e
@@ -198,6 +218,16 @@ class Joiner:
                     return
                 self.log(logging.WARNING, "Ready(active) failed (%s); retrying", e)
                 time.sleep(0.5)  # retry pacing, bounded by the deadline
+
+
+def probe(opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor]) -> float:
+    """Seconds one forward and backward take (every rank, together), thrown away: how fast this replica computes
+    now, for a lighthouse that ejected it as slow (``lighthouse.ejection.held_out``)."""
+    t0 = time.perf_counter()
+    closure().backward()  # type: ignore[no-untyped-call]
+    took = time.perf_counter() - t0
+    opt.zero_grad(set_to_none=True)
+    return took
 
 
 def warm_up(opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor], log: LogFn) -> None:

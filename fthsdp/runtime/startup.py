@@ -96,6 +96,11 @@ def all_ranks(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if ``flag`` is true on any rank."""
+    return not all_ranks(not flag, device)
+
+
 def start_from(role: Role, finished_step: int, job_id: str, checkpoint_dir: str) -> checkpoint.Checkpoint | None:
     """The checkpoint a replica starts from: none for a joiner (it catches up); for an active one the newest in
     ``checkpoint_dir`` (the whole job was restarted, or every replica had died: ``Role.RESUME``, which needs one);

@@ -88,6 +88,8 @@ class ClusterConfig:
     """The replicas' ``FTHSDP_TIMEOUT``."""
     max_restarts: int = 10
     """Restarts of one replica group before the job is given up."""
+    straggler_policy: str = "report"
+    """The lighthouse's ``--straggler-policy`` (fail-slow: ``report`` or ``eject``)."""
     min_step_s: float = 0.0
     """Pace the trainer's steps that train a batch to at least this long (tests: keeps runs long enough for a
     rejoin; it stands in for compute, so a joiner's zero steps are not paced)."""
@@ -193,7 +195,8 @@ class Cluster:
     def lighthouse_args(self) -> list[str]:
         c = self.config
         return ["--heartbeat-interval", str(c.heartbeat_interval_s), "--heartbeat-timeout", str(c.heartbeat_timeout_s),
-                "--confirm-age", str(c.confirm_age_s), "--expected-replicas", str(c.replicas)]
+                "--confirm-age", str(c.confirm_age_s), "--expected-replicas", str(c.replicas),
+                "--straggler-policy", c.straggler_policy]
 
     def start_lighthouse(self) -> None:
         """Start the lighthouse; set ``addr`` (what replicas get as ``FTHSDP_LIGHTHOUSE``) and ``http``. A subclass

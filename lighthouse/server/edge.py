@@ -8,6 +8,7 @@ import logging
 import time
 
 from lighthouse import membership as m
+from lighthouse import stragglers
 from lighthouse.errors import EpochFenced, StoreUnavailable
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.server.jobs import Job, clock
@@ -64,8 +65,31 @@ class Edge:
         return out
 
     async def tick(self, job: Job) -> None:
-        """One liveness check of ``job``."""
-        await self.apply(job, m.Tick(now=clock(), last_seen=job.last_seen))
+        """One liveness check of ``job``; under the ``eject`` fail-slow policy, at most once per heartbeat
+        interval, one straggler ejected when that wins (``lighthouse.ejection``)."""
+        now = clock()
+        await self.apply(job, m.Tick(now=now, last_seen=job.last_seen))
+        if self.policy.straggler_policy == "eject" and now - job.stragglers_checked >= self.policy.heartbeat_interval_s:
+            job.stragglers_checked = now
+            await self._eject_slowest(job, now)
+
+    async def _eject_slowest(self, job: Job, now: float) -> None:
+        found = stragglers.assess(stragglers.training_paces(job.state, job.paces), self.policy.straggler_factor,
+                                  self.policy.straggler_confirm)
+        # Never two on one window: a run of slow reports counts only once every report in it ends past the last
+        # ejection (each is a median over the PACE_WINDOW steps before it).
+        slow = next((x for x in found if x.since_step >= job.last_eject_step + stragglers.PACE_WINDOW), None)
+        if slow is None:
+            return
+        member = job.state.members.get(slow.replica_id)
+        if member is None:
+            return
+        out = await self.apply(job, m.Eject(slow.replica_id, member.incarnation, now, slow.slowdown,
+                                            slow.others_wait_s, slow.since_step))
+        if out.rejection is None:
+            job.ejected[slow.replica_id] = slow.slowdown
+            job.last_eject_step = max(job.steps.values(), default=slow.since_step)
+            log.warning("lighthouse job=%s epoch=%d ejected %s", job.job_id, job.number, slow.text())
 
     def _store_error(self, job: Job, kind: str, message: str) -> None:
         """Count every failed write; log at most one line per job every ``STORE_ERROR_LOG_S``."""

@@ -5,6 +5,7 @@ nothing; a follower refuses everything with a redirect to the leader."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias
 
@@ -13,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from lighthouse import membership as m
 from lighthouse import stragglers
+from lighthouse.ejection import held_out
 from lighthouse.errors import ValidationError
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.proto_codec import ROLE_TO_PB, endpoints_from_pb, role_from_pb
@@ -216,9 +218,19 @@ class LighthouseService:
     async def Ready(self, req: pb.ReadyRequest, context: Context) -> pb.ReadyResponse:
         job = await self._job(req.job_id, context, "Ready")
         check_id("replica_id", req.replica_id)
-        out = await self.edge.apply(job, m.Ready(req.replica_id, req.incarnation, role_from_pb(req.role), clock()))
+        role = role_from_pb(req.role)
+        if not (math.isfinite(req.probe_compute_s) and 0.0 <= req.probe_compute_s <= stragglers.MAX_SECONDS):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"probe_compute_s: finite, in [0, {stragglers.MAX_SECONDS:g}] seconds")
+        if role == m.JOINING and req.replica_id in job.ejected:
+            others = [h[-1].compute_s for h in stragglers.training_paces(job.state, job.paces).values()]
+            if (why := held_out(req.probe_compute_s, others, self.policy.straggler_factor)) is not None:
+                await self._refuse(m.Rejection("ABORTED", why), context, "Ready")
+        out = await self.edge.apply(job, m.Ready(req.replica_id, req.incarnation, role, clock()))
         if out.rejection is not None:
             await self._refuse(out.rejection, context, "Ready")
+        if role == m.JOINING:
+            job.ejected.pop(req.replica_id, None)  # healthy again (or nothing to compare with): it may come back
         return pb.ReadyResponse(epoch=job.number)
 
     async def Leave(self, req: pb.LeaveRequest, context: Context) -> pb.LeaveResponse:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lighthouse.events import replica_kinds
-from lighthouse.model import ACTIVE, Policy, State
+from lighthouse.model import Policy, State
 from lighthouse.proto_codec import ROLE_TO_PB
-from lighthouse.stragglers import Pace, Straggler, assess
+from lighthouse.stragglers import Pace, Straggler, assess, training_paces
 from lighthouse.v1 import lighthouse_pb2 as pb
 
 STATUS_HISTORY = 32
@@ -125,7 +125,6 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
                   if rid in state.members and state.members[rid].incarnation == inc}
     paces_of = {rid: h for rid, (inc, h) in (paces or {}).items()
                 if rid in state.members and state.members[rid].incarnation == inc and h}
-    training = {rid: h for rid, h in paces_of.items() if rid in in_epoch and state.members[rid].role == ACTIVE}
     return StatusView(
         job=job_id, leader=leader.leading, leader_address=leader.leader_address, address=leader.address,
         epoch=state.epoch.number if state.epoch is not None else 0, rendezvous=rendezvous,
@@ -140,7 +139,7 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
                       for e in state.history[-STATUS_HISTORY:]),
         finished_step=state.finished_step,
         agreement=agreement(digests_of),
-        stragglers=assess(training, policy.straggler_factor, policy.straggler_confirm),
+        stragglers=assess(training_paces(state, paces or {}), policy.straggler_factor, policy.straggler_confirm),
     )
 
 

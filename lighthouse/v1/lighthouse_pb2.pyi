@@ -167,16 +167,18 @@ class FailureReportResponse(_message.Message):
     def __init__(self, confirmed: _Optional[bool] = ..., detail: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ReadyRequest(_message.Message):
-    __slots__ = ("job_id", "replica_id", "incarnation", "role")
+    __slots__ = ("job_id", "replica_id", "incarnation", "role", "probe_compute_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica_id: str
     incarnation: str
     role: Role
-    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ...) -> None: ...
+    probe_compute_s: float
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., probe_compute_s: _Optional[float] = ...) -> None: ...
 
 class ReadyResponse(_message.Message):
     __slots__ = ("epoch",)

@@ -51,15 +51,16 @@ def test_cli_lighthouse_serves_status_and_stops_cleanly_on_sigterm(tmp_path: pat
                 return out.stdout
 
             text = fthsdp_status()
-            assert "REPLICA" in text and "HB AGE" in text
-            assert re.search(r"^cli-replica\s+active\s+yes\s+0\s+\d+\.\d\d  -$", text, re.M), text
-            assert "state: not compared yet" in text
+            assert "REPLICA" in text and "HB AGE" in text and "COMPUTE" in text
+            assert re.search(r"^cli-replica\s+active\s+yes\s+0\s+\d+\.\d\d\s+-\s+-  -$", text, re.M), text
+            assert "state: not compared yet" in text and "stragglers: none" in text
             # The replicas' state digests and whether they agree (heartbeats carry them).
             other = register(stub, "cli-replica-2")
-            heartbeat(stub, "cli-replica", r.incarnation, step=5, digest=(4, "00ff00ff00ff00ff"))
+            heartbeat(stub, "cli-replica", r.incarnation, step=5, digest=(4, "00ff00ff00ff00ff"), pace=(4, 0.25, 0.0))
             heartbeat(stub, "cli-replica-2", other.incarnation, step=5, digest=(4, "00ff00ff00ff00ff"))
             text = fthsdp_status()
-            assert re.search(r"^cli-replica\s+active\s+yes\s+5\s+\d+\.\d\d  00ff00ff00ff00ff \(4\)$", text, re.M), text
+            assert re.search(r"^cli-replica\s+active\s+yes\s+5\s+\d+\.\d\d\s+0\.250\s+0\.000  00ff00ff00ff00ff \(4\)$",
+                             text, re.M), text
             assert "state: agree at step 4 (2 replicas)" in text
 
             started = time.monotonic()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from fthsdp.testing.launcher import Cluster, ClusterConfig
-from tests.helpers.cluster_checks import check_converged, check_survivor
+from tests.helpers.cluster_checks import check_converged, check_survivor, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,3 +45,27 @@ def test_a_replica_three_times_slower_is_named_within_ten_steps_and_nobody_befor
     assert first_step < slow_from + 10, f"named at step {first_step}, {first_step - slow_from} steps after it slowed"
     assert all([x["replica_id"] for x in found] == ["replica-2"] for _, found in flagged), flagged
     assert first[0]["slowdown"] >= 1.5 and first[0]["others_wait_s"] > 0 and first[0]["since_step"] >= slow_from
+
+
+def test_under_eject_the_straggler_leaves_is_held_out_while_slow_and_the_others_go_on(tmp_path: pathlib.Path) -> None:
+    """Replica 2 computes 3x as long from step 20, under --straggler-policy eject: it is ejected (a failure with
+    its evidence in the epoch's reason), its next incarnation is held out while its probe step is as slow, and
+    the other two train every step without a restart; at the end it takes the final state."""
+    steps, slow_from = 90, 20
+    config = ClusterConfig(replicas=3, ranks=1, model="tiny", steps=steps, min_step_s=0.15, timeout_s=240,
+                           straggler_policy="eject", env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}})
+    report = Cluster(config, tmp_path).run()
+    check_converged(report, steps)
+    for r in (0, 1):
+        check_survivor(tmp_path, r, steps)
+    reasons = [e["reason"] for e in report["events"] if e["event"] == "epoch"]
+    ejected = [r for r in reasons if "replica replica-2 ejected (slow:" in r]
+    assert len(ejected) == 1, reasons
+    rows = [x for x in progress(tmp_path, 2) if x.event == "step" and x.step is not None]
+    first = rows[0].incarnation
+    assert all(x.incarnation == first for x in rows), "a held-out incarnation trained"
+    last = max(x.step for x in rows)
+    assert slow_from <= last < slow_from + 20, f"replica 2 trained until step {last}"
+    survivors = [x for x in progress(tmp_path, 0) if x.event == "step" and x.step is not None and x.step > last + 2]
+    assert survivors and all(x.contributors == 2 for x in survivors)
+    assert "held out" in (tmp_path / "replica2.log").read_text()

@@ -1,8 +1,10 @@
-"""The joiner's announcement to the lighthouse (``fthsdp.runtime.join.Joiner._announce``)."""
+"""The joiner's announcement to the lighthouse (``fthsdp.runtime.join.Joiner._announce``), and the hold-out of a
+replica ejected as slow (``_enter_data_plane``)."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -11,13 +13,14 @@ import torch
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.errors import RejoinRequired
 from fthsdp.runtime.join import Joiner
-from lighthouse.errors import FencedOut
+from fthsdp.testing.faults import FaultInjector
+from lighthouse.errors import FencedOut, HeldOut
 
 
 class FinishedLighthouse:
     """A lighthouse that finished the job while this replica was fetching: its Ready is refused."""
 
-    def ready(self, role: str) -> int:
+    def ready(self, role: str, probe_s: float = 0.0) -> int:
         raise FencedOut("FAILED_PRECONDITION: incarnation 'i' of replica 'r1' is over: the job finished at step 120")
 
 
@@ -32,4 +35,34 @@ def test_a_ready_refused_because_the_job_finished_sends_the_replica_back_not_a_c
                            world_size=1)
     joiner = Joiner(config, 0, 1, client, None, torch.device("cpu"), log)  # type: ignore[arg-type]
     with pytest.raises(RejoinRequired, match="job finished"):
-        joiner._announce()
+        joiner._announce(0.0, time.monotonic() + 5)
+
+
+class HoldingLighthouse:
+    """A lighthouse that ejected this replica as slow: it holds it out twice, then lets it in."""
+
+    def __init__(self) -> None:
+        self.asked: list[float] = []
+
+    def ready(self, role: str, probe_s: float = 0.0) -> int:
+        self.asked.append(probe_s)
+        if len(self.asked) <= 2:
+            raise HeldOut(f"ABORTED: held out: probe {probe_s}")
+        return 7
+
+
+def test_a_held_out_joiner_probes_every_rank_together_and_asks_again_until_let_in(monkeypatch: Any) -> None:
+    import fthsdp.runtime.join as join
+
+    probes: list[int] = []
+    monkeypatch.setattr(join, "any_rank", lambda flag, device: flag)  # one rank: its own flag
+    monkeypatch.setattr(join, "probe", lambda opt, closure: probes.append(1) or 0.25)
+    monkeypatch.setattr(join.time, "sleep", lambda s: None)  # probe pacing, not under test
+    client: Any = HoldingLighthouse()
+    config = RuntimeConfig(lighthouse="127.0.0.1:1", replica_index=1, num_replicas=3, replica_id="r1", rank=0,
+                           world_size=1)
+    joiner = Joiner(config, 0, 1, client, FaultInjector(), torch.device("cpu"),
+                    lambda level, msg, *args: None)
+    joiner._enter_data_plane(None, lambda: torch.zeros(()))  # type: ignore[arg-type]
+    assert client.asked == [0.0, 0.25, 0.25]  # no probe until asked for one; then one per attempt
+    assert len(probes) == 2

@@ -37,6 +37,19 @@ def test_fault_settings() -> None:
         RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_CORRUPT_CHUNKS": "many"})
 
 
+def test_the_slow_fault_stretches_compute_from_its_step_on_and_refuses_bad_values() -> None:
+    cfg = RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_SLOW": "20:3"})
+    assert cfg.faults.slow == "20:3"
+    faults = FaultInjector.for_rank(cfg.faults, rank=1)  # every rank of the group is slow
+    assert (faults.slow_from, faults.slow_factor) == (20, 3.0)
+    assert faults.slow_down(19, 0.001) == 0.0 and faults.slow_down(20, 0.0) == 0.0
+    assert faults.slow_down(20, 0.001) == pytest.approx(0.002)
+    assert FaultInjector.for_rank(FaultSettings(), 0).slow_down(100, 1.0) == 0.0
+    for bad in ("20", "x:3", "20:0.5", "-1:2", "20:1000"):
+        with pytest.raises(ConfigError, match="FTHSDP_FAULT_SLOW"):
+            RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_SLOW": bad})
+
+
 def test_trainer_settings() -> None:
     assert TrainerSettings.from_env({}) == TrainerSettings("", "WARNING", True)
     s = TrainerSettings.from_env({"FTHSDP_PROGRESS": "/p", "FTHSDP_LOG_LEVEL": "INFO", "RANK": "1"})

@@ -4,6 +4,7 @@ every step, as the status does. No network."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -12,6 +13,8 @@ import pytest
 
 from fthsdp.runtime.pace import PaceWindow
 from lighthouse import membership as m
+from lighthouse.ejection import HELD_OUT, held_out
+from lighthouse.events import DeathCause, Died
 from lighthouse.server import status
 from lighthouse.stragglers import KEEP, Pace, Straggler, assess, remember, valid
 from lighthouse.v1 import lighthouse_pb2 as pb
@@ -151,3 +154,69 @@ def test_the_status_names_stragglers_among_the_active_members_only() -> None:
     assert build(_state("a", "b", "c", joining="a"),
                  {"a": ("i-a", slow), "b": ("i-b", fast), "c": ("i-c", fast)}).stragglers == ()
     assert build(_state("a", "b", "c"), {"a": ("old", slow), "b": ("i-b", fast), "c": ("i-c", fast)}).stragglers == ()
+
+
+# --- the eject policy (lighthouse.ejection) -------------------------------------------------------------------
+
+P = m.Policy(min_replicas=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, confirm_age_s=1.0)
+
+
+def _booted(ids: list[str], policy: m.Policy = P) -> m.State:
+    boot = dataclasses.replace(policy, expected_replicas=len(ids))
+    state = m.State()
+    for rid in ids:
+        out = m.decide(state, m.Register(rid, f"{rid}-inc1", 1, m.Endpoints(), 0.0), boot)
+        assert out.rejection is None
+        state = out.state
+    assert state.epoch is not None and len(state.epoch.members) == len(ids)
+    return state
+
+
+def _eject(state: m.State, rid: str, slowdown: float = 2.0, policy: m.Policy = P, inc: str = "") -> m.Outcome:
+    return m.decide(state, m.Eject(rid, inc or f"{rid}-inc1", 10.0, slowdown, 0.12, 40), policy)
+
+
+def test_an_ejected_straggler_leaves_the_epoch_as_a_failure_with_its_evidence() -> None:
+    state = _booted(["a", "b", "c"])
+    out = _eject(state, "b")
+    assert out.rejection is None and out.state.epoch is not None
+    assert out.state.epoch.replica_ids() == ("a", "c") and out.state.epoch.number == state.epoch.number + 1
+    died = out.state.epoch.events[0]
+    assert isinstance(died, Died) and died.cause == DeathCause.SLOW and died.kind == "failure"
+    assert "replica b ejected (slow: 2.00x the others' compute since step 40; they waited 0.120s" in \
+        out.state.epoch.reason
+    # Its incarnation is over: every call of it is refused from now on; the next incarnation comes back.
+    assert m.check_incarnation(out.state, "b", "b-inc1") is not None
+    assert m.decide(out.state, m.Register("b", "b-inc2", 1, m.Endpoints(), 11.0), P).rejection is None
+
+
+@pytest.mark.parametrize("slowdown,replicas,wins", [(1.4, 3, False), (1.6, 3, True), (1.9, 2, False),
+                                                    (2.1, 2, True), (1.2, 8, True), (1.1, 8, False)])
+def test_ejecting_happens_only_when_it_wins(slowdown: float, replicas: int, wins: bool) -> None:
+    """N - 1 replicas at full speed beat N at the straggler's pace when slowdown > N / (N - 1)."""
+    ids = [f"r{i}" for i in range(replicas)]
+    out = _eject(_booted(ids), "r1", slowdown)
+    assert (out.rejection is None) is wins
+    if not wins:
+        assert out.rejection is not None and "would not win" in out.rejection.message
+
+
+def test_never_below_min_replicas_and_never_a_stale_incarnation_or_a_joiner() -> None:
+    guarded = dataclasses.replace(P, min_replicas=3)
+    state = _booted(["a", "b", "c"], guarded)
+    out = _eject(state, "b", 3.0, guarded)
+    assert out.rejection is not None and "min_replicas" in out.rejection.message and out.state is state
+    state = _booted(["a", "b", "c"])
+    assert _eject(state, "b", inc="b-old").rejection is not None
+    assert _eject(state, "ghost").rejection is not None
+    joined = m.decide(state, m.Register("d", "d-inc1", 1, m.Endpoints(), 1.0), P).state  # joining, not in the plane
+    out = _eject(joined, "d", 5.0)
+    assert out.rejection is not None and "not an active member" in out.rejection.message
+
+
+def test_a_replica_ejected_as_slow_is_held_out_until_its_probe_is_healthy() -> None:
+    others = [0.1, 0.12, 0.11]
+    assert held_out(0.0, others, 1.5) is not None and "send a probe" in str(held_out(0.0, others, 1.5))
+    assert str(held_out(0.3, others, 1.5)).startswith(HELD_OUT)  # still 2.7x slower
+    assert held_out(0.13, others, 1.5) is None  # healthy again
+    assert held_out(0.0, [], 1.5) is None  # nobody to compare with: it may come back

@@ -1,0 +1,68 @@
+"""The events the membership decision takes (``lighthouse.membership.decide``); time and liveness arrive inside
+them, so the decision reads no clock."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from lighthouse.ejection import Eject as Eject
+from lighthouse.model import Endpoints
+
+
+@dataclass(frozen=True)
+class Register:
+    replica_id: str
+    incarnation: str
+    shard_count: int
+    endpoints: Endpoints
+    now: float
+    claim: str = ""
+    """Re-registering with a lighthouse that lost this incarnation: the role it held (``JOINING``: syncing in the
+    data plane); '' for a plain registration."""
+    last_epoch: int = 0
+    """The newest epoch this replica saw: numbering goes on above it."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    replica_id: str
+    incarnation: str
+    role: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Leave:
+    replica_id: str
+    incarnation: str
+    reason: str
+    now: float
+    step: int = 0
+    """The leaver's last committed step; with reason ``FINISHED`` ("finished"), the step the job completed at."""
+
+
+@dataclass(frozen=True)
+class Report:
+    reporter: str
+    reporter_incarnation: str
+    suspect: str
+    epoch: int
+    reason: str
+    now: float
+    last_seen: Mapping[str, float]
+    disconnected_s: float | None = None
+    """Seconds since a watch stream of the suspect's current incarnation closed from its end without being
+    replaced (the edge knows its streams); ``None`` while every stream it opened is open."""
+    early: bool = False
+    """Sent before the reporter's blame grace ended, while live peers may still be checking in: confirmed only on
+    evidence (disconnected, or silent for ``confirm_age_s``), else it changes nothing."""
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: float
+    last_seen: Mapping[str, float]
+
+
+Event = Register | Ready | Leave | Report | Tick | Eject
