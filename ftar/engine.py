@@ -350,7 +350,7 @@ class LaneEngine:
     def _take_served(self, req: Request, attempt: int) -> ExchangeResult:
         """A served result as the result of ``req`` (in the epoch it was computed in)."""
         assert req.tag is not None
-        held = self._served.pop(req.tag)
+        held = self._served[req.tag]  # again on a redo in this group (a failed vote): they last as long as it
         out = shaped_like(held, req.tensors, req.tag)
         if req.inplace:
             for dst, src in zip(req.tensors, out, strict=True):

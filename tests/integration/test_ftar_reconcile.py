@@ -152,3 +152,27 @@ def test_forgotten_results_are_not_served(epochs: Epochs) -> None:
     finally:
         for e in eng.values():
             e.close()
+
+
+def test_a_member_served_then_sent_back_by_its_vote_is_served_again_in_that_group(epochs: Epochs) -> None:
+    """Seen in a chaos run: lane 0 of replica b was served step S; its other lane lost S, so b's vote failed and
+    every lane redid S. Lane 0 still held the group it was served in, and the served results had been used up:
+    it ran S's collective against the holder's S+1 ("out of step"), round after round, until a replica was
+    evicted and b committed S alone. The served results last as long as their group."""
+    eng = engines(epochs, ["a", "b", "c"], hold=True)
+    try:
+        epochs.set(1, {"a": ACTIVE, "b": ACTIVE, "c": ACTIVE})
+        first = step_zero(eng)
+        epochs.set(2, {"a": ACTIVE, "b": ACTIVE})
+        ahead = eng["a"].allreduce(grads(100), tag=2)
+        served = [eng["b"].allreduce(grads(200 + k), tag=k).wait(WAIT_S) for k in (0, 1)]
+        again = [eng["b"].allreduce(grads(400 + k), tag=k).wait(WAIT_S) for k in (0, 1)]  # the vote's redo
+        for k in (0, 1):
+            for r in (served[k], again[k]):
+                assert (r.tag, r.epoch, r.contributors) == (k, 1, 3) and same(r.tensors, first["a"][k].tensors)
+        nxt = eng["b"].allreduce(grads(300), tag=2)
+        a, b = ahead.wait(WAIT_S), nxt.wait(WAIT_S)
+        assert (a.tag, a.epoch, b.tag, b.epoch) == (2, 2, 2, 2) and same(a.tensors, b.tensors)
+    finally:
+        for e in eng.values():
+            e.close()
