@@ -16,7 +16,8 @@ runs, e.g. ``out/bench/``) over them. Known files:
 - ``notes.json``: ``{"conditions": [lines], "saturation": [lines]}``, prose written after looking at a run
   (machine load, the profile): the generator cannot know it;
 - ``overhead.json``, ``ftar.json``: ``fthsdp bench overhead|ftar --json`` (optional);
-- ``recovery-double.json``: ``fthsdp bench recovery --kill 1@20 --kill 2@20 --json`` (optional).
+- ``recovery-double.json``: ``fthsdp bench recovery --kill 1@20 --kill 2@20 --json`` (optional);
+- ``straggler.json``: ``fthsdp bench straggler --json`` (optional).
 
 The simulator section is computed here (``fthsdp.bench.sim``) from the measured stalls.
 """
@@ -34,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 from fthsdp.bench.sim import SimConfig, simulate  # noqa: E402
 
 KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
-         "saturation.json", "overhead.json", "ftar.json", "notes.json")
+         "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json")
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -430,6 +431,26 @@ def section_recovery_double(doc: dict[str, Any] | None) -> list[str]:
             ""]
 
 
+def section_straggler(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -> list[str]:
+    """One replica made slow (``fthsdp bench straggler --json``)."""
+    if not doc:
+        return []
+    out = ["## A slow replica (fail-slow)", "",
+           f"`fthsdp bench straggler --json` (data: `docs/bench-data/straggler.json`): the {doc['model']} model, "
+           f"{doc['replicas']} replica groups x 1 rank, {doc['steps']} steps; replica 2 computes {doc['factor']}x as "
+           f"long from step {doc['slow_from']}. Throughput in samples per second, from a survivor's rows.", "",
+           "| figure | value | note |", "| --- | ---: | --- |",
+           f"| steps from the slowdown until the status names it | {fmt(doc['detect_steps'])} | target <= 10 |",
+           f"| flags raised on the same job with no straggler | {len(doc['false_flags'])} | target 0 |",
+           f"| doing nothing: throughput / healthy 3-replica job | {fmt(doc['throughput_do_nothing_ratio'])} | "
+           f"{fmt(doc['throughput_do_nothing'])} vs {fmt(doc['throughput_healthy'])} |",
+           f"| ejected: throughput / healthy 2-replica job | {fmt(doc['throughput_after_ratio'])} | "
+           f"{fmt(doc['throughput_after_eject'])} vs {fmt(doc['throughput_healthy_2'])}; target >= 0.9 |", ""]
+    for para in (notes or {}).get("straggler", []):
+        out += [para, ""]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--import", dest="import_dir", default="", help="copy known JSONs from here first")
@@ -468,11 +489,13 @@ def main(argv: list[str] | None = None) -> None:
     lines += section_lighthouse(load(data, "lighthouse.json"), load(data, "saturation.json"), notes, img)
     lines += section_sim(rec, base, img)
     lines += section_other(load(data, "overhead.json"), load(data, "ftar.json"))
+    lines += section_straggler(load(data, "straggler.json"), notes)
     lines += ["## Regenerating", "", "```bash",
               "mkdir -p out/bench",
               ".venv/bin/fthsdp bench recovery --vs torchft --json > out/bench/recovery.json   # < 15 min",
               ".venv/bin/fthsdp bench recovery --json > out/bench/recovery-hsdp.json",
               ".venv/bin/fthsdp bench lighthouse --replicas 100 1000 5000 --json > out/bench/lighthouse.json",
+              ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
               "make benchmarks-doc    # copies out/bench/*.json to docs/bench-data/, rewrites this page and its plots",
               "```", ""]
     out.write_text("\n".join(lines))
