@@ -79,6 +79,8 @@ class Injector:
         self.injected: list[dict[str, Any]] = []
         self.not_fired: list[dict[str, Any]] = []
         self.epochs_seen: list[dict[str, Any]] = []
+        self.stragglers_named: list[dict[str, Any]] = []
+        """Every status answer's stragglers (``lighthouse.stragglers``), as seen while polling."""
         self.cluster: ChaosCluster | None = None
         self._next_poll = 0.0
         self._healthy = False
@@ -110,6 +112,8 @@ class Injector:
             hist = {h["epoch"]: h["members"] for h in s.get("history", [])}
             self.epochs_seen.append({"t": time.time(), "event": "epoch_seen", "epoch": s["epoch"],
                                      "members": hist.get(s["epoch"]), "leader": s.get("address", "")})
+            for x in s.get("stragglers") or []:  # fail-slow flags: no chaos fault makes a replica slow
+                self.stragglers_named.append({"t": time.time(), "replica": x["replica_id"], "text": x["text"]})
         self._healthy = bool(leaders) and self._whole(c, leaders[0])
 
     def _rows(self, replica: int, path: pathlib.Path) -> list[ProgressRow]:
