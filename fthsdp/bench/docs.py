@@ -445,7 +445,10 @@ def section_straggler(doc: dict[str, Any] | None, notes: dict[str, Any] | None) 
            f"| doing nothing: throughput / healthy 3-replica job | {fmt(doc['throughput_do_nothing_ratio'])} | "
            f"{fmt(doc['throughput_do_nothing'])} vs {fmt(doc['throughput_healthy'])} |",
            f"| ejected: throughput / healthy 2-replica job | {fmt(doc['throughput_after_ratio'])} | "
-           f"{fmt(doc['throughput_after_eject'])} vs {fmt(doc['throughput_healthy_2'])}; target >= 0.9 |", ""]
+           f"{fmt(doc['throughput_after_eject'])} vs {fmt(doc['throughput_healthy_2'])}, from "
+           f"{fmt(doc.get('settle_s'), '.0f')} s after its next incarnation registered; target >= 0.9 |",
+           f"| ejected, its restart on these 2 cores included | {fmt(doc.get('throughput_after_incl_restart_ratio'))} "
+           "| from the third step without it |", ""]
     for para in (notes or {}).get("straggler", []):
         out += [para, ""]
     return out

@@ -301,7 +301,11 @@ class StragglerResult(_AsJson):
     throughput_do_nothing_ratio: float
     """The straggler's job left alone, over the healthy three-replica job."""
     throughput_after_ratio: float
-    """The eject job once the straggler is out, over the healthy two-replica job."""
+    """The eject job once the straggler is out (from ``settle_s`` after its next incarnation registered), over the
+    healthy two-replica job."""
+    throughput_after_incl_restart_ratio: float
+    """The same from the third step without it: its restart on the same cores included."""
+    settle_s: float
     benchmark: str = "straggler"
 
 
@@ -312,4 +316,5 @@ def format_straggler(r: StragglerResult) -> str:
         f"  doing nothing: {r.throughput_do_nothing} samples/s = {r.throughput_do_nothing_ratio} x healthy "
         f"({r.throughput_healthy})",
         f"  ejected at step {r.ejected_at_step}: {r.throughput_after_eject} samples/s = {r.throughput_after_ratio} x "
-        f"a healthy 2-replica job ({r.throughput_healthy_2})"])
+        f"a healthy 2-replica job ({r.throughput_healthy_2}); {r.throughput_after_incl_restart_ratio} x with its "
+        "restart on the same cores"])

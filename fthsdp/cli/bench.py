@@ -121,7 +121,7 @@ def register(sub: Subparsers) -> None:
     br.set_defaults(fn=cmd_bench_recovery)
     bs = bsub.add_parser("straggler", help="one replica made slow: steps to detection, throughput doing nothing and "
                                            "after ejecting it, against the same job with no straggler")
-    bs.add_argument("--steps", type=int, default=80)
+    bs.add_argument("--steps", type=int, default=100)
     bs.add_argument("--slow-from", type=int, default=20, help="replica 2 is slow from this step")
     bs.add_argument("--factor", type=float, default=2.0, help="how many times as long replica 2 computes")
     bs.add_argument("--model", default="reference")

@@ -87,7 +87,7 @@ class Joiner:
             held = self._announce(probe_s, time.monotonic() + self.config.epoch_wait_s) if self.rank == 0 else ""
             if not any_rank(bool(held), self.device):
                 return
-            time.sleep(max(1.0, 4 * probe_s))  # probe pacing: at most a fifth of its time probing
+            time.sleep(max(5.0, 10 * probe_s))  # probe pacing: at most a tenth of its time probing
             t0 = time.perf_counter()
             took = probe(opt, closure)
             probe_s = took + self.faults.slow_down(self.faults.slow_from, took)  # FTHSDP_FAULT_SLOW: a slow host
