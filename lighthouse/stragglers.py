@@ -9,11 +9,10 @@ first step after a rejoin) count for nothing.
 
 The lighthouse keeps each member's last ``KEEP`` reports of distinct steps (``remember``); ``assess`` — a pure
 function of those histories — names a replica a straggler when its reported compute was at least ``factor`` times
-the others' (the median of their latest reports) in each of its last ``confirm`` reports, its excess is at least
-``MIN_EXCESS_S``, and the others do wait on it (their median wait is at least ``WAIT_SHARE`` of its excess). A
-flag that does not hold for ``confirm`` reports in a row is no flag: one noisy window raises nothing. What the
-lighthouse does with a straggler is its policy (``report``: the status, the page and ``fthsdp status`` name it
-with its evidence; ``eject``: also ``lighthouse.ejection``).
+the others' (the median of their latest reports) in each of its last ``confirm`` reports, and the others do wait
+on it (their median wait is at least ``WAIT_SHARE`` of its excess). A flag that does not hold for ``confirm``
+reports in a row is no flag: one noisy window raises nothing. What the lighthouse does with a straggler is its
+policy (today ``report``: the status, the page and ``fthsdp status`` name it with its evidence).
 """
 
 from __future__ import annotations
@@ -32,10 +31,6 @@ KEEP = 8
 WAIT_SHARE = 0.25
 """The others' median exchange wait must be at least this share of a straggler's excess compute: a replica that
 computes longer while nobody waits for it (its buckets are not the last) costs nothing."""
-MIN_EXCESS_S = 0.05
-"""A replica whose compute exceeds the others' by less than this per step is not named, however large the ratio:
-on a busy host, steps of a few tens of milliseconds jitter by that much (seen in chaos runs of the tiny model:
-every replica 1.5-1.8x "slower" by 10-30 ms), and it costs the others little; a GPU step takes seconds."""
 MAX_SECONDS = 86_400.0
 """A reported time above this (or negative, or not finite) is malformed."""
 
@@ -108,8 +103,7 @@ def assess(histories: Mapping[str, Sequence[Pace]], factor: float, confirm: int)
                 break
             run += 1
         mine = history[-1]
-        excess = mine.compute_s - base
-        if run >= confirm and excess >= MIN_EXCESS_S and waited >= WAIT_SHARE * excess:
+        if run >= confirm and waited >= WAIT_SHARE * (mine.compute_s - base):
             out.append(Straggler(rid, round(mine.compute_s / base, 3), round(waited, 4),
                                  history[-run].step, run))
     return tuple(sorted(out, key=lambda s: (-s.slowdown, s.replica_id)))

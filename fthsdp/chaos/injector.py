@@ -113,8 +113,7 @@ class Injector:
             self.epochs_seen.append({"t": time.time(), "event": "epoch_seen", "epoch": s["epoch"],
                                      "members": hist.get(s["epoch"]), "leader": s.get("address", "")})
             for x in s.get("stragglers") or []:  # fail-slow flags: no chaos fault makes a replica slow
-                self.stragglers_named.append({"t": time.time(), "replica": x["replica_id"], "text": x["text"],
-                                              "paces": {m["replica_id"]: m.get("pace") for m in s["members"]}})
+                self.stragglers_named.append({"t": time.time(), "replica": x["replica_id"], "text": x["text"]})
         self._healthy = bool(leaders) and self._whole(c, leaders[0])
 
     def _rows(self, replica: int, path: pathlib.Path) -> list[ProgressRow]:

@@ -66,7 +66,7 @@ def run_chaos(cfg: ChaosConfig, workdir: pathlib.Path, faults: list[Fault] | Non
         "exits": [{"replica": e["replica"], "code": e["code"], "killed": e["killed"]} for e in exits],
         "epochs": max((e["epoch"] for e in injector.epochs_seen), default=0),
         "fault_targets": targets,
-        "stragglers_named": list({x["replica"]: x for x in reversed(injector.stragglers_named)}.values()),
+        "stragglers_named": sorted({x["replica"] for x in injector.stragglers_named}),
         "finals": {r: None if f is None else {"step": f["step"], "param_hash": f["param_hash"]}
                    for r, f in (report or {}).get("final", {}).items()},
         "violations": violations, "wall_s": round(time.monotonic() - t0, 1), "workdir": str(workdir),

@@ -1,7 +1,6 @@
 """Fail-slow end to end: replica groups under torchrun (Gloo, CPU, the tiny model); one of them is made slow from a
 step on (``FTHSDP_FAULT_SLOW``) and the lighthouse's status must name it, and only it, within ten steps, with no
-flag before. The tiny model's steps compute for 20-60 ms here: 5x makes its excess clear of the detector's
-floor (``lighthouse.stragglers.MIN_EXCESS_S``)."""
+flag before."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from tests.helpers.cluster_checks import check_converged, check_survivor, progre
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_a_replica_five_times_slower_is_named_within_ten_steps_and_nobody_before(tmp_path: pathlib.Path) -> None:
+def test_a_replica_three_times_slower_is_named_within_ten_steps_and_nobody_before(tmp_path: pathlib.Path) -> None:
     steps, slow_from = 60, 25
     samples: list[tuple[int, list[dict[str, Any]]]] = []
     polled = [0.0]
@@ -32,7 +31,7 @@ def test_a_replica_five_times_slower_is_named_within_ten_steps_and_nobody_before
             samples.append((max(trained), doc["stragglers"]))
 
     config = ClusterConfig(replicas=3, ranks=1, model="tiny", steps=steps, min_step_s=0.15, timeout_s=240,
-                           env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:5"}})
+                           env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}})
     report = Cluster(config, tmp_path, on_tick=poll).run()
     check_converged(report, steps)
     for r in range(3):
@@ -49,12 +48,12 @@ def test_a_replica_five_times_slower_is_named_within_ten_steps_and_nobody_before
 
 
 def test_under_eject_the_straggler_leaves_is_held_out_while_slow_and_the_others_go_on(tmp_path: pathlib.Path) -> None:
-    """Replica 2 computes 5x as long from step 20, under --straggler-policy eject: it is ejected (a failure with
+    """Replica 2 computes 3x as long from step 20, under --straggler-policy eject: it is ejected (a failure with
     its evidence in the epoch's reason), its next incarnation is held out while its probe step is as slow, and
     the other two train every step without a restart; at the end it takes the final state."""
     steps, slow_from = 90, 20
     config = ClusterConfig(replicas=3, ranks=1, model="tiny", steps=steps, min_step_s=0.15, timeout_s=240,
-                           straggler_policy="eject", env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:5"}})
+                           straggler_policy="eject", env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}})
     report = Cluster(config, tmp_path).run()
     check_converged(report, steps)
     for r in (0, 1):

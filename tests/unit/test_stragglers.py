@@ -16,7 +16,7 @@ from lighthouse import membership as m
 from lighthouse.ejection import HELD_OUT, held_out
 from lighthouse.events import DeathCause, Died
 from lighthouse.server import status
-from lighthouse.stragglers import KEEP, MIN_EXCESS_S, Pace, Straggler, assess, remember, valid
+from lighthouse.stragglers import KEEP, Pace, Straggler, assess, remember, valid
 from lighthouse.v1 import lighthouse_pb2 as pb
 
 FACTOR, CONFIRM = 1.5, 3
@@ -92,16 +92,6 @@ def test_a_replica_that_computes_longer_while_nobody_waits_is_not_named() -> Non
     assert assess({"a": slow, "b": others, "c": others}, FACTOR, CONFIRM) == ()
     waited = tuple(Pace(s, 0.1, 0.2) for s in range(10, 14))
     assert [s.replica_id for s in assess({"a": slow, "b": waited, "c": waited}, FACTOR, CONFIRM)] == ["a"]
-
-
-def test_a_replica_slower_by_a_few_milliseconds_is_not_named() -> None:
-    """Seen in chaos runs of the tiny model: steps of 20-60 ms on a busy host, one replica 1.5-1.8x "slower" by
-    10-30 ms, and the others "waiting" on it: noise that costs little, under MIN_EXCESS_S."""
-    slow = tuple(Pace(s, 0.058, 0.01) for s in range(270, 281))
-    fast = tuple(Pace(s, 0.0316, 0.017) for s in range(270, 281))
-    assert assess({"a": slow, "b": fast, "c": fast}, FACTOR, CONFIRM) == ()
-    slower = tuple(Pace(s, 0.0316 + MIN_EXCESS_S + 0.01, 0.01) for s in range(270, 281))
-    assert [x.replica_id for x in assess({"a": slower, "b": fast, "c": fast}, FACTOR, CONFIRM)] == ["a"]
 
 
 def test_too_few_reports_or_members_name_nobody() -> None:
