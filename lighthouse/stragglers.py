@@ -63,10 +63,14 @@ class Straggler:
                 f"they wait {self.others_wait_s:.3f}s per step on it")
 
 
+def valid_seconds(x: float) -> bool:
+    """Whether a reported time is finite, non-negative and not absurd (at most ``MAX_SECONDS``)."""
+    return math.isfinite(x) and 0.0 <= x <= MAX_SECONDS
+
+
 def valid(pace: Pace) -> bool:
-    """Whether a reported pace is well formed: a step, and times that are finite, non-negative and not absurd."""
-    return pace.step >= 0 and all(math.isfinite(x) and 0.0 <= x <= MAX_SECONDS
-                                  for x in (pace.compute_s, pace.wait_s))
+    """Whether a reported pace is well formed: a step, and ``valid_seconds`` times."""
+    return pace.step >= 0 and valid_seconds(pace.compute_s) and valid_seconds(pace.wait_s)
 
 
 def remember(history: tuple[Pace, ...], pace: Pace, keep: int = KEEP) -> tuple[Pace, ...]:

@@ -88,11 +88,10 @@ class Joiner:
             if not any_rank(bool(held), self.device):
                 return
             time.sleep(max(5.0, 10 * probe_s))  # probe pacing: at most a tenth of its time probing
-            t0 = time.perf_counter()
             took = probe(opt, closure)
             probe_s = took + self.faults.slow_down(self.faults.slow_from, took)  # FTHSDP_FAULT_SLOW: a slow host
             if self.rank == 0:
-                self.log(logging.WARNING, "%s; probe step took %.3fs", held, time.perf_counter() - t0)
+                self.log(logging.WARNING, "%s; probe step took %.3fs", held, probe_s)
 
     def _announce(self, probe_s: float, deadline: float) -> str:
         """Rank 0: Ready(JOINING) with the probe step's time, retried while another replica is joining (one at a

@@ -254,8 +254,8 @@ class Replica:
         return result
 
     def _pace(self, attempts: int, step: int, compute_s: float, wait_s: float) -> None:
-        """Fail-slow evidence: a failure-free step's compute and exchange wait, to Prometheus and (rank 0, once
-        ``PaceWindow`` is full) to the lighthouse with the next heartbeats."""
+        """Fail-slow evidence: a contributing step's compute and exchange wait, to Prometheus; a failure-free one's
+        also to the lighthouse (rank 0, once ``PaceWindow`` is full), with the next heartbeats."""
         self.metrics.on_pace(compute_s, wait_s)
         if attempts == 1 and (pace := self.pace.add(step, compute_s, wait_s)) is not None and self.rank == 0:
             self.client.set_pace(pace)

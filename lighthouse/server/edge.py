@@ -87,7 +87,7 @@ class Edge:
         out = await self.apply(job, m.Eject(slow.replica_id, member.incarnation, now, slow.slowdown,
                                             slow.others_wait_s, slow.since_step))
         if out.rejection is None:
-            job.ejected[slow.replica_id] = slow.slowdown
+            job.ejected.add(slow.replica_id)
             job.last_eject_step = max(job.steps.values(), default=slow.since_step)
             log.warning("lighthouse job=%s epoch=%d ejected %s", job.job_id, job.number, slow.text())
 

@@ -49,9 +49,9 @@ class Job:
         self.paces: dict[str, tuple[str, tuple[Pace, ...]]] = {}
         """replica id -> (incarnation, its last pace reports of distinct steps): fail-slow evidence
         (``lighthouse.stragglers``; an older incarnation's is not counted)."""
-        self.ejected: dict[str, float] = {}
-        """replica id -> the slowdown it was ejected for (``lighthouse.ejection``); its next incarnation enters the
-        data plane once a probe step shows it healthy (soft state: a restarted lighthouse admits it)."""
+        self.ejected: set[str] = set()
+        """Replicas ejected as slow (``lighthouse.ejection``): the next incarnation enters the data plane once a
+        probe step shows it healthy (soft state: a restarted lighthouse admits it)."""
         self.last_eject_step = -PACE_WINDOW
         self.stragglers_checked = 0.0
         """The step the last ejection was decided at (the next needs reports from after it); when the ``eject``

@@ -5,7 +5,6 @@ nothing; a follower refuses everything with a redirect to the leader."""
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias
 
@@ -219,7 +218,7 @@ class LighthouseService:
         job = await self._job(req.job_id, context, "Ready")
         check_id("replica_id", req.replica_id)
         role = role_from_pb(req.role)
-        if not (math.isfinite(req.probe_compute_s) and 0.0 <= req.probe_compute_s <= stragglers.MAX_SECONDS):
+        if not stragglers.valid_seconds(req.probe_compute_s):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"probe_compute_s: finite, in [0, {stragglers.MAX_SECONDS:g}] seconds")
         if role == m.JOINING and req.replica_id in job.ejected:
@@ -230,7 +229,7 @@ class LighthouseService:
         if out.rejection is not None:
             await self._refuse(out.rejection, context, "Ready")
         if role == m.JOINING:
-            job.ejected.pop(req.replica_id, None)  # healthy again (or nothing to compare with): it may come back
+            job.ejected.discard(req.replica_id)  # healthy again (or nothing to compare with): it may come back
         return pb.ReadyResponse(epoch=job.number)
 
     async def Leave(self, req: pb.LeaveRequest, context: Context) -> pb.LeaveResponse:
