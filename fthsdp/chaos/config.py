@@ -27,6 +27,10 @@ class ChaosConfig:
     """Lighthouses of the HA set."""
     min_step_s: float = 0.15
     """Pace the trainer's steps to at least this long."""
+    compute_s: float = 0.1
+    """Pad each training forward to at least this long (a steady stand-in compute: the tiny model's own tens of
+    milliseconds on shared cores jitter by more than the fail-slow factor, and a chaos run must name no
+    straggler)."""
     model: str = "tiny"
     ranks: int = 2
     """Ranks per replica group."""
@@ -58,5 +62,6 @@ class ChaosConfig:
                              seed=self.seed, restart_delay_s=self.restart_delay_s, timeout_s=self.timeout_s,
                              heartbeat_timeout_s=self.heartbeat_timeout_s,
                              collective_timeout_s=self.collective_timeout_s, min_step_s=self.min_step_s,
+                             compute_s=self.compute_s,
                              max_restarts=4 * faults + 4,
                              env={i: {"FTHSDP_EPOCH_WAIT": str(self.epoch_wait_s)} for i in range(self.replicas)})

@@ -13,6 +13,16 @@ def kind_key(x: dict[str, Any]) -> str:
     return str(x["kind"])
 
 
+def fail_slow_violations(named: list[dict[str, Any]]) -> list[str]:
+    """A violation per replica the lighthouse named as a straggler during a chaos run (its first flag, with the
+    evidence): no chaos fault makes a replica slow, and the trainers' compute is a steady stand-in
+    (``ChaosConfig.compute_s``), so any flag is a false one."""
+    first: dict[str, dict[str, Any]] = {}
+    for x in named:
+        first.setdefault(x["replica"], x)
+    return [f"fail-slow: {r} named a straggler, no fault made it slow: {x['text']}" for r, x in sorted(first.items())]
+
+
 def summary_text(s: dict[str, Any]) -> str:
     """A soak's summary (``soak``'s result): runs, faults by kind, violations."""
     seeds = s["seeds"]

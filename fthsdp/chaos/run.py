@@ -18,7 +18,7 @@ from typing import Any
 from fthsdp.chaos.cluster import ChaosCluster
 from fthsdp.chaos.config import ChaosConfig
 from fthsdp.chaos.injector import Injector
-from fthsdp.chaos.report import kind_key
+from fthsdp.chaos.report import fail_slow_violations, kind_key
 from fthsdp.chaos.schedule import Fault, schedule
 from fthsdp.testing import invariants
 from fthsdp.testing.etcd import EtcdCluster
@@ -48,6 +48,8 @@ def run_chaos(cfg: ChaosConfig, workdir: pathlib.Path, faults: list[Fault] | Non
         if etcd is not None:
             etcd.stop()
     violations += [f"no-hang: after {x['describe']}: {x['why']}" for x in injector.stuck]
+    # No chaos fault makes a replica slow, and the trainers' compute is a steady stand-in (``compute_s``).
+    violations += fail_slow_violations(injector.stragglers_named)
     if report is not None:
         report["events"] += injector.epochs_seen
         per = invariants.load_run(workdir, cfg.replicas)

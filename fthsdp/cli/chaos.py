@@ -27,7 +27,7 @@ def cmd_chaos(a: argparse.Namespace) -> None:
     if a.duration < 0 or (a.runs < 1 and not a.duration):
         sys.exit("fthsdp chaos: --runs must be at least 1 and --duration not negative (no run, nothing checked)")
     cfg = ChaosConfig(seed=a.seed, replicas=a.replicas, ranks=a.ranks, steps=a.steps, kinds=kinds, faults=a.faults,
-                      ha=a.ha, min_step_s=a.min_step_s, model=a.model, timeout_s=a.timeout)
+                      ha=a.ha, min_step_s=a.min_step_s, compute_s=a.compute_s, model=a.model, timeout_s=a.timeout)
     workdir = pathlib.Path(a.workdir) if a.workdir else pathlib.Path(tempfile.mkdtemp(prefix="fthsdp-chaos-"))
     out = soak(cfg, workdir, runs=a.runs, duration_s=a.duration, keep=a.keep,
                on_result=None if a.json else lambda r: print(result_text(r), flush=True))
@@ -59,6 +59,8 @@ def register(sub: Subparsers) -> None:
                                                 "(default: all that apply)")
     ch.add_argument("--model", default="tiny")
     ch.add_argument("--min-step-s", type=float, default=0.15, help="pace the trainer's steps")
+    ch.add_argument("--compute-s", type=float, default=0.1,
+                    help="pad each training forward to at least this long (a steady stand-in compute)")
     ch.add_argument("--timeout", type=float, default=900.0, help="give one run up after this many seconds")
     ch.add_argument("--workdir", default="", help="runs go here (default: a new temporary directory)")
     ch.add_argument("--keep", action="store_true", help="keep the logs of runs without violations too")

@@ -17,6 +17,7 @@ import logging
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,6 +47,10 @@ def _args(argv: list[str] | None, settings: TrainerSettings) -> argparse.Namespa
     p.add_argument("--min-step-s", type=float, default=0.0,
                    help="pace steps that train a batch to take at least this long (stands in for more compute in "
                    "tests; a joiner's zero steps compute nothing and are not paced)")
+    p.add_argument("--compute-s", type=float, default=0.0,
+                   help="pad each training forward to at least this long: a stand-in for a bigger model's steady "
+                   "compute (tests of the fail-slow detector: a tiny model's tens of milliseconds on a shared CPU "
+                   "jitter by more than any straggler factor)")
     return p.parse_args(argv)
 
 
@@ -63,6 +68,14 @@ def _pace(min_step_s: float, t0: float) -> None:
     left = min_step_s - (time.perf_counter() - t0)
     if left > 0:
         time.sleep(left)  # workload pacing, not synchronisation
+
+
+def _computed(compute_s: float, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``forward()``, padded to at least ``compute_s`` (``--compute-s``)."""
+    t0 = time.perf_counter()
+    loss = forward()
+    _pace(compute_s, t0)
+    return loss
 
 
 def _scheduler(name: str, opt: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LRScheduler | None:
@@ -83,7 +96,8 @@ def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
     for step in range(a.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model.loss(batch(a.seed, step, slot, srank, per_rank, cfg.seq_len, cfg.vocab))
+        data = batch(a.seed, step, slot, srank, per_rank, cfg.seq_len, cfg.vocab)
+        loss = _computed(a.compute_s, lambda: model.loss(data))  # noqa: B023 - called within this iteration
         loss.backward()
         opt.step()
         if scheduler is not None:
@@ -128,8 +142,8 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         while ft.step < a.steps:
             t0 = time.perf_counter()
             # Data by this slot's cursor, not by step: a batch is trained once, even across failures.
-            r = ft.train_step(lambda: model.loss(batch(a.seed, ft.cursor, slot, rank, per_rank, cfg.seq_len,
-                                                       cfg.vocab).to(ft.device)))
+            r = ft.train_step(lambda: _computed(a.compute_s, lambda: model.loss(
+                batch(a.seed, ft.cursor, slot, rank, per_rank, cfg.seq_len, cfg.vocab).to(ft.device))))
             progress.write(event="step", step=r.step, loss=r.loss, epoch=r.epoch, contributors=r.contributors,
                            joined=r.joined, attempts=r.attempts, step_s=time.perf_counter() - t0,
                            exchange_s=r.exchange_s, batches=r.batches, lr_factor=r.lr_factor, catchup=r.catchup,

@@ -93,6 +93,9 @@ class ClusterConfig:
     min_step_s: float = 0.0
     """Pace the trainer's steps that train a batch to at least this long (tests: keeps runs long enough for a
     rejoin; it stands in for compute, so a joiner's zero steps are not paced)."""
+    compute_s: float = 0.0
+    """Pad each training forward of the example trainer to at least this long (``--compute-s``): a steady stand-in
+    compute, for the fail-slow detector (the tiny model's own compute jitters by more than a straggler's factor)."""
     checkpoint_every: int = 0
     """Durable checkpoint every K steps (0: only on SIGTERM, if a directory is set)."""
     checkpoint_dir: str = ""
@@ -176,7 +179,8 @@ class Cluster:
         env = c.replica_env(g.index, self.addr, g.progress, self.workdir, g.fault)
         cmd = [*torchrun(c.ranks), *c.command] if c.command else \
             [*torchrun(c.ranks), "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
-             "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s)]
+             "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s),
+             "--compute-s", str(c.compute_s)]
         with open(g.log_path, "ab") as out:  # the child keeps its own copy of the descriptor
             g.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         g.incarnations += 1

@@ -61,8 +61,9 @@ SEED = 16
 STEPS = 700
 # Light enough for a 2-core machine yet two ranks per replica group (two lanes): a 3 s heartbeat timeout, a 5 s
 # hang, a continued replica gives up waiting for an epoch that has it after 10 s (the runtime's default is 60 s).
-QUICK: dict[str, Any] = {"ranks": 2, "min_step_s": 0.1, "heartbeat_timeout_s": 3.0, "collective_timeout_s": 4.0,
-                         "hang_s": (4.5, 5.5), "epoch_wait_s": 10.0}
+# Forwards padded to 0.1 s: a steady compute, so the fail-slow detector must name nobody (a violation if it does).
+QUICK: dict[str, Any] = {"ranks": 2, "min_step_s": 0.0, "compute_s": 0.1, "heartbeat_timeout_s": 3.0,
+                         "collective_timeout_s": 4.0, "hang_s": (4.5, 5.5), "epoch_wait_s": 10.0}
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Fail-slow end to end: replica groups under torchrun (Gloo, CPU, the tiny model); one of them is made slow from a
 step on (``FTHSDP_FAULT_SLOW``) and the lighthouse's status must name it, and only it, within ten steps, with no
-flag before."""
+flag before. Each forward is padded to 0.1 s (``compute_s``): a steady compute, as a real model's, where the tiny
+model's own tens of milliseconds on two shared cores jitter by more than the straggler factor."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ def test_a_replica_three_times_slower_is_named_within_ten_steps_and_nobody_befor
         if len(trained) == 3:  # the job's step as the status sees it: no member is past it
             samples.append((max(trained), doc["stragglers"]))
 
-    config = ClusterConfig(replicas=3, ranks=1, model="tiny", steps=steps, min_step_s=0.15, timeout_s=240,
-                           env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}})
+    config = ClusterConfig(replicas=3, ranks=1, model="tiny", steps=steps, min_step_s=0.15, compute_s=0.1,
+                           timeout_s=240, env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}})
     report = Cluster(config, tmp_path, on_tick=poll).run()
     check_converged(report, steps)
     for r in range(3):
@@ -52,8 +53,9 @@ def test_under_eject_the_straggler_leaves_is_held_out_while_slow_and_the_others_
     its evidence in the epoch's reason), its next incarnation is held out while its probe step is as slow, and
     the other two train every step without a restart; at the end it takes the final state."""
     steps, slow_from = 90, 20
-    config = ClusterConfig(replicas=3, ranks=1, model="tiny", steps=steps, min_step_s=0.15, timeout_s=240,
-                           straggler_policy="eject", env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}})
+    config = ClusterConfig(replicas=3, ranks=1, model="tiny", steps=steps, min_step_s=0.15, compute_s=0.1,
+                           timeout_s=240, straggler_policy="eject",
+                           env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}})
     report = Cluster(config, tmp_path).run()
     check_converged(report, steps)
     for r in (0, 1):
