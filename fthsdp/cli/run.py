@@ -1,13 +1,18 @@
-"""``fthsdp run``: a user's own training script, fault-tolerantly, on this host: an embedded lighthouse on
-loopback, one torchrun of S ranks per replica group running the script with its own arguments untouched (from
-the current directory), restarts of a group that dies, a stop on a fatal error, live progress from the
-lighthouse, and a report. The script uses the runtime (``with fthsdp.runtime.training() as ft:``); on several
-hosts, run each group's torchrun yourself against a shared lighthouse (``deploy/``)."""
+"""``fthsdp run``: a user's own training script, fault-tolerantly: one torchrun of S ranks per replica group
+running the script with its own arguments untouched (from the current directory), restarts of a group that dies,
+a stop on a fatal error, live progress from the lighthouse, and a report. The script uses the runtime
+(``with fthsdp.runtime.training() as ft:``).
+
+On one host every group runs here, against an embedded lighthouse on loopback. On several hosts, start the
+lighthouse once (``fthsdp lighthouse``) and on each host run that host's groups against it:
+``fthsdp run --replicas R --lighthouse ADDR [--lighthouse-http ADDR] --group I [--group J ...] script.py ...``
+(with ``FTHSDP_HOST``, ``FTHSDP_TOKEN_FILE`` and a shared ``--checkpoint-dir``, ``deploy/torchrun/README.md``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -37,6 +42,8 @@ class StatusView:
             status = cluster.status()
         except (OSError, urllib.error.URLError, ValueError):
             return
+        if not cluster.http:
+            return
         cells = [f"{m['replica_id']}: step {m['step']} {m['role']}" for m in status.get("members", [])]
         down = [f"r{g.index}: DOWN" for g in cluster.groups if g.restart_at is not None]
         agreement = status.get("agreement")
@@ -56,24 +63,44 @@ def problems(final: dict[str, dict[str, Any] | None]) -> list[str]:
     return out
 
 
+def disagreement(cluster: Cluster) -> list[str]:
+    """With an external lighthouse whose status this launcher reads: its digests' disagreement, if any (the groups
+    run elsewhere have final states this launcher never sees)."""
+    if not cluster.config.lighthouse or not cluster.http:
+        return []
+    try:
+        found = cluster.status().get("agreement")
+    except (OSError, urllib.error.URLError, ValueError) as e:
+        return [f"the lighthouse's status could not be read at the end ({e}): agreement unchecked"]
+    return [f"the lighthouse sees the replicas' states {found['text']}"] if found and not found["agree"] else []
+
+
 def cmd_run(a: argparse.Namespace) -> None:
     script = pathlib.Path(a.script)
     if not script.is_file():
         sys.exit(f"fthsdp run: no such script: {a.script}")
+    if (a.group or a.lighthouse_http) and not a.lighthouse:
+        sys.exit("fthsdp run: --group and --lighthouse-http need --lighthouse (the job's lighthouse, shared by every "
+                 "host's groups)")
     workdir = pathlib.Path(a.workdir) if a.workdir else pathlib.Path(tempfile.mkdtemp(prefix="fthsdp-run-"))
     try:
         config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, command=(str(script), *a.args),
                                kills=tuple(Kill.parse(k) for k in a.kill or []), restart_delay_s=a.restart_delay,
-                               max_restarts=a.max_restarts, timeout_s=a.timeout)
-        print(f"fthsdp run: {a.replicas} replica groups x {a.ranks} ranks of {script} {' '.join(a.args)}; logs in "
-              f"{workdir}", flush=True)
+                               max_restarts=a.max_restarts, timeout_s=a.timeout, lighthouse=a.lighthouse,
+                               lighthouse_http=a.lighthouse_http, groups=tuple(a.group or ()),
+                               checkpoint_dir=a.checkpoint_dir)
+        groups = config.indices()
+        where = f"against the lighthouse at {a.lighthouse}" if a.lighthouse else "with an embedded lighthouse"
+        print(f"fthsdp run: replica groups {list(groups)} of {a.replicas}, {a.ranks} ranks each, {where}: {script} "
+              f"{' '.join(a.args)}; logs in {workdir}", flush=True)
         cluster = Cluster(config, workdir, on_tick=StatusView())
         t_start, history = cluster.execute()
     except (ValueError, ReplicaFailed, TimeoutError) as e:
         sys.exit(f"fthsdp run: {e} (logs in {workdir})")
     final = finals(cluster)
-    report = {"command": [str(script), *a.args], "replicas": a.replicas, "ranks_per_replica": a.ranks,
-              "t_start": t_start, "final": final, "problems": problems(final),
+    report = {"command": [str(script), *a.args], "replicas": a.replicas, "groups": list(groups),
+              "ranks_per_replica": a.ranks, "lighthouse": a.lighthouse or "embedded", "t_start": t_start,
+              "final": final, "problems": problems(final) + disagreement(cluster),
               "events": cluster.events + epoch_events(history)}
     if a.report:
         pathlib.Path(a.report).write_text(json.dumps(report, indent=1))
@@ -82,7 +109,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     if report["problems"]:
         sys.exit(1)
     done = next(iter(final.values()))
-    print(f"fthsdp run: every replica ended at step {done['step'] if done else '?'} with one state "
+    print(f"fthsdp run: every replica group run here ended at step {done['step'] if done else '?'} with one state "
           f"({done['param_hash'][:16] if done else '?'}...)", flush=True)
 
 
@@ -91,6 +118,17 @@ def register(sub: Subparsers) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--replicas", type=int, default=2, help="replica groups (one torchrun each)")
     r.add_argument("--ranks", type=int, default=1, help="ranks per replica group (FSDP2 shards)")
+    r.add_argument("--lighthouse", default="", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="the job's lighthouse (gRPC), shared with the groups other hosts run (default: start one "
+                   "here, on loopback)")
+    r.add_argument("--lighthouse-http", default="", metavar="HOST:PORT",
+                   help="with --lighthouse: its HTTP address, for live progress and the digests' agreement")
+    r.add_argument("--group", action="append", type=int, default=None, metavar="I",
+                   help="with --lighthouse: run only replica group I of --replicas on this host (repeatable)")
+    r.add_argument("--checkpoint-dir", default=os.environ.get("FTHSDP_CHECKPOINT_DIR", ""),
+                   help="checkpoints (each group's final state, which a group back after the end takes; the job "
+                   "resumes from the newest once every group died): on several hosts, storage they all share "
+                   "(default: FTHSDP_CHECKPOINT_DIR, else <workdir>/checkpoints)")
     r.add_argument("--kill", action="append", default=None, metavar="REPLICA@STEP[:PHASE]",
                    help="SIGKILL that replica group at that step, to see it recover (repeatable)")
     r.add_argument("--restart-delay", type=float, default=2.0, help="seconds before a dead group restarts")

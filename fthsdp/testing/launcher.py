@@ -107,9 +107,30 @@ class ClusterConfig:
     after the job finished takes it (without one it stops with no final state)."""
     env: dict[int, dict[str, str]] = field(default_factory=dict)
     """Extra environment per replica group (tests: fault switches)."""
+    lighthouse: str = ""
+    """An external lighthouse's gRPC ``host:port[,host:port...]`` (the replicas' ``FTHSDP_LIGHTHOUSE``); empty:
+    start one on loopback for this job."""
+    lighthouse_http: str = ""
+    """The external lighthouse's HTTP ``host:port`` (its ``/status``: live progress and the epoch history); empty:
+    run without them."""
+    groups: tuple[int, ...] = ()
+    """The replica groups this launcher runs, of ``replicas`` (one host's share of a job whose other groups run
+    elsewhere against the same ``lighthouse``); empty: all of them."""
     command: tuple[str, ...] = ()
     """A user's script and its arguments, run as they are by each group's torchrun from the current directory
     (``fthsdp run``); empty: the example trainer with this config's ``steps``, ``model``, ``batch``... ."""
+
+    def indices(self) -> tuple[int, ...]:
+        """The replica groups this launcher runs; ``ValueError`` when ``groups`` is malformed or needs an external
+        lighthouse it lacks."""
+        if not self.groups:
+            return tuple(range(self.replicas))
+        bad = [i for i in self.groups if not 0 <= i < self.replicas]
+        if bad or len(set(self.groups)) != len(self.groups):
+            raise ValueError(f"groups {list(self.groups)}: each must be one of 0..{self.replicas - 1}, once")
+        if not self.lighthouse:
+            raise ValueError("running only some replica groups needs the job's lighthouse (the others use it)")
+        return tuple(sorted(self.groups))
 
     def replica_env(self, index: int, lighthouse: str, progress: pathlib.Path, workdir: pathlib.Path,
                     fault: Kill | None) -> dict[str, str]:
@@ -153,9 +174,10 @@ class Cluster:
 
     def __init__(self, config: ClusterConfig, workdir: pathlib.Path,
                  on_tick: Callable[[Cluster], None] | None = None) -> None:
+        indices = config.indices()
         for k in config.kills:
-            if not 0 <= k.replica < config.replicas:
-                raise ValueError(f"kill of replica {k.replica}: there are {config.replicas}")
+            if k.replica not in indices:
+                raise ValueError(f"kill of replica {k.replica}: this launcher runs replica groups {list(indices)}")
         self.config = config
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +186,7 @@ class Cluster:
         self.groups = [Group(i, progress_path(workdir, i), workdir / f"replica{i}.log",
                              pending_faults=sorted((k for k in config.kills if k.replica == i),
                                                    key=lambda k: k.step))
-                       for i in range(config.replicas)]
+                       for i in indices]
         self.lighthouse: subprocess.Popen[bytes] | None = None
         self.http = ""
         self.addr = ""
@@ -193,6 +215,9 @@ class Cluster:
         return read_progress(g.progress)
 
     def status(self) -> dict[str, Any]:
+        """The lighthouse's ``/status``; ``ValueError`` with an external lighthouse whose HTTP address is unknown."""
+        if not self.http:
+            raise ValueError("no lighthouse HTTP address to ask for its status")
         with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:
             return json.load(r)  # type: ignore[no-any-return]
 
@@ -204,7 +229,10 @@ class Cluster:
 
     def start_lighthouse(self) -> None:
         """Start the lighthouse; set ``addr`` (what replicas get as ``FTHSDP_LIGHTHOUSE``) and ``http``. A subclass
-        may start several (HA: ``addr`` is then a comma-separated list)."""
+        may start several (HA: ``addr`` is then a comma-separated list). An external one is only addressed."""
+        if self.config.lighthouse:
+            self.addr, self.http = self.config.lighthouse, self.config.lighthouse_http
+            return
         self.lighthouse, self.addr, self.http = start_lighthouse_process(self.lighthouse_args(), self.workdir)
 
     def stop_lighthouse(self) -> None:
@@ -234,7 +262,7 @@ class Cluster:
                 if self.on_tick is not None:
                     self.on_tick(self)
                 time.sleep(0.02)  # supervision period
-            history: list[dict[str, Any]] = self.status()["history"]
+            history: list[dict[str, Any]] = self.status()["history"] if self.http else []
         finally:
             for g in self.groups:
                 kill_group(g.proc)

@@ -70,3 +70,52 @@ def test_fthsdp_run_trains_a_user_script_through_a_kill(tmp_path: pathlib.Path) 
     assert all(lr1[s] == lr0[s] for s in after), {s: (lr0[s], lr1[s]) for s in after if lr1[s] != lr0[s]}
     assert "replica-1: step" in proc.stdout  # live progress from the lighthouse
     assert "state: agree at step" in proc.stdout and "differ" not in proc.stdout  # the digests, as it sees them
+
+
+def test_fthsdp_run_one_group_per_host_against_a_shared_lighthouse(tmp_path: pathlib.Path) -> None:
+    """The multi-host shape on loopback: a lighthouse started on its own, and one ``fthsdp run --group I`` per
+    replica group (as each host would run), group 1 SIGKILLed: each launcher restarts only its own group, both end
+    with the same final state, and group 0 never exits."""
+    from fthsdp.testing.lighthouse_process import start_lighthouse_process
+    from fthsdp.testing.procutil import stop_process
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    shutil.copy(USER / "train_fthsdp.py", work / "train.py")
+    out = work / "out"
+    out.mkdir()
+    steps = 120
+    lighthouse, grpc_addr, http_addr = start_lighthouse_process(
+        ["--expected-replicas", "2", "--min-replicas", "1", "--heartbeat-timeout", "3", "--confirm-age", "0.5"],
+        tmp_path)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for group in (0, 1):
+            kill = ["--kill", "1@10"] if group == 1 else []
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fthsdp", "run", "--replicas", "2", "--ranks", "1", "--group", str(group),
+                 "--lighthouse", grpc_addr, "--lighthouse-http", http_addr, *kill, "--restart-delay", "0.5",
+                 "--timeout", "200", "--workdir", str(tmp_path / f"host{group}"),
+                 "--checkpoint-dir", str(tmp_path / "shared-checkpoints"),
+                 "--report", str(tmp_path / f"report{group}.json"),
+                 "train.py", "--steps", str(steps), "--out", str(out), "--pace", "0.1"],
+                cwd=work, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=260)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        stop_process(lighthouse)
+    for p, text in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, text[-4000:]
+    reports = [json.loads((tmp_path / f"report{g}.json").read_text()) for g in (0, 1)]
+    assert [r["groups"] for r in reports] == [[0], [1]]
+    assert all(r["lighthouse"] == grpc_addr and not r["problems"] for r in reports)
+    finals = [r["final"][str(g)] for g, r in enumerate(reports)]
+    assert all(f is not None and f["step"] == steps for f in finals), finals
+    assert finals[0]["param_hash"] == finals[1]["param_hash"]
+    assert not any(e["event"] == "exit" for e in reports[0]["events"])  # only the failed group paid
+    assert any(e["event"] == "exit" and e["replica"] == 1 and e["killed"] for e in reports[1]["events"])
+    assert any(e["event"] == "start" and e["replica"] == 1 and e["incarnation"] == 2 for e in reports[1]["events"])
+    assert "state: agree at step" in outputs[0] and "differ" not in outputs[0] + outputs[1]

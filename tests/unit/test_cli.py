@@ -157,6 +157,32 @@ def test_run_refuses_a_missing_script_and_judges_final_states(tmp_path: pathlib.
     assert "differ" in problems({"0": same, "1": {"step": 5, "param_hash": "cd"}})[0]
 
 
+def test_run_one_hosts_groups_needs_the_jobs_lighthouse_and_valid_groups(tmp_path: pathlib.Path) -> None:
+    from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit, match="need --lighthouse"):
+        main(["run", "--group", "1", str(script)])
+    with pytest.raises(SystemExit, match=r"each must be one of 0\.\.1, once"):
+        main(["run", "--replicas", "2", "--lighthouse", "127.0.0.1:1", "--group", "2", str(script)])
+    assert ClusterConfig(replicas=4).indices() == (0, 1, 2, 3)
+    assert ClusterConfig(replicas=4, lighthouse="h:1", groups=(3, 1)).indices() == (1, 3)
+    for bad in [(1, 1), (-1,), (4,)]:
+        with pytest.raises(ValueError, match="once"):
+            ClusterConfig(replicas=4, lighthouse="h:1", groups=bad).indices()
+    with pytest.raises(ValueError, match="needs the job's lighthouse"):
+        ClusterConfig(replicas=4, groups=(1,)).indices()
+    with pytest.raises(ValueError, match=r"kill of replica 0: this launcher runs replica groups \[1\]"):
+        Cluster(ClusterConfig(replicas=2, lighthouse="h:1", groups=(1,), kills=(Kill(0, 5),)), tmp_path)
+    cluster = Cluster(ClusterConfig(replicas=3, lighthouse="h:1", groups=(2,)), tmp_path)
+    assert [g.index for g in cluster.groups] == [2]
+    cluster.start_lighthouse()  # an external one: only addressed, nothing started
+    assert (cluster.addr, cluster.http, cluster.lighthouse) == ("h:1", "", None)
+    with pytest.raises(ValueError, match="no lighthouse HTTP address"):
+        cluster.status()
+
+
 def test_demo_kill_all_is_its_own_scenario() -> None:
     def kills(*argv: str) -> list[tuple[int, int]]:
         return [(k.replica, k.step) for k in demo.kills_of(build_parser().parse_args(["demo", *argv]))]
