@@ -138,6 +138,10 @@ class LighthouseRpc:
         self.role = ""
         self.in_data_plane = False
         """A joiner: the lighthouse accepted its Ready(JOINING)."""
+        self.member_of = 0
+        """The newest epoch seen with this incarnation in it (0: none yet)."""
+        self.dropped_from = 0
+        """A newer epoch seen without it after that (0: none): the lighthouse dropped it, it is over for good."""
         self.active_wanted = False
         """Ready(ACTIVE) was asked for: the session retries it until the lighthouse takes it (``active_pending``)."""
         self.heartbeats = 0
@@ -205,6 +209,14 @@ class LighthouseRpc:
         self._channel = self._stub = None
 
     # --- calls --------------------------------------------------------------------------------------------
+
+    def saw(self, epoch: EpochView) -> None:
+        """Keep track of whether this incarnation was dropped: in one epoch, absent from a newer one."""
+        me = epoch.member(self.replica_id)
+        if me is not None and me.incarnation == self.incarnation:
+            self.member_of = max(self.member_of, epoch.number)
+        elif self.member_of and epoch.number > self.member_of and not self.dropped_from:
+            self.dropped_from = epoch.number
 
     @property
     def held_role(self) -> str:

@@ -9,7 +9,8 @@ tells the two ways of being unknown apart:
 - NOT_FOUND: the lighthouse does not know it at all (it restarted without its state). The same incarnation
   registers again with the role it holds and the newest epoch it saw, and the lighthouse relearns the membership
   from those re-registrations: nobody restarts. Only if the lighthouse does not give that role back (it had
-  formed an epoch without this replica) is ``on_lost`` told.
+  formed an epoch without this replica), or if this incarnation had already seen an epoch drop it, is
+  ``on_lost`` told.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class AsyncLighthouseClient(LighthouseRpc):
         def deliver(e: EpochView) -> None:
             if e.number > latest["n"]:
                 latest["n"] = e.number
+                self.saw(e)
                 on_epoch(e)
 
         tasks = [asyncio.create_task(self._watch_loop(deliver, latest, stop))]
@@ -92,6 +94,11 @@ class AsyncLighthouseClient(LighthouseRpc):
                 lost(str(e))
                 return
             except UnknownTarget as e:
+                if self.dropped_from:
+                    # Dropped (declared dead while it hung or was cut off) by a lighthouse that has since lost
+                    # its state: its role is not its own to claim back, and its state may have fallen behind.
+                    lost(f"dropped from epoch {self.dropped_from}, then unknown to a restarted lighthouse ({e})")
+                    return
                 held = self.held_role
                 log.warning("replica=%s unknown to the lighthouse (%s): registering incarnation %s again as %s",
                             self.replica_id, e, self.incarnation, held or "joining (not in the data plane)")

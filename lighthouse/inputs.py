@@ -57,6 +57,9 @@ class Report:
     early: bool = False
     """Sent before the reporter's blame grace ended, while live peers may still be checking in: confirmed only on
     evidence (disconnected, or silent for ``confirm_age_s``), else it changes nothing."""
+    suspect_step: int | None = None
+    """The step the suspect's heartbeats last carried (the edge knows it; None: unknown): progress since its
+    previous report clears its re-forms (it trains: not hung)."""
 
 
 @dataclass(frozen=True)

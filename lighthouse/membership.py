@@ -34,6 +34,7 @@ Rules (docs/design.md §4):
   same members (a new number), so that every member rebuilds its data plane instead of waiting forever. One
   reported again after ``max_reforms`` consecutive re-forms is hung (heartbeating, not training): dead, if the
   blame singles it out; otherwise at most one of the suspects is (bounded escalation, ``lighthouse.escalation``).
+  A suspect whose heartbeats' step moved on between two reports trained in between: its re-forms start over.
 - A straggler (fail-slow, policy ``eject``) leaves like a failure, when that wins (``lighthouse.ejection``).
 - End of job: a member that leaves with reason ``"finished"`` marks the job completed at its step
   (``State.finished_step``, the highest if several do). From then on a registration (other than a reconnect of a
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from lighthouse.ejection import eject
 from lighthouse.escalation import hung_verdict
@@ -203,9 +205,13 @@ def _ready(state: State, ev: Ready, policy: Policy) -> Outcome:
         if member.role == ACTIVE:
             return Outcome(state=state)
         mine = state.epoch.member(ev.replica_id) if state.epoch is not None else None
-        if not member.in_epoch or mine is None or mine.incarnation != ev.incarnation:
+        if not member.in_epoch:
             return _reject(state, "FAILED_PRECONDITION",
                            f"replica {ev.replica_id} must take part in an epoch as joining before turning active")
+        if mine is None or mine.incarnation != ev.incarnation:
+            # In the data plane, but no epoch has it yet (a lighthouse that lost its state took it back before its
+            # first epoch formed): the epoch is coming, so this is a retry, not a refusal for good.
+            return _reject(state, "ABORTED", f"replica {ev.replica_id} is in no epoch yet; retry once it is")
         updated = dataclasses.replace(member, role=ACTIVE)
         event = TurnedActive(ev.replica_id)
     new = dataclasses.replace(state, members={**state.members, ev.replica_id: updated})
@@ -257,11 +263,25 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
         if ev.early:
             return Outcome(state=state)
         suspected_at = {**state.suspected_at, ev.suspect: state.suspected_at.get(ev.suspect, ev.now)}
-        return Outcome(state=dataclasses.replace(state, suspicions=suspicions, suspected_at=suspected_at))
+        return Outcome(state=dataclasses.replace(state, suspicions=suspicions, suspected_at=suspected_at,
+                                                 **_progress(state, ev)))
     new = dataclasses.replace(drop(state, (ev.suspect,)), suspicions=suspicions)
     died = Died(ev.suspect, DeathCause.CONFIRMED if ev.disconnected_s is None else DeathCause.DISCONNECTED,
                 silent_s=age, reporters=(ev.reporter,), report=why, disconnected_s=ev.disconnected_s or 0.0)
     return dataclasses.replace(_reconcile(new, (died,), ev.now, policy), confirmed=True)
+
+
+def _progress(state: State, ev: Report) -> dict[str, Any]:
+    """A suspect whose step moved on since it was last reported trained in between: the re-forms it caused so far
+    were not a hang (a healthy replica blamed now and then over a slow link must never add up to one)."""
+    if ev.suspect_step is None:
+        return {}
+    before = state.report_steps.get(ev.suspect)
+    steps = {k: v for k, v in state.report_steps.items() if k in state.members}
+    out: dict[str, Any] = {"report_steps": {**steps, ev.suspect: ev.suspect_step}}
+    if before is not None and ev.suspect_step > before and ev.suspect in state.reforms:
+        out["reforms"] = {k: v for k, v in state.reforms.items() if k != ev.suspect}
+    return out
 
 
 def _dead_in_both(state: State, ev: Report, policy: Policy) -> bool:

@@ -149,12 +149,16 @@ class State:
     suspected_at: Mapping[str, float] = field(default_factory=dict)
     """suspect replica id -> time of its first report in the current epoch."""
     reforms: Mapping[str, int] = field(default_factory=dict)
-    """suspect replica id -> consecutive epochs re-formed because of it."""
+    """suspect replica id -> consecutive epochs re-formed because of it (reset once it is seen training)."""
+    report_steps: Mapping[str, int] = field(default_factory=dict)
+    """suspect replica id -> the step its heartbeats had reached when it was last reported: a suspect whose step
+    moved on between two reports trained in between, so it is not hung, whatever its re-forms so far."""
     min_reached_at: float | None = None
     """Bootstrap: when ``min_replicas`` registrations were first reached."""
     departed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """replica id -> its last ``DEPARTED_LIMIT`` incarnations that died, left or were replaced, oldest first:
-    they are over for good (their calls are answered FAILED_PRECONDITION, never 'register again'). Volatile."""
+    they are over for good (their calls are answered FAILED_PRECONDITION, never 'register again'). Durable
+    (``lighthouse.state_doc``)."""
     finished_step: int | None = None
     """The job completed at this step: a member left with reason ``"finished"`` (the highest step, if several
     did). None: not finished. Durable. From then on nobody registers (``Outcome.finished_step``), and once no

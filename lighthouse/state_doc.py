@@ -98,25 +98,31 @@ def state_to_doc(state: State) -> dict[str, Any]:
 
     Registrations outside the epoch and heartbeat times are volatile: clients re-register when a lighthouse
     answers NOT_FOUND. History entries keep the replica ids only (restored with empty roles and incarnations),
-    for the last ``DOC_HISTORY_LIMIT`` epochs. ``finished_step`` (null: the job has not finished) is durable too.
+    for the last ``DOC_HISTORY_LIMIT`` epochs. ``finished_step`` (null: the job has not finished) is durable too,
+    and so are the incarnations that are over (``departed``, at most ``model.DEPARTED_LIMIT`` per replica): a
+    replica declared dead while it hung, back after a restart, must be refused, not registered again.
     """
     return {
         "last_number": state.last_number,
         "epoch": None if state.epoch is None else _epoch_to_doc(state.epoch),
         "history": [_history_to_doc(e) for e in state.history[-DOC_HISTORY_LIMIT:]],
         "finished_step": state.finished_step,
+        "departed": {rid: list(incs) for rid, incs in sorted(state.departed.items())},
     }
 
 
 def state_from_doc(doc: dict[str, Any] | None, now: float) -> State:
     """Rebuild the state from a stored document (none stored: the empty state); the epoch's members count as
     registered at ``now`` (its joiners as syncing since ``now``: the join deadline starts again). A document
-    without ``finished_step`` (written before it existed) loads as not finished."""
+    without ``finished_step`` or ``departed`` (written before they existed) loads as not finished, with none."""
     if not doc:
         return State()
     epoch = None if doc["epoch"] is None else _epoch_from_doc(doc["epoch"])
+    departed = {str(rid): tuple(str(i) for i in incs) for rid, incs in (doc.get("departed") or {}).items()}
     members = {}
     for x in epoch.members if epoch is not None else ():
+        if x.incarnation in departed.get(x.replica_id, ()):
+            continue  # dropped while the min-replicas guard held the epoch: over, as before the restart
         members[x.replica_id] = Member(x.replica_id, x.incarnation, x.shard_count, x.endpoints, x.role,
                                        in_epoch=True, registered_at=now,
                                        syncing_since=now if x.role == JOINING else None)
@@ -126,4 +132,5 @@ def state_from_doc(doc: dict[str, Any] | None, now: float) -> State:
         last_number=int(doc["last_number"]),
         history=tuple(_epoch_from_doc(e) for e in doc["history"]),
         finished_step=None if doc.get("finished_step") is None else int(doc["finished_step"]),
+        departed=departed,
     )

@@ -39,9 +39,10 @@ class Edge:
                 return out
             new_epoch = out.new_epoch(before)
             # Also when only the counter moved (a member that came back to a lighthouse that lost it names the
-            # epochs it saw): the store's fence is the stored number; and when the job finished (durable).
+            # epochs it saw): the store's fence is the stored number; when the job finished, and when an incarnation
+            # became over for good (durable: a hung one back after a restart must be refused).
             if (new_epoch is not None or out.state.last_number != before.last_number
-                    or out.state.finished_step != before.finished_step):
+                    or out.state.finished_step != before.finished_step or out.state.departed is not before.departed):
                 try:
                     await self._save(job, before, out.state)
                 except EpochFenced as e:

@@ -204,7 +204,7 @@ class LighthouseService:
         out = await self.edge.apply(job, m.Report(req.reporter_replica_id, req.reporter_incarnation,
                                                   req.suspect_replica_id, req.epoch, req.reason, now,
                                                   job.last_seen, job.disconnected_s(req.suspect_replica_id, now),
-                                                  req.early))
+                                                  req.early, job.steps.get(req.suspect_replica_id)))
         if out.rejection is not None:
             self.metrics.reports.labels("refused").inc()
             await self._refuse(out.rejection, context, "ReportFailure")

@@ -354,3 +354,36 @@ def test_after_the_job_finished_a_registration_is_told_so_with_the_final_step(
     assert slow_server.state().members == {}
     st = status(slow_stub)
     assert st.finished and st.finished_step == 42
+
+
+def test_a_dropped_incarnation_never_claims_its_role_back_from_a_lighthouse_that_forgot(
+        start_server: Callable[..., ServerThread], channel_to: Callable[[ServerThread], grpc.Channel]) -> None:
+    """Found by the simulator (docs/chaos.md): a replica that saw an epoch drop it, and whose next heartbeat finds
+    a lighthouse that lost its state (in-memory store, restarted), must end its incarnation, not re-register with
+    the role it held (it would be taken back, before the new lighthouse's first epoch, with a state that fell
+    behind). Heartbeats every 5 s leave the drop and the restart well inside one interval."""
+    policy = m.Policy(min_replicas=1, heartbeat_interval_s=5.0, heartbeat_timeout_s=30.0, confirm_age_s=10.0)
+    port = free_port()
+    first = start_server(policy, store=InMemoryStore(), bind=f"127.0.0.1:{port}")
+    lost: list[str] = []
+    c = LighthouseClient(f"127.0.0.1:{port}", JOB, "r", on_lost=lost.append)
+    try:
+        reg = c.start(deadline_s=10)
+        assert reg is not None and reg.role == m.ACTIVE and c.wait_epoch(0, timeout=5) is not None
+        stub = pb_grpc.LighthouseStub(channel_to(first))
+        o = register(stub, "o")  # a second active member, so that an epoch forms without r
+        for role in (pb.ROLE_JOINING, pb.ROLE_ACTIVE):
+            stub.Ready(pb.ReadyRequest(job_id=JOB, replica_id="o", incarnation=o.incarnation, role=role), timeout=5)
+        both = c.wait_epoch(2, timeout=5)
+        assert both is not None and both.replica_ids == ("o", "r")
+        stub.Leave(pb.LeaveRequest(job_id=JOB, replica_id="r", incarnation=c.incarnation, reason="forced"),
+                   timeout=5)
+        dropped = c.wait_epoch(both.number, timeout=5)
+        assert dropped is not None and dropped.replica_ids == ("o",)
+        first.stop()
+        second = start_server(policy, store=InMemoryStore(), bind=f"127.0.0.1:{port}")
+        wait_until(lambda: lost, timeout=15, what="on_lost")
+        assert "dropped from epoch" in lost[0], lost
+        assert "r" not in second.state().members  # it never registered again
+    finally:
+        c.close()

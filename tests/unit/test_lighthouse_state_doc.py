@@ -69,3 +69,27 @@ def test_the_end_of_the_job_is_durable_and_an_old_document_loads_as_not_finished
     old = {k: v for k, v in d.items() if k != "finished_step"}
     assert state_doc.state_from_doc(old, now=2.0).finished_step is None
     assert state_doc.state_to_doc(m.State())["finished_step"] is None
+
+
+def test_incarnations_that_are_over_stay_over_across_a_restart() -> None:
+    """Found by the simulator (seeds 159 and 2244, docs/chaos.md): the document keeps ``departed``, so a replica
+    declared dead while it hung, back after a lighthouse restart on a durable store, is refused instead of
+    registering again (or evicting its successor); and a member dropped while the min-replicas guard held the
+    epoch is not restored as a member of that epoch."""
+    p = m.Policy(min_replicas=2, expected_replicas=3)
+    state = m.State()
+    for rid in ("a", "b", "c"):
+        state = m.decide(state, m.Register(rid, f"{rid}1", 1, m.Endpoints(), 0.0), p).state
+    assert state.epoch is not None and len(state.epoch.members) == 3
+    state = m.decide(state, m.Tick(10.0, {"a": 10.0, "b": 10.0, "c": 1.0}), p).state  # c silent: dead
+    state = m.decide(state, m.Tick(20.0, {"a": 20.0, "b": 11.0}), p).state  # b too; the guard holds epoch 2
+    assert state.epoch is not None and state.epoch.replica_ids() == ("a", "b") and set(state.members) == {"a"}
+    back = state_doc.state_from_doc(json.loads(json.dumps(state_doc.state_to_doc(state))), now=30.0)
+    assert back.departed == {"b": ("b1",), "c": ("c1",)}
+    assert set(back.members) == {"a"} and back.epoch == state.epoch  # b is over: not a member again
+    for rid in ("b", "c"):
+        out = m.decide(back, m.Register(rid, f"{rid}1", 1, m.Endpoints(), 31.0, claim=m.ACTIVE, last_epoch=2), p)
+        assert out.rejection is not None and out.rejection.code == "FAILED_PRECONDITION", out.rejection
+    # A document written before ``departed`` existed loads with none.
+    old = {k: v for k, v in state_doc.state_to_doc(state).items() if k != "departed"}
+    assert state_doc.state_from_doc(old, now=30.0).departed == {}
