@@ -50,11 +50,18 @@ def check_incarnation(state: State, replica_id: str, incarnation: str) -> Reject
 
 
 def drop(state: State, gone: Iterable[str]) -> State:
-    """``state`` without the members ``gone``, whose incarnations are over for good (``State.departed``)."""
+    """``state`` without the members ``gone``, whose incarnations are over for good (``State.departed``), and
+    without their reports and the reports against them."""
     over = {rid: state.members[rid].incarnation for rid in gone if rid in state.members}
     if not over:
         return state
     departed = {**state.departed, **{rid: (*state.departed.get(rid, ()), i)[-DEPARTED_LIMIT:]
                                      for rid, i in over.items()}}
     members = {k: v for k, v in state.members.items() if k not in over}
-    return dataclasses.replace(state, members=members, departed=departed)
+    # A gone reporter's blame goes with it (its collectives failed because of its own end), and so do the
+    # suspicions against the gone: a suspect left with no reporter is no suspect.
+    suspicions = {k: r - over.keys() for k, r in state.suspicions.items() if k not in over}
+    suspicions = {k: r for k, r in suspicions.items() if r}
+    suspected_at = {k: t for k, t in state.suspected_at.items() if k in suspicions}
+    return dataclasses.replace(state, members=members, departed=departed, suspicions=suspicions,
+                               suspected_at=suspected_at)

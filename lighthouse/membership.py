@@ -265,7 +265,7 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
         suspected_at = {**state.suspected_at, ev.suspect: state.suspected_at.get(ev.suspect, ev.now)}
         return Outcome(state=dataclasses.replace(state, suspicions=suspicions, suspected_at=suspected_at,
                                                  **_progress(state, ev)))
-    new = dataclasses.replace(drop(state, (ev.suspect,)), suspicions=suspicions)
+    new = drop(dataclasses.replace(state, suspicions=suspicions), (ev.suspect,))
     died = Died(ev.suspect, DeathCause.CONFIRMED if ev.disconnected_s is None else DeathCause.DISCONNECTED,
                 silent_s=age, reporters=(ev.reporter,), report=why, disconnected_s=ev.disconnected_s or 0.0)
     return dataclasses.replace(_reconcile(new, (died,), ev.now, policy), confirmed=True)
@@ -322,8 +322,11 @@ def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
                                     for rid in verdict.hung)
                 return _reconcile(drop(state, verdict.hung), note + hung_events, ev.now, policy)
             reforms = {rid: state.reforms.get(rid, 0) + 1 for rid in alive}
-            return _reconcile(dataclasses.replace(state, reforms=reforms), (Reformed(tuple(alive)), *note), ev.now,
-                              policy, force=True)
+            out = _reconcile(dataclasses.replace(state, reforms=reforms), (Reformed(tuple(alive)), *note), ev.now,
+                             policy, force=True)
+            # The min-replicas guard held: no epoch was re-formed, so none counts towards a hung verdict (at one
+            # tick every 50 ms, three would have in 0.15 s); the next tick tries again.
+            return out if out.new_epoch(state) is not None else Outcome(state=state)
         # Only bootstrap waits on time alone (the join window); otherwise nothing changed.
         return _reconcile(state, (), ev.now, policy) if state.epoch is None else Outcome(state=state)
     return _reconcile(drop(state, dead), tuple(dead.values()), ev.now, policy)

@@ -93,6 +93,15 @@ def _epoch_from_doc(d: dict[str, Any]) -> Epoch:
                  events=tuple(event_from_doc(e) for e in d.get("events", ())))
 
 
+def durable_change(before: State, after: State) -> bool:
+    """Whether ``after`` changes what the document holds, so the store must be written: a new epoch; the counter
+    alone (a member that came back to a lighthouse that lost it names the epochs it saw: the store's fence is the
+    stored number); the end of the job; an incarnation that became over for good (a hung one back after a
+    restart must be refused)."""
+    return (after.epoch is not before.epoch or after.last_number != before.last_number
+            or after.finished_step != before.finished_step or after.departed is not before.departed)
+
+
 def state_to_doc(state: State) -> dict[str, Any]:
     """The durable part of the state: the epoch counter, the current epoch and recent history.
 

@@ -12,7 +12,7 @@ from lighthouse import stragglers
 from lighthouse.errors import EpochFenced, StoreUnavailable
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.server.jobs import Job, clock
-from lighthouse.state_doc import state_to_doc
+from lighthouse.state_doc import durable_change, state_to_doc
 from lighthouse.stores.base import Store
 
 log = logging.getLogger("fthsdp.lighthouse")
@@ -38,11 +38,7 @@ class Edge:
             if out.rejection is not None or out.state is before:
                 return out
             new_epoch = out.new_epoch(before)
-            # Also when only the counter moved (a member that came back to a lighthouse that lost it names the
-            # epochs it saw): the store's fence is the stored number; when the job finished, and when an incarnation
-            # became over for good (durable: a hung one back after a restart must be refused).
-            if (new_epoch is not None or out.state.last_number != before.last_number
-                    or out.state.finished_step != before.finished_step or out.state.departed is not before.departed):
+            if durable_change(before, out.state):
                 try:
                     await self._save(job, before, out.state)
                 except EpochFenced as e:

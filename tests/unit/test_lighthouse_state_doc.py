@@ -82,7 +82,10 @@ def test_incarnations_that_are_over_stay_over_across_a_restart() -> None:
         state = m.decide(state, m.Register(rid, f"{rid}1", 1, m.Endpoints(), 0.0), p).state
     assert state.epoch is not None and len(state.epoch.members) == 3
     state = m.decide(state, m.Tick(10.0, {"a": 10.0, "b": 10.0, "c": 1.0}), p).state  # c silent: dead
-    state = m.decide(state, m.Tick(20.0, {"a": 20.0, "b": 11.0}), p).state  # b too; the guard holds epoch 2
+    held = m.decide(state, m.Tick(20.0, {"a": 20.0, "b": 11.0}), p).state  # b too; the guard holds epoch 2
+    assert held.epoch is state.epoch and state_doc.durable_change(state, held)  # no new epoch, yet stored
+    assert not state_doc.durable_change(held, m.decide(held, m.Tick(20.5, {"a": 20.5}), p).state)
+    state = held
     assert state.epoch is not None and state.epoch.replica_ids() == ("a", "b") and set(state.members) == {"a"}
     back = state_doc.state_from_doc(json.loads(json.dumps(state_doc.state_to_doc(state))), now=30.0)
     assert back.departed == {"b": ("b1",), "c": ("c1",)}

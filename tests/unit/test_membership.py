@@ -706,6 +706,35 @@ def test_a_suspect_that_trained_between_reports_starts_its_reforms_over() -> Non
     assert unknown.reforms == {"c": 1}
 
 
+def test_no_hung_verdict_while_the_guard_holds_and_a_dead_reporters_blame_goes_with_it() -> None:
+    """Found by the simulator (seed 220115, docs/chaos.md): with the min-replicas guard holding the epoch, every
+    liveness tick (50 ms) counted as a re-form, so a live suspect was declared hung 0.15 s after a false report;
+    and the report came from a replica that had died since. No epoch re-formed, nothing counts; a dead reporter's
+    reports go with it."""
+    policy = dataclasses.replace(P, max_reforms=2, min_replicas=2)
+    state = boot(["a", "b", "c"], policy)
+    state = tick(state, 5.0, policy, c=4.0).state  # c dead; epoch {a, b}
+    assert state.epoch is not None and state.epoch.replica_ids() == ("a", "b")
+    state = report(state, "a", "b", 6.0, policy=policy, b=0.1).state  # a false blame of b...
+    assert state.suspicions == {"b": frozenset({"a"})}
+    # ...then a dies (killed: its connection closed), and the guard holds the epoch with one member left.
+    out = report(state, "b", "a", 6.2, policy=policy, disconnected_s=0.05)
+    state = out.state
+    assert "a" not in state.members and state.suspicions == {} and state.suspected_at == {}
+    for i in range(10):  # the ticks that counted re-forms before
+        state = tick(state, 7.5 + 0.05 * i, policy).state
+    assert "b" in state.members and state.reforms == {}
+    # With a live reporter and the guard holding (c and d dead, min 3), ticks count nothing either.
+    policy3 = dataclasses.replace(P, max_reforms=2, min_replicas=3)
+    state = boot(["a", "b", "c", "d"], policy3)
+    state = tick(state, 5.0, policy3, d=4.0).state
+    state = tick(state, 6.0, policy3, c=4.0).state  # guard: 2 of 3 required
+    state = report(state, "a", "b", 7.0, policy=policy3, b=0.1).state
+    for i in range(10):
+        state = tick(state, 8.0 + 0.05 * i, policy3).state
+    assert "b" in state.members and state.reforms == {} and state.suspicions == {"b": frozenset({"a"})}
+
+
 def test_max_reforms_zero_never_declares_a_live_suspect_dead() -> None:
     policy = dataclasses.replace(P, max_reforms=0)
     state = boot(["a", "b"], policy)
