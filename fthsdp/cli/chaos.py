@@ -14,7 +14,43 @@ if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
 
 
+def cmd_sim(a: argparse.Namespace) -> None:
+    """``--sim``: the membership protocol in a deterministic simulation (``fthsdp.chaos.sim``)."""
+    from fthsdp.chaos.sim.run import VARIANTS, run_one, simulate
+
+    if a.sim_variant not in VARIANTS:
+        sys.exit(f"fthsdp chaos: --sim-variant must be one of {', '.join(v for v in VARIANTS if v)}")
+    if a.runs < 1:
+        sys.exit("fthsdp chaos: --runs must be at least 1 (no run, nothing checked)")
+    if a.trace:
+        r = run_one(a.seed, a.sim_variant, trace=True)
+        if a.json:
+            print(json.dumps(r, indent=1))
+        else:
+            print("\n".join(r["trace"]))
+            print("\n".join(f"VIOLATION {v}" for v in r["violations"]) or "no violation")
+        if r["violations"]:
+            sys.exit(1)
+        return
+    out = simulate(a.seed, a.runs, a.sim_variant)
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        variant = f", variant {a.sim_variant}" if a.sim_variant else ""
+        print(f"{out['runs']} simulated runs (seeds {a.seed}..{a.seed + a.runs - 1}{variant}) in {out['seconds']}s: "
+              f"{out['violations']} with violations {out['by_invariant'] or ''}; faults {out['faults_injected']}")
+        for x in out["first_failing"]:
+            print(f"  seed {x['seed']} ({'; '.join(x['faults'])}): {x['violations'][0]}  "
+                  f"[replay: fthsdp chaos --sim --seed {x['seed']} --trace"
+                  f"{' --sim-variant ' + a.sim_variant if a.sim_variant else ''}]")
+    if out["violations"]:
+        sys.exit(1)
+
+
 def cmd_chaos(a: argparse.Namespace) -> None:
+    if a.sim:
+        cmd_sim(a)
+        return
     from fthsdp.chaos.config import ChaosConfig
     from fthsdp.chaos.report import exit_code, result_text, summary_text
     from fthsdp.chaos.run import soak
@@ -65,4 +101,11 @@ def register(sub: Subparsers) -> None:
     ch.add_argument("--workdir", default="", help="runs go here (default: a new temporary directory)")
     ch.add_argument("--keep", action="store_true", help="keep the logs of runs without violations too")
     ch.add_argument("--json", action="store_true")
+    ch.add_argument("--sim", action="store_true",
+                    help="no processes: the membership protocol (the lighthouse's real decision code) in a "
+                    "deterministic simulation, --runs seeds from --seed (docs/chaos.md, Simulation)")
+    ch.add_argument("--sim-variant", default="", metavar="VARIANT",
+                    help="with --sim: a deliberately broken protocol the checks must catch (no-confirm, "
+                    "reuse-epochs)")
+    ch.add_argument("--trace", action="store_true", help="with --sim: replay --seed alone and print its trace")
     ch.set_defaults(fn=cmd_chaos)

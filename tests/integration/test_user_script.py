@@ -86,7 +86,7 @@ def test_fthsdp_run_one_group_per_host_against_a_shared_lighthouse(tmp_path: pat
     out.mkdir()
     steps = 120
     lighthouse, grpc_addr, http_addr = start_lighthouse_process(
-        ["--expected-replicas", "2", "--min-replicas", "1", "--heartbeat-timeout", "3", "--confirm-age", "0.5"],
+        ["--expected-replicas", "2", "--min-replicas", "1", "--heartbeat-timeout", "3"],
         tmp_path)
     procs: list[subprocess.Popen[str]] = []
     try:

@@ -141,6 +141,18 @@ def test_chaos_refuses_a_soak_of_no_run(tmp_path: pathlib.Path) -> None:
     assert "--runs must be at least 1" in str(e.value.code)
 
 
+def test_chaos_sim_reports_and_exits_non_zero_on_a_violation(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["chaos", "--sim", "--runs", "5", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["runs"] == 5 and out["violations"] == 0 and sum(out["faults_injected"].values()) > 0
+    assert {"runs", "violations", "faults_injected", "seconds"} <= set(out)
+    with pytest.raises(SystemExit) as e:  # seed 3 breaks invariant 7 under the broken variant: replay it
+        main(["chaos", "--sim", "--seed", "3", "--trace", "--sim-variant", "no-confirm"])
+    assert e.value.code == 1 and "VIOLATION only-failed-pays" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--sim-variant must be one of no-confirm, reuse-epochs"):
+        main(["chaos", "--sim", "--sim-variant", "local-vote"])
+
+
 def test_run_passes_the_scripts_own_arguments_untouched() -> None:
     a = build_parser().parse_args(["run", "--replicas", "3", "train.py", "--steps", "5", "--replicas", "9", "-x"])
     assert a.replicas == 3 and a.script == "train.py" and a.args == ["--steps", "5", "--replicas", "9", "-x"]

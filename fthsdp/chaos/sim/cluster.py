@@ -1,0 +1,281 @@
+"""A simulated job: R replica groups under supervisors (a group that exits restarts as a new incarnation), the
+lighthouse, the network, the data plane's failure detection as a model, and a seeded fault schedule.
+
+The data plane is not simulated byte by byte: a member of an epoch whose peer in that epoch is dead, hung or cut
+from it sees its collective fail (soon for a dead peer, whose connections reset; after the collective timeout
+otherwise) and reports that peer for the epoch, as FTAR's blame does; a new epoch rebuilds it. The job's end is
+simulated time: at ``end_s`` every replica that is active in the epoch it knows leaves as finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+from fthsdp.chaos.sim.lighthouse import SimLighthouse
+from fthsdp.chaos.sim.replica import SimReplica
+from fthsdp.chaos.sim.world import Net, Window, World
+from lighthouse import membership as m
+
+FAULT_KINDS = ("kill", "double", "hang", "cut", "blip", "peers", "delay", "dup", "blame", "restart-memory",
+               "restart-durable")
+"""``kill`` (a group's processes die), ``double`` (two at once), ``hang`` (SIGSTOP for 4-8 s), ``cut`` (the group
+and the lighthouse cannot reach each other for 0.4-8 s: silent for the confirm age, a report against it is
+confirmed), ``blip`` (the same for 0.1-0.4 s, less than the confirm age less an interval: it must cost nothing),
+``peers`` (the group and its peers cannot reach each other for 3-8 s; the lighthouse sees everyone), ``delay``
+(its messages up to 0.3 s late: reordered), ``dup`` (its requests arrive twice), ``blame`` (a peer reports it
+though it is healthy: a slow link), ``restart-memory`` and ``restart-durable`` (the lighthouse crashes and comes
+back 0.5-3 s later without or with its state)."""
+TARGETING = frozenset({"kill", "double", "hang", "cut", "peers"})
+"""The kinds whose replicas may pay (invariant 7 holds every other replica to one incarnation)."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    t: float
+    kind: str
+    replicas: tuple[int, ...]
+    duration_s: float = 0.0
+    durable: bool = False
+
+    def describe(self) -> str:
+        who = ",".join(f"r{i}" for i in self.replicas)
+        return f"{self.kind}({who}) at {self.t:.3f}s" + (f" for {self.duration_s:.2f}s" if self.duration_s else "")
+
+
+@dataclass
+class Exit:
+    t: float
+    replica: int
+    incarnation: str
+    why: str
+    finished: bool
+
+
+@dataclass
+class Supervisor:
+    index: int
+    proc: SimReplica | None = None
+    incarnations: int = 0
+    done: bool = False
+
+
+@dataclass
+class SimConfig:
+    """One simulated job: its shape, its faults, its timing and the lighthouse's policy."""
+
+    replicas: int = 3
+    min_replicas: int = 1
+    faults: tuple[Fault, ...] = ()
+    end_s: float = 60.0
+    """When the job's last step is committed."""
+    epoch_wait_s: float = 10.0
+    """``FTHSDP_EPOCH_WAIT``: how long a replica waits for an epoch that has it."""
+    collective_timeout_s: float = 4.0
+    """``FTHSDP_TIMEOUT``: a collective with a hung or cut-off peer fails after this long."""
+    policy: m.Policy = field(default_factory=m.Policy)
+    reuse_epochs: bool = False
+    """Variant ``reuse-epochs``: the store keeps no epoch counter and re-registrations claim no epoch."""
+
+
+class SimCluster:
+    """The job's supervisors, network, lighthouse and data-plane model; what the checks read afterwards."""
+
+    def __init__(self, world: World, cfg: SimConfig) -> None:
+        self.world, self.cfg = world, cfg
+        self.policy = dataclasses.replace(cfg.policy, min_replicas=cfg.min_replicas, expected_replicas=cfg.replicas)
+        self.epoch_wait_s = cfg.epoch_wait_s
+        self.reuse_epochs = cfg.reuse_epochs
+        self.net = Net(world)
+        self.lighthouse = SimLighthouse(world, self.policy, self._publish, strip_counter=cfg.reuse_epochs)
+        self.groups = [Supervisor(i) for i in range(cfg.replicas)]
+        self.exits: list[Exit] = []
+        self.stale: list[str] = []
+        self.dropped_seen: dict[tuple[str, str], float] = {}
+        """(replica, incarnation) -> when its process first saw an epoch drop it."""
+        self.at_end: dict[str, Any] = {}
+        for g in self.groups:
+            self._start(g, cold_s=world.rng.uniform(0.5, 2.0))
+        for f in cfg.faults:
+            world.at(f.t, functools.partial(self._inject, f))
+        world.at(cfg.end_s, self._end)
+
+    # --- supervision ------------------------------------------------------------------------------------------
+
+    def _start(self, g: Supervisor, cold_s: float) -> None:
+        g.incarnations += 1
+        g.proc = SimReplica(self, g.index, g.incarnations)
+        g.proc.start(cold_s)
+
+    def exited(self, proc: SimReplica, why: str, finished: bool) -> None:
+        self.exits.append(Exit(self.world.now, proc.index, proc.inc, why, finished))
+        g = self.groups[proc.index]
+        if finished:
+            g.done = True
+            return
+        self.world.after(self.world.rng.uniform(0.5, 2.0), lambda: self._start(g, self.world.rng.uniform(1.0, 3.0)))
+
+    def process(self, rid: str) -> SimReplica | None:
+        g = self.groups[int(rid[1:])]
+        return g.proc
+
+    # --- epochs and the data plane ----------------------------------------------------------------------------
+
+    def _publish(self, epoch: m.Epoch) -> None:
+        for g in self.groups:  # every live process must take it: one that saw a number as high ignores it
+            p = g.proc
+            if p is not None and p.alive and p.known is not None and p.known.number >= epoch.number \
+                    and p.known.key() != epoch.key():
+                self.stale.append(f"epoch {epoch.number} published while {p.inc} had seen epoch {p.known.number} "
+                                  "(another membership): it ignores the new one")
+        for g in self.groups:
+            p = g.proc
+            if p is not None and p.alive and p.registered:
+                when = self.net.reconnect_at(p.rid) + self.net.latency(p.rid)
+                self.world.at(when, functools.partial(self._deliver, p, epoch))
+
+    def _deliver(self, p: SimReplica, epoch: m.Epoch) -> None:
+        p.run(lambda: p.on_epoch(self._fresh(epoch)))
+
+    def watch_opened(self, p: SimReplica) -> None:
+        """A process that registered opens its watch stream: the first thing on it is the current epoch."""
+        def deliver() -> None:
+            cur = self.lighthouse.current() if self.lighthouse.up else None
+            if cur is not None:
+                p.run(lambda: p.on_epoch(cur))
+        self.world.at(self.net.reconnect_at(p.rid) + self.net.latency(p.rid), deliver)
+
+    def _fresh(self, epoch: m.Epoch) -> m.Epoch:
+        """What a watch stream hands over when it delivers: the epoch, or a newer one the lighthouse has by then
+        (a reconnecting stream asks for the epochs after the last it saw)."""
+        cur = self.lighthouse.current()
+        return cur if self.lighthouse.up and cur is not None and cur.number > epoch.number else epoch
+
+    def broken(self, viewer: SimReplica, member: m.EpochMember) -> str:
+        """Why ``viewer``'s collectives with ``member`` fail ('' when they do not)."""
+        p = self.process(member.replica_id)
+        if p is None or p.inc != member.incarnation or not p.alive:
+            return "dead"
+        if p.hung():
+            return "hung"
+        if self.net.cut_from_peers(member.replica_id) or self.net.cut_from_peers(viewer.rid):
+            return "cut"
+        return ""
+
+    def stalled(self, viewer: SimReplica, epoch: m.Epoch) -> bool:
+        """Whether ``viewer``'s collectives in ``epoch`` fail (a peer there is broken): it trains no step."""
+        return any(x.replica_id != viewer.rid and self.broken(viewer, x) for x in epoch.members)
+
+    def data_plane(self, viewer: SimReplica, epoch: m.Epoch) -> None:
+        """``viewer`` runs in ``epoch``: its collectives fail on every broken peer, and it reports them."""
+        for x in epoch.members:
+            if x.replica_id != viewer.rid:
+                why = self.broken(viewer, x)
+                if why:
+                    self._detect(viewer, epoch.number, x, why)
+
+    def _detect(self, viewer: SimReplica, number: int, suspect: m.EpochMember, why: str) -> None:
+        fast = why == "dead"
+        delay = self.world.rng.uniform(0.01, 0.3) if fast else self.cfg.collective_timeout_s + \
+            self.world.rng.uniform(0.0, 0.5)
+
+        def check() -> None:
+            if viewer.known is None or viewer.known.number != number or viewer.member(viewer.known) is None:
+                return  # a newer epoch: evaluated when it came
+            if not self.broken(viewer, suspect):
+                return  # it healed before the collective gave up
+            if fast:  # FTAR's early report within the blame grace, then the full one
+                viewer.report(suspect.replica_id, number, early=True)
+                self.world.after(0.2, lambda: viewer.run(lambda: late()))
+            else:
+                viewer.report(suspect.replica_id, number, early=False)
+
+        def late() -> None:
+            if viewer.known is not None and viewer.known.number == number:
+                viewer.report(suspect.replica_id, number, early=False)
+        self.world.after(delay, lambda: viewer.run(check))
+
+    def _broke(self, index: int) -> None:
+        """Replica ``index`` just broke: every member of an epoch with it notices in its collectives."""
+        for g in self.groups:
+            p = g.proc
+            if p is None or not p.alive or p.index == index or p.member(p.known) is None:
+                continue
+            assert p.known is not None
+            x = p.known.member(f"r{index}")
+            if x is not None:
+                why = self.broken(p, x)
+                if why:
+                    self._detect(p, p.known.number, x, why)
+        p = self.groups[index].proc
+        if p is not None and p.alive and p.known is not None and p.member(p.known) is not None:
+            self.data_plane(p, p.known)  # cut from its peers: it misses all of them
+
+    # --- faults -----------------------------------------------------------------------------------------------
+
+    def _inject(self, f: Fault) -> None:
+        self.world.log(f"FAULT {f.describe()}")
+        if f.kind in ("kill", "double"):
+            for i in f.replicas:
+                p = self.groups[i].proc
+                if p is not None and p.alive:
+                    p.exit("SIGKILL")
+                    if not self.net.cut_from_lighthouse(p.rid):
+                        self.world.after(self.net.latency(p.rid),
+                                         functools.partial(self.lighthouse.stream_closed, p.rid, p.inc))
+            for i in f.replicas:
+                self._broke(i)
+        elif f.kind == "hang":
+            p = self.groups[f.replicas[0]].proc
+            if p is not None and p.alive:
+                p.hung_until = self.world.now + f.duration_s
+                self._broke(p.index)
+        elif f.kind in ("cut", "blip", "peers", "delay", "dup"):
+            kind = "cut" if f.kind == "blip" else f.kind
+            rid = f"r{f.replicas[0]}"
+            self.net.windows.setdefault(rid, []).append(Window(self.world.now, self.world.now + f.duration_s, kind,
+                                                               extra_s=0.3))
+            if kind == "peers":
+                self._broke(f.replicas[0])
+        elif f.kind == "blame":
+            self._false_blame(f.replicas[0])
+        elif f.kind.startswith("restart"):
+            self.lighthouse.restart(f.duration_s, durable=f.durable)
+            self.net.lighthouse_down_until = self.world.now + f.duration_s
+            cur = self.lighthouse
+
+            def republish() -> None:  # the watch streams reconnect and get the epoch the lighthouse has
+                if cur.up and cur.current() is not None:
+                    self._publish(cur.current())  # type: ignore[arg-type]
+            self.world.after(f.duration_s + 0.01, republish)
+
+    def _false_blame(self, suspect: int) -> None:
+        for g in self.groups:
+            p = g.proc
+            if p is not None and p.alive and p.index != suspect and p.member(p.known) is not None:
+                assert p.known is not None
+                if p.known.member(f"r{suspect}") is not None:
+                    p.run(lambda p=p: p.report(f"r{suspect}", p.known.number if p.known else 0, early=False))
+                    return
+
+    # --- the end ----------------------------------------------------------------------------------------------
+
+    def _end(self) -> None:
+        lh = self.lighthouse
+        cur = lh.current() if lh.up else None
+        self.at_end = {
+            "lighthouse_up": lh.up,
+            "epoch": None if cur is None else cur.number,
+            "members": {} if cur is None else {x.replica_id: (x.incarnation, x.role) for x in cur.members},
+            "processes": {g.index: None if g.proc is None or not g.proc.alive else
+                          {"inc": g.proc.inc, "known": g.proc.known.number if g.proc.known else 0,
+                           "hung": g.proc.hung(), "excluded": g.proc.excluded_at is not None}
+                          for g in self.groups},
+        }
+        for g in self.groups:
+            p = g.proc
+            me = p.member(p.known) if p is not None and p.alive else None
+            if p is not None and me is not None and me.role == m.ACTIVE and not p.hung():
+                p.finish(step=1000)
