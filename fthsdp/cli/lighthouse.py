@@ -18,6 +18,17 @@ if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
 
 
+def confirm_age_risk(confirm_age_s: float, heartbeat_interval_s: float) -> str:
+    """Why a confirm age is risky ('' when it is not): at or under one heartbeat interval, a healthy replica's
+    last heartbeat can be that old when a failure report against it lands (a false blame over a slow link), and
+    the report is confirmed: it dies for nothing (docs/chaos.md, "Simulation")."""
+    if confirm_age_s > heartbeat_interval_s:
+        return ""
+    return (f"--confirm-age {confirm_age_s:g} is not above the heartbeat interval {heartbeat_interval_s:g}: a "
+            "healthy replica's last heartbeat can be that old when a failure report against it lands, and the "
+            "report is confirmed (default: 2 intervals)")
+
+
 def cmd_lighthouse(a: argparse.Namespace) -> None:
     from fthsdp.testing.procutil import write_atomic
     from lighthouse.config import LighthouseConfig, etcd_tls_from_env
@@ -39,6 +50,8 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
                         straggler_policy=a.straggler_policy)
     except ValueError as e:
         sys.exit(f"fthsdp lighthouse: {e}")
+    if risk := confirm_age_risk(policy.confirm_age_s, policy.heartbeat_interval_s):
+        print(f"fthsdp lighthouse: warning: {risk}", file=sys.stderr)
     try:
         security = ServerSecurity.from_files(a.tls_cert, a.tls_key, a.tls_client_ca, a.token_file)
         security.ssl_context()  # fail now, with a clear message, on unreadable TLS files

@@ -153,6 +153,13 @@ def test_chaos_sim_reports_and_exits_non_zero_on_a_violation(capsys: pytest.Capt
         main(["chaos", "--sim", "--sim-variant", "local-vote"])
 
 
+def test_a_confirm_age_of_one_heartbeat_interval_is_flagged() -> None:
+    from fthsdp.cli.lighthouse import confirm_age_risk
+
+    assert "not above the heartbeat interval 0.5" in confirm_age_risk(0.5, 0.5)
+    assert confirm_age_risk(0.4, 0.5) and confirm_age_risk(1.0, 0.5) == ""
+
+
 def test_run_passes_the_scripts_own_arguments_untouched() -> None:
     a = build_parser().parse_args(["run", "--replicas", "3", "train.py", "--steps", "5", "--replicas", "9", "-x"])
     assert a.replicas == 3 and a.script == "train.py" and a.args == ["--steps", "5", "--replicas", "9", "-x"]
