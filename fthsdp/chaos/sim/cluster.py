@@ -247,8 +247,9 @@ class SimCluster:
             cur = self.lighthouse
 
             def republish() -> None:  # the watch streams reconnect and get the epoch the lighthouse has
-                if cur.up and cur.current() is not None:
-                    self._publish(cur.current())  # type: ignore[arg-type]
+                epoch = cur.current()
+                if cur.up and epoch is not None:
+                    self._publish(epoch)
             self.world.after(f.duration_s + 0.01, republish)
 
     def _false_blame(self, suspect: int) -> None:
@@ -257,7 +258,7 @@ class SimCluster:
             if p is not None and p.alive and p.index != suspect and p.member(p.known) is not None:
                 assert p.known is not None
                 if p.known.member(f"r{suspect}") is not None:
-                    p.run(lambda p=p: p.report(f"r{suspect}", p.known.number if p.known else 0, early=False))
+                    p.run(functools.partial(p.report, f"r{suspect}", p.known.number, False))
                     return
 
     # --- the end ----------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ that has it, and leaves when the job is done. Its exits are what invariant 7 cou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from fthsdp.chaos.sim.lighthouse import SimLighthouse
@@ -67,7 +68,7 @@ class SimReplica:
     def hung(self) -> bool:
         return self.now < self.hung_until
 
-    def run(self, fn: Any) -> None:
+    def run(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` in this process: never once it ended; after the hang when it is stopped."""
         if not self.alive:
             return
@@ -76,7 +77,8 @@ class SimReplica:
             return
         fn()
 
-    def call(self, name: str, args: tuple[Any, ...], ok: Any, err: Any) -> None:
+    def call(self, name: str, args: tuple[Any, ...], ok: Callable[[dict[str, Any]], None],
+             err: Callable[[m.Rejection], None]) -> None:
         """A call to the lighthouse over the simulated network: ``ok(answer)`` or ``err(Rejection)``."""
         c = self.c
         if c.net.cut_from_lighthouse(self.rid):

@@ -5,6 +5,7 @@ replays bit for bit with its trace (``--seed N --runs 1 --trace``)."""
 from __future__ import annotations
 
 import collections
+import random
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +45,6 @@ class Drawn:
 
 def draw(seed: int, kinds: tuple[str, ...] = FAULT_KINDS) -> Drawn:
     """The job and faults of ``seed`` (a pure function of it)."""
-    import random
-
     rng = random.Random(f"faults-{seed}")
     replicas = rng.choice((2, 3, 3, 4))
     min_replicas = rng.choice((1, 1, 2)) if replicas >= 3 else 1
