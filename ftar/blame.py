@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from ftar.group import EpochGroup
 from ftar.membership import Membership
-from ftar.rules import blame, missing, newer
+from ftar.rules import Blame, blame, missing, newer
 from lighthouse.epoch_view import EpochView
 
 BLAME_POLL_S = 0.01
@@ -36,9 +36,10 @@ Log = Callable[..., None]
 
 
 def blame_failure(group: EpochGroup | None, epoch: EpochView, membership: Membership, lane: int, grace_s: float,
-                  reason: str, log: Log) -> None:
+                  reason: str, log: Log) -> Blame:
     """Check in as failed in ``group`` (the failed exchange's), wait up to ``grace_s`` for the others to do the
-    same (reporting the missing early, once), then report those still missing, unless the lighthouse moved on."""
+    same (reporting the missing early, once), then report those still missing, unless the lighthouse moved on.
+    Returns what was reported (the engine sends it again while no newer epoch comes: ``rules.PendingReports``)."""
     me = membership.replica_id
 
     def text(why: str) -> str:
@@ -66,5 +67,11 @@ def blame_failure(group: EpochGroup | None, epoch: EpochView, membership: Member
     if verdict.everyone:
         log(logging.WARNING, epoch.number, None, "failure with every member checked in; asking for a re-formed "
             "epoch")
+    send_reports(membership, epoch.number, lane, verdict)
+    return verdict
+
+
+def send_reports(membership: Membership, epoch: int, lane: int, verdict: Blame) -> None:
+    """Report ``verdict``'s suspects as failed in ``epoch``."""
     for suspect in verdict.suspects:
-        membership.report(suspect, epoch.number, text(verdict.reason), early=verdict.early)
+        membership.report(suspect, epoch, f"lane {lane}: {verdict.reason}"[:REPORT_LIMIT], early=verdict.early)

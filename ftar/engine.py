@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ftar import devices
-from ftar.blame import blame_failure
+from ftar.blame import blame_failure, send_reports
 from ftar.completion import Outcome, outcome
 from ftar.errors import Abandoned, EngineClosed, FTARError, InputsConsumed, Interrupted, Misaligned, PeerFailure
 from ftar.exchange import BACKENDS, OPS, ExchangeResult, FTARConfig, Handle, Request
@@ -58,6 +58,7 @@ from ftar.rules import (
     Attempts,
     CollectiveWatch,
     LaneState,
+    PendingReports,
     Recovery,
     agreed_tag,
     alignment_probe,
@@ -91,6 +92,7 @@ class LaneEngine:
         self._queue: queue.Queue[Request | object] = queue.Queue()
         self._epoch_changed = threading.Event()
         self._state = LaneState(self.replica_id, lane)
+        self._reports = PendingReports()  # the last failure's, sent again while its epoch does not come
         self._group: EpochGroup | None = None
         self._plane_epoch = 0
         """The epoch of the group last built (or being built): a newer one signals ``_epoch_changed``."""
@@ -150,14 +152,19 @@ class LaneEngine:
         reconciliation, ``ftar.reconcile``)."""
         self._held.forget_before(tag)
 
-    def reset(self, after: int = 0) -> None:
+    def reset(self, after: int = 0, reform: bool = False) -> None:
         """Accept exchanges again after an ``Interrupted`` one (call once every pending handle is done). With
         ``after``, never exchange in epoch ``after`` or an older one again: the caller gave up a sequence it
         exchanged there, and partners that kept it moved on in that epoch's group (a redo there would pair with
-        their next exchanges)."""
+        their next exchanges). ``reform``: nothing failed (the caller's lanes only went in different epochs), so
+        nobody reports anything: if ``after`` is still the newest epoch a second from now, ask for a re-formed one
+        (``rules.PendingReports.reform``)."""
         self._state.reset()
         if after > self._state.failed_epoch:
             self._state.failed(after)
+            current = self.membership.current()
+            if reform and current is not None and current.number == after:
+                self._reports.reform(current, self.replica_id, time.monotonic())
 
     def exclude(self, reason: str) -> None:
         """The lighthouse no longer knows this replica (declared dead while alive, e.g. after a hang): end the
@@ -238,8 +245,9 @@ class LaneEngine:
                 self._after_failure(req, epoch)
             except PeerFailure as e:
                 self._log(logging.WARNING, epoch.number, req.tag, "exchange failed: %s", e)
-                blame_failure(self._group, epoch, self.membership, self.lane, self.config.blame_grace_s, str(e),
-                              self._log)
+                verdict = blame_failure(self._group, epoch, self.membership, self.lane, self.config.blame_grace_s,
+                                        str(e), self._log)
+                self._reports.sent(verdict, epoch.number, time.monotonic())
                 self._drop_group()
                 self._after_failure(req, epoch)
 
@@ -257,7 +265,7 @@ class LaneEngine:
 
     def _usable_epoch(self) -> EpochView:
         """The newest epoch above the failed one that has this replica as a member (waiting up to
-        ``epoch_wait_s``)."""
+        ``epoch_wait_s``, sending the last failure's reports again meanwhile: ``rules.PendingReports``)."""
         deadline = time.monotonic() + self.config.epoch_wait_s
         after = self._state.failed_epoch
         current = self.membership.current()
@@ -266,6 +274,11 @@ class LaneEngine:
             if isinstance(choice, EpochView):
                 return choice
             after = choice
+            again = self._reports.due(current, time.monotonic())
+            if again is not None:
+                self._log(logging.WARNING, self._reports.epoch, None, "no newer epoch yet: reporting %s again",
+                          ", ".join(again.suspects))
+                send_reports(self.membership, self._reports.epoch, self.lane, again)
             left = deadline - time.monotonic()
             if left <= 0 or self._closed:
                 raise no_epoch(current, after, self.replica_id, self.config.epoch_wait_s)

@@ -97,11 +97,15 @@ class LaneState:
         not start in a newer epoch that dropped a member of the held group either: another lane of the same
         replica may be failing the same step in the held group, and had this lane paired there with a partner's
         redo, the two replicas would no longer agree on the epoch to redo in (each waiting for the other). It is
-        interrupted in the held epoch, like the other lanes, and redone after the vote."""
+        interrupted in the held epoch, like the other lanes, and redone after the vote. Once that vote put the
+        held epoch behind it (``reset(after=...)``: the failed epoch is at or above it), the redo leaves the held
+        group for the newer epoch with the other lanes: interrupting it again would part this lane from them, and
+        a partner split the other way round would wait for it in the newer epoch's rendezvous while it waited
+        for the partner's, round after round (found by the simulator, ``fthsdp chaos --sim``)."""
         if group is not None and epoch.number != group.number and epoch.data_plane == group.data_plane:
             epoch = group
-        if new_epoch_ok and not redo and group is not None and group.number != epoch.number \
-                and set(group.replica_ids) - set(epoch.replica_ids):
+        if new_epoch_ok and not redo and group is not None and group.number > self.failed_epoch \
+                and group.number != epoch.number and set(group.replica_ids) - set(epoch.replica_ids):
             self.interrupted = group.number
             raise Interrupted(f"lane {self.lane}: epoch {epoch.number} dropped a member of epoch {group.number} "
                               "as the sequence began", group.number)
@@ -290,6 +294,53 @@ class Blame:
     """Nobody was missing: every other member is reported (alive, so not confirmed) to get a re-formed epoch."""
     early: bool = False
     """Send as early reports: acted on only with the suspect's own evidence (``lighthouse.membership``)."""
+
+
+REPORT_AGAIN_S = 1.0
+"""While a lane waits for the epoch its failure reports should bring, it sends them again this often."""
+
+
+class PendingReports:
+    """The last failure's reports, until an epoch newer than the failed one arrives. A report lost on the way (the
+    lighthouse restarting, or out of this member's reach, at that moment) would otherwise leave every member
+    waiting for an epoch that nobody asked for, then rejoining (found by the simulator, ``fthsdp chaos --sim``).
+    A report that did arrive and is sent again is harmless: the lighthouse moved on, so it is stale and refused,
+    or it has not yet, so it is the same request."""
+
+    def __init__(self) -> None:
+        self.verdict: Blame | None = None
+        self.epoch = 0
+        self.due_at = 0.0
+
+    def sent(self, verdict: Blame, epoch: int, now: float) -> None:
+        """``verdict``'s reports about ``epoch`` went out at ``now`` (early ones are not repeated: they were sent
+        because the lighthouse had moved on already)."""
+        if verdict.suspects and not verdict.early:
+            self.verdict, self.epoch, self.due_at = verdict, epoch, now + REPORT_AGAIN_S
+        else:
+            self.verdict = None
+
+    def reform(self, epoch: EpochView, me: str, now: float) -> None:
+        """The replica's vote put ``epoch`` behind its lanes although none of them failed there (they exchanged
+        the step in different epochs): nobody will report anything, so unless a newer epoch comes within
+        ``REPORT_AGAIN_S``, ask for a re-formed one by reporting every other member, as a failure with nobody to
+        blame does (found by the simulator: the lanes waited for an epoch nobody asked for, then rejoined)."""
+        others = tuple(rid for rid in epoch.replica_ids if rid != me)
+        if others and (self.verdict is None or self.epoch < epoch.number):
+            self.verdict = Blame(others, "this replica's lanes exchanged the step in different epochs", True)
+            self.epoch, self.due_at = epoch.number, now + REPORT_AGAIN_S
+
+    def due(self, current: EpochView | None, now: float) -> Blame | None:
+        """The reports to send again at ``now``, if due; an epoch newer than the failed one ends them."""
+        if self.verdict is None:
+            return None
+        if current is not None and current.number > self.epoch:
+            self.verdict = None
+            return None
+        if now < self.due_at:
+            return None
+        self.due_at = now + REPORT_AGAIN_S
+        return self.verdict
 
 
 def blame(epoch: EpochView, current: EpochView | None, me: str, suspects: Sequence[str], reason: str) -> Blame:

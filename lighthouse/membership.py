@@ -40,7 +40,10 @@ Rules (docs/design.md §4):
   (``State.finished_step``, the highest if several do). From then on a registration (other than a reconnect of a
   member still in the job) changes nothing and is answered finished (``Outcome.finished_step``); once no active
   member is left, the remaining members (joiners) are dropped (``DeathCause.JOB_FINISHED``), and every call of
-  an incarnation that is not a member is refused (FAILED_PRECONDITION, naming the step).
+  an incarnation that is not a member is refused (FAILED_PRECONDITION, naming the step). The min-replicas guard
+  no longer holds an epoch back: the members left only end the job (nothing trains past its last step, so
+  nothing can split), and an epoch that kept a member that left would hold the others' end-of-job barrier with
+  it until the barrier's bound (found by the simulator: ``fthsdp chaos --sim``).
 """
 
 from __future__ import annotations
@@ -377,7 +380,7 @@ def _reconcile(state: State, events: tuple[MembershipEvent, ...], now: float, po
     key = tuple((m.replica_id, m.incarnation, m.role) for m in wanted)
     if state.epoch is not None and key == state.epoch.key() and not force:
         return Outcome(state=state, events=events)
-    if len(wanted) < policy.min_replicas or not any(m.role == ACTIVE for m in wanted):
+    if (len(wanted) < policy.min_replicas and state.finished_step is None) or not any(m.role == ACTIVE for m in wanted):
         return Outcome(state=state, events=(*events, GuardHeld(len(wanted), policy.min_replicas)))
     number = state.last_number + 1
     keeps = (state.epoch is not None and not force

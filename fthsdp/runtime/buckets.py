@@ -186,13 +186,15 @@ class BucketExchange:
     def barrier(self, step: int) -> Handle:
         """The end of the job: an exchange of zeros shaped like ``step``'s first bucket, tagged with it and counted
         nowhere (``op="sum"``). It completes once every member of the epoch asks for that bucket, i.e. has committed
-        every step before; a member behind is served meanwhile (FTAR's step reconciliation)."""
+        every step before; a member behind is served meanwhile (FTAR's step reconciliation). Not redone by FTAR
+        (``redo=False``): the caller votes on it with the replica's other ranks and redoes it with them."""
         grads = [torch.zeros_like(local_tensor(p)) for p in self.buckets[0]]
         if len(self.buckets) == 1:
             grads.append(torch.tensor(digest.pack(self.slot, self.slots, None), dtype=torch.float32,
                                       device=self.device))
             grads.append(slot_mask(self.slot, self.slots, False, self.device))
-        return self.engine.allreduce(grads, contribute=False, op="sum", tag=BucketTag(step, 0).encode(len(self)))
+        return self.engine.allreduce(grads, contribute=False, op="sum", tag=BucketTag(step, 0).encode(len(self)),
+                                     redo=False)
 
     def launch_rest(self, step: int) -> list[Handle | None]:
         """After backward: launch the buckets the hook did not (parameters that got no gradient: zeros)."""

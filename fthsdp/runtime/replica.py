@@ -30,9 +30,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneEngine, LighthouseMembership
+from ftar import EpochFeed, ExchangeResult, FTARConfig, Handle, LaneEngine, LighthouseMembership
 from fthsdp.catchup.server import CatchupServer
-from fthsdp.runtime import catching_up, checkpoint
+from fthsdp.runtime import catching_up, checkpoint, ending
 from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange, BucketTag, grads_untouched
 from fthsdp.runtime.commit import Commit, CommitProtocol, Rejoin, Tally, advance_cursors, contributing_slots
@@ -280,7 +280,8 @@ class Replica:
             self.metrics.on_retry(decision.reason)
             self._log(logging.INFO, "vote failed (epochs %s, failed=%d); redoing the step's exchange",
                       list(decision.epochs), decision.failed)
-            self.engine.reset(after=tally.newest)  # partners that committed moved on in that epoch's group
+            # Partners that committed moved on in that epoch's group; with no failure, nobody asks for a newer one.
+            self.engine.reset(after=tally.newest, reform=not tally.failed)
             handles = self._exchange_all(contribute)
 
     def _exchange_all(self, contribute: bool) -> list[Handle | None]:
@@ -297,10 +298,11 @@ class Replica:
     def _wait_s(self) -> float:
         return self.config.epoch_wait_s * 2 + 60
 
-    def _vote(self) -> Tally:
-        """The replica-local vote: one MAX all-reduce of every rank's ballot. It carries SIGTERM too, so every
-        rank stops at the same commit boundary without a collective of its own."""
-        ctrl = torch.tensor(self.protocol.ballot().encode(), dtype=torch.int64, device=self.device)
+    def _vote(self, protocol: CommitProtocol | None = None) -> Tally:
+        """The replica-local vote: one MAX all-reduce of every rank's ballot (``protocol``'s, the step's by
+        default). It carries SIGTERM too, so every rank stops at the same commit boundary without a collective of
+        its own."""
+        ctrl = torch.tensor((protocol or self.protocol).ballot().encode(), dtype=torch.int64, device=self.device)
         dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
         return Tally.decode(ctrl.tolist())
 
@@ -356,12 +358,10 @@ class Replica:
         """Before leaving after the last step: wait until every member of the epoch is at this step too (a member
         one step behind is served that step's results by this replica meanwhile: it must not redo it alone, with
         no holder left), then write the final checkpoint (a replica that comes back after the job finished takes
-        it), then leave "finished" (the lighthouse then tells late comers the job is over)."""
+        it), then leave "finished" (the lighthouse then tells late comers the job is over). The barrier goes
+        through the replica-local vote like a step's exchange (``fthsdp.runtime.ending``)."""
         _, buckets = self._parts()
-        try:
-            buckets.barrier(self.step).wait(self._wait_s)
-        except (FTARError, TimeoutError) as e:
-            self._log(logging.WARNING, "end of job: not every member confirmed the last step (%s); leaving anyway", e)
+        ending.barrier(buckets, self.engine, self.step, self._vote, self._wait_s, self._log)
         if self.config.checkpoint_dir:
             self._checkpoint()
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from ftar import EngineClosed, Excluded, FTARConfig, LaneEngine, NoEpoch
+from ftar import EngineClosed, Excluded, FTARConfig, LaneEngine, NoEpoch, rules
 from lighthouse.epoch_view import EpochView
+from lighthouse.model import ACTIVE, Endpoints, EpochMember
 
 
 class NoMembership:
@@ -66,3 +68,52 @@ def test_an_excluded_replica_fails_at_once(engine: LaneEngine) -> None:
     engine.exclude("dropped by the lighthouse")
     with pytest.raises(Excluded, match="dropped by the lighthouse"):
         engine.allreduce([torch.ones(2)]).wait(1)  # well inside epoch_wait_s: no waiting for an epoch
+
+
+class QuietLighthouse(NoMembership):
+    """Has epoch 3 (r0, r1) and never a newer one: the reports that would bring it were lost."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[str, int, bool]] = []
+        self.e3 = EpochView("job", 3, (EpochMember("r0", "i", ACTIVE, 1, Endpoints()),
+                                       EpochMember("r1", "i", ACTIVE, 1, Endpoints())), "x", 0.0, "")
+
+    def current(self) -> EpochView | None:
+        return self.e3
+
+    def report(self, suspect: str, epoch: int, reason: str, *, early: bool = False) -> None:
+        self.reports.append((suspect, epoch, early))
+
+
+def test_while_no_newer_epoch_comes_the_last_failures_reports_are_sent_again(monkeypatch: pytest.MonkeyPatch) \
+        -> None:
+    """Found by the simulator: reports sent while the lighthouse restarted were lost, and every member waited for
+    an epoch nobody had asked for. The engine sends them again while it waits."""
+    monkeypatch.setattr(rules, "REPORT_AGAIN_S", 0.05)
+    lighthouse = QuietLighthouse()
+    eng = LaneEngine(lighthouse, 0, FTARConfig(epoch_wait_s=0.6))
+    try:
+        eng._state.failed(3)  # an exchange failed in epoch 3 and blamed r1 (as ``_exchange`` records it)
+        eng._reports.sent(rules.blame(lighthouse.e3, lighthouse.e3, "r0", ["r1"], "reset"), 3, time.monotonic())
+        with pytest.raises(NoEpoch):
+            eng.allreduce([torch.ones(1)]).wait(10)
+    finally:
+        eng.close()
+    assert len(lighthouse.reports) >= 3 and set(lighthouse.reports) == {("r1", 3, False)}
+
+
+def test_a_vote_lost_to_lanes_in_different_epochs_asks_for_a_reformed_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the simulator: nothing failed, so nobody reported, and the redo waited above the newest epoch for
+    one that never came. ``reset(reform=True)`` asks for it; a plain reset (a lane failed and blamed) does not."""
+    monkeypatch.setattr(rules, "REPORT_AGAIN_S", 0.05)
+    for reform, reported in ((True, True), (False, False)):
+        lighthouse = QuietLighthouse()
+        eng = LaneEngine(lighthouse, 0, FTARConfig(epoch_wait_s=0.3))
+        try:
+            eng.reset(after=3, reform=reform)
+            with pytest.raises(NoEpoch):
+                eng.allreduce([torch.ones(1)]).wait(10)
+        finally:
+            eng.close()
+        assert bool(lighthouse.reports) is reported
+        assert set(lighthouse.reports) <= {("r1", 3, False)}

@@ -8,9 +8,11 @@ import pytest
 from ftar import AttemptsExhausted, Excluded, FTARError, Interrupted, Misaligned, NoEpoch
 from ftar.rules import (
     NO_TAG,
+    REPORT_AGAIN_S,
     Attempts,
     CollectiveWatch,
     LaneState,
+    PendingReports,
     Recovery,
     Verdict,
     agreed_tag,
@@ -141,6 +143,43 @@ def test_mid_sequence_an_exchange_stays_in_a_whole_group_and_is_interrupted_by_o
     state.admit()
     with pytest.raises(Interrupted):
         state.place(e3, None, new_epoch_ok=False)  # no group left to continue in
+
+
+def test_after_a_vote_put_the_held_epoch_behind_the_redo_leaves_it_with_the_other_lanes() -> None:
+    """The simulator's livelock: lane 0 completed a bucket in epoch 3 (it holds that group), lane 1 lost it; the
+    vote failed and every lane was reset above epoch 3. Lane 0 must not be interrupted again by the newer epoch
+    that dropped a member of its held group: it would part from lane 1, and a partner split the other way round
+    would wait for it in epoch 4 while it waited for the partner, round after round."""
+    e3, e4 = epoch(3, "r0", "r1", "r2"), epoch(4, "r0", "r2")
+    state = LaneState("r0", lane=0)
+    with pytest.raises(Interrupted):  # a step's first exchange, before any vote: interrupted in the held epoch
+        state.place(e4, e3, new_epoch_ok=True, redo=False)
+    state.reset()
+    state.failed(3)  # the vote's reset(after=3)
+    assert state.place(e4, e3, new_epoch_ok=True, redo=False) is e4
+
+
+def test_failure_reports_are_sent_again_until_a_newer_epoch_comes() -> None:
+    """A report lost to a restarting lighthouse would leave every member waiting for an epoch nobody asked for."""
+    e3 = epoch(3, "r0", "r1")
+    pending = PendingReports()
+    pending.sent(blame(e3, e3, "r0", ["r1"], "reset"), 3, now=10.0)
+    assert pending.due(e3, 10.0 + REPORT_AGAIN_S / 2) is None
+    again = pending.due(e3, 10.0 + REPORT_AGAIN_S)
+    assert again is not None and again.suspects == ("r1",)
+    assert pending.due(e3, 10.0 + REPORT_AGAIN_S * 1.5) is None  # not before the next interval
+    assert pending.due(e3, 10.0 + REPORT_AGAIN_S * 2) is not None
+    assert pending.due(epoch(4, "r0"), 100.0) is None  # the epoch came: done for good
+    assert pending.due(e3, 200.0) is None
+    pending.reform(e3, "r0", now=300.0)  # lanes in different epochs, nothing failed: ask for a re-formed epoch
+    assert pending.due(e3, 300.0) is None
+    again = pending.due(e3, 300.0 + REPORT_AGAIN_S)
+    assert again is not None and again.suspects == ("r1",) and again.everyone
+    assert pending.due(epoch(4, "r0", "r1"), 400.0) is None
+    early = blame(e3, epoch(4, "r0", "r1"), "r0", ["r1"], "reset")  # the lighthouse had moved on already
+    assert early.early
+    pending.sent(early, 3, now=10.0)
+    assert pending.due(e3, 100.0) is None
 
 
 # --- epochs only go up ----------------------------------------------------------------------------------------

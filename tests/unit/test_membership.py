@@ -975,6 +975,18 @@ def test_a_finished_leave_records_the_jobs_final_step_the_highest_of_several() -
     assert leave(boot(["a", "b"]), "a", 1.0, reason="Finished", step=100).state.finished_step is None
 
 
+def test_once_a_member_finished_the_min_replicas_guard_no_longer_holds_the_epoch() -> None:
+    """Found by the simulator: with min_replicas 2, a member that left finished stayed in the guarded epoch, and
+    the others' end-of-job barrier waited for it until its bound. Nothing trains past the last step, so nothing
+    can split: the epoch of those left forms. Before the end, the guard holds as ever."""
+    policy = dataclasses.replace(P, min_replicas=2)
+    state = boot(["a", "b"], policy)
+    out = leave(state, "a", 1.0, step=50, policy=policy)
+    assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("b",)
+    held = leave(state, "a", 1.0, reason="stopped", step=50, policy=policy)
+    assert held.state.epoch is not None and held.state.epoch.replica_ids() == ("a", "b")  # the guard held
+
+
 def test_after_the_job_finished_a_registration_changes_nothing_and_is_told_finished() -> None:
     state = boot(["a", "b"])
     # b hung and was declared dead; then a finished and left.
