@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -15,15 +16,21 @@ if TYPE_CHECKING:
 
 
 def cmd_sim(a: argparse.Namespace) -> None:
-    """``--sim``: the membership protocol in a deterministic simulation (``fthsdp.chaos.sim``)."""
-    from fthsdp.chaos.sim.run import VARIANTS, run_one, simulate
+    """``--sim``: the control plane in a deterministic simulation (``fthsdp.chaos.sim``)."""
+    from fthsdp.chaos.sim.run import PLANES, VARIANTS, run_one, simulate
 
     if a.sim_variant not in VARIANTS:
         sys.exit(f"fthsdp chaos: --sim-variant must be one of {', '.join(v for v in VARIANTS if v)}")
+    if a.sim_plane not in PLANES:
+        sys.exit(f"fthsdp chaos: --sim-plane must be one of {', '.join(PLANES)}")
+    if a.sim_variant == "local-vote" and a.sim_plane != "lanes":
+        sys.exit("fthsdp chaos: --sim-variant local-vote needs --sim-plane lanes (the vote is the lanes')")
     if a.runs < 1:
         sys.exit("fthsdp chaos: --runs must be at least 1 (no run, nothing checked)")
+    if a.jobs < 0:
+        sys.exit("fthsdp chaos: --jobs must be at least 1 (0: one per CPU)")
     if a.trace:
-        r = run_one(a.seed, a.sim_variant, trace=True)
+        r = run_one(a.seed, a.sim_variant, trace=True, plane=a.sim_plane)
         if a.json:
             print(json.dumps(r, indent=1))
         else:
@@ -32,7 +39,7 @@ def cmd_sim(a: argparse.Namespace) -> None:
         if r["violations"]:
             sys.exit(1)
         return
-    out = simulate(a.seed, a.runs, a.sim_variant)
+    out = simulate(a.seed, a.runs, a.sim_variant, plane=a.sim_plane, jobs=a.jobs or os.cpu_count() or 1)
     if a.json:
         print(json.dumps(out, indent=1))
     else:
@@ -42,7 +49,8 @@ def cmd_sim(a: argparse.Namespace) -> None:
         for x in out["first_failing"]:
             print(f"  seed {x['seed']} ({'; '.join(x['faults'])}): {x['violations'][0]}  "
                   f"[replay: fthsdp chaos --sim --seed {x['seed']} --trace"
-                  f"{' --sim-variant ' + a.sim_variant if a.sim_variant else ''}]")
+                  f"{' --sim-variant ' + a.sim_variant if a.sim_variant else ''}"
+                  f"{' --sim-plane ' + a.sim_plane if a.sim_plane != 'lanes' else ''}]")
     if out["violations"]:
         sys.exit(1)
 
@@ -102,10 +110,16 @@ def register(sub: Subparsers) -> None:
     ch.add_argument("--keep", action="store_true", help="keep the logs of runs without violations too")
     ch.add_argument("--json", action="store_true")
     ch.add_argument("--sim", action="store_true",
-                    help="no processes: the membership protocol (the lighthouse's real decision code) in a "
-                    "deterministic simulation, --runs seeds from --seed (docs/chaos.md, Simulation)")
+                    help="no processes: the control plane (the lighthouse's membership decision, FTAR's lane rules, "
+                    "the commit protocol: the real decision code) in a deterministic simulation, --runs seeds from "
+                    "--seed (docs/chaos.md, Simulation)")
     ch.add_argument("--sim-variant", default="", metavar="VARIANT",
                     help="with --sim: a deliberately broken protocol the checks must catch (no-confirm, "
-                    "reuse-epochs)")
+                    "reuse-epochs, local-vote)")
+    ch.add_argument("--sim-plane", default="lanes", metavar="PLANE",
+                    help="with --sim: lanes (every rank's FTAR lane and the commit protocol; the default) or "
+                    "membership (the membership layer alone, its data plane a model of failure detection)")
     ch.add_argument("--trace", action="store_true", help="with --sim: replay --seed alone and print its trace")
+    ch.add_argument("--jobs", type=int, default=0,
+                    help="with --sim: processes to share the runs (default: one per CPU; the result is the same)")
     ch.set_defaults(fn=cmd_chaos)

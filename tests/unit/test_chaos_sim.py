@@ -1,6 +1,7 @@
-"""``fthsdp chaos --sim``: the membership protocol in a deterministic simulation (``fthsdp.chaos.sim``). A slice of
-seeds runs clean; each deliberately broken variant is caught; a seed replays bit for bit; the checks fail on
-histories that break them; the bugs the simulator found stay fixed (their seeds, docs/chaos.md)."""
+"""``fthsdp chaos --sim``: the control plane in a deterministic simulation (``fthsdp.chaos.sim``): the membership
+protocol, FTAR's lanes and the commit protocol. A slice of seeds runs clean on both planes; each deliberately
+broken variant is caught; a seed replays bit for bit; the checks fail on histories that break them; the bugs the
+simulator found stay fixed (their seeds, docs/chaos.md)."""
 
 from __future__ import annotations
 
@@ -12,34 +13,54 @@ import sys
 import pytest
 
 from fthsdp.chaos.sim import checks
-from fthsdp.chaos.sim.cluster import FAULT_KINDS, Exit
+from fthsdp.chaos.sim.cluster import FAULT_KINDS, PLANE_FAULT_KINDS, Exit
 from fthsdp.chaos.sim.lighthouse import Published
 from fthsdp.chaos.sim.run import VARIANTS, draw, run_one, simulate
+from fthsdp.chaos.sim.trainer import grad
 
-SLICE = 400
-
-
-def test_a_slice_of_seeds_keeps_every_invariant_under_every_fault_kind() -> None:
-    out = simulate(0, SLICE)
-    assert out["runs"] == SLICE and out["violations"] == 0, out["first_failing"]
-    assert set(out["faults_injected"]) == set(FAULT_KINDS)  # every kind was drawn
-    assert out["events"] > SLICE * 1000  # the runs did run
+SLICE = {"lanes": 150, "membership": 400}
 
 
-@pytest.mark.parametrize(("variant", "invariant"), [("no-confirm", "only-failed-pays"), ("reuse-epochs", "epochs")])
-def test_each_broken_variant_is_caught_and_its_seed_replays(variant: str, invariant: str) -> None:
-    out = simulate(0, 200, variant)
+@pytest.mark.parametrize("plane", ["lanes", "membership"])
+def test_a_slice_of_seeds_keeps_every_invariant_under_every_fault_kind(plane: str) -> None:
+    out = simulate(0, SLICE[plane], plane=plane)
+    assert out["runs"] == SLICE[plane] and out["violations"] == 0, out["first_failing"]
+    kinds = set(FAULT_KINDS) | (set(PLANE_FAULT_KINDS) if plane == "lanes" else set())
+    assert set(out["faults_injected"]) == kinds  # every kind was drawn
+    assert out["events"] > SLICE[plane] * 1000  # the runs did run
+
+
+@pytest.mark.parametrize(("variant", "invariant", "runs", "plane"), [
+    ("no-confirm", "only-failed-pays", 200, "membership"), ("reuse-epochs", "epochs", 200, "membership"),
+    ("local-vote", "only-failed-pays", 120, "lanes")])
+def test_each_broken_variant_is_caught_and_its_seed_replays(variant: str, invariant: str, runs: int,
+                                                            plane: str) -> None:
+    out = simulate(0, runs, variant, plane=plane)
     assert out["violations"] > 0 and invariant in out["by_invariant"], out
     seed = out["first_failing"][0]["seed"]
-    again = run_one(seed, variant, trace=True)
+    again = run_one(seed, variant, trace=True, plane=plane)
     assert again["violations"][:5] == out["first_failing"][0]["violations"]
-    assert run_one(seed, variant, trace=True)["trace"] == again["trace"]
+    assert run_one(seed, variant, trace=True, plane=plane)["trace"] == again["trace"]
 
 
-def test_unknown_variant_is_refused() -> None:
+def test_the_local_vote_variant_makes_a_survivor_rejoin_behind_its_partners() -> None:
+    """Seed 84: a kill lands while a step's collectives complete at some lanes and not at others; the replica
+    whose lanes split redoes the step while its partners committed it, and nobody serves it the step."""
+    r = run_one(84, "local-vote", trace=True)
+    assert any("this replica is behind the others" in v and "though no fault targeted it" in v
+               for v in r["violations"]), r["violations"]
+    assert run_one(84)["violations"] == []  # with step reconciliation the same schedule costs nobody anything
+    assert any("served tags" in line for line in run_one(84, trace=True)["trace"])
+
+
+def test_unknown_variant_or_plane_is_refused() -> None:
     with pytest.raises(ValueError, match="no-confirm"):
-        run_one(0, "local-vote")
-    assert set(VARIANTS) == {"", "no-confirm", "reuse-epochs"}
+        run_one(0, "no-such-variant")
+    with pytest.raises(ValueError, match="lanes"):
+        run_one(0, plane="bytes")
+    with pytest.raises(ValueError, match="needs the lanes"):
+        run_one(0, "local-vote", plane="membership")
+    assert set(VARIANTS) == {"", "no-confirm", "reuse-epochs", "local-vote"}
 
 
 def test_a_seed_replays_bit_for_bit_in_another_process_whatever_the_hash_seed() -> None:
@@ -52,15 +73,42 @@ def test_a_seed_replays_bit_for_bit_in_another_process_whatever_the_hash_seed() 
 
 
 @pytest.mark.parametrize("seed", [62, 159, 2244, 2490, 1695, 6017, 9358, 16820, 220115])
-def test_the_seeds_that_found_bugs_run_clean(seed: int) -> None:
+def test_the_seeds_that_found_bugs_in_the_membership_layer_run_clean(seed: int) -> None:
     """62, 159: a replica declared dead while hung or cut off came back after a lighthouse restart (departed not
     durable; the client claimed its role back after seeing itself dropped). 2244: a member dropped while the
     min-replicas guard held the epoch was restored from the stored epoch. 2490: a joiner's Ready(ACTIVE) before
     a restarted lighthouse's first epoch was refused for good. 6017, 9358, 16820: re-forms added up across
     unrelated incidents and a healthy replica was declared hung. 220115: under the min-replicas guard every tick
     counted as a re-form, on a dead reporter's blame. 1695: (the model) a registrant's watch stream."""
+    r = run_one(seed, plane="membership")
+    assert r["violations"] == [], r
+
+
+@pytest.mark.parametrize("seed", [1463, 1550, 2218, 2482, 1429, 1007, 1002, 1003, 1011, 1030, 1608, 1076, 1386, 3365,
+                                  6439])
+def test_the_seeds_that_found_bugs_with_lanes_run_clean(seed: int) -> None:
+    """1463, 1550, 2218, 2482: failure reports sent while the lighthouse restarted were lost and every member
+    waited for an epoch nobody asked for (``ftar.rules.PendingReports``). 1429, 1007: the end-of-job barrier
+    split across lanes (one lane completed it, another lost it), then a lane interrupted again after the vote had
+    put its held epoch behind it waited for partner lanes that waited for it (the barrier through the vote;
+    ``LaneState.place``). 1002, 1003, 1011, 1030: the min-replicas guard kept a member that had left the job
+    finished in the epoch, holding the others' barrier (``lighthouse.membership``). 1608: a vote failed only because
+    the lanes went in different epochs; nobody reported anything, and every lane waited for an epoch above the
+    newest (``PendingReports.reform``). 1076, 1386, 3365, 6439: (the model and its checks) an answer for an older
+    wait taken by a newer one; a restarted lighthouse's epoch 1 taken for the old one's; the steps a replica cut
+    off from the lighthouse commits alone after it was dropped are not the job's; an in-memory store has no leader
+    to lose."""
     r = run_one(seed)
     assert r["violations"] == [], r
+
+
+def test_runs_shared_among_processes_give_the_same_result() -> None:
+    alone, shared = simulate(80, 8), simulate(80, 8, jobs=2)
+    assert shared["jobs"] == 2
+    assert {k: v for k, v in alone.items() if k not in ("seconds", "jobs")} == \
+        {k: v for k, v in shared.items() if k not in ("seconds", "jobs")}
+    with pytest.raises(ValueError, match="at least 1"):
+        simulate(0, 0)
 
 
 def test_draw_is_a_pure_function_of_the_seed() -> None:
@@ -86,6 +134,35 @@ def test_epoch_checks() -> None:
     assert checks.epochs_increase([*ok, _ep(3, 1, (A,), life=1)], [True, True])
     assert checks.guard_holds(ok, 2) == ["epoch 2 at 2.000s has 1 member(s), below min_replicas 2, or no active one"]
     assert checks.guard_holds([_ep(1, 1, (("r0", "r0.1", "joining"),))], 1)
+
+
+def test_state_checks() -> None:
+    job = {0: "a", 1: "b"}
+    at = {0: 1.0, 1: 2.0}
+
+    def h(inc: str, steps: dict[int, str], died: bool = False, dropped: float | None = None) -> checks.History:
+        return checks.History(inc, steps, at, died, dropped)
+    assert checks.histories_agree([h("r0.1", job), h("r1.1", {0: "a"})], job) == []
+    assert checks.histories_agree([h("r1.1", {0: "a", 1: "x"})], job)  # went on with another step 1
+    assert checks.histories_agree([h("r1.1", {0: "a", 1: "x"}, died=True)], job) == []  # died right after it
+    assert checks.histories_agree([h("r1.1", {0: "x", 1: "b"}, died=True)], job)  # not its last step
+    assert checks.histories_agree([h("r1.1", {0: "a", 1: "x", 2: "y"}, died=True, dropped=1.5)], job) == []
+    assert checks.histories_agree([h("r1.1", {0: "x", 1: "x", 2: "y"}, died=True, dropped=1.5)], job)
+    assert checks.one_final_state({"r0.1": (2, 7), "r1.1": (2, 7)}, 2) == []
+    assert checks.one_final_state({"r0.1": (2, 7), "r1.1": (2, 8)}, 2) == ["2 final states among ['r0.1', 'r1.1']"]
+    assert checks.one_final_state({"r0.1": (1, 7)}, 2) == ["r0.1 finished at step 1, not 2"]
+    assert checks.guard_holds([Published(1.0, 3, (A,), 0, finished=True)], 2) == []  # the job is over
+
+
+def test_a_commit_that_sums_the_wrong_contributions_is_caught() -> None:
+    from fthsdp.chaos.sim.cluster import SimCluster, SimConfig
+    from fthsdp.chaos.sim.world import World
+    cluster = SimCluster(World(0), SimConfig(replicas=2, lanes=1, buckets=1))
+    trainer = cluster.trainers[0]
+    cluster._record(trainer, 3, ((grad(0, 3, 0, 0) + grad(1, 3, 0, 0), 2, (0, 1)),))
+    assert cluster.plane_violations == []
+    cluster._record(trainer, 3, ((grad(0, 3, 0, 0) + grad(1, 2, 0, 0), 2, (0, 1)),))  # a step-2 gradient in it
+    assert cluster.plane_violations and "the slots (0, 1) give" in cluster.plane_violations[0]
 
 
 def test_over_for_good_and_only_failed_pays_and_no_hang_checks() -> None:

@@ -147,10 +147,17 @@ def test_chaos_sim_reports_and_exits_non_zero_on_a_violation(capsys: pytest.Capt
     assert out["runs"] == 5 and out["violations"] == 0 and sum(out["faults_injected"].values()) > 0
     assert {"runs", "violations", "faults_injected", "seconds"} <= set(out)
     with pytest.raises(SystemExit) as e:  # seed 3 breaks invariant 7 under the broken variant: replay it
-        main(["chaos", "--sim", "--seed", "3", "--trace", "--sim-variant", "no-confirm"])
+        main(["chaos", "--sim", "--seed", "3", "--trace", "--sim-variant", "no-confirm", "--sim-plane", "membership"])
     assert e.value.code == 1 and "VIOLATION only-failed-pays" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--sim-variant must be one of no-confirm, reuse-epochs"):
-        main(["chaos", "--sim", "--sim-variant", "local-vote"])
+    with pytest.raises(SystemExit) as e:  # seed 84: a survivor rejoins without step reconciliation
+        main(["chaos", "--sim", "--seed", "84", "--trace", "--sim-variant", "local-vote"])
+    assert e.value.code == 1 and "this replica is behind the others" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--sim-variant must be one of no-confirm, reuse-epochs, local-vote"):
+        main(["chaos", "--sim", "--sim-variant", "no-such"])
+    with pytest.raises(SystemExit, match="needs --sim-plane lanes"):
+        main(["chaos", "--sim", "--sim-variant", "local-vote", "--sim-plane", "membership"])
+    with pytest.raises(SystemExit, match="--sim-plane must be one of lanes, membership"):
+        main(["chaos", "--sim", "--sim-plane", "bytes"])
 
 
 def test_a_confirm_age_of_one_heartbeat_interval_is_flagged() -> None:

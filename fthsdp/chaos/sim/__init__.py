@@ -1,6 +1,8 @@
-"""``fthsdp chaos --sim``: the membership protocol in a deterministic simulation (docs/chaos.md, "Simulation").
+"""``fthsdp chaos --sim``: the control plane in a deterministic simulation (docs/chaos.md, "Simulation").
 
-One process, simulated time and network, every choice drawn from one seed: the real lighthouse decision code
-(``lighthouse.membership``, the incarnation check, the state document and the in-memory store) drives simulated
-replica groups through kills, hangs, partitions, late, lost and duplicated messages and lighthouse restarts;
-``checks`` judge each run's history against the invariants the membership layer carries."""
+One process, simulated time and network, every choice drawn from one seed: the real decision code (the
+lighthouse's ``lighthouse.membership`` with the incarnation check, the state document and the in-memory store;
+FTAR's ``ftar.rules`` and ``ftar.reconcile``; the runtime's ``fthsdp.runtime.commit``) drives simulated replica
+groups, their lanes (``lanes``) and their training loops (``trainer``) through kills (mid-exchange too), hangs,
+partitions, late, lost and duplicated messages and lighthouse restarts; ``checks`` judge each run's history
+against the invariants."""

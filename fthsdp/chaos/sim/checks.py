@@ -3,7 +3,8 @@ history (pure functions of what the run recorded):
 
 - 2: epoch numbers strictly increase and are never reused for another membership, across restarts on a durable
   store; on an in-memory one, every epoch published is above every epoch a live process saw (else it ignores it);
-- the split-brain guard: every epoch has at least ``min_replicas`` members, one of them active;
+- the split-brain guard: every epoch has at least ``min_replicas`` members (until a member left the job
+  finished), one of them active;
 - an incarnation is over for good once dropped: in no later epoch on the same store, nor, once it saw itself
   dropped, in any later epoch;
 - 7: a replica no fault targeted runs as one incarnation from start to end and never exits before it;
@@ -13,7 +14,8 @@ history (pure functions of what the run recorded):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from fthsdp.chaos.sim.cluster import Exit
 from fthsdp.chaos.sim.lighthouse import Published
@@ -40,7 +42,8 @@ def epochs_increase(published: Sequence[Published], lives: Sequence[bool]) -> li
 def guard_holds(published: Sequence[Published], min_replicas: int) -> list[str]:
     return [f"epoch {e.number} at {e.t:.3f}s has {len(e.members)} member(s), below min_replicas {min_replicas}, "
             f"or no active one" for e in published
-            if len(e.members) < min_replicas or not any(role == "active" for _, _, role in e.members)]
+            if (len(e.members) < min_replicas and not e.finished)
+            or not any(role == "active" for _, _, role in e.members)]
 
 
 def same_chain(lives: Sequence[bool], a: int, b: int) -> bool:
@@ -89,6 +92,53 @@ def no_hang(at_end: dict[str, object], replicas: int) -> list[str]:
                        f"end: {mine}")
         elif p["known"] != at_end.get("epoch"):
             out.append(f"{rid} ({p['inc']}) knows epoch {p['known']}, the lighthouse has {at_end.get('epoch')}")
+    return out
+
+
+def one_final_state(states: dict[str, tuple[int, int]], total_steps: int) -> list[str]:
+    """Every replica that ended the job (its barrier) holds all ``total_steps`` steps and the same state (with
+    the per-step check at every commit: invariants 1 and 3, and no two final states)."""
+    out = [f"{inc} finished at step {step}, not {total_steps}" for inc, (step, _) in states.items()
+           if step != total_steps]
+    if len({h for _, h in states.values()}) > 1:
+        out.append(f"{len({h for _, h in states.values()})} final states among {sorted(states)}")
+    return out
+
+
+@dataclass(frozen=True)
+class History:
+    """What one incarnation applied, for ``histories_agree``."""
+
+    inc: str
+    steps: Mapping[int, object]
+    """Step -> what its commit applied."""
+    at: Mapping[int, float]
+    """Step -> when it committed it."""
+    died: bool
+    """It exited without finishing the job."""
+    dropped_at: float | None
+    """When the lighthouse dropped it, if it did (a replica cut off from the lighthouse learns it late)."""
+
+
+def histories_agree(histories: Sequence[History], final: Mapping[int, object] | None) -> list[str]:
+    """Invariant 1 over the run: every incarnation applied the job's step t (``final``: the history the replicas
+    ended the job with) whenever it applied a step t as a replica of the job. Not as one: the last step of an
+    incarnation that died right after it (a replica killed mid-exchange may commit a step its partners then redo
+    without it: that state died with it), and the steps an incarnation committed after the lighthouse had
+    dropped it (alone in the epoch it knows and cut off from the lighthouse, it trains on until it learns it;
+    that state dies with it, as it must)."""
+    if final is None:
+        return []
+    out = []
+    for h in histories:
+        last = max(h.steps, default=-1)
+        for t, record in sorted(h.steps.items()):
+            if t not in final or record == final[t] or (h.died and t == last):
+                continue
+            if h.dropped_at is not None and h.at.get(t, 0.0) > h.dropped_at:
+                continue
+            out.append(f"{h.inc} applied step {t} as {record}, the job as {final[t]}")
+            break
     return out
 
 

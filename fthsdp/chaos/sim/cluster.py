@@ -1,10 +1,13 @@
 """A simulated job: R replica groups under supervisors (a group that exits restarts as a new incarnation), the
-lighthouse, the network, the data plane's failure detection as a model, and a seeded fault schedule.
+lighthouse, the network, the data plane and a seeded fault schedule.
 
-The data plane is not simulated byte by byte: a member of an epoch whose peer in that epoch is dead, hung or cut
-from it sees its collective fail (soon for a dead peer, whose connections reset; after the collective timeout
-otherwise) and reports that peer for the epoch, as FTAR's blame does; a new epoch rebuilds it. The job's end is
-simulated time: at ``end_s`` every replica that is active in the epoch it knows leaves as finished.
+With lanes (``SimConfig.lanes``), every replica's ranks run FTAR lanes over the epochs' groups
+(``fthsdp.chaos.sim.lanes``) and its training loop runs the commit protocol (``fthsdp.chaos.sim.trainer``); the
+job ends at its last step, and the cluster records what every commit applied for the checks. Without lanes the
+data plane is only a model of failure detection: a member of an epoch whose peer in that epoch is dead, hung or
+cut from it sees its collective fail (soon for a dead peer, whose connections reset; after the collective timeout
+otherwise) and reports that peer for the epoch, as FTAR's blame does; at ``end_s`` every replica that is active in
+the epoch it knows leaves as finished.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from fthsdp.chaos.sim import trainer as tr
+from fthsdp.chaos.sim.lanes import LaneConfig, SimGroup
 from fthsdp.chaos.sim.lighthouse import SimLighthouse
 from fthsdp.chaos.sim.replica import SimReplica
 from fthsdp.chaos.sim.world import Net, Window, World
 from lighthouse import membership as m
+from lighthouse.epoch_view import EpochView
 
 FAULT_KINDS = ("kill", "double", "hang", "cut", "blip", "peers", "delay", "dup", "blame", "restart-memory",
                "restart-durable")
@@ -28,6 +34,12 @@ confirmed), ``blip`` (the same for 0.1-0.4 s, less than the confirm age less an 
 (its messages up to 0.3 s late: reordered), ``dup`` (its requests arrive twice), ``blame`` (a peer reports it
 though it is healthy: a slow link), ``restart-memory`` and ``restart-durable`` (the lighthouse crashes and comes
 back 0.5-3 s later without or with its state)."""
+PLANE_FAULT_KINDS = ("store-leader",)
+"""Drawn for the lanes plane only: ``store-leader`` (the durable store loses its leader: 0.5-3 s during which every
+write the lighthouse tries is refused as unavailable, as an etcd leader election makes it; nothing after a restart
+on an in-memory store)."""
+MID_EXCHANGE_WAIT_S = 3.0
+"""How long a mid-exchange kill waits for a collective of its replicas before it kills them anyway."""
 TARGETING = frozenset({"kill", "double", "hang", "cut", "peers"})
 """The kinds whose replicas may pay (invariant 7 holds every other replica to one incarnation)."""
 
@@ -39,10 +51,14 @@ class Fault:
     replicas: tuple[int, ...]
     duration_s: float = 0.0
     durable: bool = False
+    mid_exchange: bool = False
+    """With lanes, a ``kill`` or ``double`` waits for the next collective of its replicas to complete at some
+    members and kills them then, before it completes at the others (within ``MID_EXCHANGE_WAIT_S``)."""
 
     def describe(self) -> str:
         who = ",".join(f"r{i}" for i in self.replicas)
-        return f"{self.kind}({who}) at {self.t:.3f}s" + (f" for {self.duration_s:.2f}s" if self.duration_s else "")
+        return f"{self.kind}({who}) at {self.t:.3f}s" + (f" for {self.duration_s:.2f}s" if self.duration_s else "") \
+            + (" mid-exchange" if self.mid_exchange else "")
 
 
 @dataclass
@@ -78,6 +94,13 @@ class SimConfig:
     policy: m.Policy = field(default_factory=m.Policy)
     reuse_epochs: bool = False
     """Variant ``reuse-epochs``: the store keeps no epoch counter and re-registrations claim no epoch."""
+    lanes: int = 0
+    """Ranks (FTAR lanes) per replica; 0: no data plane, the step is a clock while a replica trains and failure
+    reports come from a model of FTAR's blame (the membership layer alone)."""
+    buckets: int = 1
+    """Gradient buckets per step (one exchange each on every lane)."""
+    reconcile: bool = True
+    """FTAR's step reconciliation; off in the ``local-vote`` variant."""
 
 
 class SimCluster:
@@ -96,6 +119,19 @@ class SimCluster:
         self.dropped_seen: dict[tuple[str, str], float] = {}
         """(replica, incarnation) -> when its process first saw an epoch drop it."""
         self.at_end: dict[str, Any] = {}
+        self.total_steps = int(cfg.end_s / tr.STEP_S) + 2
+        """With lanes, the job's steps: the first replica finishes after ``end_s``."""
+        self._planes: dict[tuple[int, int, tuple[tuple[str, str], ...]], SimGroup] = {}
+        self.checkpoint: tuple[int, dict[int, tr.Record]] | None = None
+        """The newest state any replica committed (a checkpoint at every commit): what a replica that starts active
+        resumes from."""
+        self.trainers: list[tr.SimTrainer] = []
+        """Every incarnation's, for the checks."""
+        self.plane_violations: list[str] = []
+        self._armed: list[Fault] = []
+        """Mid-exchange kills waiting for a collective of their replicas."""
+        self.finished_states: dict[str, tuple[int, int]] = {}
+        """Incarnation -> (its step, its history's hash) when it left as finished."""
         for g in self.groups:
             self._start(g, cold_s=world.rng.uniform(0.5, 2.0))
         for f in cfg.faults:
@@ -111,6 +147,9 @@ class SimCluster:
 
     def exited(self, proc: SimReplica, why: str, finished: bool) -> None:
         self.exits.append(Exit(self.world.now, proc.index, proc.inc, why, finished))
+        t = proc.trainer
+        if finished and t is not None and t.barrier:
+            self.finished_states[proc.inc] = (t.step, hash(tuple(sorted(t.history.items()))))
         g = self.groups[proc.index]
         if finished:
             g.done = True
@@ -153,6 +192,75 @@ class SimCluster:
         cur = self.lighthouse.current()
         return cur if self.lighthouse.up and cur is not None and cur.number > epoch.number else epoch
 
+    # --- with lanes ------------------------------------------------------------------------------------------------
+
+    def new_trainer(self, proc: SimReplica) -> tr.SimTrainer | None:
+        cfg = self.cfg
+        if not cfg.lanes:
+            return None
+        lanes = LaneConfig(timeout_s=cfg.collective_timeout_s, connect_timeout_s=cfg.collective_timeout_s,
+                           epoch_wait_s=cfg.epoch_wait_s, reconcile=cfg.reconcile)
+        t = tr.SimTrainer(proc, cfg.lanes, cfg.buckets, cfg.replicas, self.total_steps, lanes, self._group,
+                          self._record)
+        self.trainers.append(t)
+        return t
+
+    def _group(self, epoch: EpochView, lane: int) -> SimGroup:
+        """The group of ``epoch``'s data plane on ``lane`` (an epoch that only changed roles keeps its plane's; a
+        lighthouse restarted without its store numbers epochs afresh, for new incarnations: they are not the old
+        epochs' groups)."""
+        key = (epoch.data_plane, lane, tuple((x.replica_id, x.incarnation) for x in epoch.members))
+        group = self._planes.get(key)
+        if group is None:
+            group = self._planes[key] = SimGroup(self.world, epoch, lane, self._blocked_until, self._reduced)
+        return group
+
+    def _blocked_until(self, group: SimGroup) -> float | None:
+        """When every member of ``group`` can reach the others again (None: now): hangs and peer cuts hold it."""
+        until = None
+        for rid in group.ids:
+            p = self.process(rid)
+            ends = [p.hung_until] if p is not None and p.alive and p.hung() else []
+            ends += [w.end for w in self.net.windows.get(rid, ()) if w.kind == "peers"
+                     and w.start <= self.world.now < w.end]
+            if ends:
+                until = max(until or 0.0, *ends)
+        return until
+
+    def _record(self, who: tr.SimTrainer, step: int, record: tr.Record) -> None:
+        """A commit: each result must be the exact sum of its contributors' gradients, in one set of contributors
+        for the whole step (that every replica applies the same step is checked at the end:
+        ``checks.histories_agree``). The committer's state is the job's newest checkpoint if it is the newest."""
+        if self.checkpoint is None or step + 1 > self.checkpoint[0]:
+            self.checkpoint = (step + 1, {**who.history, step: record})
+        slots = {r[2] for r in record}
+        if len(slots) != 1:
+            self.plane_violations.append(f"state: step {step} at {who.inc} mixes contributors {sorted(slots)}")
+        k = 0
+        for lane in range(len(who.lanes)):
+            for b in range(who.buckets):
+                value, contributors, by = record[k]
+                k += 1
+                want = sum(tr.grad(s, step, lane, b) for s in by)
+                if value != want or contributors != len(by):
+                    self.plane_violations.append(f"state: step {step} lane {lane} bucket {b} at {who.inc}: sum "
+                                                 f"{value} of {contributors}, the slots {by} give {want}")
+
+    def resume(self) -> tuple[int, dict[int, tr.Record]] | None:
+        """The job's newest checkpoint, or None before any commit."""
+        return self.checkpoint
+
+    def source_for(self, proc: SimReplica) -> tr.SimTrainer | None:
+        """A live replica of ``proc``'s epoch that holds the job's state (for its catch-up)."""
+        if proc.known is None:
+            return None
+        for x in proc.known.members:
+            p = self.process(x.replica_id)
+            if p is not None and p is not proc and p.alive and p.trainer is not None and p.trainer.started \
+                    and not p.trainer.joining and not p.hung():
+                return p.trainer
+        return None
+
     def broken(self, viewer: SimReplica, member: m.EpochMember) -> str:
         """Why ``viewer``'s collectives with ``member`` fail ('' when they do not)."""
         p = self.process(member.replica_id)
@@ -169,7 +277,10 @@ class SimCluster:
         return any(x.replica_id != viewer.rid and self.broken(viewer, x) for x in epoch.members)
 
     def data_plane(self, viewer: SimReplica, epoch: m.Epoch) -> None:
-        """``viewer`` runs in ``epoch``: its collectives fail on every broken peer, and it reports them."""
+        """``viewer`` runs in ``epoch``: its collectives fail on every broken peer, and it reports them (without
+        lanes: with lanes, the lanes' own collectives fail and blame)."""
+        if self.cfg.lanes:
+            return
         for x in epoch.members:
             if x.replica_id != viewer.rid:
                 why = self.broken(viewer, x)
@@ -198,7 +309,10 @@ class SimCluster:
         self.world.after(delay, lambda: viewer.run(check))
 
     def _broke(self, index: int) -> None:
-        """Replica ``index`` just broke: every member of an epoch with it notices in its collectives."""
+        """Replica ``index`` just broke: every member of an epoch with it notices in its collectives (without
+        lanes)."""
+        if self.cfg.lanes:
+            return
         for g in self.groups:
             p = g.proc
             if p is None or not p.alive or p.index == index or p.member(p.known) is None:
@@ -217,16 +331,11 @@ class SimCluster:
 
     def _inject(self, f: Fault) -> None:
         self.world.log(f"FAULT {f.describe()}")
-        if f.kind in ("kill", "double"):
-            for i in f.replicas:
-                p = self.groups[i].proc
-                if p is not None and p.alive:
-                    p.exit("SIGKILL")
-                    if not self.net.cut_from_lighthouse(p.rid):
-                        self.world.after(self.net.latency(p.rid),
-                                         functools.partial(self.lighthouse.stream_closed, p.rid, p.inc))
-            for i in f.replicas:
-                self._broke(i)
+        if f.kind in ("kill", "double") and f.mid_exchange and self.cfg.lanes:
+            self._armed.append(f)
+            self.world.after(MID_EXCHANGE_WAIT_S, functools.partial(self._fire, f))
+        elif f.kind in ("kill", "double"):
+            self._kill(f)
         elif f.kind == "hang":
             p = self.groups[f.replicas[0]].proc
             if p is not None and p.alive:
@@ -239,6 +348,9 @@ class SimCluster:
                                                                extra_s=0.3))
             if kind == "peers":
                 self._broke(f.replicas[0])
+        elif f.kind == "store-leader":  # a lighthouse restarted on an in-memory store has no store leader to lose
+            if self.lighthouse.lives[-1]:
+                self.lighthouse.store_down_until = self.world.now + f.duration_s
         elif f.kind == "blame":
             self._false_blame(f.replicas[0])
         elif f.kind.startswith("restart"):
@@ -251,6 +363,33 @@ class SimCluster:
                 if cur.up and epoch is not None:
                     self._publish(epoch)
             self.world.after(f.duration_s + 0.01, republish)
+
+    def _kill(self, f: Fault) -> None:
+        for i in f.replicas:
+            p = self.groups[i].proc
+            if p is not None and p.alive:
+                p.exit("SIGKILL")
+                if not self.net.cut_from_lighthouse(p.rid):
+                    self.world.after(self.net.latency(p.rid),
+                                     functools.partial(self.lighthouse.stream_closed, p.rid, p.inc))
+        for i in f.replicas:
+            self._broke(i)
+
+    def _fire(self, f: Fault) -> None:
+        """A mid-exchange kill that found no collective in time: now."""
+        if f in self._armed:
+            self._armed.remove(f)
+            self._kill(f)
+
+    def _reduced(self, group: SimGroup, first_s: float, last_s: float) -> None:
+        """A collective of ``group`` completes at its members between ``first_s`` and ``last_s`` from now: an armed
+        mid-exchange kill of one of them lands in between."""
+        for f in self._armed:
+            if any(f"r{i}" in group.ids for i in f.replicas):
+                self._armed.remove(f)
+                self.world.log(f"mid-exchange kill in epoch {group.epoch.number} lane {group.lane}")
+                self.world.after(self.world.rng.uniform(first_s, last_s), functools.partial(self._kill, f))
+                return
 
     def _false_blame(self, suspect: int) -> None:
         for g in self.groups:
@@ -275,6 +414,8 @@ class SimCluster:
                            "hung": g.proc.hung(), "excluded": g.proc.excluded_at is not None}
                           for g in self.groups},
         }
+        if self.cfg.lanes:
+            return  # the replicas finish at the job's last step
         for g in self.groups:
             p = g.proc
             me = p.member(p.known) if p is not None and p.alive else None

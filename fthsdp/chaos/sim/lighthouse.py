@@ -30,6 +30,8 @@ class Published:
     members: tuple[tuple[str, str, str], ...]
     """(replica id, incarnation, role)."""
     life: int
+    finished: bool = False
+    """Formed after a member left the job finished (the min-replicas guard no longer applies)."""
 
 
 class SimLighthouse:
@@ -47,6 +49,8 @@ class SimLighthouse:
         self.published: list[Published] = []
         self.departed: dict[tuple[str, str], tuple[float, int]] = {}
         """Every (replica, incarnation) any life of it dropped: when it first did, and in which life."""
+        self.store_down_until = -1.0
+        """The store has no leader until then (``store-leader`` fault): every write is refused as unavailable."""
         self.lives: list[bool] = [True]
         """Per life, whether it began with the previous life's store (the first: True)."""
         self._load()
@@ -93,6 +97,8 @@ class SimLighthouse:
             return out
         new_epoch = out.new_epoch(before)
         if durable_change(before, out.state):
+            if self.world.now < self.store_down_until:  # as ``Edge.apply`` on ``StoreUnavailable``
+                return m.Outcome(before, rejection=m.Rejection("UNAVAILABLE", "store unavailable: no leader"))
             try:
                 self.store.save(JOB, before.last_number, state_to_doc(out.state))
             except EpochFenced as e:
@@ -109,7 +115,7 @@ class SimLighthouse:
         if new_epoch is not None:
             self.published.append(Published(self.world.now, new_epoch.number,
                                             tuple((x.replica_id, x.incarnation, x.role) for x in new_epoch.members),
-                                            self.life))
+                                            self.life, out.state.finished_step is not None))
             self.world.log(f"lighthouse: epoch {new_epoch.number} "
                            + ",".join(f"{x.replica_id}/{x.incarnation}:{x.role}" for x in new_epoch.members))
             self._publish(new_epoch)

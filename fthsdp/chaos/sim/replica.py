@@ -9,13 +9,15 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from fthsdp.chaos.sim.lighthouse import SimLighthouse
+from fthsdp.chaos.sim.trainer import RETRY_S, SimTrainer
 from fthsdp.chaos.sim.world import Net, World
 from lighthouse import membership as m
 
 RPC_TIMEOUT_S = 0.5
 """A call that gets no answer fails after this long."""
 STEP_S = 0.2
-"""A training step, while the replica trains (active in the epoch it knows, its data plane whole)."""
+"""A training step, while the replica trains (active in the epoch it knows, its data plane whole), without lanes
+(with lanes: ``fthsdp.chaos.sim.trainer``)."""
 
 
 class Host(Protocol):
@@ -36,6 +38,12 @@ class Host(Protocol):
     def data_plane(self, viewer: SimReplica, epoch: m.Epoch) -> None: ...
 
     def stalled(self, viewer: SimReplica, epoch: m.Epoch) -> bool: ...
+
+    def new_trainer(self, proc: SimReplica) -> SimTrainer | None: ...
+
+    def source_for(self, proc: SimReplica) -> SimTrainer | None: ...
+
+    def resume(self) -> tuple[int, dict[int, tuple[tuple[int, int, tuple[int, ...]], ...]]] | None: ...
 
 
 class SimReplica:
@@ -58,12 +66,26 @@ class SimReplica:
         self.leaving = False
         self.step = 0
         """The step its heartbeats carry: it moves on only while it trains."""
+        self.trainer = cluster.new_trainer(self)
+        """With lanes: the data plane and the commit protocol (None: the step is a clock while it trains)."""
 
     # --- plumbing ---------------------------------------------------------------------------------------------
 
     @property
     def now(self) -> float:
         return self.c.world.now
+
+    @property
+    def world(self) -> World:
+        return self.c.world
+
+    def can_check_in(self) -> bool:
+        """Whether it reaches the lighthouse, which hosts the data plane's store."""
+        return not self.c.net.cut_from_lighthouse(self.rid)
+
+    def source(self) -> SimTrainer | None:
+        """A replica to catch up from."""
+        return self.c.source_for(self)
 
     def hung(self) -> bool:
         return self.now < self.hung_until
@@ -112,6 +134,8 @@ class SimReplica:
         if not self.alive:
             return
         self.alive = False
+        if self.trainer is not None:
+            self.trainer.close()
         self.c.world.log(f"{self.inc} exits: {why}")
         self.c.exited(self, why, finished)
 
@@ -146,7 +170,8 @@ class SimReplica:
             if first:
                 self.registered = True
                 self.c.watch_opened(self)
-                self.c.world.after(STEP_S, lambda: self.run(self._train))
+                if self.trainer is None:
+                    self.c.world.after(STEP_S, lambda: self.run(self._train))
                 self.c.world.after(self.c.policy.heartbeat_interval_s, lambda: self.run(self.heartbeat))
                 if a["role"] == m.ACTIVE:  # its first step waits a bounded time for an epoch that has it
                     self.c.world.after(self.c.epoch_wait_s, lambda: self.run(self._first_epoch))
@@ -204,6 +229,11 @@ class SimReplica:
         was = self.member(self.known)
         self.known = epoch
         me = self.member(epoch)
+        if self.trainer is not None:
+            self.trainer.on_epoch()
+            if me is not None and self.registered and not self.trainer.started:
+                joining = me.role == m.JOINING
+                self.trainer.start(joining, None if joining else self.c.resume())
         if me is not None:  # as the real client's ``LighthouseRpc.saw``
             self.member_of = epoch.number
         elif self.member_of and not self.dropped_from:
@@ -222,6 +252,9 @@ class SimReplica:
 
     def _caught_up(self) -> None:
         me = self.member(self.known)
+        if self.trainer is not None and self.trainer.joining and not self.trainer.catch_up(self.source()):
+            self.c.world.after(RETRY_S, lambda: self.run(self._caught_up))
+            return
         if me is not None and me.role == m.JOINING:
             self.want_active = True
             self.ready(m.ACTIVE)
@@ -248,6 +281,8 @@ class SimReplica:
 
     def finish(self, step: int) -> None:
         """The job's last step is committed: leave as finished and end."""
+        if self.leaving:
+            return
         self.leaving = True
         self.call("leave", (step,), lambda a: self.exit("finished", finished=True),
                   lambda r: self.exit(f"finished (leave: {r.code})", finished=True))

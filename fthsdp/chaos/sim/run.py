@@ -5,6 +5,8 @@ replays bit for bit with its trace (``--seed N --runs 1 --trace``)."""
 from __future__ import annotations
 
 import collections
+import dataclasses
+import multiprocessing
 import random
 import time
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ FAULTS_FROM_S, FAULTS_UNTIL_S = 4.0, 30.0
 """Faults start in this window of simulated time."""
 SETTLE_S = 35.0
 """From the last fault's start to the job's end: long enough for every restart, catch-up and re-formed epoch."""
-DRAIN_S = 20.0
+DRAIN_S = 60.0
 """After the end, for every group to finish."""
 MAX_EVENTS = 400_000
 
@@ -30,8 +32,16 @@ VARIANTS = {
     "reuse-epochs": "the store keeps no epoch counter and members claim none on re-registering: a restarted "
                     "lighthouse numbers epochs from 1 again (invariant 2, and the members ignore the reused "
                     "numbers: no-hang)",
+    "local-vote": "the replica-local vote without step reconciliation: a replica whose lanes split on a step (one "
+                  "lane completed it, another lost it to a death) redoes it, while its partners committed it; "
+                  "nobody serves it the step and it restarts (invariant 7)",
 }
 """``--sim-variant``: deliberately broken protocols the checks must catch."""
+
+
+PLANES = ("lanes", "membership")
+"""``lanes``: every replica's ranks run FTAR lanes and the commit protocol (``fthsdp.chaos.sim.trainer``);
+``membership``: the membership layer alone, its data plane a model of failure detection (the first simulator)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,15 @@ class Drawn:
     replicas: int
     min_replicas: int
     faults: tuple[Fault, ...]
+    lanes: int = 0
+    buckets: int = 1
+    plane_faults: tuple[Fault, ...] = ()
+    """Faults of the lanes plane only (``PLANE_FAULT_KINDS``: drawn apart, so that the membership plane's seeds
+    replay as they always did)."""
+
+    def faults_of(self, plane: str) -> tuple[Fault, ...]:
+        both = self.faults + self.plane_faults if plane == "lanes" else self.faults
+        return tuple(sorted(both, key=lambda f: f.t))
 
 
 def draw(seed: int, kinds: tuple[str, ...] = FAULT_KINDS) -> Drawn:
@@ -59,24 +78,39 @@ def draw(seed: int, kinds: tuple[str, ...] = FAULT_KINDS) -> Drawn:
                     "restart-memory": rng.uniform(0.5, 3.0), "restart-durable": rng.uniform(0.5, 3.0)}.get(kind, 0.0)
         faults.append(Fault(round(rng.uniform(FAULTS_FROM_S, FAULTS_UNTIL_S), 4), kind, who, round(duration, 4),
                             durable=kind == "restart-durable"))
-    return Drawn(replicas, min_replicas, tuple(sorted(faults, key=lambda f: f.t)))
+    shape = random.Random(f"plane-{seed}")  # its own stream: the membership draw above is what it always was
+    lanes, buckets = shape.choice((1, 2, 2, 3)), shape.choice((1, 2, 2, 3))
+    faults = [dataclasses.replace(f, mid_exchange=shape.random() < 0.5) if f.kind in ("kill", "double") else f
+              for f in faults]
+    extra = (Fault(round(shape.uniform(FAULTS_FROM_S, FAULTS_UNTIL_S), 4), "store-leader", (0,),
+                   round(shape.uniform(0.5, 3.0), 4)),) if shape.random() < 0.25 else ()
+    return Drawn(replicas, min_replicas, tuple(sorted(faults, key=lambda f: f.t)), lanes=lanes, buckets=buckets,
+                 plane_faults=extra)
 
 
-def run_one(seed: int, variant: str = "", trace: bool = False) -> dict[str, Any]:
+def run_one(seed: int, variant: str = "", trace: bool = False, plane: str = "lanes") -> dict[str, Any]:
     """One seeded run; its result names the faults, the violations and (with ``trace``) the trace."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown --sim-variant {variant!r}: one of {', '.join(v for v in VARIANTS if v)}")
+    if plane not in PLANES:
+        raise ValueError(f"unknown plane {plane!r}: one of {', '.join(PLANES)}")
+    if variant == "local-vote" and plane != "lanes":
+        raise ValueError("--sim-variant local-vote needs the lanes (the vote is theirs)")
     d = draw(seed)
+    faults = d.faults_of(plane)
     # The lighthouse's defaults (``fthsdp lighthouse``): heartbeats every 0.5 s, dead after 3 s of silence, a
     # report confirmed by 2 intervals of silence.
     policy = m.Policy(heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0,
                       confirm_age_s=1e-6 if variant == "no-confirm" else 1.0)
-    end_s = max((f.t for f in d.faults), default=FAULTS_FROM_S) + SETTLE_S
-    cfg = SimConfig(replicas=d.replicas, min_replicas=d.min_replicas, faults=d.faults, end_s=end_s, policy=policy,
-                    reuse_epochs=variant == "reuse-epochs")
+    end_s = max((f.t for f in faults), default=FAULTS_FROM_S) + SETTLE_S
+    lanes = d.lanes if plane == "lanes" else 0
+    cfg = SimConfig(replicas=d.replicas, min_replicas=d.min_replicas, faults=faults, end_s=end_s, policy=policy,
+                    reuse_epochs=variant == "reuse-epochs", lanes=lanes, buckets=d.buckets,
+                    reconcile=variant != "local-vote")
     world = World(seed, trace=trace)
-    world.log(f"seed {seed}: {d.replicas} replicas, min {d.min_replicas}; faults: "
-              + "; ".join(f.describe() for f in d.faults))
+    world.log(f"seed {seed}: {d.replicas} replicas, min {d.min_replicas}"
+              + (f", {lanes} lanes, {d.buckets} buckets" if lanes else ", no lanes") + "; faults: "
+              + "; ".join(f.describe() for f in faults))
     cluster = SimCluster(world, cfg)
     violations: list[str] = []
     try:
@@ -84,7 +118,7 @@ def run_one(seed: int, variant: str = "", trace: bool = False) -> dict[str, Any]
     except RuntimeError as e:
         violations.append(f"no-hang: {e}")
     lh = cluster.lighthouse
-    targets = {i for f in d.faults if f.kind in TARGETING for i in f.replicas}
+    targets = {i for f in faults if f.kind in TARGETING for i in f.replicas}
     violations += [f"epochs: {v}" for v in checks.epochs_increase(lh.published, lh.lives)]
     violations += [f"epochs: {v}" for v in cluster.stale]
     violations += [f"guard: {v}" for v in checks.guard_holds(lh.published, d.min_replicas)]
@@ -94,30 +128,57 @@ def run_one(seed: int, variant: str = "", trace: bool = False) -> dict[str, Any]
                                                                               end_s)]
     violations += [f"no-hang: {v}" for v in checks.no_hang(cluster.at_end, d.replicas)]
     violations += [f"no-hang: {v}" for v in checks.finished([g.done for g in cluster.groups])]
+    if lanes:
+        violations += cluster.plane_violations
+        violations += [f"state: {v}" for v in checks.one_final_state(cluster.finished_states, cluster.total_steps)]
+        ended = [t for t in cluster.trainers if t.barrier and t.inc in cluster.finished_states]
+        died = {x.incarnation for x in cluster.exits if not x.finished}
+        dropped = {inc: t for (_, inc), (t, _) in lh.departed.items()}
+        violations += [f"state: {v}" for v in checks.histories_agree(
+            [checks.History(t.inc, t.history, t.committed_at, t.inc in died, dropped.get(t.inc))
+             for t in cluster.trainers], ended[0].history if ended else None)]
     out: dict[str, Any] = {"seed": seed, "replicas": d.replicas, "min_replicas": d.min_replicas,
-                           "faults": [f.describe() for f in d.faults], "epochs": len(lh.published),
+                           "lanes": lanes, "buckets": d.buckets if lanes else 0,
+                           "faults": [f.describe() for f in faults], "epochs": len(lh.published),
                            "events": world.events, "violations": violations}
     if trace:
         out["trace"] = world.trace
     return out
 
 
-def simulate(seed: int, runs: int, variant: str = "") -> dict[str, Any]:
-    """``runs`` runs, seeds ``seed``..``seed + runs - 1``: the counts, and the first failing seeds."""
+def _run_many(args: tuple[int, int, str, str]) -> list[dict[str, Any]]:
+    """Runs ``seed``..``seed + n - 1`` (one worker's share), without traces."""
+    seed, n, variant, plane = args
+    return [run_one(s, variant, plane=plane) for s in range(seed, seed + n)]
+
+
+def simulate(seed: int, runs: int, variant: str = "", plane: str = "lanes", jobs: int = 1) -> dict[str, Any]:
+    """``runs`` runs, seeds ``seed``..``seed + runs - 1``: the counts, and the first failing seeds. ``jobs`` > 1
+    shares the seeds among that many processes (each run is a pure function of its seed: the result is the
+    same)."""
+    if runs < 1 or jobs < 1:
+        raise ValueError(f"runs and jobs must be at least 1, got {runs} and {jobs}")
     t0 = time.monotonic()
+    jobs = min(jobs, runs)
+    if jobs == 1:
+        results = _run_many((seed, runs, variant, plane))
+    else:
+        share = -(-runs // (jobs * 8))  # several chunks per worker, so that a slow one does not hold the rest
+        chunks = [(s, min(share, seed + runs - s), variant, plane) for s in range(seed, seed + runs, share)]
+        with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+            results = [r for part in pool.map(_run_many, chunks) for r in part]
     kinds: collections.Counter[str] = collections.Counter()
     by_invariant: collections.Counter[str] = collections.Counter()
     failing: list[dict[str, Any]] = []
     bad = events = 0
-    for s in range(seed, seed + runs):
-        r = run_one(s, variant)
-        kinds.update(f.kind for f in draw(s).faults)
+    for r in results:
+        kinds.update(f.kind for f in draw(r["seed"]).faults_of(plane))
         events += r["events"]
         if r["violations"]:
             bad += 1
             by_invariant.update({v.split(":", 1)[0] for v in r["violations"]})
             if len(failing) < 5:
-                failing.append({"seed": s, "faults": r["faults"], "violations": r["violations"][:5]})
-    return {"runs": runs, "seed": seed, "variant": variant, "violations": bad,
+                failing.append({"seed": r["seed"], "faults": r["faults"], "violations": r["violations"][:5]})
+    return {"runs": runs, "seed": seed, "variant": variant, "plane": plane, "violations": bad,
             "by_invariant": dict(sorted(by_invariant.items())), "faults_injected": dict(sorted(kinds.items())),
-            "first_failing": failing, "events": events, "seconds": round(time.monotonic() - t0, 1)}
+            "first_failing": failing, "events": events, "jobs": jobs, "seconds": round(time.monotonic() - t0, 1)}

@@ -1,0 +1,313 @@
+"""A simulated replica's training loop over its lanes (docs/design.md §3), modelled on ``fthsdp.runtime.replica``
+and driving the real commit protocol (``fthsdp.runtime.commit``: ``CommitProtocol`` per rank, ``Tally`` for the
+replica-local vote, ``advance_cursors`` for the data slots; ``fthsdp.runtime.buckets.failure_of`` for what an
+exchange's error means).
+
+A step: compute (``STEP_S``, only when it trains a batch), one exchange per bucket on every lane, the vote, then
+commit (the results recorded, the cursors advanced, the held results of older steps forgotten), redo (every lane
+``reset`` above the tally's newest epoch, the buckets again) or rejoin (the process exits: a survivor that does
+pays). A joiner exchanges zeros with ``tag=None`` until its first bucket teaches it the step, keeps the results it
+commits, then takes a source's state at a commit boundary and replays them (the catch-up, as a model: no bytes)
+before it contributes. A replica that starts active while the job has committed steps resumes from the job's
+checkpoint. After the last step every lane runs the end-of-job barrier (an exchange of zeros tagged with the next
+step, op sum), then the replica leaves as finished.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Protocol
+
+from ftar.errors import FTARError
+from fthsdp.chaos.sim.lanes import LaneConfig, Request, Result, SimGroup, SimLane
+from fthsdp.chaos.sim.world import World
+from fthsdp.runtime.buckets import failure_of
+from fthsdp.runtime.commit import Commit, CommitProtocol, Exchanged, Failed, Failure, Rejoin, Tally, advance_cursors
+from lighthouse import membership as m
+from lighthouse.epoch_view import EpochView
+
+STEP_S = 1.0
+"""A step's compute (forward and backward), for a replica that trains a batch."""
+RETRY_S = 0.2
+"""How soon a joiner tries its catch-up again when it cannot yet (no step learned, no source)."""
+
+NOT_SENT = FTARError("not sent")
+"""A joiner's later bucket on a lane whose first one failed (``Failure.NOT_SENT``)."""
+
+Record = tuple[tuple[int, int, tuple[int, ...]], ...]
+"""What a committed step applied: per lane and bucket, (sum, contributors, contributing slots)."""
+
+
+class Process(Protocol):
+    """The replica process a trainer runs in (``fthsdp.chaos.sim.replica.SimReplica``)."""
+
+    rid: str
+    inc: str
+    index: int
+    """Its replica's index, which is its data slot."""
+    alive: bool
+    step: int
+    """The step its heartbeats carry."""
+    known: m.Epoch | None
+
+    @property
+    def world(self) -> World: ...
+
+    def run(self, fn: Callable[[], None]) -> None: ...
+
+    def report(self, suspect: str, epoch: int, early: bool) -> None: ...
+
+    def exit(self, why: str, finished: bool = False) -> None: ...
+
+    def finish(self, step: int) -> None: ...
+
+    def can_check_in(self) -> bool: ...
+
+    def source(self) -> SimTrainer | None: ...
+
+
+def grad(slot: int, step: int, lane: int, bucket: int) -> int:
+    """The gradient that slot ``slot`` contributes to bucket ``bucket`` of lane ``lane`` at ``step``: a small
+    integer that differs between slots and steps, so that a sum of the wrong contributions shows."""
+    return 1 + (slot * 7919 + step * 104_729 + lane * 131 + bucket * 17) % 9973
+
+
+class SimTrainer:
+    """The training loop of one replica process: its lanes, its commit protocols, its state as a history."""
+
+    def __init__(self, proc: Process, lanes: int, buckets: int, slots: int, total_steps: int,
+                 lane_config: LaneConfig, groups: Callable[[EpochView, int], SimGroup],
+                 record: Callable[[SimTrainer, int, Record], None]) -> None:
+        self.proc = proc
+        self.world: World = proc.world
+        self.rid, self.inc = proc.rid, proc.inc
+        self.buckets, self.slots, self.total_steps = buckets, slots, total_steps
+        self._lane_config = lane_config
+        self._record = record
+        self.lanes = [SimLane(self, i, groups) for i in range(lanes)]
+        self.protocols = [CommitProtocol() for _ in range(lanes)]
+        self.step = 0
+        self.history: dict[int, Record] = {}
+        """Step -> what its commit applied: the replica's state, as the checks compare it."""
+        self.committed_at: dict[int, float] = {}
+        self.cursors = [0] * slots
+        self.started = self.joining = self.caught_up = self.barrier = False
+        self.lane_step: list[int | None] = [None] * lanes
+        """Per lane, the step it exchanges (a joiner's: None until its first bucket teaches it)."""
+        self._outcomes: list[list[Result | FTARError | None]] = []
+        self._view: EpochView | None = None
+
+    # --- what a lane reaches (``fthsdp.chaos.sim.lanes.Host``) ----------------------------------------------------
+
+    def run(self, fn: Callable[[], None]) -> None:
+        self.proc.run(fn)
+
+    def current(self) -> EpochView | None:
+        known = self.proc.known
+        if known is None:
+            return None
+        if self._view is None or self._view.number != known.number:
+            self._view = EpochView("sim", known.number, known.members, "sim", known.created_at, known.reason,
+                                   plane=known.plane)
+        return self._view
+
+    def report(self, suspect: str, epoch: int, early: bool) -> None:
+        self.proc.report(suspect, epoch, early)
+
+    def can_check_in(self) -> bool:
+        return self.proc.can_check_in()
+
+    def config(self) -> LaneConfig:
+        return self._lane_config
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+
+    def start(self, joining: bool, resume: tuple[int, dict[int, Record]] | None) -> None:
+        """The process is in its first epoch: train (``joining``: catch up first); ``resume``: the job's checkpoint,
+        for a replica that starts active while the job has committed steps."""
+        if self.started:
+            return
+        self.started, self.joining = True, joining
+        if not joining:
+            if resume is not None:
+                self.step, self.history = resume[0], dict(resume[1])
+                self.cursors = cursors_of(self.history, self.slots)
+            self.lane_step = [self.step] * len(self.lanes)
+        self.proc.step = self.step
+        self._begin()
+
+    def on_epoch(self) -> None:
+        for lane in self.lanes:
+            lane.on_epoch()
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.close()
+
+    def _begin(self) -> None:
+        for p in self.protocols:
+            p.begin()
+        if self.joining:
+            self._launch()  # a joiner's zeros: nothing to compute
+        else:
+            self.world.after(STEP_S, lambda: self.run(self._launch))
+
+    def _launch(self) -> None:
+        """Every bucket of the step on every lane (a lane that does not know the step yet: its first bucket,
+        ``tag=None``, then the others once it has learned it)."""
+        self._outcomes = [[None] * self.buckets for _ in self.lanes]
+        for i, lane in enumerate(self.lanes):
+            if self.lane_step[i] is None:
+                lane.submit(self._request(i, 0, None, functools.partial(self._first, i)))
+                continue
+            for b in range(self.buckets):
+                lane.submit(self._request(i, b, self.lane_step[i], functools.partial(self._bucket, i, b)))
+
+    def _request(self, lane: int, bucket: int, step: int | None, done: Callable[[Result | FTARError], None]) \
+            -> Request:
+        contribute = not self.joining
+        value = grad(self.proc.index, step, lane, bucket) if contribute and step is not None else 0
+        return Request(None if step is None else step * self.buckets + bucket, value, self.proc.index, contribute,
+                       redo=False, new_epoch_ok=bucket == 0, done=done)
+
+    def _first(self, lane: int, out: Result | FTARError) -> None:
+        """A joiner's first bucket on ``lane``: it learns the step, and sends the others."""
+        if isinstance(out, Result):
+            step = self.lane_step[lane] = out.tag // self.buckets
+            for b in range(1, self.buckets):
+                self.lanes[lane].submit(self._request(lane, b, step, functools.partial(self._bucket, lane, b)))
+        else:
+            for b in range(1, self.buckets):
+                self._outcomes[lane][b] = NOT_SENT
+        self._bucket(lane, 0, out)
+
+    def _bucket(self, lane: int, bucket: int, out: Result | FTARError) -> None:
+        self._outcomes[lane][bucket] = out
+        if all(o is not None for row in self._outcomes for o in row):
+            self._vote()
+
+    def _vote(self) -> None:
+        """Every lane reports its buckets to its protocol; the vote (the MAX of the ballots); the decision."""
+        for i, row in enumerate(self._outcomes):
+            for out in row:
+                if isinstance(out, Result):
+                    event: Exchanged | Failed = Exchanged(out.epoch, out.tag // self.buckets)
+                elif out is NOT_SENT:
+                    event = Failed(Failure.NOT_SENT)
+                else:
+                    assert isinstance(out, FTARError)
+                    event = Failed(failure_of(out))
+                rejoin = self.protocols[i].lane(event)
+                if rejoin is not None:
+                    self.proc.exit(f"rejoin: {rejoin.reason} ({out})")
+                    return
+        tally = Tally.of([p.ballot() for p in self.protocols])
+        decisions = [p.vote(tally) for p in self.protocols]
+        decision = decisions[0]
+        if isinstance(decision, Rejoin):
+            self.proc.exit(f"rejoin: {decision.reason}")
+            return
+        if isinstance(decision, Commit):
+            results = [[o for o in row if isinstance(o, Result)] for row in self._outcomes]
+            self._commit(decision.step, results)
+            return
+        self.world.log(f"{self.inc} step {self.step}: vote failed ({tally}); redo")
+        for lane in self.lanes:
+            lane.reset(after=tally.newest, reform=not tally.failed)  # partners that committed moved on there
+        self._launch()
+
+    def _commit(self, step: int, results: list[list[Result]]) -> None:
+        record: Record = tuple((r.value, r.contributors, r.slots) for row in results for r in row)
+        self._record(self, step, record)
+        self.history[step] = record
+        self.committed_at[step] = self.world.now
+        self.cursors, _ = advance_cursors(self.cursors, results[0][-1].slots)
+        for lane in self.lanes:
+            lane.forget_before(step * self.buckets)  # hold this step's results until the next commit
+        self.step = step + 1
+        self.lane_step = [self.step] * len(self.lanes)
+        self.proc.step = self.step
+        if self.step >= self.total_steps:
+            self._end_of_job()
+        else:
+            self._begin()
+
+    # --- catching up ----------------------------------------------------------------------------------------------
+
+    def catch_up(self, source: SimTrainer | None) -> bool:
+        """Take ``source``'s state at a commit boundary and replay the kept steps after it. False: not yet (no step
+        learned, or the source is behind the steps this joiner kept)."""
+        if not self.joining or not self.history or source is None:
+            return False
+        first = min(self.history)
+        at = min(source.step, self.step)
+        if at < first:
+            return False
+        self.history = {t: r for t, r in source.history.items() if t < at} | \
+            {t: r for t, r in self.history.items() if t >= at}
+        self.cursors = cursors_of(self.history, self.slots)
+        self.joining, self.caught_up = False, True
+        self.world.log(f"{self.inc} caught up at step {self.step} from {source.inc} (its state at step {at})")
+        self.proc.step = self.step
+        return True
+
+    # --- the end ----------------------------------------------------------------------------------------------------
+
+    def _end_of_job(self) -> None:
+        """``Replica._end_of_job``: the barrier (zeros tagged with the next step's first bucket, op sum) on every
+        lane, through the vote like a step: a lane that lost it while another completed it redoes it with the
+        others, so that partners split the same way meet again. Bounded; then leave as finished. A joiner that
+        has not caught up catches up first (it must hold the job's state to end it)."""
+        if self.barrier or not self.proc.alive:
+            return
+        if self.joining and not self.catch_up(self.proc.source()):
+            self.world.after(RETRY_S, lambda: self.run(self._end_of_job))
+            return
+        self.barrier = True
+        self.world.log(f"{self.inc} at the last step {self.step}: end-of-job barrier")
+        for p in self.protocols:
+            p.begin()
+        self._barrier_round()
+        wait_s = self._lane_config.epoch_wait_s * 2 + 60
+        self.world.after(wait_s, lambda: self.run(lambda: self._leave("not every member confirmed the last step")))
+
+    def _barrier_round(self) -> None:
+        self._outcomes = [[None] for _ in self.lanes]
+        for i, lane in enumerate(self.lanes):
+            lane.submit(Request(self.step * self.buckets, 0, self.proc.index, False, redo=False, new_epoch_ok=True,
+                                done=functools.partial(self._barrier_lane, i)))
+
+    def _barrier_lane(self, lane: int, out: Result | FTARError) -> None:
+        self._outcomes[lane][0] = out
+        if any(row[0] is None for row in self._outcomes):
+            return
+        for p, row in zip(self.protocols, self._outcomes, strict=True):
+            done = row[0]
+            p.lane(Exchanged(done.epoch, self.step) if isinstance(done, Result) else
+                   Failed(failure_of(done) if isinstance(done, FTARError) else Failure.ERROR))
+        tally = Tally.of([p.ballot() for p in self.protocols])
+        decision = [p.vote(tally) for p in self.protocols][0]
+        if isinstance(decision, Commit):
+            self._leave("")
+        elif isinstance(decision, Rejoin):
+            self._leave(decision.reason)
+        else:
+            self.world.log(f"{self.inc} end-of-job barrier: vote failed ({tally}); again")
+            for lane_ in self.lanes:
+                lane_.reset(after=tally.newest, reform=not tally.failed)
+            self._barrier_round()
+
+    def _leave(self, warning: str) -> None:
+        if warning:
+            self.world.log(f"{self.inc} end of job: {warning}; leaving anyway")
+        self.proc.finish(self.step)
+
+
+def cursors_of(history: dict[int, Record], slots: int) -> list[int]:
+    """The data cursors after ``history``: per slot, the steps it contributed to."""
+    cursors = [0] * slots
+    for record in history.values():
+        for s in record[-1][2]:
+            cursors[s] += 1
+    return cursors
