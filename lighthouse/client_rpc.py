@@ -7,14 +7,14 @@ TLS and the job token come in a ``ClientSecurity``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from lighthouse.ejection import HELD_OUT
 from lighthouse.epoch_view import EpochView
@@ -30,7 +30,12 @@ from lighthouse.errors import (
     UnknownTarget,
 )
 from lighthouse.model import ACTIVE, JOINING, Endpoints
-from lighthouse.proto_codec import ROLE_FROM_PB, ROLE_TO_PB, endpoints_to_pb, epoch_from_bytes, epoch_from_pb
+from lighthouse.proto_codec import (
+    ROLE_FROM_PB,
+    ROLE_TO_PB,
+    endpoints_to_pb,
+    epoch_from_pb,
+)
 from lighthouse.security import LEADER_METADATA, ClientSecurity
 from lighthouse.stragglers import Pace
 from lighthouse.v1 import lighthouse_pb2 as pb
@@ -38,7 +43,6 @@ from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse.validate import REASON_MAX
 
 log = logging.getLogger("fthsdp.lighthouse.client")
-WATCH_METHOD = "/fthsdp.v1.Lighthouse/Watch"
 NO_ENDPOINTS = Endpoints()
 
 _ERRORS: dict[grpc.StatusCode, type[LighthouseError]] = {
@@ -74,7 +78,7 @@ def _leader_hint(e: grpc.aio.AioRpcError) -> str | None:
     return None
 
 
-def _translate(e: grpc.aio.AioRpcError, what: str) -> LighthouseError:
+def translate_error(e: grpc.aio.AioRpcError, what: str) -> LighthouseError:
     code = e.code()
     hint = _leader_hint(e) if code == grpc.StatusCode.UNAVAILABLE else None
     if hint is not None:
@@ -85,7 +89,7 @@ def _translate(e: grpc.aio.AioRpcError, what: str) -> LighthouseError:
     return cls(f"{what}: {code.name}: {e.details()}")
 
 
-def _cancelled_by_grpc() -> bool:
+def cancelled_by_grpc() -> bool:
     """Whether a CancelledError being handled came from grpc (a call cancelled because its channel closed)
     rather than from a cancellation of the running task, which must propagate."""
     task = asyncio.current_task()
@@ -145,7 +149,11 @@ class LighthouseRpc:
         self.active_wanted = False
         """Ready(ACTIVE) was asked for: the session retries it until the lighthouse takes it (``active_pending``)."""
         self.heartbeats = 0
-        """Heartbeats the lighthouse accepted."""
+        """Heartbeats sent (unary ones the lighthouse accepted; on a session, every one written)."""
+        self.update_bytes = 0
+        """Bytes of the epoch updates received on sessions (a benchmark's bytes per epoch change)."""
+        self.errors: collections.Counter[str] = collections.Counter()
+        """Failed calls and broken streams, by gRPC status code name (a benchmark counts the CANCELLED ones)."""
         self._index = 0
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.LighthouseStub | None = None
@@ -190,14 +198,15 @@ class LighthouseRpc:
                 return await getattr(stub, method)(request, timeout=self.rpc_timeout_s,
                                                    metadata=self._metadata)
             except grpc.aio.AioRpcError as e:
-                err = _translate(e, f"{method} for replica {self.replica_id} at {self.address}")
+                self.errors[e.code().name] += 1
+                err = translate_error(e, f"{method} for replica {self.replica_id} at {self.address}")
                 if isinstance(err, LighthouseUnavailable):
                     moved = await self._rotate(channel, err.leader if isinstance(err, NotLeader) else "")
                     if moved and attempt == 1:
                         continue
                 raise err from None
             except asyncio.CancelledError:
-                if not _cancelled_by_grpc():
+                if not cancelled_by_grpc():
                     raise
                 raise LighthouseUnavailable(f"{method} for replica {self.replica_id}: call cancelled "
                                             "(its channel was closed)") from None
@@ -245,14 +254,18 @@ class LighthouseRpc:
                             resp.heartbeat_interval_s, resp.heartbeat_timeout_s, resp.resume,
                             finished=resp.finished, finished_step=resp.finished_step)
 
-    async def heartbeat(self, step: int = 0, epoch: int = 0) -> int:
-        """One heartbeat, with the step, the epoch, the latest state digest (``digest``) and pace (``pace``)."""
+    def _heartbeat_pb(self, step: int, epoch: int) -> pb.HeartbeatRequest:
         digest_step, digest = self.digest
         pace = self.pace
-        resp = await self._call("Heartbeat", pb.HeartbeatRequest(
+        return pb.HeartbeatRequest(
             job_id=self.job_id, replica_id=self.replica_id, incarnation=self.incarnation, step=step, epoch=epoch,
             digest_step=digest_step, digest=digest, pace_step=pace.step if pace else 0,
-            compute_s=pace.compute_s if pace else 0.0, wait_s=pace.wait_s if pace else 0.0))
+            compute_s=pace.compute_s if pace else 0.0, wait_s=pace.wait_s if pace else 0.0)
+
+    async def heartbeat(self, step: int = 0, epoch: int = 0) -> int:
+        """One unary heartbeat, with the step, the epoch, the latest state digest (``digest``) and pace (``pace``);
+        for a lighthouse without sessions (``session`` carries heartbeats otherwise)."""
+        resp = await self._call("Heartbeat", self._heartbeat_pb(step, epoch))
         assert isinstance(resp, pb.HeartbeatResponse)
         self.heartbeats += 1
         return resp.epoch
@@ -292,34 +305,3 @@ class LighthouseRpc:
         resp = await self._call("Status", pb.StatusRequest(job_id=self.job_id))
         assert isinstance(resp, pb.StatusResponse)
         return resp
-
-    async def watch(self, after_epoch: int = 0) -> AsyncIterator[EpochView]:
-        """Yield every epoch newer than ``after_epoch`` as it is pushed; raises when the stream breaks."""
-        self._stub_now()
-        channel = self._channel
-        assert channel is not None
-        # Raw bytes (no response deserializer): the views are memoized by content, see proto_codec.epoch_from_bytes.
-        call = channel.unary_stream(WATCH_METHOD, request_serializer=pb.WatchRequest.SerializeToString,
-                                    response_deserializer=None)(
-            pb.WatchRequest(job_id=self.job_id, after_epoch=after_epoch, replica_id=self.replica_id,
-                            incarnation=self.incarnation), metadata=self._metadata)
-        try:
-            async for raw in call:
-                try:
-                    view = epoch_from_bytes(raw)
-                except DecodeError as e:
-                    raise LighthouseUnavailable(f"Watch for replica {self.replica_id}: bad epoch: {e}") from None
-                yield view
-        except grpc.aio.AioRpcError as e:
-            err = _translate(e, f"Watch for replica {self.replica_id} at {self.address}")
-            if isinstance(err, LighthouseUnavailable):
-                await self._rotate(channel, err.leader if isinstance(err, NotLeader) else "")
-            raise err from None
-        except asyncio.CancelledError:
-            # The heartbeat closed the shared channel (rotation): the stream broke, the watch loop goes on.
-            if not _cancelled_by_grpc():
-                raise
-            raise LighthouseUnavailable(f"Watch for replica {self.replica_id}: stream cancelled "
-                                        "(its channel was closed)") from None
-        finally:
-            call.cancel()

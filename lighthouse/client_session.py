@@ -1,7 +1,8 @@
 """A replica's background session with the lighthouse (``AsyncLighthouseClient``, used directly by the emulator to
-drive thousands of replicas from one process): it heartbeats, keeps a watch stream open (reconnecting with
-jittered exponential backoff, rotating through the lighthouse addresses), retries a failed Ready(ACTIVE), and
-tells the two ways of being unknown apart:
+drive thousands of replicas from one process): it keeps one session stream open, heartbeats up and epochs down as
+deltas (with an older lighthouse: unary heartbeats beside a watch stream), reconnecting with jittered exponential
+backoff and rotating through the lighthouse addresses; retries a failed Ready(ACTIVE); and tells the two ways of
+being unknown apart:
 
 - FAILED_PRECONDITION: this incarnation is over (declared dead, e.g. while it hung; left; or replaced). It never
   registers again (that would put a replica whose state fell behind back into the job): ``on_lost`` is told at
@@ -21,43 +22,120 @@ import logging
 from collections.abc import Callable
 
 from lighthouse.backoff import Backoff
-from lighthouse.client_rpc import LighthouseRpc
+from lighthouse.client_streams import LighthouseStreams
 from lighthouse.epoch_view import EpochView
-from lighthouse.errors import FencedOut, InvalidRequest, LighthouseError, Unauthenticated, UnknownTarget
+from lighthouse.errors import (
+    FencedOut,
+    InvalidRequest,
+    LighthouseError,
+    SessionsUnsupported,
+    Unauthenticated,
+    UnknownTarget,
+)
 from lighthouse.model import ACTIVE, JOINING
 
 log = logging.getLogger("fthsdp.lighthouse.client")
 
 
-class AsyncLighthouseClient(LighthouseRpc):
+class AsyncLighthouseClient(LighthouseStreams):
     """One replica's view of the lighthouse, on the caller's event loop: the calls, and ``run`` for the
     background session."""
 
     async def run(self, on_epoch: Callable[[EpochView], None], stop: asyncio.Event, *,
                   register: bool = True, step: Callable[[], int] = lambda: 0,
-                  on_lost: Callable[[str], None] | None = None, known_epoch: int = 0) -> None:
-        """Heartbeat and watch until ``stop`` is set. ``register=False`` only watches (non-leader ranks).
+                  on_lost: Callable[[str], None] | None = None, known_epoch: int = 0, ranks: int = 1) -> None:
+        """Heartbeat and watch until ``stop`` is set: on one session stream (``session``), or, with a lighthouse
+        that has none, with unary heartbeats beside a watch stream. ``register=False`` only watches (ranks
+        that do not hold the replica group's session). ``ranks``: the group's ranks the epochs reach
+        (informational, for the lighthouse).
 
         ``on_lost`` is told, and heartbeats stop, when this incarnation is over (declared dead, left or replaced),
         or when a lighthouse that lost it does not give it back its role (see the module's docstring).
         """
         latest = {"n": known_epoch}
+        held: list[EpochView] = []  # the newest epoch delivered: what the session's deltas apply to
 
         def deliver(e: EpochView) -> None:
             if e.number > latest["n"]:
                 latest["n"] = e.number
+                held[:] = [e]
                 self.saw(e)
                 on_epoch(e)
 
-        tasks = [asyncio.create_task(self._watch_loop(deliver, latest, stop))]
+        def lost(why: str) -> None:
+            log.warning("replica=%s incarnation %s is over (%s); heartbeats stop", self.replica_id,
+                        self.incarnation, why)
+            if on_lost is not None:
+                on_lost(why)
+
         if register:
-            tasks.append(asyncio.create_task(self._heartbeat_loop(step, latest, stop, on_lost, deliver)))
+            tasks = [asyncio.create_task(self._session_loop(deliver, latest, held, step, stop, lost, ranks))]
+        else:
+            tasks = [asyncio.create_task(self._watch_loop(deliver, latest, stop))]
         try:
             await stop.wait()
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _session_loop(self, deliver: Callable[[EpochView], None], latest: dict[str, int],
+                            held: list[EpochView], step: Callable[[], int], stop: asyncio.Event,
+                            lost: Callable[[str], None], ranks: int) -> None:
+        backoff = Backoff()
+        while not stop.is_set():
+            try:
+                async for e in self.session(held[0] if held else None, lambda: (step(), latest["n"]),
+                                            lambda: self.heartbeat_interval_s, ranks, self._retry_if_pending):
+                    backoff.reset()
+                    deliver(e)
+            except SessionsUnsupported as e:
+                log.info("replica=%s: %s; heartbeating and watching apart", self.replica_id, e)
+                await asyncio.gather(self._watch_loop(deliver, latest, stop),
+                                     self._heartbeat_loop(step, latest, stop, lost, deliver))
+                return
+            except FencedOut as e:
+                lost(str(e))
+                return
+            except UnknownTarget as e:
+                why = await self._register_again(e, latest, deliver)
+                if why is not None:
+                    lost(why)
+                    return
+                continue  # registered again: a new session at once
+            except LighthouseError as e:
+                (log.warning if isinstance(e, Unauthenticated) else log.debug)(
+                    "session replica=%s broke: %s", self.replica_id, e)
+            await backoff.wait(stop)
+
+    async def _retry_if_pending(self) -> None:
+        if self.active_pending:
+            await self._retry_ready_active()
+
+    async def _register_again(self, e: UnknownTarget, latest: dict[str, int],
+                              deliver: Callable[[EpochView], None]) -> str | None:
+        """This incarnation is unknown to the lighthouse (it restarted without its state): register it again with
+        the role it holds. Returns why it is lost instead, if it is; None when registered again (or to retry)."""
+        if self.dropped_from:
+            # Dropped (declared dead while it hung or was cut off) by a lighthouse that has since lost its state:
+            # its role is not its own to claim back, and its state may have fallen behind.
+            return f"dropped from epoch {self.dropped_from}, then unknown to a restarted lighthouse ({e})"
+        claim = self.held_role
+        log.warning("replica=%s unknown to the lighthouse (%s): registering incarnation %s again as %s",
+                    self.replica_id, e, self.incarnation, claim or "joining (not in the data plane)")
+        try:
+            reg = await self.register(claim, latest["n"])
+        except (FencedOut, InvalidRequest) as e2:
+            return f"registering again was refused: {e2}"
+        except LighthouseError as e2:
+            log.warning("replica=%s re-register failed: %s", self.replica_id, e2)
+            await asyncio.sleep(Backoff().next())  # retry pacing
+            return None
+        if reg.role != (claim or JOINING):
+            return (f"the lighthouse lost this replica and gave it back as {reg.role}, not {claim or JOINING}: "
+                    "it formed an epoch without it")
+        deliver(reg.epoch)
+        return None
 
     async def _watch_loop(self, deliver: Callable[[EpochView], None], latest: dict[str, int],
                           stop: asyncio.Event) -> None:
@@ -72,15 +150,9 @@ class AsyncLighthouseClient(LighthouseRpc):
             await backoff.wait(stop)
 
     async def _heartbeat_loop(self, step: Callable[[], int], latest: dict[str, int], stop: asyncio.Event,
-                              on_lost: Callable[[str], None] | None, deliver: Callable[[EpochView], None]) -> None:
+                              lost: Callable[[str], None], deliver: Callable[[EpochView], None]) -> None:
+        """Unary heartbeats, for a lighthouse without sessions."""
         backoff = Backoff()
-
-        def lost(why: str) -> None:
-            log.warning("replica=%s incarnation %s is over (%s); heartbeats stop", self.replica_id,
-                        self.incarnation, why)
-            if on_lost is not None:
-                on_lost(why)
-
         while not stop.is_set():
             try:
                 await self.heartbeat(step(), latest["n"])
@@ -94,29 +166,11 @@ class AsyncLighthouseClient(LighthouseRpc):
                 lost(str(e))
                 return
             except UnknownTarget as e:
-                if self.dropped_from:
-                    # Dropped (declared dead while it hung or was cut off) by a lighthouse that has since lost
-                    # its state: its role is not its own to claim back, and its state may have fallen behind.
-                    lost(f"dropped from epoch {self.dropped_from}, then unknown to a restarted lighthouse ({e})")
+                why = await self._register_again(e, latest, deliver)
+                if why is not None:
+                    lost(why)
                     return
-                held = self.held_role
-                log.warning("replica=%s unknown to the lighthouse (%s): registering incarnation %s again as %s",
-                            self.replica_id, e, self.incarnation, held or "joining (not in the data plane)")
-                try:
-                    reg = await self.register(held, latest["n"])
-                except (FencedOut, InvalidRequest) as e2:
-                    lost(f"registering again was refused: {e2}")
-                    return
-                except LighthouseError as e2:
-                    log.warning("replica=%s re-register failed: %s", self.replica_id, e2)
-                    wait = backoff.next()
-                else:
-                    if reg.role != (held or JOINING):
-                        lost(f"the lighthouse lost this replica and gave it back as {reg.role}, not "
-                             f"{held or JOINING}: it formed an epoch without it")
-                        return
-                    deliver(reg.epoch)
-                    wait = self.heartbeat_interval_s
+                wait = self.heartbeat_interval_s
             except LighthouseError as e:
                 (log.warning if isinstance(e, Unauthenticated) else log.debug)(
                     "heartbeat replica=%s failed: %s", self.replica_id, e)

@@ -36,6 +36,10 @@ class LighthouseUnavailable(LighthouseError):
     """No lighthouse answered within the deadline (UNAVAILABLE, DEADLINE_EXCEEDED)."""
 
 
+class SessionsUnsupported(LighthouseUnavailable):
+    """The lighthouse has no ``Session`` method (UNIMPLEMENTED: an older one): heartbeat and watch apart."""
+
+
 class EpochFenced(LighthouseError):
     """A store write was fenced: another writer advanced the job's epoch first."""
 

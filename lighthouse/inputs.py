@@ -66,6 +66,12 @@ class Report:
 class Tick:
     now: float
     last_seen: Mapping[str, float]
+    due: frozenset[str] | None = None
+    """The members whose heartbeat timeout may have passed (the edge keeps their deadlines in a heap,
+    ``lighthouse.liveness``): only they are checked for it. None: every member is (the pure default)."""
+    disconnected: frozenset[str] = frozenset()
+    """Reported suspects whose connection to the lighthouse has just closed from their end (their process died):
+    confirmed dead at once, as a report that found the connection closed is."""
 
 
 Event = Register | Ready | Leave | Report | Tick | Eject

@@ -23,6 +23,8 @@ class LighthouseMetrics:
         self.rpc_errors = Counter("fthsdp_lighthouse_rpc_errors", "Refused requests", ["method", "code"],
                                   registry=r)
         self.watchers = Gauge("fthsdp_lighthouse_watchers", "Open epoch watch streams", registry=r)
+        self.sessions = Gauge("fthsdp_lighthouse_sessions", "Open replica-group sessions (heartbeats and epochs)",
+                              registry=r)
         self.leader = Gauge("fthsdp_lighthouse_leader", "1 while this lighthouse leads (always, without HA)",
                             registry=r)
         self.store_errors = Counter("fthsdp_lighthouse_store_errors", "Store writes that failed",

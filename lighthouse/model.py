@@ -3,6 +3,7 @@ Plain frozen dataclasses, no behaviour beyond lookups."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -89,6 +90,12 @@ class Member:
     """Re-registered with the role it held, to a lighthouse that had lost it (a restart without a durable store);
     only meaningful before this lighthouse's first epoch."""
 
+    @functools.cached_property
+    def listed(self) -> EpochMember:
+        """This member as an epoch lists it: one object for as long as the member is unchanged, so that epochs
+        share their unchanged members (and what is built from them, such as their encodings, is built once)."""
+        return EpochMember(self.replica_id, self.incarnation, self.role, self.shard_count, self.endpoints)
+
 
 @dataclass(frozen=True)
 class EpochMember:
@@ -123,8 +130,12 @@ class Epoch:
     def plane_key(self) -> tuple[tuple[str, str], ...]:
         return tuple((m.replica_id, m.incarnation) for m in self.members)
 
-    def key(self) -> tuple[tuple[str, str, str], ...]:
+    @functools.cached_property
+    def _key(self) -> tuple[tuple[str, str, str], ...]:
         return tuple((m.replica_id, m.incarnation, m.role) for m in self.members)
+
+    def key(self) -> tuple[tuple[str, str, str], ...]:
+        return self._key
 
     def replica_ids(self) -> tuple[str, ...]:
         return tuple(m.replica_id for m in self.members)
@@ -163,6 +174,28 @@ class State:
     """The job completed at this step: a member left with reason ``"finished"`` (the highest step, if several
     did). None: not finished. Durable. From then on nobody registers (``Outcome.finished_step``), and once no
     active member is left the remaining members are dropped (``DeathCause.JOB_FINISHED``)."""
+
+    @functools.cached_property
+    def in_epoch_count(self) -> int:
+        """Members in the data plane (the bootstrap waits for enough). Computed once per state object; a
+        registration seeds its successor's (``seed_in_epoch_count``), so a bootstrap of N registrations is O(N),
+        not O(N^2)."""
+        return sum(1 for m in self.members.values() if m.in_epoch)
+
+    @functools.cached_property
+    def syncing_ids(self) -> frozenset[str]:
+        """Joiners in the data plane that have not turned active (their join deadline runs). Once per state object:
+        a tick (20 a second) looks at these, not at every member."""
+        return frozenset(rid for rid, m in self.members.items() if m.syncing_since is not None and m.role == JOINING)
+
+    def seed_in_epoch_count(self, value: int) -> None:
+        """Set ``in_epoch_count`` of a state just built from another whose count is known (one member more or
+        less), instead of counting again. The caller vouches for ``value``."""
+        self.__dict__["in_epoch_count"] = value
+
+    def known_in_epoch_count(self) -> int | None:
+        """``in_epoch_count`` if it was computed or seeded already, else None (never computes)."""
+        return self.__dict__.get("in_epoch_count")
 
     def is_departed(self, replica_id: str, incarnation: str) -> bool:
         """Whether ``incarnation`` of ``replica_id`` died, left or was replaced (as far as this state remembers)."""

@@ -1,5 +1,8 @@
-"""Emulated replicas: the control plane of N replicas (register, heartbeat, watch) with no compute, in one
-process on one event loop. Users smoke-test a deployment with it; the benchmark loads the lighthouse with it."""
+"""Emulated replica groups: the control plane of N replica groups (register, one session each: heartbeats up,
+epochs down) with no compute, in one process on one event loop. Each group has ``ranks`` ranks: its session's
+holder (rank 0) hands every epoch to the others inside the group, as the runtime's group leader does, so the
+lighthouse holds one connection and one stream per group whatever the ranks. Users smoke-test a deployment with
+it; the benchmark loads the lighthouse with it."""
 
 from __future__ import annotations
 
@@ -37,11 +40,14 @@ class _OwnConnectionClient(AsyncLighthouseClient):
 @dataclass
 class EmulatedReplica:
     client: AsyncLighthouseClient
+    ranks: int = 1
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     epoch: EpochView | None = None
+    rank_epochs: list[EpochView | None] = field(default_factory=list)
+    """The epoch each of the group's other ranks holds (handed on by rank 0)."""
     received: dict[int, float] = field(default_factory=dict)
-    """epoch number -> time.time() it reached this replica."""
+    """epoch number -> time.time() it reached every rank of this group."""
 
     @property
     def replica_id(self) -> str:
@@ -53,21 +59,28 @@ class Emulator:
 
     def __init__(self, lighthouse: str, replicas: int, *, job_id: str = "default", prefix: str = "emu",
                  shard_count: int = 1, on_epoch: Callable[[EmulatedReplica, EpochView], None] | None = None,
-                 rpc_timeout_s: float = 5.0, security: ClientSecurity | None = None) -> None:
+                 rpc_timeout_s: float = 5.0, security: ClientSecurity | None = None, ranks: int = 1) -> None:
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.on_epoch = on_epoch
+        self.ranks = ranks
+        self.evicted = 0
+        """Live emulated replicas the lighthouse declared dead (healthy ones evicted: each came back as a new
+        incarnation)."""
         self._background: set[asyncio.Task[None]] = set()
         self._client_args = (lighthouse, job_id)
         self._client_kw: dict[str, Any] = {"shard_count": shard_count, "rpc_timeout_s": rpc_timeout_s,
                                            "security": security}
-        self.replicas = [EmulatedReplica(self._client(f"{prefix}-{i:05d}")) for i in range(replicas)]
+        self.replicas = [EmulatedReplica(self._client(f"{prefix}-{i:05d}"), ranks) for i in range(replicas)]
 
     def _client(self, replica_id: str) -> AsyncLighthouseClient:
         return _OwnConnectionClient(*self._client_args, replica_id, **self._client_kw)
 
     def _deliver(self, r: EmulatedReplica) -> Callable[[EpochView], None]:
         def deliver(e: EpochView) -> None:
-            r.received.setdefault(e.number, time.time())
             r.epoch = e
+            r.rank_epochs[:] = [e] * (r.ranks - 1)  # rank 0 hands it on inside the group
+            r.received.setdefault(e.number, time.time())
             me = e.member(r.replica_id)
             if me is not None and me.role == m.JOINING:
                 # Nothing to fetch: an emulated joiner is caught up as soon as it is in the data plane.
@@ -134,9 +147,10 @@ class Emulator:
             # Declared dead while alive: the lighthouse never takes this incarnation back, so come back as a new
             # one, as a real replica group does (it exits 75 and its launcher restarts it).
             log.info("%s lost (%s): restarting as a new incarnation", r.replica_id, why)
+            self.evicted += 1
             self._spawn(self._come_back(r))
 
-        r.task = asyncio.create_task(r.client.run(self._deliver(r), r.stop, on_lost=lost))
+        r.task = asyncio.create_task(r.client.run(self._deliver(r), r.stop, on_lost=lost, ranks=r.ranks))
 
     async def _come_back(self, r: EmulatedReplica) -> None:
         await self.kill(r)
@@ -144,7 +158,8 @@ class Emulator:
             await self.restart(r)
 
     async def kill(self, r: EmulatedReplica) -> None:
-        """Stop heartbeating and watching, as a SIGKILLed replica would."""
+        """Stop heartbeating and watching, and close the connection, as a SIGKILLed replica group would (its
+        kernel closes its connection at once: the lighthouse sees its session end)."""
         r.stop.set()
         if r.task is not None:
             await asyncio.gather(r.task, return_exceptions=True)
@@ -155,7 +170,7 @@ class Emulator:
         is in the data plane (as a restarted replica group would, with an instant catch-up)."""
         if not dead.stop.is_set():
             raise ValueError(f"{dead.replica_id} is alive: kill it first")
-        r = EmulatedReplica(self._client(dead.replica_id))
+        r = EmulatedReplica(self._client(dead.replica_id), dead.ranks)
         self.replicas[self.replicas.index(dead)] = r
         role = (await r.client.register()).role
         self._start_session(r)
@@ -214,7 +229,7 @@ class Emulator:
 
 
 async def run_emulate(lighthouse: str, replicas: int, job_id: str, prefix: str, stop: asyncio.Event,
-                      security: ClientSecurity | None = None) -> None:
+                      security: ClientSecurity | None = None, ranks: int = 1) -> None:
     """``fthsdp emulate``: keep N replicas alive, print each epoch change once, until ``stop``."""
     printed: set[int] = set()
 
@@ -226,7 +241,8 @@ async def run_emulate(lighthouse: str, replicas: int, job_id: str, prefix: str, 
             print(f"epoch {e.number}: {len(e.members)} members ({active} active, {mine} emulated here) "
                   f"reason: {e.reason[:160]}", flush=True)
 
-    emu = Emulator(lighthouse, replicas, job_id=job_id, prefix=prefix, on_epoch=on_epoch, security=security)
+    emu = Emulator(lighthouse, replicas, job_id=job_id, prefix=prefix, on_epoch=on_epoch, security=security,
+                   ranks=ranks)
     await emu.start()
     print(f"{replicas} emulated replicas registered with {lighthouse} (job {job_id}); Ctrl-C to stop", flush=True)
     try:

@@ -12,18 +12,23 @@ deaths and rejoins.
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
+import logging
 import os
 import pathlib
 import statistics
 import tempfile
 import time
+import urllib.request
 from typing import Any
 
 from fthsdp.bench.emulate import Emulator
 from fthsdp.bench.results import LighthouseResult, LighthouseRun
 from fthsdp.testing.lighthouse_process import start_lighthouse_process
 from fthsdp.testing.procutil import stop_process
+
+log = logging.getLogger("fthsdp.bench")
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -43,17 +48,42 @@ def _own_cpu_seconds() -> float:
     return t.user + t.system
 
 
-async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejoins: bool = True) -> LighthouseRun:
+def _established(port: int) -> int:
+    """TCP connections established to ``port`` on this host (the lighthouse's end of each, from /proc)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = pathlib.Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                count += 1
+    return count
+
+
+def _streams(http: str) -> int:
+    """Sessions and watch streams the lighthouse holds open (its /metrics)."""
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as resp:  # noqa: S310 (loopback)
+        text = resp.read().decode()
+    return int(sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(("fthsdp_lighthouse_sessions ", "fthsdp_lighthouse_watchers "))))
+
+
+async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejoins: bool = True,
+                     ranks: int = 8) -> LighthouseRun:
     with tempfile.TemporaryDirectory(prefix="fthsdp-bench-lh-") as tmp:
         # The heartbeat timeout also covers the bootstrap: the emulator registers everyone before any heartbeat
-        # (registering thousands one by one keeps the lighthouse busy for tens of seconds on 2 cores). Deaths are
-        # detected through failure reports (confirmed after ``interval`` of silence), not through the timeout.
+        # (registering thousands one by one keeps the lighthouse busy for seconds on 2 cores). Deaths are
+        # confirmed by evidence: the killed group's session closes, a peer reports it.
         timeout = max(5 * interval, 30 + n / 100)
-        proc, addr, _ = start_lighthouse_process(
+        proc, addr, http = start_lighthouse_process(
             ["--heartbeat-interval", str(interval), "--heartbeat-timeout", str(timeout),
              "--confirm-age", str(interval), "--expected-replicas", str(n), "--no-rendezvous"],
             pathlib.Path(tmp))
-        emu = Emulator(addr, n, prefix="bench", rpc_timeout_s=max(5.0, n / 250))
+        port = int(addr.rsplit(":", 1)[1])
+        emu = Emulator(addr, n, prefix="bench", rpc_timeout_s=max(5.0, n / 250), ranks=ranks)
         try:
             t0 = time.perf_counter()
             await emu.start(concurrency=32, sessions_after=True)
@@ -69,18 +99,20 @@ async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejo
             await asyncio.sleep(interval)  # settle one heartbeat period before measuring
             hb0, cpu0, w0 = sum(r.client.heartbeats for r in emu.replicas), _cpu_seconds(proc.pid), time.perf_counter()
             own0 = _own_cpu_seconds()
-            await asyncio.sleep(window_s)  # the measuring window
+            await asyncio.sleep(max(window_s, 2 * interval))  # the measuring window: two heartbeat periods at least
             hb1, cpu1, w1 = sum(r.client.heartbeats for r in emu.replicas), _cpu_seconds(proc.pid), time.perf_counter()
             own1 = _own_cpu_seconds()
+            connections, streams = _established(port), await asyncio.to_thread(_streams, http)
             status = await emu.replicas[0].client.status()
             epoch_bytes = status.epoch.ByteSize()
-            push, detect, total = [], [], []
+            push, detect, total, change_bytes = [], [], [], []
             churn_cpu0, churn_w0, churn_own0 = _cpu_seconds(proc.pid), time.perf_counter(), _own_cpu_seconds()
             victims = []
             for i in range(deaths):
                 alive = emu.alive()
                 victim, reporter = alive[-1], alive[0]
                 before = reporter.epoch.number if reporter.epoch else 0
+                bytes_before = {id(r): r.client.update_bytes for r in alive}
                 killed_at = time.time()
                 await emu.kill(victim)
                 await emu.report(reporter, victim)
@@ -98,7 +130,11 @@ async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejo
                 push += [g - epoch.created_unix for g in got]
                 detect.append(epoch.created_unix - killed_at)
                 total.append(max(got) - killed_at)
+                change_bytes += [r.client.update_bytes - bytes_before[id(r)] for r in emu.alive()]
                 victims.append(victim)
+                log.info("bench lighthouse replicas=%d death=%d detect=%.4fs push p50=%.4fs max=%.4fs all=%.4fs", n,
+                         i, detect[-1], _pct([g - epoch.created_unix for g in got], 0.5),
+                         max(got) - epoch.created_unix, total[-1])
             rejoin_total, rejoin_push = [], []
             if rejoins:
                 for i, dead in enumerate(victims):
@@ -118,19 +154,27 @@ async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejo
                     rejoin_push += [g - epoch.created_unix for g in got]
                     rejoin_total.append(max(got) - t_reg)
             churn_cpu1, churn_w1, churn_own1 = _cpu_seconds(proc.pid), time.perf_counter(), _own_cpu_seconds()
+            errors: collections.Counter[str] = collections.Counter()
+            for r in emu.replicas:
+                errors.update(r.client.errors)
             return LighthouseRun(
                 replicas=n,
+                ranks_per_replica=ranks,
                 heartbeat_interval_s=interval,
                 heartbeat_timeout_s=timeout,
                 bootstrap_s=round(bootstrap_s, 3),
                 epoch_message_bytes=epoch_bytes,
+                epoch_change_bytes=round(statistics.median(change_bytes)) if change_bytes else 0,
                 heartbeats_per_s=round((hb1 - hb0) / (w1 - w0), 1),
                 heartbeats_offered_per_s=round(n / interval, 1),
                 heartbeat_ratio=round((hb1 - hb0) / (w1 - w0) / (n / interval), 3),
                 lighthouse_cpu_pct=round(100 * (cpu1 - cpu0) / (w1 - w0), 1),
                 emulator_cpu_pct=round(100 * (own1 - own0) / (w1 - w0), 1),
+                lighthouse_connections=connections,
+                lighthouse_streams=streams,
                 deaths=deaths,
                 detect_p50_s=round(statistics.median(detect), 4),
+                detect_p99_s=round(_pct(detect, 0.99), 4),
                 push_p50_s=round(_pct(push, 0.5), 4),
                 push_p99_s=round(_pct(push, 0.99), 4),
                 death_to_all_p50_s=round(_pct(total, 0.5), 4),
@@ -143,6 +187,9 @@ async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejo
                 lighthouse_cpu_pct_churn=round(100 * (churn_cpu1 - churn_cpu0) / (churn_w1 - churn_w0), 1),
                 emulator_cpu_pct_churn=round(100 * (churn_own1 - churn_own0) / (churn_w1 - churn_w0), 1),
                 churn_s=round(churn_w1 - churn_w0, 2),
+                cancelled_calls=errors["CANCELLED"],
+                call_errors=dict(sorted(errors.items())),
+                healthy_evicted=emu.evicted,
                 loadavg_1min=round(os.getloadavg()[0], 2),
                 measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             )
@@ -163,11 +210,11 @@ def auto_interval(n: int, budget: float = HEARTBEAT_BUDGET_PER_S) -> float:
 
 
 def bench_lighthouse(replicas: list[int], deaths: int = 5, window_s: float = 5.0,
-                     interval: float = 1.0, rejoins: bool = True) -> LighthouseResult:
-    """``interval`` 0: automatic (``auto_interval``) per replica count."""
-    results = [asyncio.run(_bench_one(n, deaths, window_s, interval or auto_interval(n), rejoins))
+                     interval: float = 1.0, rejoins: bool = True, ranks: int = 8) -> LighthouseResult:
+    """``interval`` 0: automatic (``auto_interval``) per replica count; ``ranks`` per emulated replica group."""
+    results = [asyncio.run(_bench_one(n, deaths, window_s, interval or auto_interval(n), rejoins, ranks))
                for n in replicas]
-    return LighthouseResult(cpus=os.cpu_count(), results=results)
+    return LighthouseResult(cpus=os.cpu_count(), sizes=results)
 
 
 async def _saturation_one(n: int, interval: float, window_s: float) -> dict[str, Any]:

@@ -28,17 +28,26 @@ class LighthouseRun(_AsJson):
     """One replica count of ``fthsdp bench lighthouse`` (``fthsdp.bench.lighthouse``'s module doc)."""
 
     replicas: int
+    ranks_per_replica: int
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     bootstrap_s: float
     epoch_message_bytes: int
+    """The full epoch (every member), as the Status call returns it."""
+    epoch_change_bytes: int
+    """What one death's epoch change cost each member on its session (median; a delta: O(changed))."""
     heartbeats_per_s: float
     heartbeats_offered_per_s: float
     heartbeat_ratio: float
     lighthouse_cpu_pct: float
     emulator_cpu_pct: float
+    lighthouse_connections: int
+    """TCP connections established to the lighthouse's port in steady state."""
+    lighthouse_streams: int
+    """Sessions and watch streams the lighthouse held open in steady state (its /metrics)."""
     deaths: int
     detect_p50_s: float
+    detect_p99_s: float
     push_p50_s: float
     push_p99_s: float
     death_to_all_p50_s: float
@@ -51,6 +60,11 @@ class LighthouseRun(_AsJson):
     lighthouse_cpu_pct_churn: float
     emulator_cpu_pct_churn: float
     churn_s: float
+    cancelled_calls: int
+    call_errors: dict[str, int]
+    """Failed calls and broken streams of the emulated replicas, by status code."""
+    healthy_evicted: int
+    """Live emulated replicas the lighthouse declared dead."""
     loadavg_1min: float
     measured_at: str
 
@@ -58,24 +72,23 @@ class LighthouseRun(_AsJson):
 @dataclass(frozen=True)
 class LighthouseResult(_AsJson):
     cpus: int | None
-    results: list[LighthouseRun]
+    sizes: list[LighthouseRun]
     benchmark: str = "lighthouse"
 
     def to_json(self) -> dict[str, Any]:
-        return {"benchmark": self.benchmark, "cpus": self.cpus, "results": [r.to_json() for r in self.results]}
+        return {"benchmark": self.benchmark, "cpus": self.cpus, "sizes": [r.to_json() for r in self.sizes]}
 
 
 def format_lighthouse(r: LighthouseResult) -> str:
-    lines = [f"{'replicas':>8} {'hb int':>6} {'hb/s':>9} {'hb ratio':>8} {'lh cpu%':>7} {'detect p50':>10} "
-             f"{'push p50':>9} {'push p99':>9} {'death->all p50/p99':>19} {'rejoin->all p50/p99':>20} "
-             f"{'churn lh cpu%':>13}"]
-    for x in r.results:
-        lines.append(f"{x.replicas:>8} {x.heartbeat_interval_s:>6} {x.heartbeats_per_s:>9} "
-                     f"{x.heartbeat_ratio:>8} {x.lighthouse_cpu_pct:>7} {x.detect_p50_s:>10} "
-                     f"{x.push_p50_s:>9} {x.push_p99_s:>9} "
-                     f"{x.death_to_all_p50_s:>9}/{x.death_to_all_p99_s:<9} "
-                     f"{x.rejoin_to_all_p50_s!s:>9}/{x.rejoin_to_all_p99_s!s:<10} "
-                     f"{x.lighthouse_cpu_pct_churn:>13}")
+    lines = [f"{'replicas':>8} {'ranks':>5} {'boot s':>7} {'change B':>8} {'lh cpu%':>7} {'conns':>6} {'streams':>7} "
+             f"{'detect p50':>10} {'push p99':>9} {'death->all p50/p99':>19} {'rejoin->all p99':>15} "
+             f"{'cancelled':>9} {'evicted':>7}"]
+    for x in r.sizes:
+        lines.append(f"{x.replicas:>8} {x.ranks_per_replica:>5} {x.bootstrap_s:>7} {x.epoch_change_bytes:>8} "
+                     f"{x.lighthouse_cpu_pct:>7} {x.lighthouse_connections:>6} {x.lighthouse_streams:>7} "
+                     f"{x.detect_p50_s:>10} {x.push_p99_s:>9} "
+                     f"{x.death_to_all_p50_s:>9}/{x.death_to_all_p99_s:<9} {x.rejoin_to_all_p99_s!s:>15} "
+                     f"{x.cancelled_calls:>9} {x.healthy_evicted:>7}")
     return "\n".join(lines)
 
 

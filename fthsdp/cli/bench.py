@@ -19,7 +19,7 @@ def cmd_bench_lighthouse(a: argparse.Namespace) -> None:
     from fthsdp.bench.results import format_lighthouse
 
     result = bench_lighthouse(a.replicas, deaths=a.deaths, window_s=a.window, interval=a.heartbeat_interval,
-                              rejoins=not a.no_rejoins)
+                              rejoins=not a.no_rejoins, ranks=a.ranks)
     emit(result, a.json, format_lighthouse)
 
 
@@ -83,6 +83,8 @@ def register(sub: Subparsers) -> None:
     bl.add_argument("--heartbeat-interval", type=float, default=0.0,
                     help="seconds; 0 (default): max(1, replicas/1000), about what one lighthouse keeps up with here")
     bl.add_argument("--no-rejoins", action="store_true", help="skip bringing the dead replicas back")
+    bl.add_argument("--ranks", type=int, default=8,
+                    help="ranks per emulated replica group (its session's holder hands epochs to the others)")
     bl.add_argument("--json", action="store_true")
     bl.set_defaults(fn=cmd_bench_lighthouse)
     bf = bsub.add_parser("ftar", help="FTAR vs plain all_reduce; rebuild time; stall on a SIGKILL mid-exchange")

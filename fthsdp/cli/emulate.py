@@ -15,7 +15,8 @@ def cmd_emulate(a: argparse.Namespace) -> None:
     from fthsdp.bench.emulate import run_emulate
 
     security = client_security(a)
-    run_until_signal(lambda stop: run_emulate(a.lighthouse, a.replicas, a.job, a.prefix, stop, security=security))
+    run_until_signal(lambda stop: run_emulate(a.lighthouse, a.replicas, a.job, a.prefix, stop, security=security,
+                                              ranks=a.ranks))
 
 
 def register(sub: Subparsers) -> None:
@@ -24,5 +25,6 @@ def register(sub: Subparsers) -> None:
     em.add_argument("--replicas", type=int, required=True)
     em.add_argument("--prefix", default="emu", help="replica ids are PREFIX-00000, ...")
     em.add_argument("--job", default="default")
+    em.add_argument("--ranks", type=int, default=1, help="ranks per emulated replica group (one session each group)")
     add_client_security_args(em)
     em.set_defaults(fn=cmd_emulate)

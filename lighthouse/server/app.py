@@ -120,7 +120,7 @@ class Lighthouse:
                         job_id, e)
             doc = None
         now = clock()
-        return Job(job_id, state_from_doc(doc, now), self.rendezvous_addr, now)
+        return Job(job_id, state_from_doc(doc, now), self.rendezvous_addr, now, self.policy.heartbeat_timeout_s)
 
     async def _start_grpc(self) -> None:
         sec = self.config.security

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from lighthouse import membership as m
 from lighthouse import stragglers
@@ -18,6 +19,17 @@ from lighthouse.stores.base import Store
 log = logging.getLogger("fthsdp.lighthouse")
 STORE_ERROR_LOG_S = 5.0
 """At most one log line per job this often about failed store writes (the tick retries 20 times a second)."""
+
+
+def _changed_members(before: m.State, after: m.State, event: m.Event) -> tuple[Iterable[str], Iterable[str]]:
+    """The replica ids ``event`` added to the members and removed from them. A plain registration (the bootstrap's
+    thousands) adds its registrant and nothing else: known without comparing every member's id."""
+    if after.members is before.members:
+        return (), ()
+    if (isinstance(event, m.Register) and len(after.members) == len(before.members) + 1
+            and event.replica_id not in before.members and event.replica_id in after.members):
+        return (event.replica_id,), ()
+    return after.members.keys() - before.members.keys(), before.members.keys() - after.members.keys()
 
 
 class Edge:
@@ -48,9 +60,9 @@ class Edge:
                     self._store_error(job, "unavailable", f"store unavailable, change waits: {e}")
                     return m.Outcome(before, rejection=m.Rejection("UNAVAILABLE", f"store unavailable: {e}"))
             job.state = out.state
-            for rid in out.state.members.keys() - before.members.keys():
-                job.last_seen.setdefault(rid, clock())
-            for rid in before.members.keys() - out.state.members.keys():
+            added, removed = _changed_members(before, out.state, event)
+            job.joined(added, clock())
+            for rid in removed:
                 job.last_seen.pop(rid, None)
                 job.steps.pop(rid, None)
                 job.digests.pop(rid, None)
@@ -61,11 +73,13 @@ class Edge:
             log.info("lighthouse job=%s epoch=%d %s", job.job_id, job.number, out.reason)
         return out
 
-    async def tick(self, job: Job) -> None:
-        """One liveness check of ``job``; under the ``eject`` fail-slow policy, at most once per heartbeat
+    async def tick(self, job: Job, disconnected: frozenset[str] = frozenset()) -> None:
+        """One liveness check of ``job`` (the members due for their timeout, the suspects, ``disconnected``: the
+        suspects whose connection just closed); under the ``eject`` fail-slow policy, at most once per heartbeat
         interval, one straggler ejected when that wins (``lighthouse.ejection``)."""
         now = clock()
-        await self.apply(job, m.Tick(now=now, last_seen=job.last_seen))
+        due = job.deadlines.due(now, job.last_seen, self.policy.heartbeat_timeout_s)
+        await self.apply(job, m.Tick(now=now, last_seen=job.last_seen, due=due, disconnected=disconnected))
         if self.policy.straggler_policy == "eject" and now - job.stragglers_checked >= self.policy.heartbeat_interval_s:
             job.stragglers_checked = now
             await self._eject_slowest(job, now)

@@ -19,13 +19,14 @@ from lighthouse.metrics import LighthouseMetrics
 from lighthouse.proto_codec import ROLE_TO_PB, endpoints_from_pb, role_from_pb
 from lighthouse.server import status
 from lighthouse.server.edge import Edge
-from lighthouse.server.jobs import Job, clock
+from lighthouse.server.jobs import Job, Waker, clock
 from lighthouse.server.leadership import Leadership
 from lighthouse.stragglers import Pace
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.validate import check_digest, check_epoch, check_id, check_shard_count, check_text
 
 SERVICE = "fthsdp.v1.Lighthouse"
+EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # (missing from grpc's stubs)
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 
@@ -80,6 +81,7 @@ class LighthouseService:
         self.metrics = metrics
         self.policy = policy
         self._stopping = stopping
+        self._background: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> grpc.GenericRpcHandler[Any, Any]:
         def unary(fn: Callable[[Any, Context], Awaitable[Any]], req: Any, resp: Any) -> grpc.RpcMethodHandler[Any, Any]:
@@ -96,6 +98,9 @@ class LighthouseService:
             "Status": unary(self.Status, pb.StatusRequest, pb.StatusResponse),
             "Watch": grpc.unary_stream_rpc_method_handler(
                 self.Watch, request_deserializer=_parser(pb.WatchRequest), response_serializer=_passthrough),
+            "Session": grpc.stream_stream_rpc_method_handler(
+                self._session_handler, request_deserializer=_parser(pb.SessionRequest),
+                response_serializer=_passthrough),
         })
 
     async def _job(self, job_id: str, context: Context, method: str) -> Job:
@@ -137,16 +142,22 @@ class LighthouseService:
 
     async def Heartbeat(self, req: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatResponse:
         job = await self._job(req.job_id, context, "Heartbeat")
-        # The hot path: one dict lookup, no validation, unless the call is refused.
+        if (rej := self._beat(job, req)) is not None:
+            await self._refuse(rej, context, "Heartbeat")
+        return pb.HeartbeatResponse(epoch=job.number)
+
+    def _beat(self, job: Job, req: pb.HeartbeatRequest) -> m.Rejection | None:
+        """Take one heartbeat (unary, or a message of a session): stamp liveness and its informational payload.
+        The hot path: one dict lookup, no validation, unless it is refused (then nothing is taken)."""
         if (rej := m.check_incarnation(job.state, req.replica_id, req.incarnation)) is not None:
             check_id("replica_id", req.replica_id)
-            await self._refuse(rej, context, "Heartbeat")
+            return rej
         if req.digest and not check_digest(req.digest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "digest: at most 64 hexadecimal digits")
+            return m.Rejection("INVALID_ARGUMENT", "digest: at most 64 hexadecimal digits")
         pace = Pace(req.pace_step, req.compute_s, req.wait_s) if req.pace_step else None
         if pace is not None and not stragglers.valid(pace):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"compute_s, wait_s: finite, in [0, {stragglers.MAX_SECONDS:g}] seconds")
+            return m.Rejection("INVALID_ARGUMENT",
+                               f"compute_s, wait_s: finite, in [0, {stragglers.MAX_SECONDS:g}] seconds")
         job.last_seen[req.replica_id] = clock()
         job.steps[req.replica_id] = req.step
         if req.digest:
@@ -156,7 +167,7 @@ class LighthouseService:
             job.paces[req.replica_id] = (req.incarnation, stragglers.remember(
                 history if inc == req.incarnation else (), pace))
         self.metrics.heartbeats.inc()
-        return pb.HeartbeatResponse(epoch=job.number)
+        return None
 
     async def Watch(self, req: pb.WatchRequest | _Malformed, context: Context) -> AsyncIterator[bytes]:
         if not self.leadership.leading:
@@ -194,6 +205,98 @@ class LighthouseService:
             self.metrics.watchers.dec()
             if watcher is not None:
                 job.stream_closed(*watcher, clock() if closed_by_peer else None)
+
+    async def Session(self, context: Context) -> None:
+        """A replica group's stream: its messages are heartbeats (the first opens it), its pushes the epochs, as
+        deltas against the one pushed before. Refusals end it with a status, as Heartbeat answers them."""
+        if not self.leadership.leading:
+            await self.leadership.refuse(context, "Session")
+        first = await context.read()
+        if first is EOF:
+            return
+        if isinstance(first, _Malformed):
+            await self._refuse(m.Rejection("INVALID_ARGUMENT", f"malformed request: {first.error}"), context,
+                               "Session")
+        hb = first.heartbeat
+        job = await self._job(hb.job_id, context, "Session")
+        try:
+            check_id("replica_id", hb.replica_id)
+            check_id("incarnation", hb.incarnation)
+        except ValidationError as e:
+            await self._refuse(m.Rejection("INVALID_ARGUMENT", str(e)), context, "Session")
+        if (rej := self._beat(job, hb)) is not None:
+            await self._refuse(rej, context, "Session")
+        rid, inc = hb.replica_id, hb.incarnation
+        job.stream_opened(rid, inc)
+        waker = Waker()
+        resync: list[bool] = []
+        reader = asyncio.create_task(self._session_beats(job, context, rid, inc, resync, waker),
+                                     name=f"session-{rid}")
+        reader.add_done_callback(lambda _: waker.kick())
+        job.sessions.add(waker)
+        held = first.after_epoch
+        closed_by_peer = False
+        self.metrics.sessions.inc()
+        try:
+            while not self._stopping():
+                if not self.leadership.leading:
+                    await self.leadership.refuse(context, "Session")
+                if resync:
+                    resync.clear()
+                    held = 0
+                if job.number > held:
+                    update = job.update_for(held)
+                    held = job.number
+                    await context.write(update)
+                    continue
+                if reader.done():
+                    rej = reader.result()
+                    if rej is None:  # the replica closed its side: the session is over
+                        closed_by_peer = not self._stopping()
+                        return
+                    await self._refuse(rej, context, "Session")
+                # No await between the checks above and the wait: a kick in between is kept for it.
+                await waker.wait()
+        except asyncio.CancelledError:  # the replica's end went away (grpc cancels the handler)
+            closed_by_peer = not self._stopping()
+            raise
+        finally:
+            job.sessions.discard(waker)
+            reader.cancel()
+            self.metrics.sessions.dec()
+            job.stream_closed(rid, inc, clock() if closed_by_peer else None)
+            if closed_by_peer and rid in job.state.suspicions:
+                # A reported suspect whose session closed from its end died: confirm it now (its report may have
+                # come in before its connection's end did).
+                task = asyncio.get_running_loop().create_task(
+                    self.edge.tick(job, disconnected=frozenset((rid,))))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _session_handler(self, requests: Any, context: Context) -> None:
+        await self.Session(context)  # reads with context.read(), so that it can write while it waits for one
+
+    async def _session_beats(self, job: Job, context: Context, rid: str, inc: str, resync: list[bool],
+                             waker: Waker) -> m.Rejection | None:
+        """Take a session's heartbeats until it ends (None: the replica closed its side) or one is refused."""
+        while True:
+            try:
+                req = await context.read()
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError):  # the stream broke: its end is gone
+                return None
+            if req is EOF:
+                return None
+            if isinstance(req, _Malformed):
+                return m.Rejection("INVALID_ARGUMENT", f"malformed request: {req.error}")
+            hb = req.heartbeat
+            if (hb.replica_id, hb.incarnation, hb.job_id) != (rid, inc, job.job_id):
+                return m.Rejection("INVALID_ARGUMENT", "a session's heartbeats must name its job, replica and "
+                                   "incarnation")
+            if (rej := self._beat(job, hb)) is not None:
+                return rej
+            if req.resync:
+                resync.append(True)
+                waker.kick()
 
     async def ReportFailure(self, req: pb.FailureReport, context: Context) -> pb.FailureReportResponse:
         job = await self._job(req.job_id, context, "ReportFailure")

@@ -206,6 +206,50 @@ class LeaveResponse(_message.Message):
     epoch: int
     def __init__(self, epoch: _Optional[int] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("heartbeat", "after_epoch", "resync", "ranks")
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat: HeartbeatRequest
+    after_epoch: int
+    resync: bool
+    ranks: int
+    def __init__(self, heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., after_epoch: _Optional[int] = ..., resync: _Optional[bool] = ..., ranks: _Optional[int] = ...) -> None: ...
+
+class EpochDelta(_message.Message):
+    __slots__ = ("job_id", "number", "base", "upserted", "removed", "rendezvous", "created_unix", "reason", "plane")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    UPSERTED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PLANE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    number: int
+    base: int
+    upserted: _containers.RepeatedCompositeFieldContainer[Member]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    rendezvous: str
+    created_unix: float
+    reason: str
+    plane: int
+    def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., base: _Optional[int] = ..., upserted: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., removed: _Optional[_Iterable[str]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., plane: _Optional[int] = ...) -> None: ...
+
+class SessionUpdate(_message.Message):
+    __slots__ = ("epoch", "delta", "epoch_zlib")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_ZLIB_FIELD_NUMBER: _ClassVar[int]
+    epoch: Epoch
+    delta: EpochDelta
+    epoch_zlib: bytes
+    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., delta: _Optional[_Union[EpochDelta, _Mapping]] = ..., epoch_zlib: _Optional[bytes] = ...) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class LighthouseStub:
                 request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.WatchRequest.SerializeToString,
                 response_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.Epoch.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/fthsdp.v1.Lighthouse/Session',
+                request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.SessionRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.SessionUpdate.FromString,
+                _registered_method=True)
         self.ReportFailure = channel.unary_unary(
                 '/fthsdp.v1.Lighthouse/ReportFailure',
                 request_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.FailureReport.SerializeToString,
@@ -82,14 +87,24 @@ class LighthouseServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Liveness; off the training critical path (a background thread).
+        """Liveness; off the training critical path (a background thread). Kept for older clients: Session carries
+        heartbeats as messages on one stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """Server-streaming: every new epoch is pushed as soon as it forms.
+        """Server-streaming: every new epoch is pushed as soon as it forms (kept for older clients; Session replaces it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """A replica group's one long-lived stream: heartbeats up (no answer each), epochs down as deltas. Refusals end
+        it with the codes of Heartbeat; its end from the replica's side (its process died) is evidence of death for a
+        failure report, as for Watch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,6 +154,11 @@ def add_LighthouseServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.WatchRequest.FromString,
                     response_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.Epoch.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=lighthouse_dot_v1_dot_lighthouse__pb2.SessionRequest.FromString,
+                    response_serializer=lighthouse_dot_v1_dot_lighthouse__pb2.SessionUpdate.SerializeToString,
             ),
             'ReportFailure': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportFailure,
@@ -242,6 +262,33 @@ class Lighthouse:
             '/fthsdp.v1.Lighthouse/Watch',
             lighthouse_dot_v1_dot_lighthouse__pb2.WatchRequest.SerializeToString,
             lighthouse_dot_v1_dot_lighthouse__pb2.Epoch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fthsdp.v1.Lighthouse/Session',
+            lighthouse_dot_v1_dot_lighthouse__pb2.SessionRequest.SerializeToString,
+            lighthouse_dot_v1_dot_lighthouse__pb2.SessionUpdate.FromString,
             options,
             channel_credentials,
             insecure,

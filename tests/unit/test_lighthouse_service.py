@@ -601,7 +601,7 @@ def test_server_reflection_lists_the_service(server: ServerThread,
     assert "fthsdp.v1.Lighthouse" in services
     fd = db.FindFileContainingSymbol("fthsdp.v1.Lighthouse")
     assert fd.name == "lighthouse/v1/lighthouse.proto"  # protos/lighthouse/v1 (the package stays fthsdp.v1)
-    assert {x.name for x in fd.service[0].method} == set(METHODS) | {"Watch"}
+    assert {x.name for x in fd.service[0].method} == set(METHODS) | {"Watch", "Session"}
 
 
 # --- acceptance: real clients, one stops heartbeating -----------------------------------------------------------
