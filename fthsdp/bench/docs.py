@@ -10,11 +10,12 @@ runs, e.g. ``out/bench/``) over them. Known files:
   a ``table`` list as ``fthsdp.bench.vs.compare`` returns it, at the top level or under ``vs``;
 - ``baselines.json``: ``python -m fthsdp.bench.vs --json`` without an fthsdp result (used while ``recovery.json``
   does not exist: the fthsdp row is then marked as a placeholder);
-- ``lighthouse.json``: ``fthsdp bench lighthouse --replicas 100 1000 5000 --json``;
+- ``lighthouse.json``: ``fthsdp bench lighthouse --replicas 1000 5000 10000 --json`` (``sizes``; an older file
+  with ``results`` reads too);
 - ``saturation.json``: ``python -c "import json; from fthsdp.bench.lighthouse import saturation; print(json.dumps(
   saturation(1000)))"`` (heartbeats offered faster and faster to one lighthouse);
-- ``notes.json``: ``{"conditions": [lines], "saturation": [lines]}``, prose written after looking at a run
-  (machine load, the profile): the generator cannot know it;
+- ``notes.json``: ``{"conditions": [lines], "lighthouse": [lines], "saturation": [lines]}``, prose written after
+  looking at a run (machine load, the profile): the generator cannot know it;
 - ``overhead.json``, ``ftar.json``: ``fthsdp bench overhead|ftar --json`` (optional);
 - ``recovery-double.json``: ``fthsdp bench recovery --kill 1@20 --kill 2@20 --json`` (optional);
 - ``straggler.json``: ``fthsdp bench straggler --json`` (optional).
@@ -186,42 +187,47 @@ def _plot_recovery(table: list[dict[str, Any]], fthsdp_real: bool, path: pathlib
 
 def section_lighthouse(lh: dict[str, Any] | None, sat: dict[str, Any] | None, notes: dict[str, Any] | None,
                        img: pathlib.Path) -> list[str]:
-    out = ["## Lighthouse at scale: emulated replicas", ""]
+    out = ["## Lighthouse at scale: emulated replica groups", ""]
     if lh is None:
-        return out + ["No data yet: run `fthsdp bench lighthouse --replicas 100 1000 5000 --json > "
+        return out + ["No data yet: run `fthsdp bench lighthouse --replicas 1000 5000 10000 --json > "
                       "out/bench/lighthouse.json`.", ""]
-    res = lh["results"]
+    res = lh.get("sizes") or lh["results"]
+    ranks = sorted({r.get("ranks_per_replica", 1) for r in res})
     out += [f"`fthsdp bench lighthouse --replicas {' '.join(str(r['replicas']) for r in res)} --json` "
             "(data: `docs/bench-data/lighthouse.json`): one real lighthouse process (`fthsdp lighthouse`, in-memory "
-            "store) and N emulated replicas (control plane only: register, heartbeat, watch the pushed epochs; one "
-            f"process, one event loop, one TCP connection per replica) on the same {lh.get('cpus', 2)} cores. The "
-            "heartbeat interval is max(1 s, N / 1,000) (about what one lighthouse keeps up with here, see below). "
-            "Each death: a replica stops, a peer reports it (as FTAR's blame does), the lighthouse confirms it after "
-            "one interval of silence (`--confirm-age`) and pushes the new epoch; each rejoin: the same replica "
-            "comes back as a new incarnation, registers, joins, turns active (two epochs). *detect* = kill -> epoch "
-            "formed, *push* = epoch formed -> received, per member; *death -> all* = kill -> the last member has "
-            "it; *rejoin -> all* = registration -> the last member has the epoch with it active.", ""]
-    out += ["| replicas | hb interval (s) | bootstrap (s) | epoch msg (KB) | heartbeats/s (offered) | lighthouse "
-            "CPU % steady | emulator CPU % | detect p50 (s) | push p50 / p99 (s) | death -> all p50 / p99 (s) | "
-            "rejoin -> all p50 / p99 (s) | lighthouse / emulator CPU % in churn |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in res + [dict(x, other=True) for x in lh.get("other_runs", [])]:
-        label = f"{r['replicas']:,}" + (" (another run)" if r.get("other") else "")
+            f"store) and N emulated replica groups of {'/'.join(map(str, ranks))} ranks (control plane only: "
+            "register, one session per group with heartbeats up and epochs down as deltas, the group's other ranks "
+            f"served in-process by the session's holder; one process, one event loop, one TCP connection per "
+            f"group) on the same {lh.get('cpus', 2)} cores. The heartbeat interval is max(1 s, N / 1,000). Each "
+            "death: a group's process is killed (its session closes), a peer reports it (as FTAR's blame does), the "
+            "lighthouse confirms it at once on that evidence and pushes the new epoch as a delta; each rejoin: the "
+            "same replica comes back as a new incarnation, registers, joins, turns active (two epochs). *bytes per "
+            "change* = what one death's epoch cost each member on its session; *detect* = kill -> epoch formed, "
+            "*push* = epoch formed -> received, per member; *death -> all* = kill -> the last member has it; "
+            "*rejoin -> all* = registration -> the last member has the epoch with it active; *conns / streams* = "
+            "TCP connections to the lighthouse and sessions + watch streams it holds, in steady state.", ""]
+    out += ["| replicas | ranks/group | hb interval (s) | bootstrap (s) | full epoch (KB) | bytes per change | "
+            "lighthouse CPU % steady | conns / streams | detect p50 (s) | push p50 / p99 (s) | "
+            "death -> all p50 / p99 (s) | rejoin -> all p99 (s) | cancelled calls | healthy evicted | load (1 min) |",
+            "|" + " ---: |" * 15]
+    for r in res:
         out.append(
-            f"| {label} | {r['heartbeat_interval_s']:g} | {fmt(r['bootstrap_s'], '.1f')} | "
-            f"{fmt(r.get('epoch_message_bytes', 0) / 1e3, '.0f')} | "
-            f"{r['heartbeats_per_s']:,.0f} ({r['heartbeats_offered_per_s']:,.0f}) | {r['lighthouse_cpu_pct']} | "
-            f"{r.get('emulator_cpu_pct', '–')} | {fmt(r['detect_p50_s'], '.2f')} | "
-            f"{fmt(r['push_p50_s'], '.3f')} / {fmt(r['push_p99_s'], '.3f')} | "
+            f"| {r['replicas']:,} | {r.get('ranks_per_replica', 1)} | {r['heartbeat_interval_s']:g} | "
+            f"{fmt(r['bootstrap_s'], '.1f')} | {fmt(r.get('epoch_message_bytes', 0) / 1e3, '.0f')} | "
+            f"{r.get('epoch_change_bytes', '–')} | {r['lighthouse_cpu_pct']} | "
+            f"{r.get('lighthouse_connections', '–')} / {r.get('lighthouse_streams', '–')} | "
+            f"{fmt(r['detect_p50_s'], '.3f')} | {fmt(r['push_p50_s'], '.3f')} / {fmt(r['push_p99_s'], '.3f')} | "
             f"{fmt(r['death_to_all_p50_s'], '.2f')} / {fmt(r['death_to_all_p99_s'], '.2f')} | "
-            f"{fmt(r.get('rejoin_to_all_p50_s'), '.2f')} / {fmt(r.get('rejoin_to_all_p99_s'), '.2f')} | "
-            f"{fmt(r.get('lighthouse_cpu_pct_churn'), '.1f')} / {fmt(r.get('emulator_cpu_pct_churn'), '.1f')} |")
+            f"{fmt(r.get('rejoin_to_all_p99_s'), '.2f')} | {r.get('cancelled_calls', '–')} | "
+            f"{r.get('healthy_evicted', '–')} | {r.get('loadavg_1min', '–')} |")
     out.append("")
-    if lh.get("provenance"):
-        out += ["Runs: " + "; ".join(lh["provenance"]) + ". Each row also records the machine's 1-minute load "
-                "average (`loadavg_1min` in the JSON): "
-                + ", ".join(f"{r['replicas']:,}: {r['loadavg_1min']}" for r in res if r.get("loadavg_1min")) + ".",
-                ""]
+    errors = {r["replicas"]: r["call_errors"] for r in res if r.get("call_errors")}
+    if errors:
+        out += ["Calls and streams that failed, by status (each failed session reconnected): "
+                + "; ".join(f"{n:,}: " + ", ".join(f"{k} {v}" for k, v in e.items()) for n, e in errors.items())
+                + ".", ""]
+    for line in (notes or {}).get("lighthouse", ()):
+        out += [line, ""]
     _plot_lighthouse(res, img / "bench-lighthouse.png")
     out += ["![lighthouse growth](img/bench-lighthouse.png)", ""]
     if sat or (notes and notes.get("saturation")):
@@ -238,8 +244,8 @@ def section_lighthouse(lh: dict[str, Any] | None, sat: dict[str, Any] | None, no
                        f"{r['ratio']:.2f} | {r['lighthouse_cpu_pct']} | {r['emulator_cpu_pct']} | "
                        f"{r['lighthouse_cpu_us_per_heartbeat']:.0f} |")
         out.append("")
-    if notes and notes.get("saturation"):
-        out += list(notes["saturation"]) + [""]
+    for line in (notes or {}).get("saturation", ()):
+        out += [line, ""]
     return out
 
 
@@ -497,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
               "mkdir -p out/bench",
               ".venv/bin/fthsdp bench recovery --vs torchft --json > out/bench/recovery.json   # < 15 min",
               ".venv/bin/fthsdp bench recovery --json > out/bench/recovery-hsdp.json",
-              ".venv/bin/fthsdp bench lighthouse --replicas 100 1000 5000 --json > out/bench/lighthouse.json",
+              ".venv/bin/fthsdp bench lighthouse --replicas 1000 5000 10000 --json > out/bench/lighthouse.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
               "make benchmarks-doc    # copies out/bench/*.json to docs/bench-data/, rewrites this page and its plots",
               "```", ""]
