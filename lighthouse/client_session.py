@@ -94,15 +94,10 @@ class AsyncLighthouseClient(LighthouseStreams):
                 await asyncio.gather(self._watch_loop(deliver, latest, stop),
                                      self._heartbeat_loop(step, latest, stop, lost, deliver))
                 return
-            except FencedOut as e:
-                lost(str(e))
-                return
-            except UnknownTarget as e:
-                why = await self._register_again(e, latest, deliver)
-                if why is not None:
+            except (FencedOut, UnknownTarget) as e:
+                if (why := await self._over(e, latest, deliver)) is not None:
                     lost(why)
                     return
-                continue  # registered again: a new session at once
             except LighthouseError as e:
                 (log.warning if isinstance(e, Unauthenticated) else log.debug)(
                     "session replica=%s broke: %s", self.replica_id, e)
@@ -112,10 +107,14 @@ class AsyncLighthouseClient(LighthouseStreams):
         if self.active_pending:
             await self._retry_ready_active()
 
-    async def _register_again(self, e: UnknownTarget, latest: dict[str, int],
-                              deliver: Callable[[EpochView], None]) -> str | None:
-        """This incarnation is unknown to the lighthouse (it restarted without its state): register it again with
-        the role it holds. Returns why it is lost instead, if it is; None when registered again (or to retry)."""
+    async def _over(self, e: FencedOut | UnknownTarget, latest: dict[str, int],
+                    deliver: Callable[[EpochView], None]) -> str | None:
+        """Why this incarnation is over, if it is (None: go on). FencedOut: declared dead (its state may have fallen
+        behind), left, or replaced by a newer incarnation; registering it again would bring back a stale replica,
+        or evict the newer one. UnknownTarget: the lighthouse restarted without its state; it is registered again
+        with the role it holds (a failed attempt is retried by the caller's next round)."""
+        if isinstance(e, FencedOut):
+            return str(e)
         if self.dropped_from:
             # Dropped (declared dead while it hung or was cut off) by a lighthouse that has since lost its state:
             # its role is not its own to claim back, and its state may have fallen behind.
@@ -129,7 +128,6 @@ class AsyncLighthouseClient(LighthouseStreams):
             return f"registering again was refused: {e2}"
         except LighthouseError as e2:
             log.warning("replica=%s re-register failed: %s", self.replica_id, e2)
-            await asyncio.sleep(Backoff().next())  # retry pacing
             return None
         if reg.role != (claim or JOINING):
             return (f"the lighthouse lost this replica and gave it back as {reg.role}, not {claim or JOINING}: "
@@ -160,14 +158,8 @@ class AsyncLighthouseClient(LighthouseStreams):
                 wait = self.heartbeat_interval_s
                 if self.active_pending:
                     await self._retry_ready_active()
-            except FencedOut as e:
-                # Declared dead (its state may have fallen behind), left, or replaced by a newer incarnation:
-                # registering it again would bring back a stale replica, or evict the newer one.
-                lost(str(e))
-                return
-            except UnknownTarget as e:
-                why = await self._register_again(e, latest, deliver)
-                if why is not None:
+            except (FencedOut, UnknownTarget) as e:
+                if (why := await self._over(e, latest, deliver)) is not None:
                     lost(why)
                     return
                 wait = self.heartbeat_interval_s

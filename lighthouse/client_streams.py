@@ -80,15 +80,16 @@ class LighthouseStreams(LighthouseRpc):
         call = channel.stream_stream(SESSION_METHOD, request_serializer=pb.SessionRequest.SerializeToString,
                                      response_deserializer=None)(metadata=self._metadata)  # type: ignore[call-arg]
         loop = asyncio.get_running_loop()
-        resync: list[asyncio.Future[None]] = [loop.create_future()]  # resolved: ask for the full epoch now
+        resync: asyncio.Future[None] = loop.create_future()  # resolved: ask for the full epoch now
 
         async def heartbeats() -> None:
             # The one writer of the stream (gRPC allows one write at a time): heartbeats, and a resync when asked.
+            nonlocal resync
             opening = True
             while True:
                 step, epoch = beat()
-                wanted = resync[0].done()
-                resync[0] = loop.create_future()
+                wanted = resync.done()
+                resync = loop.create_future()
                 await call.write(pb.SessionRequest(heartbeat=self._heartbeat_pb(step, epoch), ranks=ranks,
                                                    after_epoch=held.number if opening and held else 0,
                                                    resync=wanted))
@@ -100,7 +101,7 @@ class LighthouseStreams(LighthouseRpc):
                 # not cancel the future, which would then read as done.)
                 period = interval() * (random.uniform(0.1, 1.0) if opening else random.uniform(0.9, 1.1))
                 opening = False
-                await asyncio.wait((resync[0],), timeout=period)
+                await asyncio.wait((resync,), timeout=period)
 
         writer = asyncio.create_task(heartbeats(), name=f"session-beats-{self.replica_id}")
         current = held
@@ -117,8 +118,8 @@ class LighthouseStreams(LighthouseRpc):
                     raise LighthouseUnavailable(f"Session for replica {self.replica_id}: bad update: {e}") from None
                 if isinstance(update, DeltaView):
                     if current is None or current.number != update.base:
-                        if not resync[0].done():  # not the epoch the delta is against: ask for the full one
-                            resync[0].set_result(None)
+                        if not resync.done():  # not the epoch the delta is against: ask for the full one
+                            resync.set_result(None)
                         continue
                     update = apply_delta(current, update)
                 current = update

@@ -13,20 +13,21 @@ from collections.abc import Iterable, Mapping
 class Deadlines:
     """When each member's heartbeat timeout would pass, as of its heartbeat when that was last looked at."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
         self._heap: list[tuple[float, str]] = []
 
-    def add(self, replica_ids: Iterable[str], last_seen: Mapping[str, float], timeout_s: float) -> None:
+    def add(self, replica_ids: Iterable[str], last_seen: Mapping[str, float]) -> None:
         """Watch ``replica_ids`` (new members), from their ``last_seen``."""
         for rid in replica_ids:
             if rid in last_seen:
-                heapq.heappush(self._heap, (last_seen[rid] + timeout_s, rid))
+                heapq.heappush(self._heap, (last_seen[rid] + self.timeout_s, rid))
 
-    def due(self, now: float, last_seen: Mapping[str, float], timeout_s: float) -> frozenset[str]:
-        """The watched members silent for ``timeout_s`` or more at ``now``. Entries of members gone from
+    def due(self, now: float, last_seen: Mapping[str, float]) -> frozenset[str]:
+        """The watched members silent for the timeout or more at ``now``. Entries of members gone from
         ``last_seen`` are forgotten; members heard from since are pushed back to their new deadline; the silent
         ones stay due until they are gone."""
-        heap, out = self._heap, []
+        heap, out, timeout_s = self._heap, [], self.timeout_s
         while heap and heap[0][0] <= now:
             _, rid = heapq.heappop(heap)
             seen = last_seen.get(rid)

@@ -78,7 +78,7 @@ class Edge:
         suspects whose connection just closed); under the ``eject`` fail-slow policy, at most once per heartbeat
         interval, one straggler ejected when that wins (``lighthouse.ejection``)."""
         now = clock()
-        due = job.deadlines.due(now, job.last_seen, self.policy.heartbeat_timeout_s)
+        due = job.deadlines.due(now, job.last_seen)
         await self.apply(job, m.Tick(now=now, last_seen=job.last_seen, due=due, disconnected=disconnected))
         if self.policy.straggler_policy == "eject" and now - job.stragglers_checked >= self.policy.heartbeat_interval_s:
             job.stragglers_checked = now

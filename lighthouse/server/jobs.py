@@ -78,8 +78,7 @@ class Job:
         """The deltas between the last published epochs, oldest first (the newest ends at the current epoch)."""
         self._updates: dict[int, bytes] = {}
         """For the current epoch: the epoch a session holds -> the SessionUpdate that brings it here."""
-        self.timeout_s = timeout_s
-        """The heartbeat timeout (``Policy.heartbeat_timeout_s``) the deadlines are kept for."""
+        self._timeout_s = timeout_s  # the heartbeat timeout (``Policy.heartbeat_timeout_s``) of the deadlines
         self._disconnected: dict[str, tuple[str, float]] = {}
         """replica id -> (incarnation, when a watch stream of it closed from its end without being replaced)."""
         self.restore(state, seen_at)
@@ -88,9 +87,9 @@ class Job:
         """Take ``state`` (loaded from the store): its members count as last seen at ``seen_at``."""
         self.state = state
         self.last_seen: dict[str, float] = {rid: seen_at for rid in state.members}
-        self.deadlines = Deadlines()
+        self.deadlines = Deadlines(self._timeout_s)
         """Heartbeat deadlines of the members (``lighthouse.liveness``): what a liveness tick looks at."""
-        self.deadlines.add(state.members, self.last_seen, self.timeout_s)
+        self.deadlines.add(state.members, self.last_seen)
         self.steps: dict[str, int] = {}
         """replica id -> the step it reported with its last heartbeat (informational)."""
         self.digests: dict[str, tuple[str, int, str]] = {}
@@ -106,7 +105,7 @@ class Job:
         self.stragglers_checked = 0.0
         """The step the last ejection was decided at (the next needs reports from after it); when the ``eject``
         policy last looked (``clock()``)."""
-        self._chain.clear()  # what sessions hold may be another lighthouse's epochs: the full epoch first
+        # No epoch before it: the chain starts over (what sessions hold may be another lighthouse's epochs).
         self._epoch: Epoch | None = None
         self.set_epoch(state.epoch)
 
@@ -143,21 +142,24 @@ class Job:
         raw = self._updates.get(held)
         if raw is not None:  # every session holding the same epoch: one dict lookup
             return raw
-        chain = list(self._chain)
+        chain = list(self._chain)  # consecutive, ending at the current epoch (set_epoch keeps it so)
         start = next((i for i, d in enumerate(chain) if d.base == held), None) if held else None
-        if start is None or chain[-1].number != self.number:
-            held = 0  # the full epoch, cached once whatever the session held (no unbounded cache of odd numbers)
-        raw = self._updates.get(held)
+        if start is None:
+            return self._full_update()
+        assert self._epoch is not None
+        delta = delta_to_pb(self.job_id, self._epoch, self.rendezvous, deltas.compose(chain[start:]))
+        raw = self._updates[held] = pb.SessionUpdate(delta=delta).SerializeToString()
+        return raw
+
+    def _full_update(self) -> bytes:
+        """The current epoch whole, compressed when big; cached under 0 (whatever the session held: no unbounded
+        cache of odd numbers)."""
+        raw = self._updates.get(0)
         if raw is None:
-            if held:
-                assert self._epoch is not None and start is not None
-                delta = delta_to_pb(self.job_id, self._epoch, self.rendezvous, deltas.compose(chain[start:]))
-                raw = pb.SessionUpdate(delta=delta).SerializeToString()
-            elif len(self.epoch_bytes) > COMPRESS_ABOVE:
-                raw = pb.SessionUpdate(epoch_zlib=zlib.compress(self.epoch_bytes, 1)).SerializeToString()
-            else:
-                raw = pb.SessionUpdate(epoch=self.epoch_pb).SerializeToString()
-            self._updates[held] = raw
+            whole = self.epoch_bytes
+            full = (pb.SessionUpdate(epoch_zlib=zlib.compress(whole, 1)) if len(whole) > COMPRESS_ABOVE
+                    else pb.SessionUpdate(epoch=self.epoch_pb))
+            raw = self._updates[0] = full.SerializeToString()
         return raw
 
     @property
@@ -176,16 +178,16 @@ class Job:
         ids = [rid for rid in replica_ids if rid not in self.last_seen]
         for rid in ids:
             self.last_seen[rid] = now
-        self.deadlines.add(ids, self.last_seen, self.timeout_s)
+        self.deadlines.add(ids, self.last_seen)
 
     def stream_opened(self, replica_id: str, incarnation: str) -> None:
-        """A watch stream of ``incarnation`` opened here: it replaces one that closed, if any."""
+        """A session or watch stream of ``incarnation`` opened here: it replaces one that closed, if any."""
         if self._disconnected.get(replica_id, ("", 0.0))[0] == incarnation:
             del self._disconnected[replica_id]
 
     def stream_closed(self, replica_id: str, incarnation: str, closed_by_peer_at: float | None) -> None:
-        """A watch stream of ``incarnation`` ended; ``closed_by_peer_at`` when the replica's end closed it (its
-        process died, or its connection broke), ``None`` when this server ended it (no evidence)."""
+        """A session or watch stream of ``incarnation`` ended; ``closed_by_peer_at`` when the replica's end closed it
+        (its process died, or its connection broke), ``None`` when this server ended it (no evidence)."""
         if closed_by_peer_at is not None:
             self._disconnected[replica_id] = (incarnation, closed_by_peer_at)
             if len(self._disconnected) > 2 * len(self.state.members) + 64:  # ids that are no members: forget them

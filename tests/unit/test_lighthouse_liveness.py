@@ -13,15 +13,15 @@ POLICY = m.Policy(min_replicas=1, expected_replicas=3, heartbeat_interval_s=1.0,
 
 def test_only_the_silent_are_due_and_the_heard_are_pushed_back() -> None:
     seen = {"a": 0.0, "b": 0.0, "c": 0.0}
-    d = Deadlines()
-    d.add(seen, seen, 5.0)
-    assert d.due(4.9, seen, 5.0) == frozenset()
+    d = Deadlines(5.0)
+    d.add(seen, seen)
+    assert d.due(4.9, seen) == frozenset()
     seen["a"] = 4.0  # heard from: its deadline moves to 9
-    assert d.due(5.0, seen, 5.0) == {"b", "c"}
-    assert d.due(5.1, seen, 5.0) == {"b", "c"}  # due at every tick until the decision drops them
+    assert d.due(5.0, seen) == {"b", "c"}
+    assert d.due(5.1, seen) == {"b", "c"}  # due at every tick until the decision drops them
     del seen["b"], seen["c"]  # dropped: forgotten
-    assert d.due(8.9, seen, 5.0) == frozenset() and len(d) == 1
-    assert d.due(9.0, seen, 5.0) == {"a"}
+    assert d.due(8.9, seen) == frozenset() and len(d) == 1
+    assert d.due(9.0, seen) == {"a"}
 
 
 def _three() -> m.State:
