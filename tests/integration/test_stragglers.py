@@ -52,7 +52,9 @@ def test_under_eject_the_straggler_leaves_is_held_out_while_slow_and_the_others_
     """Replica 2 computes 3x as long from step 20, under --straggler-policy eject: it is ejected (a failure with
     its evidence in the epoch's reason), its next incarnation is held out while its probe step is as slow, and
     the other two train every step without a restart; at the end it takes the final state."""
-    steps, slow_from = 90, 20
+    # 150 steps: the ejected replica's restart (about 10 s on 2 busy cores) and probe must fit before the end; with
+    # 90 the job once finished 0.5 s after the new incarnation registered, before it could be held out.
+    steps, slow_from = 150, 20
     config = ClusterConfig(replicas=3, ranks=1, model="tiny", steps=steps, min_step_s=0.15, compute_s=0.1,
                            timeout_s=240, straggler_policy="eject",
                            env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}})
