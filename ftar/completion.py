@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import enum
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -32,7 +31,7 @@ from ftar.rules import Verdict
 FIRST_POLL_S = 0.0001
 POLL_S = 0.002
 """An NCCL watcher polls its event after ``FIRST_POLL_S``, then twice as late each time up to this (a Gloo
-watcher is woken by its future)."""
+watcher sleeps until its future completes or the lane wakes it)."""
 
 
 class Outcome(enum.Enum):
@@ -80,19 +79,27 @@ class Watcher(Protocol):
     def poll(self) -> Progress: ...
 
     def pause(self, timeout: float) -> None:
-        """Block up to ``timeout`` seconds, or less once there may be progress."""
+        """Block up to ``timeout`` seconds, or less once there may be progress or the lane's ``wake`` event is set
+        (a pushed epoch, exclusion, closing)."""
 
     def error(self) -> str:
         """Why it failed (once ``poll`` said so)."""
 
 
 class FutureWatcher:
-    """Gloo: the work's future completes when the data is reduced, with the error if any."""
+    """Gloo: the work's future completes when the data is reduced, with the error if any. The lane's thread sleeps
+    on ``wake`` (set by the future's completion and by the lane on a pushed epoch, exclusion or closing): no
+    polling while a collective waits for its peers."""
 
-    def __init__(self, work: Any) -> None:
+    def __init__(self, work: Any, wake: threading.Event) -> None:
         self._future = work.get_future()
         self._done = threading.Event()
-        self._future.add_done_callback(lambda _: self._done.set())
+        self._wake = wake
+        self._future.add_done_callback(self._completed)
+
+    def _completed(self, _: Any) -> None:
+        self._done.set()
+        self._wake.set()
 
     def poll(self) -> Progress:
         if not self._done.is_set():
@@ -108,7 +115,7 @@ class FutureWatcher:
         return None
 
     def pause(self, timeout: float) -> None:
-        self._done.wait(timeout)
+        self._wake.wait(timeout)
 
     def error(self) -> str:
         e = self._exception()
@@ -119,7 +126,8 @@ class StreamWatcher:
     """NCCL: the current stream waits (on the device) for the work, then ``record()`` puts an event behind it; the
     work is complete when the event is, and failed when the group or the work recorded an error."""
 
-    def __init__(self, work: Any, pg: Any, record: Callable[[], Any]) -> None:
+    def __init__(self, work: Any, pg: Any, record: Callable[[], Any], wake: threading.Event | None = None) -> None:
+        self._wake = wake or threading.Event()
         self._work = getattr(work, "_work", None) or work  # torchft wraps the backend's work
         self._pg = pg
         self._why = ""
@@ -161,7 +169,7 @@ class StreamWatcher:
             return False
 
     def pause(self, timeout: float) -> None:
-        time.sleep(max(0.0, min(timeout, self._next_pause)))  # the device has no callback into this thread: poll
+        self._wake.wait(max(0.0, min(timeout, self._next_pause)))  # the device has no callback into this thread: poll
         self._next_pause = min(self._next_pause * 2, POLL_S)
 
     def error(self) -> str:

@@ -73,8 +73,6 @@ from lighthouse.epoch_view import EpochView
 log = logging.getLogger("fthsdp.ftar")
 
 _STOP = object()
-POLL_S = 0.02
-"""How often a wait on a collective checks its deadline and the pushed epochs."""
 EPOCH_POLL_S = 0.5
 """Longest single wait for the next epoch (the engine re-checks exclusion and closing between them)."""
 
@@ -91,6 +89,7 @@ class LaneEngine:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.config.backend!r}")
         self._queue: queue.Queue[Request | object] = queue.Queue()
         self._epoch_changed = threading.Event()
+        self._wake = threading.Event()  # ends a wait on a collective: its completion, or ``_signal``
         self._state = LaneState(self.replica_id, lane)
         self._reports = PendingReports()  # the last failure's, sent again while its epoch does not come
         self._group: EpochGroup | None = None
@@ -171,7 +170,7 @@ class LaneEngine:
         exchange in flight and every later one with ``Excluded`` at once, instead of waiting for an epoch
         that will never include it."""
         self._state.exclude(reason)
-        self._epoch_changed.set()
+        self._signal()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the worker; pending exchanges end with ``EngineClosed``."""
@@ -180,16 +179,21 @@ class LaneEngine:
         self._closed = True
         self._remove_listener()
         self._queue.put(_STOP)
-        self._epoch_changed.set()
+        self._signal()
         self._thread.join(timeout)
         self._drop_group()  # abandoned Gloo groups end by their own timeout: wait for that, no thread outlives us
         self._reaper.join(max(self.config.timeout_s, self.config.connect_timeout_s) + 1.0)
 
     # --- worker -----------------------------------------------------------------------------------------------
 
+    def _signal(self) -> None:
+        """A newer epoch, exclusion or closing: what the lane waits for may have changed."""
+        self._epoch_changed.set()
+        self._wake.set()
+
     def _on_epoch(self, epoch: EpochView) -> None:
         if epoch.number > self._plane_epoch:
-            self._epoch_changed.set()
+            self._signal()
 
     def _worker(self) -> None:
         devices.side_stream(self.device)  # on CUDA, this lane's stream of its own
@@ -378,9 +382,10 @@ class LaneEngine:
         newer epoch (``CollectiveWatch``) abort the group at once. A failed or aborted buffer is never read."""
         group = self._group
         assert group is not None
-        watcher = group.watch(work)
+        watcher = group.watch(work, self._wake)
         watch = CollectiveWatch(epoch, time.monotonic(), self.config.timeout_s, self.config.abandon_grace_s)
         while True:
+            self._wake.clear()  # before looking: a signal from here on ends the pause below
             now = time.monotonic()
             if watch.watching and self._epoch_changed.is_set() and not watch.notice(self.membership.current(), now):
                 self._epoch_changed.clear()
@@ -394,7 +399,7 @@ class LaneEngine:
                 if verdict is Outcome.ABORT_EPOCH:
                     raise Abandoned()
                 raise PeerFailure(f"collective missed its {self.config.timeout_s}s deadline")
-            watcher.pause(min(watch.left(now), POLL_S))
+            watcher.pause(watch.left(now))  # until the verdict can change by time alone, or a signal
 
     def _run_collective(self, group: EpochGroup, req: Request, epoch: EpochView, attempt: int) -> ExchangeResult:
         tag = req.tag if req.tag is not None else self._tag

@@ -161,12 +161,13 @@ class EpochGroup:
         """The other ranks that have set ``key/<rank>``; ``None`` if the store cannot be read."""
         return _present(self.store, key, self.rank, self.world)
 
-    def watch(self, work: Any) -> Watcher:
+    def watch(self, work: Any, wake: threading.Event) -> Watcher:
         """The watcher of ``work`` (``ftar.completion``): its future on Gloo; on NCCL an event recorded on the
-        calling thread's current stream once that stream waits for the collective, and the group's error."""
+        calling thread's current stream once that stream waits for the collective, and the group's error. Its
+        ``pause`` returns early once ``wake`` is set."""
         if self.staging.device.type != "cuda":
-            return FutureWatcher(work)
-        return StreamWatcher(work, self.pg, lambda: devices.record(self.staging.device))
+            return FutureWatcher(work, wake)
+        return StreamWatcher(work, self.pg, lambda: devices.record(self.staging.device), wake)
 
     def abort(self, reaper: Reaper) -> None:
         """Give the group up now, without waiting for it: on NCCL the communicator is aborted, which ends a

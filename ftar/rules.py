@@ -221,7 +221,9 @@ class CollectiveWatch:
         return Verdict.WAIT
 
     def left(self, now: float) -> float:
-        return self.deadline - now
+        """Seconds until the verdict can change by time alone: the deadline, or the give-up time once set."""
+        until = self.deadline if self.give_up_at is None else min(self.deadline, self.give_up_at)
+        return max(0.0, until - now)
 
 
 # --- the tag check ----------------------------------------------------------------------------------------------

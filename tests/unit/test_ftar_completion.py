@@ -18,7 +18,7 @@ from ftar import engine as engine_mod
 from ftar.completion import FutureWatcher, Outcome, Progress, StreamWatcher, Watcher, outcome
 from ftar.group import EpochGroup
 from ftar.packing import Staging
-from ftar.rules import Verdict
+from ftar.rules import CollectiveWatch, Verdict
 from lighthouse.epoch_view import EpochView
 from lighthouse.model import ACTIVE, Endpoints, EpochMember
 
@@ -158,14 +158,46 @@ def test_gloo_watcher_done_means_reduced_and_carries_the_error() -> None:
             return self.fut
 
     ok: torch.futures.Future[None] = torch.futures.Future()
-    w: Watcher = FutureWatcher(Work(ok))
+    w: Watcher = FutureWatcher(Work(ok), threading.Event())
     assert outcome(w.poll(), Verdict.WAIT) is Outcome.WAIT
     ok.set_result(None)
     assert outcome(w.poll(), Verdict.WAIT) is Outcome.DONE
     bad: torch.futures.Future[None] = torch.futures.Future()
-    w = FutureWatcher(Work(bad))
+    w = FutureWatcher(Work(bad), threading.Event())
     bad.set_exception(RuntimeError("peer closed"))
     assert outcome(w.poll(), Verdict.WAIT) is Outcome.FAILED and "peer closed" in w.error()
+
+
+def test_gloo_watcher_sleeps_until_its_future_completes_or_the_lane_wakes_it() -> None:
+    class Work:
+        def __init__(self, fut: torch.futures.Future[None]) -> None:
+            self.fut = fut
+
+        def get_future(self) -> torch.futures.Future[None]:
+            return self.fut
+
+    wake = threading.Event()
+    fut: torch.futures.Future[None] = torch.futures.Future()
+    w = FutureWatcher(Work(fut), wake)
+    threading.Timer(0.05, fut.set_result, (None,)).start()
+    t0 = time.monotonic()
+    w.pause(30.0)  # no polling period: it returns when the future completes
+    assert time.monotonic() - t0 < 10.0 and outcome(w.poll(), Verdict.WAIT) is Outcome.DONE
+    wake.clear()
+    w = FutureWatcher(Work(torch.futures.Future()), wake)
+    threading.Timer(0.05, wake.set).start()  # the lane's signal: a pushed epoch, exclusion, closing
+    t0 = time.monotonic()
+    w.pause(30.0)
+    assert time.monotonic() - t0 < 10.0 and outcome(w.poll(), Verdict.WAIT) is Outcome.WAIT
+
+
+def test_a_collective_watch_sleeps_until_its_deadline_or_its_give_up_time() -> None:
+    e1, e2 = epoch(1, ("r0", "r1")), epoch(2, ("r0", "r1", "r2"))
+    watch = CollectiveWatch(e1, 100.0, timeout_s=5.0, grace_s=1.0)
+    assert watch.left(100.0) == pytest.approx(watch.deadline - 100.0)
+    assert watch.notice(e2, 101.0)  # a join: a grace, not at once
+    assert watch.left(101.0) == pytest.approx(1.0) and watch.left(103.0) == 0.0
+    assert watch.verdict(102.0, stopping=False) is Verdict.ABANDON
 
 
 # --- the engine with a fake NCCL group ------------------------------------------------------------------------
@@ -261,9 +293,9 @@ class FakeNcclGroup(EpochGroup):
         self._hang = script == "hang"
         return [FakeWork() for _ in buffers]
 
-    def watch(self, work: Any) -> Watcher:
+    def watch(self, work: Any, wake: threading.Event) -> Watcher:
         hang = getattr(self, "_hang", False)
-        return StreamWatcher(work, self.pg, lambda: FakeEvent(lambda: not hang))
+        return StreamWatcher(work, self.pg, lambda: FakeEvent(lambda: not hang), wake)
 
 
 @pytest.fixture
