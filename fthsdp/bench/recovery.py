@@ -9,8 +9,10 @@ groups killed at the same step measure what a double failure costs the last surv
 - ``catchup_step_ratio``: the survivors' median step while the restarted replica catches up (from its first
   exchange as a member to active) over their median step while it was down (the same replicas training,
   before it entered): the catch-up's cost to them (target <= 1.1);
-- ``join_s``: the restarted group's process start to active (``join_from_registration_s``: from its
-  registration, once Python, torch and the model are up);
+- ``rejoin_s``: the kill -> the restarted replica's first joined step (the restart delay included);
+  ``back_to_full_s``: the kill -> the first step every replica contributed to again;
+- ``join_s``: the restarted group's process start (a warm standby's release) to active
+  (``join_from_registration_s``: from its registration, once Python, torch and the model are up);
 - ``transfer_ratio``: the catch-up's throughput (rank 0's bytes over its transfer time) over a plain loopback
   socket copy of the same bytes between two processes, measured in the same run while the job trains
   (target >= 0.5).
@@ -118,6 +120,7 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
         "socket_copy_mbps": round(socket_mbps, 1),
         "catchup": c,
         "rejoin_s": report["rejoin_s"],
+        "back_to_full_s": _back_to_full(cluster, kill["t"]),
         "effective_training_time": report["effective_training_time"],
         # The keys every system of ``bench recovery --vs torchft`` reports (fthsdp/bench/vs.py).
         "step_s": report["median_step_s"],
@@ -126,6 +129,13 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
         "final_equal": len({f["param_hash"] for f in report["final"].values() if f}) == 1
         and all(report["final"].values()),
     }
+
+
+def _back_to_full(cluster: Cluster, killed_at: float) -> float | None:
+    """The kill -> the first step after it that every replica contributed to (None: never again)."""
+    full = [x.t for g in cluster.groups for x in steps_of(cluster.progress(g))
+            if x.t > killed_at and x.contributors == cluster.config.replicas]
+    return round(min(full) - killed_at, 3) if full else None
 
 
 class _SocketBaseline:
@@ -147,8 +157,9 @@ class _SocketBaseline:
 
 def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step: int = 20, model: str = "reference",
                    restart_delay_s: float = 2.0, workdir: str | None = None,
-                   kills: tuple[Kill, ...] = ()) -> RecoveryResult:
-    """One run with ``kills`` (default: group 1 at ``kill_step``); see the module doc."""
+                   kills: tuple[Kill, ...] = (), warm_restarts: bool = False) -> RecoveryResult:
+    """One run with ``kills`` (default: group 1 at ``kill_step``), restarts cold or from warm standbys
+    (``ClusterConfig.warm_restarts``); see the module doc."""
     kills = kills or (Kill(1, kill_step),)
     if len({k.replica for k in kills}) >= replicas:
         raise ValueError(f"--kill: {len(kills)} kills leave no survivor among {replicas} replica groups")
@@ -156,11 +167,13 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
         wd = pathlib.Path(workdir or tmp)
         baseline = _SocketBaseline(kills[0].replica)
         cluster = Cluster(ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model,
-                                        kills=kills, restart_delay_s=restart_delay_s), wd,
+                                        kills=kills, restart_delay_s=restart_delay_s,
+                                        warm_restarts=warm_restarts), wd,
                           on_tick=baseline)
         report = cluster.run()
         if not baseline.mbps:
             raise RuntimeError("the restarted replica never caught up: no recovery to measure")
         spec = ",".join(f"{k.replica}@{k.step}:{k.phase}" for k in kills)
         return RecoveryResult(replicas=replicas, ranks_per_replica=ranks, steps=steps, model=model, kill=spec,
+                              restart_delay_s=restart_delay_s, warm_restarts=warm_restarts,
                               **measure(cluster, report, baseline.mbps))

@@ -181,6 +181,9 @@ class RecoveryResult(_AsJson):
     steps: int
     model: str
     kill: str
+    restart_delay_s: float
+    warm_restarts: bool
+    """The restarted group was a warm standby (``ClusterConfig.warm_restarts``), not a cold start."""
     survivor_stall_s: float
     catchup_step_ratio: float
     join_s: float
@@ -195,6 +198,7 @@ class RecoveryResult(_AsJson):
     catchup: dict[str, Any]
     """The joiner's catch-up record, as its progress row has it."""
     rejoin_s: float | None
+    back_to_full_s: float | None
     effective_training_time: float
     # The keys every system of ``bench recovery --vs torchft`` reports (fthsdp/bench/vs.py).
     step_s: float
@@ -212,14 +216,19 @@ class RecoveryReport:
     vs: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"fthsdp": self.fthsdp.to_json(), **(self.vs or {})}
+        f = self.fthsdp
+        return {"rejoin_s": f.rejoin_s, "back_to_full_s": f.back_to_full_s, "restart_delay_s": f.restart_delay_s,
+                "warm_restarts": f.warm_restarts, "fthsdp": f.to_json(), **(self.vs or {})}
 
 
 def format_recovery(r: RecoveryReport) -> str:
     f = r.fthsdp
     lines = [f"fthsdp recovery: {f.replicas} replicas x {f.ranks_per_replica} ranks, {f.model} model, "
-             f"kill {f.kill}; final states equal: {f.final_equal}",
+             f"kill {f.kill}, restart {'from a warm standby' if f.warm_restarts else 'cold'} after "
+             f"{f.restart_delay_s} s; final states equal: {f.final_equal}",
              f"  survivors' stall at the failure   {f.survivor_stall_s:>8} s",
+             f"  kill -> restarted replica joined  {_cell(f.rejoin_s, ''):>8} s   (back to all replicas "
+             f"contributing: {_cell(f.back_to_full_s, '')} s)",
              f"  step-time ratio during catch-up   {f.catchup_step_ratio:>8}   (target <= 1.1; "
              f"{f.catchup_steps_observed} survivor steps)",
              f"  joiner start -> active            {f.join_s:>8} s   (from its registration: "

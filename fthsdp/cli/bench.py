@@ -50,7 +50,8 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
     if a.vs and kills:
         raise SystemExit("--kill is not supported with --vs (the baselines kill group 1 at --kill-step)")
     ours = bench_recovery(replicas=a.replicas, ranks=ranks, steps=a.steps, kill_step=a.kill_step, model=a.model,
-                          restart_delay_s=a.restart_delay, kills=kills, workdir=a.workdir)
+                          restart_delay_s=a.restart_delay, kills=kills, workdir=a.workdir,
+                          warm_restarts=a.warm_restarts)
     report = RecoveryReport(ours)
     if a.vs:
         from fthsdp.bench.vs import compare
@@ -114,6 +115,9 @@ def register(sub: Subparsers) -> None:
                     help="repeatable, instead of --kill-step: e.g. --kill 1@20 --kill 2@20 (two groups at once: "
                          "what a double failure costs the last survivor)")
     br.add_argument("--restart-delay", type=float, default=2.0)
+    br.add_argument("--warm-restarts", action="store_true",
+                    help="keep a warm standby of each group (started ahead, held before registering): a "
+                    "restart releases it instead of starting cold")
     br.add_argument("--workdir", default=None,
                     help="keep the run's logs and progress files here (default: a temporary folder, removed)")
     br.add_argument("--model", default="reference")

@@ -184,7 +184,7 @@ def cmd_demo(a: argparse.Namespace) -> None:
             delay = max(delay, ClusterConfig.heartbeat_timeout_s + 1.0)
         config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model,
                                kills=kills, restart_delay_s=delay, timeout_s=a.timeout,
-                               checkpoint_every=a.checkpoint_every)
+                               checkpoint_every=a.checkpoint_every, warm_restarts=a.warm_restarts)
         report = run_demo(config, pathlib.Path(a.report) if a.report else None,
                           pathlib.Path(a.plot) if a.plot else None, pathlib.Path(a.keep_logs) if a.keep_logs else None)
     except (ValueError, ReplicaFailed, TimeoutError) as e:
@@ -211,6 +211,9 @@ def register(sub: Subparsers) -> None:
     dm.add_argument("--checkpoint-every", type=int, default=10,
                     help="durable checkpoint (torch.distributed.checkpoint) every K steps; 0: none")
     dm.add_argument("--restart-delay", type=float, default=2.0, help="seconds before a killed group restarts")
+    dm.add_argument("--warm-restarts", action="store_true",
+                    help="keep a warm standby of each group (started ahead, held before registering): a "
+                    "restart releases it instead of starting cold")
     dm.add_argument("--report", default="", help="write the JSON report here")
     dm.add_argument("--plot", default="", help="write the PNG timeline here")
     dm.add_argument("--keep-logs", default="", help="copy the replicas' logs and progress files here")

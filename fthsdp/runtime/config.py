@@ -139,6 +139,10 @@ class RuntimeConfig:
     metrics_port: int | None = None
     """``FTHSDP_METRICS_PORT``: this rank's Prometheus exporter listens on that port + ``LOCAL_RANK`` (0: any
     free port; unset: no exporter)."""
+    standby_gate: str = ""
+    """``FTHSDP_STANDBY_GATE``: a warm standby (set by a launcher with warm restarts): the process starts (Python,
+    torch, the replica's process group, the catch-up server) and then waits, unregistered, until this file exists;
+    the launcher creates it to replace a failed incarnation of the group. Empty: register at once."""
     under_torchrun: bool = False
     """``TORCHELASTIC_RUN_ID`` is set: a worker ends with its torchrun agent (a SIGKILLed replica group leaves no
     worker behind)."""
@@ -211,6 +215,7 @@ class RuntimeConfig:
             step_log=_int(e, "FTHSDP_STEP_LOG", "1") != 0,
             local_rank=local_rank,
             metrics_port=_metrics_port(e, local_rank),
+            standby_gate=e.get("FTHSDP_STANDBY_GATE", ""),
             under_torchrun="TORCHELASTIC_RUN_ID" in e,
             security=security_from_env(e),
             faults=_faults(e),

@@ -43,7 +43,15 @@ from fthsdp.runtime.lr import lr_factor
 from fthsdp.runtime.metrics import ReplicaMetrics
 from fthsdp.runtime.pace import PaceWindow
 from fthsdp.runtime.result import StepResult
-from fthsdp.runtime.startup import Role, agree_incarnation, die_with_parent, gather_addresses, register, start_from
+from fthsdp.runtime.startup import (
+    Role,
+    agree_incarnation,
+    die_with_parent,
+    gather_addresses,
+    hold_as_standby,
+    register,
+    start_from,
+)
 from fthsdp.runtime.state import ShardState, replica_hash
 from fthsdp.runtime.trainer_state import Scheduler, Stateful, TrainerState
 from fthsdp.testing.faults import FaultInjector, Phase
@@ -92,6 +100,9 @@ class Replica:
                                     corrupt=self.faults.corrupter())
         self.server.directory = gather_addresses(self.server.address, self.world_size, self.device)
         self.metrics = ReplicaMetrics(cfg.replica_id, self.rank, port=cfg.metrics_port)
+        if cfg.standby_gate:  # a warm standby: up to here already, the rest once released (it then registers)
+            self._log(logging.INFO, "warm standby: waiting for %s", cfg.standby_gate)
+            self._log(logging.INFO, "released after %.1fs as a standby", hold_as_standby(cfg.standby_gate))
         self.feed = EpochFeed()
         self.client = LighthouseClient(cfg.lighthouse, cfg.job_id, cfg.replica_id, shard_count=cfg.world_size,
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,

@@ -10,6 +10,7 @@ import enum
 import os
 import signal
 import sys
+import time
 import uuid
 
 import torch
@@ -22,6 +23,8 @@ from lighthouse.client import LighthouseClient
 
 ADDR_BYTES = 256
 """Longest catch-up address (``host:port``) a rank may have."""
+GATE_POLL_S = 0.05
+"""How often a warm standby looks for its gate file (its release costs up to this much)."""
 
 
 class Role(enum.IntEnum):
@@ -67,6 +70,17 @@ def gather_addresses(mine: str, world_size: int, device: torch.device) -> list[s
     out = [torch.empty_like(buf) for _ in range(world_size)]
     dist.all_gather(out, buf)
     return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in out]
+
+
+def hold_as_standby(gate: str) -> float:
+    """A warm standby (``FTHSDP_STANDBY_GATE``): wait, unregistered, until the launcher creates ``gate``; returns the
+    seconds held. Every rank waits for the file itself (no collective: a standby may wait longer than any process
+    group timeout). No deadline: a standby ends with its torchrun agent, which the launcher stops when the job
+    ends (``die_with_parent``)."""
+    t0 = time.monotonic()
+    while not os.path.exists(gate):
+        time.sleep(GATE_POLL_S)  # the launcher's signal is a file; polling it costs a stat every GATE_POLL_S
+    return time.monotonic() - t0
 
 
 def register(client: LighthouseClient, rank: int, wait_s: float, device: torch.device) -> tuple[Role, int]:

@@ -2,7 +2,10 @@
 loopback, with failure injection and restarts. ``fthsdp demo`` and the integration tests use it.
 
 A replica group that exits non-zero (killed, or asking to rejoin) is restarted after ``restart_delay_s`` as a
-new incarnation; it registers as joining and catches up. Every wait has a deadline (``timeout_s``).
+new incarnation; it registers as joining and catches up. With ``warm_restarts`` each group has a warm standby: a
+torchrun of the group started ahead and held before its registration (``FTHSDP_STANDBY_GATE``); a restart releases
+it instead of starting cold, and a new standby starts once the released one has committed a step. Every wait has a
+deadline (``timeout_s``).
 """
 
 from __future__ import annotations
@@ -76,6 +79,11 @@ class ClusterConfig:
     """SIGKILLs injected through ``FTHSDP_FAULT``, one per incarnation of their group, in step order."""
     restart_delay_s: float = 2.0
     """A group that exited non-zero is restarted this long after."""
+    warm_restarts: bool = False
+    """Keep a warm standby of each group (Python, torch and the group's process group up, held before registering):
+    a restart releases it, so it costs registration and catch-up, not a cold start. A standby costs the group's
+    processes and memory while it waits (no CPU to speak of). A kill armed for a later incarnation goes with the
+    standby started for it."""
     timeout_s: float = 900.0
     """The whole job's deadline."""
     heartbeat_interval_s: float = 0.1
@@ -153,6 +161,16 @@ class ClusterConfig:
 
 
 @dataclass
+class Standby:
+    """A group's warm standby: its torchrun, held until ``gate`` exists."""
+
+    proc: subprocess.Popen[bytes]
+    gate: pathlib.Path
+    log_path: pathlib.Path
+    fault: Kill | None
+
+
+@dataclass
 class Group:
     """One replica group under supervision: its current process and incarnation count."""
 
@@ -167,6 +185,9 @@ class Group:
     pending_faults: list[Kill] = field(default_factory=list)
     fault: Kill | None = None
     """The kill armed in the current incarnation."""
+    standby: Standby | None = None
+    """Its warm standby (``ClusterConfig.warm_restarts``)."""
+    standbys: int = 0
 
 
 class Cluster:
@@ -195,20 +216,52 @@ class Cluster:
         """Record an event of the run (its report's ``events``)."""
         self.events.append({"t": time.time(), "event": kind, **kv})
 
-    def _start_group(self, g: Group) -> None:
+    def _spawn(self, g: Group, fault: Kill | None, log_path: pathlib.Path,
+               gate: pathlib.Path | None = None) -> subprocess.Popen[bytes]:
+        """Start a torchrun of group ``g`` (held at ``gate`` when given: a standby)."""
         c = self.config
-        g.fault = g.pending_faults.pop(0) if g.pending_faults else None
-        env = c.replica_env(g.index, self.addr, g.progress, self.workdir, g.fault)
+        env = c.replica_env(g.index, self.addr, g.progress, self.workdir, fault)
+        if gate is not None:
+            env["FTHSDP_STANDBY_GATE"] = str(gate)
         cmd = [*torchrun(c.ranks), *c.command] if c.command else \
             [*torchrun(c.ranks), "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
              "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s),
              "--compute-s", str(c.compute_s)]
-        with open(g.log_path, "ab") as out:  # the child keeps its own copy of the descriptor
-            g.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _start_group(self, g: Group) -> None:
+        """The group's next incarnation: its standby released if it has a live one, else a cold start."""
+        sb, g.standby = g.standby, None
+        if sb is not None and sb.proc.poll() is None:
+            sb.gate.write_text("go\n")
+            g.proc, g.fault, g.log_path = sb.proc, sb.fault, sb.log_path
+        else:
+            if sb is not None:
+                self.event("standby_lost", replica=g.index, code=sb.proc.returncode)
+                if sb.fault is not None:
+                    g.pending_faults.insert(0, sb.fault)
+            g.fault = g.pending_faults.pop(0) if g.pending_faults else None
+            g.proc = self._spawn(g, g.fault, g.log_path)
         g.incarnations += 1
         g.started_at = time.time()
         g.restart_at = None
-        self.event("start", replica=g.index, incarnation=g.incarnations, fault=env.get("FTHSDP_FAULT", ""))
+        self.event("start", replica=g.index, incarnation=g.incarnations, warm=sb is not None and g.proc is sb.proc,
+                   fault=f"{g.fault.step}:{g.fault.phase}" if g.fault else "")
+
+    def _ensure_standby(self, g: Group) -> None:
+        """With warm restarts, start a standby for a group that has none, once its incarnation is past the start
+        (its first one; a released standby once it committed a step, so the new one does not slow its catch-up)."""
+        if not self.config.warm_restarts or g.finished or g.standby is not None or g.restart_at is not None:
+            return
+        if g.incarnations > 1 and not any(x.event == "step" and x.t >= g.started_at for x in self.progress(g)):
+            return
+        g.standbys += 1
+        fault = g.pending_faults.pop(0) if g.pending_faults else None
+        gate = self.workdir / f"replica{g.index}.standby{g.standbys}.gate"
+        log_path = self.workdir / f"replica{g.index}.standby{g.standbys}.log"
+        g.standby = Standby(self._spawn(g, fault, log_path, gate), gate, log_path, fault)
+        self.event("standby", replica=g.index, standby=g.standbys)
 
     def progress(self, g: Group) -> list[ProgressRow]:
         """Group ``g``'s progress rows so far."""
@@ -254,11 +307,16 @@ class Cluster:
         try:
             for g in self.groups:
                 self._start_group(g)
+            next_standby_check = 0.0
             while not all(g.finished for g in self.groups):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the job did not finish within {c.timeout_s}s (logs in {self.workdir})")
                 for g in self.groups:
                     self._supervise(g)
+                if time.monotonic() >= next_standby_check:  # reads progress files: not every period
+                    next_standby_check = time.monotonic() + 0.5
+                    for g in self.groups:
+                        self._ensure_standby(g)
                 if self.on_tick is not None:
                     self.on_tick(self)
                 time.sleep(0.02)  # supervision period
@@ -266,6 +324,8 @@ class Cluster:
         finally:
             for g in self.groups:
                 kill_group(g.proc)
+                if g.standby is not None:
+                    kill_group(g.standby.proc)
             self.stop_lighthouse()
         return t_start, history
 
@@ -282,6 +342,9 @@ class Cluster:
         if code == 0:
             g.finished = True
             self.event("finished", replica=g.index)
+            if g.standby is not None:  # nothing left to replace
+                kill_group(g.standby.proc)
+                g.standby = None
             return
         rows = [x for x in self.progress(g) if x.t >= g.started_at]
         if any(x.event == "terminated" for x in rows):

@@ -124,3 +124,8 @@ def test_scheduler_setting() -> None:
     assert TrainerSettings.from_env({"FTHSDP_SCHEDULER": "cosine"}).scheduler == "cosine"
     with pytest.raises(ConfigError, match="FTHSDP_SCHEDULER"):
         TrainerSettings.from_env({"FTHSDP_SCHEDULER": "warmup"})
+
+
+def test_a_standby_gate_is_read_and_off_by_default() -> None:
+    assert RuntimeConfig.from_env(BASE).standby_gate == ""
+    assert RuntimeConfig.from_env({**BASE, "FTHSDP_STANDBY_GATE": "/tmp/g"}).standby_gate == "/tmp/g"

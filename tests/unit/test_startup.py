@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 
 import pytest
 
 from fthsdp.runtime.errors import JobFinished, NoStateToResume
-from fthsdp.runtime.startup import Role, start_from
+from fthsdp.runtime.startup import Role, hold_as_standby, start_from
 
 
 def checkpoint(root: pathlib.Path, step: int, slot: int = 0) -> pathlib.Path:
@@ -46,3 +47,24 @@ def test_resume_needs_a_checkpoint_and_a_joiner_never_reads_one(tmp_path: pathli
     assert ck is not None and ck.step == 20
     assert start_from(Role.JOINING, 0, "job", str(tmp_path)) is None
     assert start_from(Role.ACTIVE, 0, "job", "") is None  # a fresh start without a directory
+
+
+def test_a_standby_is_held_until_its_gate_file_exists(tmp_path: pathlib.Path) -> None:
+    gate = tmp_path / "standby.gate"
+    opened = threading.Event()
+
+    def release() -> None:
+        opened.wait(30)
+        gate.write_text("go\n")
+
+    t = threading.Thread(target=release)
+    t.start()
+    held: list[float] = []
+    waiter = threading.Thread(target=lambda: held.append(hold_as_standby(str(gate))))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and not held, "released before its gate existed"
+    opened.set()
+    waiter.join(30)
+    t.join(30)
+    assert held and held[0] >= 0.3
