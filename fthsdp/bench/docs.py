@@ -36,7 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 from fthsdp.bench.sim import SimConfig, simulate  # noqa: E402
 
 KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
-         "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json")
+         "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json", "recovery-cold.json",
+         "recovery-warm.json")
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -437,6 +438,33 @@ def section_recovery_double(doc: dict[str, Any] | None) -> list[str]:
             ""]
 
 
+def section_warm_restarts(cold: dict[str, Any] | None, warm: dict[str, Any] | None,
+                          notes: dict[str, Any] | None) -> list[str]:
+    """A cold restart against a warm standby's release, two invocations minutes apart (``--warm-restarts``)."""
+    runs = [(name, (doc or {}).get("fthsdp")) for name, doc in (("cold start", cold), ("warm standby", warm))]
+    runs = [(name, f) for name, f in runs if isinstance(f, dict)]
+    if not runs:
+        return []
+    out = ["## Warm restarts", "",
+           "`fthsdp bench recovery --json` and `fthsdp bench recovery --warm-restarts --json` (data: "
+           "`docs/bench-data/recovery-cold.json`, `recovery-warm.json`): the reference model, 3 groups x 2 ranks, "
+           "SIGKILL of group 1 at step 20, restarted 2 s later, from a cold torchrun or by releasing its warm "
+           "standby (docs/design.md §7, \"Warm restarts\").", "",
+           "| restart | kill -> restarted replica's first joined step (s) | kill -> all replicas contributing (s) | "
+           "start (release) -> active (s) | registration -> active (s) | survivors' stall (s) | steady step (s) | "
+           "effective training time | final states equal |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for name, f in runs:
+        out.append(f"| {name} | {fmt(f.get('rejoin_s'), '.2f')} | {fmt(f.get('back_to_full_s'), '.2f')} | "
+                   f"{fmt(f.get('join_s'), '.2f')} | {fmt(f.get('join_from_registration_s'), '.2f')} | "
+                   f"{fmt(f.get('survivor_stall_s'), '.2f')} | {fmt(f.get('step_s'), '.3f')} | "
+                   f"{fmt(f.get('effective_training_time'))} | {fmt(f.get('final_equal'))} |")
+    out.append("")
+    for para in (notes or {}).get("warm", []):
+        out += [para, ""]
+    return out
+
+
 def section_straggler(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -> list[str]:
     """One replica made slow (``fthsdp bench straggler --json``)."""
     if not doc:
@@ -495,6 +523,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += section_recovery(rec, base, img)
     lines += section_recovery_hsdp(load(data, "recovery-hsdp.json"))
     lines += section_recovery_double(load(data, "recovery-double.json"))
+    lines += section_warm_restarts(load(data, "recovery-cold.json"), load(data, "recovery-warm.json"), notes)
     lines += section_lighthouse(load(data, "lighthouse.json"), load(data, "saturation.json"), notes, img)
     lines += section_sim(rec, base, img)
     lines += section_other(load(data, "overhead.json"), load(data, "ftar.json"))
@@ -503,6 +532,8 @@ def main(argv: list[str] | None = None) -> None:
               "mkdir -p out/bench",
               ".venv/bin/fthsdp bench recovery --vs torchft --json > out/bench/recovery.json   # < 15 min",
               ".venv/bin/fthsdp bench recovery --json > out/bench/recovery-hsdp.json",
+              ".venv/bin/fthsdp bench recovery --json > out/bench/recovery-cold.json",
+              ".venv/bin/fthsdp bench recovery --warm-restarts --json > out/bench/recovery-warm.json",
               ".venv/bin/fthsdp bench lighthouse --replicas 1000 5000 10000 --json > out/bench/lighthouse.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
               "make benchmarks-doc    # copies out/bench/*.json to docs/bench-data/, rewrites this page and its plots",
