@@ -441,8 +441,10 @@ def section_recovery_double(doc: dict[str, Any] | None) -> list[str]:
 def section_warm_restarts(cold: dict[str, Any] | None, warm: dict[str, Any] | None,
                           notes: dict[str, Any] | None) -> list[str]:
     """A cold restart against a warm standby's release, two invocations minutes apart (``--warm-restarts``)."""
-    runs = [(name, (doc or {}).get("fthsdp")) for name, doc in (("cold start", cold), ("warm standby", warm))]
-    runs = [(name, f) for name, f in runs if isinstance(f, dict)]
+    runs: list[tuple[str, dict[str, Any]]] = []
+    for name, doc in (("cold start", cold), ("warm standby", warm)):
+        if isinstance(f := (doc or {}).get("fthsdp"), dict):
+            runs.append((name, f))
     if not runs:
         return []
     out = ["## Warm restarts", "",
