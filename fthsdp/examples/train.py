@@ -136,7 +136,9 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
     ft.optimizer(opt, scheduler=_scheduler(a.scheduler, opt, a.steps))  # the runtime steps it at every commit
     slot, rank = ft.config.replica_index, ft.rank
     progress = Progress(a.progress, rank == 0, replica=slot, incarnation=ft.incarnation, mode="fthsdp")
-    progress.write(event="start", joining=ft.joining, resumed_from=ft.resumed_from, step=ft.step)
+    # Once registered: at once, or for a warm standby once released (in its first train_step).
+    ft.when_registered(lambda: progress.write(event="start", joining=ft.joining, resumed_from=ft.resumed_from,
+                                              step=ft.step))
     per_rank = a.batch // ft.world_size
     try:
         while ft.step < a.steps:
@@ -165,6 +167,10 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
     except Terminated as e:
         progress.write(event="terminated", step=e.step, checkpoint=e.path)
         raise
+    except JobFinished as e:  # a warm standby released after the job finished
+        progress.write(event="job_finished", step=e.step, error=str(e))
+        ft.close(leave=False)
+        return
     except SlotConflict as e:
         progress.write(event="fatal", error=str(e))
         raise

@@ -56,6 +56,8 @@ class Joiner:
         self.client, self.faults, self.device, self.log = client, faults, device, log
         self.announced = False
         """Rank 0 told the lighthouse this replica is ready to enter the data plane."""
+        self.warmed = False
+        """It warmed up already (a warm standby, before its release: ``fthsdp.runtime.standby``)."""
         self.kept: dict[int, list[ExchangeResult]] = {}
         self.fetch: Fetch | None = None
         self.target = -1
@@ -69,7 +71,7 @@ class Joiner:
         """Start a catch-up: warm up, then (rank 0) enter the data plane: the others wait for this replica from
         then on. Returns when it was ready to enter (Unix time)."""
         self.kept, self.fetch, self.target, self.fetches, self.attempts, self.member_unix = {}, None, -1, 0, 0, 0.0
-        if self.config.join_warmup and not self.announced:
+        if self.config.join_warmup and not self.announced and not self.warmed:
             warm_up(opt, closure, self.log)
         entered = time.time()
         if not self.announced:

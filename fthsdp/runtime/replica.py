@@ -32,7 +32,7 @@ from torch.distributed.fsdp import fully_shard
 
 from ftar import EpochFeed, ExchangeResult, FTARConfig, Handle, LaneEngine, LighthouseMembership
 from fthsdp.catchup.server import CatchupServer
-from fthsdp.runtime import catching_up, checkpoint, ending
+from fthsdp.runtime import catching_up, checkpoint, ending, standby
 from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange, BucketTag, grads_untouched
 from fthsdp.runtime.commit import Commit, CommitProtocol, Rejoin, Tally, advance_cursors, contributing_slots
@@ -48,7 +48,6 @@ from fthsdp.runtime.startup import (
     agree_incarnation,
     die_with_parent,
     gather_addresses,
-    hold_as_standby,
     register,
     start_from,
 )
@@ -84,8 +83,7 @@ class Replica:
         """Committed steps so far (a joiner learns it at its first exchange)."""
         self.cursors = torch.zeros(cfg.num_replicas, dtype=torch.int64)
         """Per data slot, the batches trained so far (the same on every replica)."""
-        self.joining = False
-        self._settling: list[Handle | None] | None = None  # caught up: the next step's zeros, sent (_zero_step)
+        self._settling: list[Handle | None] | None = None  # caught up: the next step's zeros, sent (zero_step)
         self.protocol = CommitProtocol()
         self.pace, self._own_compute_s = PaceWindow(), 0.0  # fail-slow evidence; the last step's compute, unslowed
         self._lr_factor = 1.0
@@ -100,30 +98,22 @@ class Replica:
                                     corrupt=self.faults.corrupter())
         self.server.directory = gather_addresses(self.server.address, self.world_size, self.device)
         self.metrics = ReplicaMetrics(cfg.replica_id, self.rank, port=cfg.metrics_port)
-        if cfg.standby_gate:  # a warm standby: up to here already, the rest once released (it then registers)
-            self._log(logging.INFO, "warm standby: waiting for %s", cfg.standby_gate)
-            self._log(logging.INFO, "released after %.1fs as a standby", hold_as_standby(cfg.standby_gate))
         self.feed = EpochFeed()
         self.client = LighthouseClient(cfg.lighthouse, cfg.job_id, cfg.replica_id, shard_count=cfg.world_size,
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,
                                        endpoints=m.Endpoints(catchup=self.server.address),
                                        security=cfg.security, on_lost=self._on_lost)
-        role, finished_step = register(self.client, self.rank, cfg.epoch_wait_s, self.device)
-        try:
-            self._resume_from = start_from(role, finished_step, cfg.job_id, cfg.checkpoint_dir)
-        except (JobFinished, NoStateToResume):
-            self.close(leave=False)
-            raise
-        self.finished = role == Role.FINISHED
+        self.standby = bool(cfg.standby_gate)
+        """A warm standby not released yet: unregistered until its first ``train_step`` (``fthsdp.runtime.standby``)."""
+        self._registered: list[Callable[[], object]] = []
+        self.finished = False
         """The job completed before this replica came back: it holds the final checkpoint's state, never trains."""
-        if self.finished:
-            self.client.close()  # not registered: nothing to heartbeat
-            self._log(logging.WARNING, "the job finished at step %d before this replica came back: taking its "
-                      "final checkpoint, training nothing", finished_step)
+        self.joining = True
+        """True until this replica has caught up with the others (a standby counts as one until it registers)."""
         self.resumed_from: int | None = None  # the step of the checkpoint this replica resumed from, if it did
-        self.joining = role == Role.JOINING
-        """True until this replica has caught up with the others."""
-        self.metrics.on_joining(self.joining)
+        self._resume_from: checkpoint.Checkpoint | None = None
+        if not self.standby:
+            self._register()
         self.engine = LaneEngine(LighthouseMembership(self.client, self.feed), lane=self.rank,
                                  config=FTARConfig(backend=cfg.backend, timeout_s=cfg.timeout_s,
                                                    epoch_wait_s=cfg.epoch_wait_s, hold=True, device=self.device))
@@ -137,8 +127,32 @@ class Replica:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self._log(logging.INFO, "replica up as %s (incarnation %s, catch-up server %s)",
-                  "joining" if self.joining else "resuming" if self._resume_from else "active", self.incarnation,
-                  self.server.address)
+                  "a warm standby" if self.standby else "joining" if self.joining else
+                  "resuming" if self._resume_from else "active", self.incarnation, self.server.address)
+
+    def _register(self) -> None:
+        """Register (rank 0; the others watch) and take the role the lighthouse gives this replica."""
+        cfg = self.config
+        role, finished_step = register(self.client, self.rank, cfg.epoch_wait_s, self.device)
+        try:
+            self._resume_from = start_from(role, finished_step, cfg.job_id, cfg.checkpoint_dir)
+        except (JobFinished, NoStateToResume):
+            self.close(leave=False)
+            raise
+        self.finished = role == Role.FINISHED
+        if self.finished:
+            self.client.close()  # not registered: nothing to heartbeat
+            self._log(logging.WARNING, "the job finished at step %d before this replica came back: taking its "
+                      "final checkpoint, training nothing", finished_step)
+        self.joining = role == Role.JOINING
+        self.metrics.on_joining(self.joining)
+
+    def when_registered(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` once registered: now, or for a warm standby once released (a launcher's ``start`` line)."""
+        if self.standby:
+            self._registered.append(fn)
+        else:
+            fn()
 
     # --- setup --------------------------------------------------------------------------------------------------
 
@@ -157,6 +171,8 @@ class Replica:
             engine.exclude(f"dropped by the lighthouse: {reason}")
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
+        if self.standby:  # nothing registered, nothing to save: a standby just ends
+            raise SystemExit(0)
         self.protocol.sigterm()  # acted on at the next commit boundary, on every rank together
 
     def shard(self, model: nn.Module, blocks: Iterable[nn.Module] = ()) -> nn.Module:
@@ -196,17 +212,22 @@ class Replica:
         self.opt = opt
         self._shards = ShardState(self._sharded, opt, self.device, self.state)
         self._parts()[1].alias = grads_untouched(opt)  # the step's results become .grad, without a copy
+        self._take_role()
+        return opt
+
+    def _take_role(self) -> None:
+        """Once registered, with the optimizer: load the checkpoint the role needs, and serve snapshots if active."""
         if self._resume_from is not None:
             ck = self._resume_from
-            self.cursors = checkpoint.resume(ck, self.model, self._shards, len(self.cursors), self.rank)
+            assert self.model is not None
+            self.cursors = checkpoint.resume(ck, self.model, self._parts()[0], len(self.cursors), self.rank)
             self.step = ck.step
             if not self.finished:  # a finished job's final checkpoint: the state it ended with, nothing resumes
                 self.resumed_from = ck.step
                 self._log(logging.WARNING, "resumed from checkpoint %s", ck.path)
             self._resume_from = None
-        if not self.joining:
+        if not self.joining and not self.standby:
             self.server.at_commit(self.step, active=True)
-        return opt
 
     @property
     def cursor(self) -> int:
@@ -226,13 +247,15 @@ class Replica:
         ``fthsdp.runtime.join.warm_up``), then catches up (it exchanges zeros while fetching the state) and
         returns once it holds the same state as the others, with ``joined=True``."""
         shards, buckets = self._parts()
+        if self.standby:
+            standby.take_place(self, closure)  # warm up, wait to be released, register: then as any replica
         if self.finished:
             raise JobFinished(f"job {self.config.job_id!r} finished at step {self.step}: nothing left to train",
                               self.step)
         if self.joining:
-            return self._catch_up(closure, shards)
+            return catching_up.catch_up(self, closure, shards)  # zeros while fetching, then load, replay, active
         if self._settling is not None:
-            return self._zero_step(self._settling)
+            return catching_up.zero_step(self, self._settling)  # caught up: these zeros were sent already
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
@@ -375,17 +398,6 @@ class Replica:
         ending.barrier(buckets, self.engine, self.step, self._vote, self._wait_s, self._log)
         if self.config.checkpoint_dir:
             self._checkpoint()
-
-    # --- catching up --------------------------------------------------------------------------------------------
-
-    def _catch_up(self, closure: Callable[[], torch.Tensor], shards: ShardState) -> StepResult:
-        """Exchange zeros while the snapshot is fetched, then load it and replay the kept steps while exchanging
-        zeros, and turn active (``fthsdp.runtime.catching_up``)."""
-        return catching_up.catch_up(self, closure, shards)
-
-    def _zero_step(self, zeros: list[Handle | None]) -> StepResult:
-        """The step after catching up: ``zeros`` were sent before the last replay slice; no batch is trained."""
-        return catching_up.zero_step(self, zeros)
 
     # --- state --------------------------------------------------------------------------------------------------
 

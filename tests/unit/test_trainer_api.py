@@ -45,6 +45,9 @@ class FakeReplica:
     def state_hash(self) -> str:
         return "f00d"
 
+    def when_registered(self, fn: Any) -> None:
+        fn()  # registered in its constructor, as a replica that is not a warm standby
+
 
 def test_the_sampler_visits_the_dataset_once_per_pass_in_a_seeded_order() -> None:
     sampler = SlotSampler(10, 4, seed=3)

@@ -1,0 +1,62 @@
+"""A warm standby (``FTHSDP_STANDBY_GATE``; docs/design.md §7, "Warm restarts"): a replica process a launcher
+starts ahead of need. It runs the trainer's own set-up unregistered (``Replica()``, ``shard``, ``optimizer``: no
+lighthouse call), and at its first ``train_step`` warms up and waits for its gate file. Once the launcher creates
+the file (to replace a failed incarnation of the group) it registers and goes on, in that same call, as the role
+the lighthouse gives it: a joiner catches up, an active replica resumes from the newest checkpoint, a replica back
+after the job finished raises ``JobFinished``. So a restart costs the registration and the catch-up only."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from fthsdp.runtime.config import RuntimeConfig
+from fthsdp.runtime.join import Joiner
+from fthsdp.runtime.startup import hold_as_standby
+
+
+class Replica(Protocol):
+    """What a standby's release uses of ``fthsdp.runtime.replica.Replica`` (which imports this module)."""
+
+    config: RuntimeConfig
+    joiner: Joiner
+    standby: bool
+    opt: torch.optim.Optimizer | None
+    _registered: list[Callable[[], object]]
+
+    def _register(self) -> None: ...
+    def _take_role(self) -> None: ...
+    def _log(self, level: int, msg: str, *args: object) -> None: ...
+
+
+def warm_up(opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor]) -> float:
+    """One forward and backward, thrown away (FSDP2's lazy init, the first allocations), and no optimizer step: the
+    state stays as built, whatever role comes (an active replica with no checkpoint trains from it). A joiner's
+    optimizer state comes with its snapshot, so it needs no warm-up of the optimizer. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    closure().backward()  # type: ignore[no-untyped-call]
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def take_place(ft: Replica, closure: Callable[[], torch.Tensor]) -> None:
+    """A standby's first ``train_step``, up to where any replica's first step starts: warm up (with
+    ``FTHSDP_JOIN_WARMUP``), wait for the gate, register, take the role (``Replica._take_role``), then run what
+    waited for the registration (``Replica.when_registered``)."""
+    assert ft.opt is not None
+    if ft.config.join_warmup:
+        took = warm_up(ft.opt, closure)
+        ft.joiner.warmed = True
+        ft._log(logging.INFO, "warm standby: warm-up step took %.3fs; waiting for %s", took, ft.config.standby_gate)
+    held = hold_as_standby(ft.config.standby_gate)
+    ft.standby = False
+    ft._log(logging.INFO, "released after %.1fs as a warm standby; registering", held)
+    ft._register()
+    ft._take_role()
+    for fn in ft._registered:
+        fn()
+    ft._registered.clear()

@@ -1,0 +1,62 @@
+"""A warm standby's first ``train_step`` (``fthsdp.runtime.standby``): it warms up without changing the state,
+waits for its gate, and only then registers, takes its role and runs what waited for the registration."""
+
+from __future__ import annotations
+
+import pathlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fthsdp.runtime import standby
+
+
+@dataclass
+class FakeReplica:
+    config: Any
+    opt: torch.optim.Optimizer
+    joiner: Any = field(default_factory=lambda: type("J", (), {"warmed": False})())
+    standby: bool = True
+    calls: list[str] = field(default_factory=list)
+    _registered: list[Callable[[], object]] = field(default_factory=list)
+
+    def _register(self) -> None:
+        self.calls.append("register")
+
+    def _take_role(self) -> None:
+        self.calls.append("role")
+
+    def _log(self, level: int, msg: str, *args: object) -> None:
+        pass
+
+
+def test_a_standby_warms_up_without_changing_its_state_and_registers_only_once_released(
+        tmp_path: pathlib.Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    gate = tmp_path / "gate"
+    cfg = type("C", (), {"join_warmup": True, "standby_gate": str(gate)})()
+    ft = FakeReplica(cfg, opt)
+    ft._registered.append(lambda: ft.calls.append("start line"))
+    warmed = threading.Event()
+
+    def closure() -> torch.Tensor:
+        warmed.set()
+        return model(torch.ones(3, 4)).sum()
+
+    t = threading.Thread(target=standby.take_place, args=(ft, closure))
+    t.start()
+    assert warmed.wait(30)
+    t.join(0.3)
+    assert t.is_alive() and ft.calls == [] and ft.standby, "registered before its gate existed"
+    gate.write_text("go\n")
+    t.join(30)
+    assert not t.is_alive()
+    assert ft.calls == ["register", "role", "start line"] and not ft.standby and ft.joiner.warmed
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "warm-up changed the state"
+    assert all(p.grad is None for p in model.parameters()) and not opt.state
