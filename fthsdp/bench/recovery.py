@@ -6,9 +6,9 @@ groups killed at the same step measure what a double failure costs the last surv
 
 - ``survivor_stall_s``: the survivors' longest gap between two commits after the failure, less their median
   step (detection, the new epoch and the redo; ``fthsdp/bench/recovery_metrics.py``);
-- ``catchup_step_ratio``: the survivors' median step while the restarted replica catches up (from its first
-  exchange as a member to active) over their median step while it was down (the same replicas training,
-  before it entered): the catch-up's cost to them (target <= 1.1);
+- ``catchup_step_ratio``: the survivors' median step while the restarted replica catches up (their steps that
+  overlap its first exchange as a member to active) over their median step while it was down (the same replicas
+  training, before it entered): the catch-up's cost to them (target <= 1.1);
 - ``rejoin_s``: the kill -> the restarted replica's first joined step (the restart delay included);
   ``back_to_full_s``: the kill -> the first step every replica contributed to again;
 - ``join_s``: the restarted group's process start (a warm standby's release) to active
@@ -97,8 +97,8 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
             continue  # only the groups that never failed
         rows = [x for x in steps_of(cluster.progress(g)) if x.step is not None and x.step >= warmup]
         for a, b in pairwise(rows):
-            if c["member_unix"] <= b.t <= joined.t:
-                catching_up.append(b.t - a.t)
+            if a.t < joined.t and b.t > c["member_unix"]:  # a step that overlaps the catch-up (a short one may
+                catching_up.append(b.t - a.t)             # end inside no step)
             elif kill["t"] + 1.0 <= a.t and b.t <= c["entered_unix"]:
                 down.append(b.t - a.t)  # the same replicas training, before the joiner entered
     transfer_mbps = c["bytes"] / max(c["transfer_s"], 1e-9) / 1e6
