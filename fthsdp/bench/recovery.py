@@ -8,7 +8,8 @@ groups killed at the same step measure what a double failure costs the last surv
   step (detection, the new epoch and the redo; ``fthsdp/bench/recovery_metrics.py``);
 - ``catchup_step_ratio``: the survivors' median step while the restarted replica catches up (their steps that
   overlap its first exchange as a member to active) over their median step while it was down (the same replicas
-  training, before it entered): the catch-up's cost to them (target <= 1.1);
+  training, before it entered; the steady step before the kill when no step fits in between, as with a warm
+  standby): the catch-up's cost to them (target <= 1.1);
 - ``rejoin_s``: the kill -> the restarted replica's first joined step (the restart delay included);
   ``back_to_full_s``: the kill -> the first step every replica contributed to again;
 - ``join_s``: the restarted group's process start (a warm standby's release) to active
@@ -91,6 +92,7 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
     registered = next(x.t for x in reversed(cluster.progress(cluster.groups[kill["replica"]]))
                       if x.event == "start" and x.t < joined.t)
     down: list[float] = []
+    before: list[float] = []
     catching_up: list[float] = []
     for g in cluster.groups:
         if any(e["event"] == "exit" and e["replica"] == g.index for e in report["events"]):
@@ -101,8 +103,12 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
                 catching_up.append(b.t - a.t)             # end inside no step)
             elif kill["t"] + 1.0 <= a.t and b.t <= c["entered_unix"]:
                 down.append(b.t - a.t)  # the same replicas training, before the joiner entered
+            elif b.t <= kill["t"]:
+                before.append(b.t - a.t)
     transfer_mbps = c["bytes"] / max(c["transfer_s"], 1e-9) / 1e6
-    down_s = statistics.median(down) if down else float("nan")
+    # A warm standby enters about a second after the kill: no whole step fits in between, so the steady step
+    # before the kill stands in.
+    down_s = statistics.median(down or before) if down or before else float("nan")
     catchup_s = statistics.median(catching_up) if catching_up else float("nan")
     return {
         # Per failure, as the acceptance and torchft's figure count it (recovery_metrics.stall_per_failure_s): not
