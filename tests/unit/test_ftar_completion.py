@@ -149,42 +149,38 @@ def test_nccl_watcher_reads_the_backend_work_inside_torchfts_wrapper() -> None:
     assert w.poll().errored
 
 
+class GlooWork:
+    """A Gloo work: its future completes when the data is reduced."""
+
+    def __init__(self, fut: torch.futures.Future[None]) -> None:
+        self.fut = fut
+
+    def get_future(self) -> torch.futures.Future[None]:
+        return self.fut
+
+
 def test_gloo_watcher_done_means_reduced_and_carries_the_error() -> None:
-    class Work:
-        def __init__(self, fut: torch.futures.Future[None]) -> None:
-            self.fut = fut
-
-        def get_future(self) -> torch.futures.Future[None]:
-            return self.fut
-
     ok: torch.futures.Future[None] = torch.futures.Future()
-    w: Watcher = FutureWatcher(Work(ok), threading.Event())
+    w: Watcher = FutureWatcher(GlooWork(ok), threading.Event())
     assert outcome(w.poll(), Verdict.WAIT) is Outcome.WAIT
     ok.set_result(None)
     assert outcome(w.poll(), Verdict.WAIT) is Outcome.DONE
     bad: torch.futures.Future[None] = torch.futures.Future()
-    w = FutureWatcher(Work(bad), threading.Event())
+    w = FutureWatcher(GlooWork(bad), threading.Event())
     bad.set_exception(RuntimeError("peer closed"))
     assert outcome(w.poll(), Verdict.WAIT) is Outcome.FAILED and "peer closed" in w.error()
 
 
 def test_gloo_watcher_sleeps_until_its_future_completes_or_the_lane_wakes_it() -> None:
-    class Work:
-        def __init__(self, fut: torch.futures.Future[None]) -> None:
-            self.fut = fut
-
-        def get_future(self) -> torch.futures.Future[None]:
-            return self.fut
-
     wake = threading.Event()
     fut: torch.futures.Future[None] = torch.futures.Future()
-    w = FutureWatcher(Work(fut), wake)
+    w = FutureWatcher(GlooWork(fut), wake)
     threading.Timer(0.05, fut.set_result, (None,)).start()
     t0 = time.monotonic()
     w.pause(30.0)  # no polling period: it returns when the future completes
     assert time.monotonic() - t0 < 10.0 and outcome(w.poll(), Verdict.WAIT) is Outcome.DONE
     wake.clear()
-    w = FutureWatcher(Work(torch.futures.Future()), wake)
+    w = FutureWatcher(GlooWork(torch.futures.Future()), wake)
     threading.Timer(0.05, wake.set).start()  # the lane's signal: a pushed epoch, exclusion, closing
     t0 = time.monotonic()
     w.pause(30.0)
