@@ -42,9 +42,11 @@ def test_hang_stops_every_process_of_a_group_even_in_their_own_sessions() -> Non
     first chaos runs did). signal_tree stops the agent's group and each descendant's."""
     agent = subprocess.Popen(["bash", "-c", "setsid sleep 60 & wait"], start_new_session=True)
     try:
-        _wait(lambda: len(descendants(agent.pid)) == 1, "the worker")
+        # The worker exists first in the agent's group, until setsid(2) runs in it: wait for its own session (in one
+        # CI run the worker was caught between the fork and setsid).
+        _wait(lambda: len(d := descendants(agent.pid)) == 1 and os.getpgid(d[0]) != agent.pid,
+              "the worker, in a session of its own")
         worker = descendants(agent.pid)[0]
-        assert os.getpgid(worker) != agent.pid
         pgids = signal_tree(agent.pid, signal.SIGSTOP)
         assert pgids == [agent.pid, worker]
         _wait(lambda: _state(agent.pid) == "T" and _state(worker) == "T", "both stopped")
