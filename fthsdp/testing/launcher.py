@@ -80,10 +80,10 @@ class ClusterConfig:
     restart_delay_s: float = 2.0
     """A group that exited non-zero is restarted this long after."""
     warm_restarts: bool = False
-    """Keep a warm standby of each group (Python, torch and the group's process group up, held before registering):
-    a restart releases it, so it costs registration and catch-up, not a cold start. A standby costs the group's
-    processes and memory while it waits (no CPU to speak of). A kill armed for a later incarnation goes with the
-    standby started for it."""
+    """Keep a warm standby of each group (the trainer's set-up and a warm-up done, held unregistered at its first
+    ``train_step``): a restart releases it, so it costs registration and catch-up, not a cold start. A standby costs
+    the group's processes and memory while it waits (no CPU to speak of). A kill armed for a later incarnation goes
+    with the standby started for it."""
     timeout_s: float = 900.0
     """The whole job's deadline."""
     heartbeat_interval_s: float = 0.1
