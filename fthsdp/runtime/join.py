@@ -231,15 +231,19 @@ def probe(opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor]) -> fl
     return took
 
 
-def warm_up(opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor], log: LogFn) -> None:
+def warm_up(opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor], log: LogFn,
+            optimizer_step: bool = True) -> None:
     """One forward, backward and optimizer step, thrown away, before entering the data plane: a process's first
     step is slow (FSDP2's lazy init, the optimizer's first step, first allocations), and once this replica is
     a member the others would wait for it. Nothing is exchanged; what the optimizer step changes is
     overwritten by the snapshot (every parameter and optimizer-state tensor). The closure must not consume data
-    (index the data by ``cursor``)."""
+    (index the data by ``cursor``). Without ``optimizer_step`` (a warm standby, whose role is not known yet) the
+    state stays exactly as built."""
     t0 = time.perf_counter()
     loss = closure()
     loss.backward()  # type: ignore[no-untyped-call]
-    opt.step()
+    if optimizer_step:
+        opt.step()
     opt.zero_grad(set_to_none=True)
-    log(logging.INFO, "warm-up step before joining took %.3fs", time.perf_counter() - t0)
+    log(logging.INFO, "warm-up step%s took %.3fs", "" if optimizer_step else " (no optimizer step)",
+        time.perf_counter() - t0)

@@ -8,14 +8,13 @@ after the job finished raises ``JobFinished``. So a restart costs the registrati
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.join import Joiner
+from fthsdp.runtime.join import Joiner, warm_up
 from fthsdp.runtime.startup import hold_as_standby
 
 
@@ -33,25 +32,17 @@ class Replica(Protocol):
     def _log(self, level: int, msg: str, *args: object) -> None: ...
 
 
-def warm_up(opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor]) -> float:
-    """One forward and backward, thrown away (FSDP2's lazy init, the first allocations), and no optimizer step: the
-    state stays as built, whatever role comes (an active replica with no checkpoint trains from it). A joiner's
-    optimizer state comes with its snapshot, so it needs no warm-up of the optimizer. Returns the seconds it took."""
-    t0 = time.perf_counter()
-    closure().backward()  # type: ignore[no-untyped-call]
-    opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
-
-
 def take_place(ft: Replica, closure: Callable[[], torch.Tensor]) -> None:
     """A standby's first ``train_step``, up to where any replica's first step starts: warm up (with
     ``FTHSDP_JOIN_WARMUP``), wait for the gate, register, take the role (``Replica._take_role``), then run what
     waited for the registration (``Replica.when_registered``)."""
     assert ft.opt is not None
     if ft.config.join_warmup:
-        took = warm_up(ft.opt, closure)
+        # No optimizer step: the role is not known yet (an active replica with no checkpoint trains from the state
+        # as built); a joiner's optimizer state comes with its snapshot.
+        warm_up(ft.opt, closure, ft._log, optimizer_step=False)
         ft.joiner.warmed = True
-        ft._log(logging.INFO, "warm standby: warm-up step took %.3fs; waiting for %s", took, ft.config.standby_gate)
+    ft._log(logging.INFO, "warm standby: waiting for %s", ft.config.standby_gate)
     held = hold_as_standby(ft.config.standby_gate)
     ft.standby = False
     ft._log(logging.INFO, "released after %.1fs as a warm standby; registering", held)
