@@ -71,7 +71,9 @@ class LighthouseClient:
     def incarnation(self) -> str:
         return self.aio.incarnation
 
-    def _deliver(self, e: EpochView) -> None:
+    def deliver(self, e: EpochView) -> None:
+        """Take ``e`` as pushed (ignored unless newer than the newest known): the session's own epochs, or, on a rank
+        that holds no session, those its group's rank 0 relays (``fthsdp.runtime.epoch_relay``)."""
         with self._cond:
             if self._latest is not None and e.number <= self._latest.number:
                 return
@@ -83,7 +85,7 @@ class LighthouseClient:
     def start(self, register: bool = True, deadline_s: float = 30.0) -> Registration | None:
         """Register (retrying until ``deadline_s``) and start heartbeats and the watch.
 
-        With ``register=False`` only the watch runs (ranks other than the replica's leader).
+        With ``register=False`` only the watch runs (a rank of a group whose leader does not relay the epochs).
         """
         if self._session is not None:
             raise RuntimeError("LighthouseClient.start() called twice")
@@ -91,13 +93,13 @@ class LighthouseClient:
         if register:
             reg = self._run(self._register_until(deadline_s), timeout=deadline_s + 1.0)
             if reg.epoch.number:
-                self._deliver(reg.epoch)
+                self.deliver(reg.epoch)
         # Made here, not inside the session coroutine, so that a close() right after start() always finds it
         # (an asyncio.Event binds to the loop that first waits on it).
         stop = self._stop = asyncio.Event()
 
         async def session() -> None:
-            await self.aio.run(self._deliver, stop, register=register,
+            await self.aio.run(self.deliver, stop, register=register,
                                step=lambda: self._step, on_lost=self._on_lost,
                                known_epoch=self._latest.number if self._latest else 0)
 

@@ -25,6 +25,8 @@ class LighthouseMetrics:
         self.watchers = Gauge("fthsdp_lighthouse_watchers", "Open epoch watch streams", registry=r)
         self.sessions = Gauge("fthsdp_lighthouse_sessions", "Open replica-group sessions (heartbeats and epochs)",
                               registry=r)
+        self.streams_opened = Counter("fthsdp_lighthouse_streams_opened", "Sessions and watch streams opened",
+                                      ["kind"], registry=r)
         self.leader = Gauge("fthsdp_lighthouse_leader", "1 while this lighthouse leads (always, without HA)",
                             registry=r)
         self.store_errors = Counter("fthsdp_lighthouse_store_errors", "Store writes that failed",

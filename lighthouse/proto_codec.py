@@ -88,6 +88,13 @@ def epoch_from_pb(e: pb.Epoch) -> EpochView:
     )
 
 
+def view_to_pb(v: EpochView) -> pb.Epoch:
+    """An epoch as a client holds it, back on the wire (``epoch_from_pb`` inverted): how a replica group's rank 0
+    hands it to the group's other ranks."""
+    return pb.Epoch(job_id=v.job_id, number=v.number, members=[member_to_pb(x) for x in v.members],
+                    rendezvous=v.rendezvous, created_unix=v.created_unix, reason=v.reason, plane=v.plane)
+
+
 @functools.lru_cache(maxsize=8)
 def epoch_from_bytes(raw: bytes) -> EpochView:
     """``epoch_from_pb`` of a serialized Epoch, memoized: every watcher in a process (the emulator runs

@@ -37,20 +37,14 @@ from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange, BucketTag, grads_untouched
 from fthsdp.runtime.commit import Commit, CommitProtocol, Rejoin, Tally, advance_cursors, contributing_slots
 from fthsdp.runtime.config import RuntimeConfig
+from fthsdp.runtime.epoch_relay import GroupEpochs
 from fthsdp.runtime.errors import JobFinished, NoStateToResume, RejoinRequired, Terminated
 from fthsdp.runtime.join import Joiner
 from fthsdp.runtime.lr import lr_factor
 from fthsdp.runtime.metrics import ReplicaMetrics
 from fthsdp.runtime.pace import PaceWindow
 from fthsdp.runtime.result import StepResult
-from fthsdp.runtime.startup import (
-    Role,
-    agree_incarnation,
-    die_with_parent,
-    gather_addresses,
-    register,
-    start_from,
-)
+from fthsdp.runtime.startup import Role, agree_incarnation, die_with_parent, gather_addresses, register, start_from
 from fthsdp.runtime.state import ShardState, replica_hash
 from fthsdp.runtime.trainer_state import Scheduler, Stateful, TrainerState
 from fthsdp.testing.faults import FaultInjector, Phase
@@ -103,6 +97,7 @@ class Replica:
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,
                                        endpoints=m.Endpoints(catchup=self.server.address),
                                        security=cfg.security, on_lost=self._on_lost)
+        self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size)  # one session per group
         self.standby = bool(cfg.standby_gate)
         """A warm standby not released yet: unregistered until its first ``train_step`` (``fthsdp.runtime.standby``)."""
         self._registered: list[Callable[[], object]] = []
@@ -133,7 +128,7 @@ class Replica:
     def _register(self) -> None:
         """Register (rank 0; the others watch) and take the role the lighthouse gives this replica."""
         cfg = self.config
-        role, finished_step = register(self.client, self.rank, cfg.epoch_wait_s, self.device)
+        role, finished_step = register(self.epochs, self.rank, cfg.epoch_wait_s, self.device)
         try:
             self._resume_from = start_from(role, finished_step, cfg.job_id, cfg.checkpoint_dir)
         except (JobFinished, NoStateToResume):
@@ -415,5 +410,6 @@ class Replica:
         if getattr(self, "engine", None) is not None:
             self.engine.close()
         self.server.close(drain_s=10.0)
+        self.epochs.close()
         self.client.close(leave="finished" if leave and self.rank == 0 else None)
         self.metrics.close()

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from fthsdp.runtime import checkpoint
+from fthsdp.runtime.epoch_relay import GroupEpochs
 from fthsdp.runtime.errors import JobFinished, NoStateToResume
 from lighthouse import membership as m
-from lighthouse.client import LighthouseClient
 
 ADDR_BYTES = 256
 """Longest catch-up address (``host:port``) a rank may have."""
@@ -83,21 +83,19 @@ def hold_as_standby(gate: str) -> float:
     return time.monotonic() - t0
 
 
-def register(client: LighthouseClient, rank: int, wait_s: float, device: torch.device) -> tuple[Role, int]:
-    """Start the lighthouse session (rank 0 registers the replica, the others only watch the epochs) and agree
+def register(epochs: GroupEpochs, rank: int, wait_s: float, device: torch.device) -> tuple[Role, int]:
+    """Start the lighthouse session (rank 0 registers the replica and relays the epochs to the others) and agree
     on the role the lighthouse gave the replica. Returns (the role, the step the job finished at: 0 unless
     ``Role.FINISHED``)."""
     role, finished_step = Role.ACTIVE, 0
+    reg = epochs.start(wait_s)
     if rank == 0:
-        reg = client.start(register=True, deadline_s=wait_s)
         assert reg is not None
         role = Role.JOINING if reg.role == m.JOINING else Role.ACTIVE
         if reg.resume:
             role = Role.RESUME
         if reg.finished:
             role, finished_step = Role.FINISHED, reg.finished_step
-    else:
-        client.start(register=False)
     flag = torch.tensor([int(role), finished_step], dtype=torch.int64, device=device)
     dist.broadcast(flag, 0)
     return Role(int(flag[0].item())), int(flag[1].item())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import re
 import signal
 import subprocess
 import time
@@ -210,6 +211,8 @@ class Cluster:
                        for i in indices]
         self.lighthouse: subprocess.Popen[bytes] | None = None
         self.http = ""
+        self.streams_opened: dict[str, int] = {}
+        """Sessions and watch streams the lighthouse opened during the run, by kind (read before it stops)."""
         self.addr = ""
 
     def event(self, kind: str, **kv: Any) -> None:
@@ -274,6 +277,13 @@ class Cluster:
         with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:
             return json.load(r)  # type: ignore[no-any-return]
 
+    def lighthouse_streams(self) -> dict[str, int]:
+        """Sessions and watch streams the lighthouse opened so far, by kind (its ``/metrics``)."""
+        with urllib.request.urlopen(f"http://{self.http}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        found = re.findall(r'^fthsdp_lighthouse_streams_opened_total\{kind="(\w+)"\} (\S+)$', text, re.M)
+        return {kind: int(float(n)) for kind, n in found}
+
     def lighthouse_args(self) -> list[str]:
         c = self.config
         return ["--heartbeat-interval", str(c.heartbeat_interval_s), "--heartbeat-timeout", str(c.heartbeat_timeout_s),
@@ -321,6 +331,7 @@ class Cluster:
                     self.on_tick(self)
                 time.sleep(0.02)  # supervision period
             history: list[dict[str, Any]] = self.status()["history"] if self.http else []
+            self.streams_opened = self.lighthouse_streams() if self.http else {}
         finally:
             for g in self.groups:
                 kill_group(g.proc)
@@ -394,6 +405,7 @@ class Cluster:
             "lanes": {str(i): [[s, round(a - t_start, 3), round(b - t_start, 3)]
                                for s, a, b in lanes(per[i], self.events, i, t_end)] for i in per},
             "t_start": t_start,
+            "lighthouse_streams_opened": self.streams_opened,
         }
 
 

@@ -188,6 +188,7 @@ class LighthouseService:
         sent = req.after_epoch
         closed_by_peer = False
         self.metrics.watchers.inc()
+        self.metrics.streams_opened.labels("watch").inc()
         try:
             while not self._stopping():
                 if not self.leadership.leading:
@@ -237,6 +238,7 @@ class LighthouseService:
         held = first.after_epoch
         closed_by_peer = False
         self.metrics.sessions.inc()
+        self.metrics.streams_opened.labels("session").inc()
         try:
             while not self._stopping():
                 if not self.leadership.leading:

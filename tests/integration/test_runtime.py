@@ -35,6 +35,9 @@ def test_no_failure_all_replicas_end_identical(tmp_path: pathlib.Path) -> None:
         check_survivor(tmp_path, r, steps)
     # Different data slots, same averaged update: losses differ across replicas, parameters do not.
     assert report["loss"]["0"] != report["loss"]["1"]
+    # One lighthouse stream per replica group: rank 1 of each group takes its epochs from rank 0, watching nothing.
+    opened = report["lighthouse_streams_opened"]
+    assert opened.get("watch", 0) == 0 and opened["session"] >= 3, opened
 
 
 def test_kills_during_backward_vote_and_fetch_then_rejoin(tmp_path: pathlib.Path) -> None:

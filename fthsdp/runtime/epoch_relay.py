@@ -1,0 +1,159 @@
+"""The replica group's epochs, fanned out inside the group (docs/design.md §3): rank 0 holds the group's one
+session with the lighthouse, and hands every epoch it receives to the group's other ranks through the store
+torchrun already runs for the group (``MASTER_ADDR``/``MASTER_PORT``). So the lighthouse holds one stream per
+replica group whatever its ranks, and no rank opens a port of its own for this.
+
+Keys, under ``fthsdp/epochs/<replica>/<incarnation>/``: ``<k>`` is the k-th epoch rank 0 relayed (a serialized
+``Epoch``; empty: rank 0 closed, followers stop), ``n`` the newest k. A follower waits for the key after the last
+one it took (the store wakes it when rank 0 writes it), then takes the newest: every epoch is whole, so one it
+skipped matters no more than one the lighthouse itself did not push. Rank 0 deletes keys ``KEEP`` behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ftar.devices import start_thread
+from ftar.membership import EpochFeed
+from lighthouse.client import LighthouseClient
+from lighthouse.client_rpc import Registration
+from lighthouse.epoch_view import EpochView
+from lighthouse.proto_codec import epoch_from_bytes, view_to_pb
+
+log = logging.getLogger("fthsdp.runtime")
+
+KEEP = 64
+"""Relayed epochs kept in the store (a follower takes the newest; older ones only serve one that fell behind)."""
+FOLLOW_WAIT_S = 3600.0
+"""How long one wait of a follower lasts before it waits again (the store logs each expiry): epochs may be hours
+apart, and rank 0 wakes followers when it closes."""
+CONNECT_TIMEOUT_S = 60.0
+
+
+def group_store(prefix: str) -> dist.Store:
+    """A connection of its own to the replica group's torchrun store (not the process group's: a follower blocks in
+    ``wait``, which would hold that connection's lock against the training thread), under ``prefix``."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise RuntimeError("MASTER_ADDR and MASTER_PORT must name the replica group's torchrun store (torchrun sets "
+                           "them): the group's ranks other than 0 take their epochs from rank 0 through it")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
+                          wait_for_workers=False)
+    return dist.PrefixStore(prefix, store)
+
+
+class GroupEpochs:
+    """The lighthouse's epochs on every rank of one replica group: rank 0 registers and holds the session, and
+    relays each epoch to the others; the others follow (``client.deliver``) and never open a stream of their own.
+    Their ``client`` still makes unary calls (a failure report), which hold no stream."""
+
+    def __init__(self, client: LighthouseClient, feed: EpochFeed, rank: int, world_size: int,
+                 store: Callable[[str], dist.Store] = group_store) -> None:
+        self.client, self.feed, self.rank = client, feed, rank
+        prefix = f"fthsdp/epochs/{client.replica_id}/{client.incarnation}/"
+        self._connect: Callable[[], dist.Store] = functools.partial(store, prefix)
+        self._store = self._connect() if world_size > 1 else None
+        self._cond = threading.Condition()
+        self._latest: EpochView | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._next = 1
+        """The key a follower waits for."""
+
+    def start(self, wait_s: float) -> Registration | None:
+        """Rank 0: register (retrying up to ``wait_s``) and start the session, relaying its epochs; the others:
+        follow rank 0. Returns rank 0's registration."""
+        if self._store is None:
+            return self.client.start(register=True, deadline_s=wait_s)
+        if self.rank != 0:
+            self._thread = start_thread(self._follow, name="fthsdp-epoch-follower", device=None)
+            return None
+        self.feed.add_listener(self._offer)
+        self._thread = start_thread(self._relay, name="fthsdp-epoch-relay", device=None)
+        return self.client.start(register=True, deadline_s=wait_s)
+
+    def _offer(self, epoch: EpochView) -> None:
+        """Rank 0, on the lighthouse client's thread: hand ``epoch`` to the relay thread (never blocks on the store)."""
+        with self._cond:
+            self._latest = epoch
+            self._cond.notify()
+
+    def _relay(self) -> None:
+        assert self._store is not None
+        k, sent = 0, 0
+
+        def due() -> bool:
+            return self._closed or (self._latest is not None and self._latest.number > sent)
+
+        while True:
+            with self._cond:
+                self._cond.wait_for(due)
+                epoch, closed = self._latest, self._closed
+            try:
+                k += 1
+                if closed:
+                    self._store.set(str(k), b"")  # type: ignore[arg-type]  # rank 0 is done
+                    return
+                assert epoch is not None
+                sent = epoch.number
+                self._store.set(str(k), view_to_pb(epoch).SerializeToString())  # type: ignore[arg-type]
+                self._store.set("n", str(k))
+                if k > KEEP:
+                    self._store.delete_key(str(k - KEEP))
+            except dist.DistError as e:  # the group's store is gone: the group is going down
+                log.warning("fthsdp replica=%s rank=0 epoch=%d: cannot relay epochs to the group's ranks: %s",
+                            self.client.replica_id, sent, e)
+                return
+
+    def _follow(self) -> None:
+        assert self._store is not None
+        while not self._closed:
+            k = self._next
+            try:
+                if not (self._store.check(["n"]) and int(self._store.get("n")) >= k):  # else: behind, take the newest
+                    self._store.wait([str(k)], timedelta(seconds=FOLLOW_WAIT_S))
+                newest = max(k, int(self._store.get("n"))) if self._store.check(["n"]) else k
+                raw = self._store.get(str(newest))
+            except dist.DistError as e:
+                if self._closed:
+                    return
+                if "timeout" in str(e):
+                    continue
+                log.warning("fthsdp replica=%s rank=%d: lost the epochs relayed by rank 0: %s",
+                            self.client.replica_id, self.rank, e)
+                return
+            if not raw:
+                return  # rank 0 closed
+            self.client.deliver(epoch_from_bytes(raw))
+            self._next = newest + 1
+
+    def close(self) -> None:
+        """Stop relaying (rank 0 wakes its followers first) or following, and wait for the thread to end: a thread
+        still inside the store's ``wait`` when the process exits aborts it. A follower wakes itself by writing the
+        empty key it waits for, on a connection of its own (its thread's is busy waiting); the group is closing
+        together, so a peer it wakes too was about to stop. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        thread = self._thread
+        if thread is None:
+            return
+        if self.rank != 0 and thread.is_alive():
+            try:
+                waker = self._connect()
+                for _ in range(3):  # the thread may move on to the next key between the write and its wait
+                    waker.set(str(self._next), b"")  # type: ignore[arg-type]  # (bytes work; the stub says str)
+                    thread.join(timeout=1.0)
+                    if not thread.is_alive():
+                        break
+            except dist.DistError as e:  # the group's store is gone: nothing to wake the thread with
+                log.info("fthsdp replica=%s rank=%d: cannot wake the epoch follower: %s", self.client.replica_id,
+                         self.rank, e)
+        thread.join(timeout=5)

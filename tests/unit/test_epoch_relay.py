@@ -1,0 +1,161 @@
+"""A replica group's epochs inside the group (fthsdp.runtime.epoch_relay): rank 0's session relays every epoch to
+the other ranks through the group's store, a follower that fell behind takes the newest, rank 0's close ends
+its followers, and an epoch crosses the store unchanged."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from ftar.membership import EpochFeed
+from fthsdp.runtime import epoch_relay
+from fthsdp.runtime.epoch_relay import GroupEpochs
+from lighthouse.client import LighthouseClient
+from lighthouse.epoch_view import EpochView
+from lighthouse.model import ACTIVE, JOINING, Endpoints, EpochMember
+from lighthouse.proto_codec import epoch_from_pb, view_to_pb
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _epoch(n: int) -> EpochView:
+    members = tuple(EpochMember(f"r{i}", f"inc{i}-{n}", ACTIVE if i else JOINING, 2,
+                                Endpoints(catchup=f"127.0.0.1:{9000 + i}")) for i in range(3))
+    return EpochView("job", n, members, f"lighthouse://job/epoch{n}", 1_700_000_000.5 + n, f"reason {n}",
+                     plane=n - 1)
+
+
+class _Leader:
+    """Rank 0's lighthouse client, without a lighthouse: ``start`` delivers the registration's epoch."""
+
+    replica_id, incarnation = "r0", "inc-r0"
+
+    def __init__(self, feed: EpochFeed) -> None:
+        self.feed = feed
+        self.started: list[bool] = []
+
+    def start(self, register: bool, deadline_s: float) -> str:
+        self.started.append(register)
+        self.feed.publish(_epoch(1))
+        return "registration"
+
+
+@pytest.fixture
+def master() -> Iterator[dist.TCPStore]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield store
+
+
+def _store(master: dist.TCPStore) -> Any:
+    def connect(prefix: str) -> dist.Store:
+        client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        return dist.PrefixStore(prefix, client)
+    return connect
+
+
+def _follower(master: dist.TCPStore) -> tuple[GroupEpochs, LighthouseClient]:
+    client = LighthouseClient("127.0.0.1:1", "job", "r0", incarnation="inc-r0")  # never started: no session
+    return GroupEpochs(client, EpochFeed(), 1, 2, store=_store(master)), client
+
+
+def test_an_epoch_crosses_unchanged() -> None:
+    e = _epoch(7)
+    assert epoch_from_pb(view_to_pb(e)) == e
+
+
+def test_rank_zero_relays_every_epoch_to_a_follower(master: dist.TCPStore) -> None:
+    feed = EpochFeed()
+    leader = _Leader(feed)
+    relay = GroupEpochs(leader, feed, 0, 2, store=_store(master))  # type: ignore[arg-type]
+    follower, client = _follower(master)
+    seen: list[int] = []
+    got = threading.Condition()
+
+    def record(e: EpochView) -> None:
+        with got:
+            seen.append(e.number)
+            got.notify_all()
+
+    original = client.deliver
+    client.deliver = lambda e: (original(e), record(e))  # type: ignore[method-assign]
+    try:
+        assert follower.start(5.0) is None  # a follower registers nothing
+        assert relay.start(5.0) == "registration" and leader.started == [True]
+        first = client.wait_epoch(0, timeout=10)
+        assert first == _epoch(1)
+        for n in range(2, 6):
+            feed.publish(_epoch(n))
+            with got:
+                assert got.wait_for(lambda n=n: n in seen, timeout=10), f"epoch {n} did not reach the follower"
+        assert client.epoch == _epoch(5)
+        assert seen == sorted(seen) and seen[-1] == 5
+        relay.close()
+        assert follower._thread is not None
+        follower._thread.join(timeout=10)
+        assert not follower._thread.is_alive(), "rank 0 closed, but its follower still waits"
+    finally:
+        relay.close()
+        follower.close()
+        client.close()
+
+
+def test_a_follower_behind_takes_the_newest(master: dist.TCPStore) -> None:
+    feed = EpochFeed()
+    relay = GroupEpochs(_Leader(feed), feed, 0, 2, store=_store(master))  # type: ignore[arg-type]
+    relay.start(5.0)
+    last = epoch_relay.KEEP + 20
+    probe = _store(master)("fthsdp/epochs/r0/inc-r0/")
+    for n in range(2, last + 1):
+        feed.publish(_epoch(n))
+        probe.wait([str(n)], datetime.timedelta(seconds=10))  # relayed as the n-th key
+    assert not probe.check(["1"]), "the relay keeps only the last KEEP epochs"
+    follower, client = _follower(master)
+    try:
+        follower.start(5.0)
+        e = client.wait_epoch(last - 1, timeout=10)
+        assert e == _epoch(last), f"the follower did not take the newest epoch: {e}"
+        relay.close()
+        assert follower._thread is not None
+        follower._thread.join(timeout=10)
+        assert not follower._thread.is_alive(), "rank 0 closed, but its follower still waits"
+    finally:
+        relay.close()
+        follower.close()
+        client.close()
+
+
+def test_a_single_rank_group_relays_nothing() -> None:
+    feed = EpochFeed()
+    leader = _Leader(feed)
+
+    def no_store(prefix: str) -> dist.Store:
+        raise AssertionError("a group of one rank needs no store")
+
+    relay = GroupEpochs(leader, feed, 0, 1, store=no_store)  # type: ignore[arg-type]
+    assert relay.start(5.0) == "registration"
+    relay.close()
+
+
+def test_the_group_store_needs_torchruns_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError, match="MASTER_ADDR and MASTER_PORT"):
+        epoch_relay.group_store("x/")
+
+
+def test_a_follower_stops_waiting_when_it_closes(master: dist.TCPStore) -> None:
+    """Its thread must leave the store's wait before the process exits (one left inside it aborts the process),
+    whether or not rank 0 closed first."""
+    follower, client = _follower(master)
+    try:
+        follower.start(5.0)
+        assert follower._thread is not None and follower._thread.is_alive()
+        follower.close()
+        assert not follower._thread.is_alive(), "the follower's thread still waits on the store"
+    finally:
+        client.close()
