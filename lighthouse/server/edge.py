@@ -4,6 +4,7 @@ the watchers) and keep liveness in step with the membership."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Iterable
@@ -11,6 +12,7 @@ from collections.abc import Iterable
 from lighthouse import membership as m
 from lighthouse import stragglers
 from lighthouse.errors import EpochFenced, StoreUnavailable
+from lighthouse.events import Registered
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.server.jobs import Job, clock
 from lighthouse.state_doc import durable_change, state_to_doc
@@ -32,6 +34,18 @@ def _changed_members(before: m.State, after: m.State, event: m.Event) -> tuple[I
     return after.members.keys() - before.members.keys(), before.members.keys() - after.members.keys()
 
 
+LOG_MEMBERS_UP_TO = 32
+"""An epoch's log line names its members up to this many; a larger one gives its counts per role (a line per epoch
+of 10,000 names would be 200 KB, written on the event loop at every change)."""
+
+
+def _members_text(members: tuple[m.EpochMember, ...]) -> str:
+    if len(members) <= LOG_MEMBERS_UP_TO:
+        return ",".join(f"{x.replica_id}:{x.role}" for x in members)
+    roles = collections.Counter(x.role for x in members)
+    return f"{len(members)} ({', '.join(f'{n} {role}' for role, n in sorted(roles.items()))})"
+
+
 class Edge:
     """Feeds events into ``membership.decide`` for the jobs of one lighthouse."""
 
@@ -40,6 +54,8 @@ class Edge:
         self.policy = policy
         self.metrics = metrics
         self._store_error_logged: dict[str, float] = {}
+        self.last_change = clock()
+        """When an epoch was last published (``clock()``): the garbage collector's quiet time counts from it."""
 
     async def apply(self, job: Job, event: m.Event) -> m.Outcome:
         """Decide ``event``; persist and publish the epoch it forms. A write the store refuses (fenced, or
@@ -70,7 +86,12 @@ class Edge:
         if new_epoch is not None:
             self._publish(job, new_epoch)
         elif out.events:
-            log.info("lighthouse job=%s epoch=%d %s", job.job_id, job.number, out.reason)
+            # A bootstrap's registrations (thousands, before the first epoch) are told at DEBUG: the first epoch says
+            # who is in it.
+            quiet = job.number == 0 and all(isinstance(e, Registered) for e in out.events)
+            level = logging.DEBUG if quiet else logging.INFO
+            if log.isEnabledFor(level):
+                log.log(level, "lighthouse job=%s epoch=%d %s", job.job_id, job.number, out.reason)
         return out
 
     async def tick(self, job: Job, disconnected: frozenset[str] = frozenset()) -> None:
@@ -118,8 +139,9 @@ class Edge:
             await asyncio.to_thread(self.store.save, job.job_id, before.last_number, doc)
 
     def _publish(self, job: Job, epoch: m.Epoch) -> None:
+        self.last_change = clock()
         job.set_epoch(epoch)
         self.metrics.observe_epoch(job.job_id, job.state)
         log.info("lighthouse job=%s epoch=%d members=%s reason=%s", job.job_id, epoch.number,
-                 ",".join(f"{x.replica_id}:{x.role}" for x in epoch.members), epoch.reason)
+                 _members_text(epoch.members), epoch.reason)
         job.wake()

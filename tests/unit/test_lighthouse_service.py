@@ -682,3 +682,23 @@ def test_a_finished_job_stays_finished_across_a_restart_on_a_durable_store(
     assert "a" not in second.state().members  # not registered
     st = status(stub)
     assert st.finished and st.finished_step == 10 and st.epoch.number == number
+
+
+def test_a_burst_of_calls_waits_for_a_busy_event_loop_instead_of_being_rejected(
+        server: ServerThread, channel_to: Callable[[ServerThread], grpc.Channel]) -> None:
+    """Thousands of groups open their sessions together (a job's start, a failover): gRPC's core holds the calls
+    the event loop has not taken yet; beyond 1,000 (its default) it rejected them, which the clients saw as
+    INTERNAL. 1,500 calls while the loop is busy: none is turned away, all are answered once it is free."""
+    busy = threading.Event()
+    server.loop.call_soon_threadsafe(busy.wait, 30)  # the loop is busy until released (bounded)
+    stub = pb_grpc.LighthouseStub(channel_to(server))
+    calls = [stub.Status.future(pb.StatusRequest(job_id=JOB), timeout=60) for _ in range(1500)]
+    answered = threading.Event()
+    for c in calls:
+        c.add_done_callback(lambda _: answered.set())
+    try:
+        assert not answered.wait(3.0), "a call ended while the event loop had not taken it: turned away"
+    finally:
+        busy.set()
+    codes = [c.exception().code() if c.exception() is not None else grpc.StatusCode.OK for c in calls]
+    assert codes == [grpc.StatusCode.OK] * len(calls), {code.name: codes.count(code) for code in set(codes)}
