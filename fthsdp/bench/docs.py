@@ -186,6 +186,30 @@ def _plot_recovery(table: list[dict[str, Any]], fthsdp_real: bool, path: pathlib
     plt.close(fig)
 
 
+def _torchft_lighthouse_rows(rows: list[dict[str, Any]] | None) -> list[str]:
+    """torchft's lighthouse in the same invocation (``--vs torchft``), if it ran."""
+    if not rows:
+        return []
+    out = ["torchft 0.2.0's lighthouse in the same invocation (`--vs torchft`, "
+           "`fthsdp/bench/baselines/torchft_lighthouse.py`): its `torchft_lighthouse` process and N emulated torchft "
+           "groups, a thread and a client each, heartbeating at the same interval, heartbeat timeout five intervals. "
+           "A torchft group learns its membership only from its own `quorum` call (at its next step) and a death only "
+           "from the victim's silence: *death -> all* = kill -> the last survivor's next `quorum` returns without it; "
+           "*after its timeout* = the part after the victim's last heartbeat plus the timeout.", "",
+           "| replicas | hb interval (s) | heartbeat timeout (s) | bootstrap (s) | death -> all (s) | "
+           "after its timeout (s) | call errors | load (1 min) |", "|" + " ---: |" * 8]
+    for r in rows:
+        if r.get("skipped"):
+            out.append(f"| {r['replicas']:,} | {r['heartbeat_interval_s']:g} | {r['heartbeat_timeout_s']:g} | "
+                       f"not run: {r['skipped']} | | | | |")
+            continue
+        out.append(f"| {r['replicas']:,} | {r['heartbeat_interval_s']:g} | {r['heartbeat_timeout_s']:g} | "
+                   f"{fmt(r.get('bootstrap_s'), '.1f')} | {fmt(r.get('death_to_all_s'), '.2f')} | "
+                   f"{fmt(r.get('after_timeout_s'), '.2f')} | {r.get('call_errors', '–')} | "
+                   f"{r.get('loadavg_1min', '–')} |" + (f" {r['error']}" if r.get("error") else ""))
+    return [*out, ""]
+
+
 def section_lighthouse(lh: dict[str, Any] | None, sat: dict[str, Any] | None, notes: dict[str, Any] | None,
                        img: pathlib.Path) -> list[str]:
     out = ["## Lighthouse at scale: emulated replica groups", ""]
@@ -227,6 +251,7 @@ def section_lighthouse(lh: dict[str, Any] | None, sat: dict[str, Any] | None, no
         out += ["Calls and streams that failed, by status (each failed session reconnected): "
                 + "; ".join(f"{n:,}: " + ", ".join(f"{k} {v}" for k, v in e.items()) for n, e in errors.items())
                 + ".", ""]
+    out += _torchft_lighthouse_rows(lh.get("torchft"))
     for line in (notes or {}).get("lighthouse", ()):
         out += [line, ""]
     _plot_lighthouse(res, img / "bench-lighthouse.png")

@@ -210,11 +210,18 @@ def auto_interval(n: int, budget: float = HEARTBEAT_BUDGET_PER_S) -> float:
 
 
 def bench_lighthouse(replicas: list[int], deaths: int = 5, window_s: float = 5.0,
-                     interval: float = 1.0, rejoins: bool = True, ranks: int = 8) -> LighthouseResult:
-    """``interval`` 0: automatic (``auto_interval``) per replica count; ``ranks`` per emulated replica group."""
+                     interval: float = 1.0, rejoins: bool = True, ranks: int = 8,
+                     vs_torchft: bool = False) -> LighthouseResult:
+    """``interval`` 0: automatic (``auto_interval``) per replica count; ``ranks`` per emulated replica group;
+    ``vs_torchft``: then torchft's lighthouse at each size, with heartbeats at the same interval."""
     results = [asyncio.run(_bench_one(n, deaths, window_s, interval or auto_interval(n), rejoins, ranks))
                for n in replicas]
-    return LighthouseResult(cpus=os.cpu_count(), sizes=results)
+    torchft = None
+    if vs_torchft:
+        from fthsdp.bench.baselines.torchft_lighthouse import bench_torchft_lighthouse
+
+        torchft = [bench_torchft_lighthouse(n, interval or auto_interval(n)) for n in replicas]
+    return LighthouseResult(cpus=os.cpu_count(), sizes=results, torchft=torchft)
 
 
 async def _saturation_one(n: int, interval: float, window_s: float) -> dict[str, Any]:

@@ -74,9 +74,14 @@ class LighthouseResult(_AsJson):
     cpus: int | None
     sizes: list[LighthouseRun]
     benchmark: str = "lighthouse"
+    torchft: list[dict[str, Any]] | None = None
+    """``--vs torchft``: torchft's lighthouse at the same sizes (``fthsdp.bench.baselines.torchft_lighthouse``)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"benchmark": self.benchmark, "cpus": self.cpus, "sizes": [r.to_json() for r in self.sizes]}
+        out = {"benchmark": self.benchmark, "cpus": self.cpus, "sizes": [r.to_json() for r in self.sizes]}
+        if self.torchft is not None:
+            out["torchft"] = self.torchft
+        return out
 
 
 def format_lighthouse(r: LighthouseResult) -> str:
@@ -89,6 +94,13 @@ def format_lighthouse(r: LighthouseResult) -> str:
                      f"{x.detect_p50_s:>10} {x.push_p99_s:>9} "
                      f"{x.death_to_all_p50_s:>9}/{x.death_to_all_p99_s:<9} {x.rejoin_to_all_p99_s!s:>15} "
                      f"{x.cancelled_calls:>9} {x.healthy_evicted:>7}")
+    for t in r.torchft or ():
+        if t.get("skipped"):
+            lines.append(f"torchft {t['replicas']:>8}: {t['skipped']}")
+            continue
+        lines.append(f"torchft {t['replicas']:>8}: bootstrap {t.get('bootstrap_s')} s, death -> all "
+                     f"{t.get('death_to_all_s')} s ({t.get('after_timeout_s')} s after its "
+                     f"{t['heartbeat_timeout_s']:g} s heartbeat timeout){'; ' + t['error'] if t.get('error') else ''}")
     return "\n".join(lines)
 
 

@@ -19,7 +19,7 @@ def cmd_bench_lighthouse(a: argparse.Namespace) -> None:
     from fthsdp.bench.results import format_lighthouse
 
     result = bench_lighthouse(a.replicas, deaths=a.deaths, window_s=a.window, interval=a.heartbeat_interval,
-                              rejoins=not a.no_rejoins, ranks=a.ranks)
+                              rejoins=not a.no_rejoins, ranks=a.ranks, vs_torchft=a.vs == "torchft")
     emit(result, a.json, format_lighthouse)
 
 
@@ -86,6 +86,8 @@ def register(sub: Subparsers) -> None:
     bl.add_argument("--no-rejoins", action="store_true", help="skip bringing the dead replicas back")
     bl.add_argument("--ranks", type=int, default=8,
                     help="ranks per emulated replica group (its session's holder hands epochs to the others)")
+    bl.add_argument("--vs", choices=["torchft"], default=None,
+                    help="also run torchft's lighthouse at each size (one death each, heartbeats at the same budget)")
     bl.add_argument("--json", action="store_true")
     bl.set_defaults(fn=cmd_bench_lighthouse)
     bf = bsub.add_parser("ftar", help="FTAR vs plain all_reduce; rebuild time; stall on a SIGKILL mid-exchange")
