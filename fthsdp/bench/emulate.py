@@ -7,10 +7,11 @@ it; the benchmark loads the lighthouse with it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +25,23 @@ from lighthouse.security import ClientSecurity
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 
 log = logging.getLogger("fthsdp.emulate")
-FREEZE_EVERY = 256
-"""While thousands of emulated replicas start, what they hold is moved out of the garbage collector's sight every
-this many (``gc.freeze``): one heap holds all their clients, so a full collection walks them all (measured: 2.2 s of
-collections, up to 0.5 s each, in a 5,000-group bootstrap), which a real replica, alone in its process with a heap
-of its own, never pays."""
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside, and what exists at the end moved out of its sight
+    (``gc.freeze``). One heap holds every emulated replica's client, so a collection walks them all: 2 s of
+    collections, up to 0.5-1.1 s each, while 5,000-10,000 groups start or an epoch reaches them (measured), which a real
+    replica, alone in its process with a heap of its own, never pays. The benchmark measures the lighthouse, so the
+    emulator keeps its collector out of the way while it measures."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if was:
+            gc.enable()
 
 
 class _OwnConnectionClient(AsyncLighthouseClient):
@@ -134,27 +147,20 @@ class Emulator:
             if role == m.JOINING:
                 self._spawn(self._join(r))  # in the background: it may wait for other joiners
 
-        registered = 0
-
         async def reg(r: EmulatedReplica) -> None:
-            nonlocal registered
             async with sem:
                 role = (await r.client.register()).role
-            registered += 1
-            if registered % FREEZE_EVERY == 0:
-                gc.freeze()  # see FREEZE_EVERY
             if sessions_after:
                 roles[r.replica_id] = role
             else:
                 # Heartbeat from now on: waiting for everyone else to register first could outlast the timeout.
                 begin(r, role)
 
-        await asyncio.gather(*(reg(r) for r in self.replicas))
-        for i, r in enumerate(self.replicas):
-            if r.replica_id in roles:
-                begin(r, roles[r.replica_id])
-            if i % FREEZE_EVERY == 0:
-                gc.freeze()
+        with collector_paused():
+            await asyncio.gather(*(reg(r) for r in self.replicas))
+            for r in self.replicas:
+                if r.replica_id in roles:
+                    begin(r, roles[r.replica_id])
 
     def _start_session(self, r: EmulatedReplica) -> None:
         def lost(why: str) -> None:

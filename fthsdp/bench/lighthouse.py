@@ -23,7 +23,7 @@ import time
 import urllib.request
 from typing import Any
 
-from fthsdp.bench.emulate import Emulator
+from fthsdp.bench.emulate import Emulator, collector_paused
 from fthsdp.bench.results import LighthouseResult, LighthouseRun
 from fthsdp.testing.lighthouse_process import start_lighthouse_process
 from fthsdp.testing.procutil import stop_process
@@ -84,119 +84,122 @@ async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejo
             pathlib.Path(tmp))
         port = int(addr.rsplit(":", 1)[1])
         emu = Emulator(addr, n, prefix="bench", rpc_timeout_s=max(5.0, n / 250), ranks=ranks)
-        try:
-            t0 = time.perf_counter()
-            await emu.start(concurrency=32, sessions_after=True)
-            if not await emu.wait_all_have(lambda e: len(e.members) == n, timeout=60 + n / 20):
-                raise RuntimeError(f"the first epoch with {n} members did not reach every replica")
-            bootstrap_s = time.perf_counter() - t0
-            # The emulator holds N replicas' clients in one heap, so its full garbage collections pause every
-            # emulated replica at once (hundreds of ms at N=1000), which real replicas, each in its own process,
-            # do not suffer. Exclude what exists after bootstrap from collection so the measured push delays are
-            # the lighthouse's, not the emulator's.
-            gc.collect()
-            gc.freeze()
-            await asyncio.sleep(interval)  # settle one heartbeat period before measuring
-            hb0, cpu0, w0 = sum(r.client.heartbeats for r in emu.replicas), _cpu_seconds(proc.pid), time.perf_counter()
-            own0 = _own_cpu_seconds()
-            await asyncio.sleep(max(window_s, 2 * interval))  # the measuring window: two heartbeat periods at least
-            hb1, cpu1, w1 = sum(r.client.heartbeats for r in emu.replicas), _cpu_seconds(proc.pid), time.perf_counter()
-            own1 = _own_cpu_seconds()
-            connections, streams = _established(port), await asyncio.to_thread(_streams, http)
-            status = await emu.replicas[0].client.status()
-            epoch_bytes = status.epoch.ByteSize()
-            push, detect, total, change_bytes = [], [], [], []
-            churn_cpu0, churn_w0, churn_own0 = _cpu_seconds(proc.pid), time.perf_counter(), _own_cpu_seconds()
-            victims = []
-            for i in range(deaths):
-                alive = emu.alive()
-                victim, reporter = alive[-1], alive[0]
-                before = reporter.epoch.number if reporter.epoch else 0
-                bytes_before = {id(r): r.client.update_bytes for r in alive}
-                killed_at = time.time()
-                await emu.kill(victim)
-                await emu.report(reporter, victim)
-                gone = victim.replica_id
+        # The emulator holds N replicas' clients in one heap, so its garbage collections pause every emulated
+        # replica at once (up to a second at N=10,000), which real replicas, each in its own process, do not
+        # suffer: its collector stays off while it measures (``collector_paused``), so the delays are the
+        # lighthouse's, not the emulator's.
+        with collector_paused():
+            try:
+                t0 = time.perf_counter()
+                await emu.start(concurrency=32, sessions_after=True)
+                if not await emu.wait_all_have(lambda e: len(e.members) == n, timeout=60 + n / 20):
+                    raise RuntimeError(f"the first epoch with {n} members did not reach every replica")
+                bootstrap_s = time.perf_counter() - t0
+                gc.collect()  # the bootstrap's garbage, before measuring (an explicit collection runs while paused)
+                gc.freeze()
+                await asyncio.sleep(interval)  # settle one heartbeat period before measuring
+                hb0 = sum(r.client.heartbeats for r in emu.replicas)
+                cpu0, w0 = _cpu_seconds(proc.pid), time.perf_counter()
+                own0 = _own_cpu_seconds()
+                await asyncio.sleep(max(window_s, 2 * interval))  # the measuring window: two heartbeat periods or more
+                hb1 = sum(r.client.heartbeats for r in emu.replicas)
+                cpu1, w1 = _cpu_seconds(proc.pid), time.perf_counter()
+                own1 = _own_cpu_seconds()
+                connections, streams = _established(port), await asyncio.to_thread(_streams, http)
+                status = await emu.replicas[0].client.status()
+                epoch_bytes = status.epoch.ByteSize()
+                push, detect, total, change_bytes = [], [], [], []
+                churn_cpu0, churn_w0, churn_own0 = _cpu_seconds(proc.pid), time.perf_counter(), _own_cpu_seconds()
+                victims = []
+                for i in range(deaths):
+                    alive = emu.alive()
+                    victim, reporter = alive[-1], alive[0]
+                    before = reporter.epoch.number if reporter.epoch else 0
+                    bytes_before = {id(r): r.client.update_bytes for r in alive}
+                    killed_at = time.time()
+                    await emu.kill(victim)
+                    await emu.report(reporter, victim)
+                    gone = victim.replica_id
 
-                def without_victim(e: Any, before: int = before, gone: str = gone) -> bool:
-                    return e.number > before and e.member(gone) is None
+                    def without_victim(e: Any, before: int = before, gone: str = gone) -> bool:
+                        return e.number > before and e.member(gone) is None
 
-                ok = await emu.wait_all_have(without_victim, timeout=10 * interval + 5 + n / 200)
-                if not ok:
-                    raise RuntimeError(f"death {i}: the new epoch did not reach every member")
-                epoch = reporter.epoch
-                assert epoch is not None
-                got = [r.received[epoch.number] for r in emu.alive()]
-                push += [g - epoch.created_unix for g in got]
-                detect.append(epoch.created_unix - killed_at)
-                total.append(max(got) - killed_at)
-                change_bytes += [r.client.update_bytes - bytes_before[id(r)] for r in emu.alive()]
-                victims.append(victim)
-                log.info("bench lighthouse replicas=%d death=%d detect=%.4fs push p50=%.4fs max=%.4fs all=%.4fs", n,
-                         i, detect[-1], _pct([g - epoch.created_unix for g in got], 0.5),
-                         max(got) - epoch.created_unix, total[-1])
-            rejoin_total, rejoin_push = [], []
-            if rejoins:
-                for i, dead in enumerate(victims):
-                    t_reg = time.time()
-                    r = await emu.restart(dead)
-                    rid, inc = r.replica_id, r.client.incarnation
-
-                    def active(e: Any, rid: str = rid, inc: str = inc) -> bool:
-                        x = e.member(rid)
-                        return x is not None and x.incarnation == inc and x.role == "active"
-
-                    if not await emu.wait_all_have(active, timeout=10 * interval + 10 + n / 100):
-                        raise RuntimeError(f"rejoin {i}: the epoch with {rid} active did not reach every member")
-                    epoch = r.epoch
+                    ok = await emu.wait_all_have(without_victim, timeout=10 * interval + 5 + n / 200)
+                    if not ok:
+                        raise RuntimeError(f"death {i}: the new epoch did not reach every member")
+                    epoch = reporter.epoch
                     assert epoch is not None
-                    got = [x.received[epoch.number] for x in emu.alive()]
-                    rejoin_push += [g - epoch.created_unix for g in got]
-                    rejoin_total.append(max(got) - t_reg)
-            churn_cpu1, churn_w1, churn_own1 = _cpu_seconds(proc.pid), time.perf_counter(), _own_cpu_seconds()
-            errors: collections.Counter[str] = collections.Counter()
-            for r in emu.replicas:
-                errors.update(r.client.errors)
-            return LighthouseRun(
-                replicas=n,
-                ranks_per_replica=ranks,
-                heartbeat_interval_s=interval,
-                heartbeat_timeout_s=timeout,
-                bootstrap_s=round(bootstrap_s, 3),
-                epoch_message_bytes=epoch_bytes,
-                epoch_change_bytes=round(statistics.median(change_bytes)) if change_bytes else 0,
-                heartbeats_per_s=round((hb1 - hb0) / (w1 - w0), 1),
-                heartbeats_offered_per_s=round(n / interval, 1),
-                heartbeat_ratio=round((hb1 - hb0) / (w1 - w0) / (n / interval), 3),
-                lighthouse_cpu_pct=round(100 * (cpu1 - cpu0) / (w1 - w0), 1),
-                emulator_cpu_pct=round(100 * (own1 - own0) / (w1 - w0), 1),
-                lighthouse_connections=connections,
-                lighthouse_streams=streams,
-                deaths=deaths,
-                detect_p50_s=round(statistics.median(detect), 4),
-                detect_p99_s=round(_pct(detect, 0.99), 4),
-                push_p50_s=round(_pct(push, 0.5), 4),
-                push_p99_s=round(_pct(push, 0.99), 4),
-                death_to_all_p50_s=round(_pct(total, 0.5), 4),
-                death_to_all_p99_s=round(_pct(total, 0.99), 4),
-                rejoins=len(rejoin_total),
-                rejoin_to_all_p50_s=round(_pct(rejoin_total, 0.5), 4) if rejoin_total else None,
-                rejoin_to_all_p99_s=round(_pct(rejoin_total, 0.99), 4) if rejoin_total else None,
-                rejoin_push_p50_s=round(_pct(rejoin_push, 0.5), 4) if rejoin_push else None,
-                rejoin_push_p99_s=round(_pct(rejoin_push, 0.99), 4) if rejoin_push else None,
-                lighthouse_cpu_pct_churn=round(100 * (churn_cpu1 - churn_cpu0) / (churn_w1 - churn_w0), 1),
-                emulator_cpu_pct_churn=round(100 * (churn_own1 - churn_own0) / (churn_w1 - churn_w0), 1),
-                churn_s=round(churn_w1 - churn_w0, 2),
-                cancelled_calls=errors["CANCELLED"],
-                call_errors=dict(sorted(errors.items())),
-                healthy_evicted=emu.evicted,
-                loadavg_1min=round(os.getloadavg()[0], 2),
-                measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            )
-        finally:
-            gc.unfreeze()
-            await emu.close()
-            stop_process(proc)
+                    got = [r.received[epoch.number] for r in emu.alive()]
+                    push += [g - epoch.created_unix for g in got]
+                    detect.append(epoch.created_unix - killed_at)
+                    total.append(max(got) - killed_at)
+                    change_bytes += [r.client.update_bytes - bytes_before[id(r)] for r in emu.alive()]
+                    victims.append(victim)
+                    log.info("bench lighthouse replicas=%d death=%d detect=%.4fs push p50=%.4fs max=%.4fs all=%.4fs", n,
+                             i, detect[-1], _pct([g - epoch.created_unix for g in got], 0.5),
+                             max(got) - epoch.created_unix, total[-1])
+                rejoin_total, rejoin_push = [], []
+                if rejoins:
+                    for i, dead in enumerate(victims):
+                        t_reg = time.time()
+                        r = await emu.restart(dead)
+                        rid, inc = r.replica_id, r.client.incarnation
+
+                        def active(e: Any, rid: str = rid, inc: str = inc) -> bool:
+                            x = e.member(rid)
+                            return x is not None and x.incarnation == inc and x.role == "active"
+
+                        if not await emu.wait_all_have(active, timeout=10 * interval + 10 + n / 100):
+                            raise RuntimeError(f"rejoin {i}: the epoch with {rid} active did not reach every member")
+                        epoch = r.epoch
+                        assert epoch is not None
+                        got = [x.received[epoch.number] for x in emu.alive()]
+                        rejoin_push += [g - epoch.created_unix for g in got]
+                        rejoin_total.append(max(got) - t_reg)
+                churn_cpu1, churn_w1, churn_own1 = _cpu_seconds(proc.pid), time.perf_counter(), _own_cpu_seconds()
+                errors: collections.Counter[str] = collections.Counter()
+                for r in emu.replicas:
+                    errors.update(r.client.errors)
+                return LighthouseRun(
+                    replicas=n,
+                    ranks_per_replica=ranks,
+                    heartbeat_interval_s=interval,
+                    heartbeat_timeout_s=timeout,
+                    bootstrap_s=round(bootstrap_s, 3),
+                    epoch_message_bytes=epoch_bytes,
+                    epoch_change_bytes=round(statistics.median(change_bytes)) if change_bytes else 0,
+                    heartbeats_per_s=round((hb1 - hb0) / (w1 - w0), 1),
+                    heartbeats_offered_per_s=round(n / interval, 1),
+                    heartbeat_ratio=round((hb1 - hb0) / (w1 - w0) / (n / interval), 3),
+                    lighthouse_cpu_pct=round(100 * (cpu1 - cpu0) / (w1 - w0), 1),
+                    emulator_cpu_pct=round(100 * (own1 - own0) / (w1 - w0), 1),
+                    lighthouse_connections=connections,
+                    lighthouse_streams=streams,
+                    deaths=deaths,
+                    detect_p50_s=round(statistics.median(detect), 4),
+                    detect_p99_s=round(_pct(detect, 0.99), 4),
+                    push_p50_s=round(_pct(push, 0.5), 4),
+                    push_p99_s=round(_pct(push, 0.99), 4),
+                    death_to_all_p50_s=round(_pct(total, 0.5), 4),
+                    death_to_all_p99_s=round(_pct(total, 0.99), 4),
+                    rejoins=len(rejoin_total),
+                    rejoin_to_all_p50_s=round(_pct(rejoin_total, 0.5), 4) if rejoin_total else None,
+                    rejoin_to_all_p99_s=round(_pct(rejoin_total, 0.99), 4) if rejoin_total else None,
+                    rejoin_push_p50_s=round(_pct(rejoin_push, 0.5), 4) if rejoin_push else None,
+                    rejoin_push_p99_s=round(_pct(rejoin_push, 0.99), 4) if rejoin_push else None,
+                    lighthouse_cpu_pct_churn=round(100 * (churn_cpu1 - churn_cpu0) / (churn_w1 - churn_w0), 1),
+                    emulator_cpu_pct_churn=round(100 * (churn_own1 - churn_own0) / (churn_w1 - churn_w0), 1),
+                    churn_s=round(churn_w1 - churn_w0, 2),
+                    cancelled_calls=errors["CANCELLED"],
+                    call_errors=dict(sorted(errors.items())),
+                    healthy_evicted=emu.evicted,
+                    loadavg_1min=round(os.getloadavg()[0], 2),
+                    measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                )
+            finally:
+                gc.unfreeze()
+                await emu.close()
+                stop_process(proc)
 
 
 HEARTBEAT_BUDGET_PER_S = 1000.0
