@@ -10,8 +10,8 @@ runs, e.g. ``out/bench/``) over them. Known files:
   a ``table`` list as ``fthsdp.bench.vs.compare`` returns it, at the top level or under ``vs``;
 - ``baselines.json``: ``python -m fthsdp.bench.vs --json`` without an fthsdp result (used while ``recovery.json``
   does not exist: the fthsdp row is then marked as a placeholder);
-- ``lighthouse.json``: ``fthsdp bench lighthouse --replicas 1000 5000 10000 --json`` (``sizes``; an older file
-  with ``results`` reads too);
+- ``lighthouse.json``: ``fthsdp bench lighthouse --replicas 1000 5000 10000 --vs torchft --json`` (``sizes``,
+  ``torchft``; an older file with ``results`` reads too);
 - ``saturation.json``: ``python -c "import json; from fthsdp.bench.lighthouse import saturation; print(json.dumps(
   saturation(1000)))"`` (heartbeats offered faster and faster to one lighthouse);
 - ``notes.json``: ``{"conditions": [lines], "lighthouse": [lines], "saturation": [lines]}``, prose written after
@@ -201,7 +201,7 @@ def _torchft_lighthouse_rows(rows: list[dict[str, Any]] | None) -> list[str]:
     for r in rows:
         if r.get("skipped"):
             out.append(f"| {r['replicas']:,} | {r['heartbeat_interval_s']:g} | {r['heartbeat_timeout_s']:g} | "
-                       f"not run: {r['skipped']} | | | | |")
+                       f"{r['skipped']} | | | | |")
             continue
         out.append(f"| {r['replicas']:,} | {r['heartbeat_interval_s']:g} | {r['heartbeat_timeout_s']:g} | "
                    f"{fmt(r.get('bootstrap_s'), '.1f')} | {fmt(r.get('death_to_all_s'), '.2f')} | "
@@ -561,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
               ".venv/bin/fthsdp bench recovery --json > out/bench/recovery-hsdp.json",
               ".venv/bin/fthsdp bench recovery --json > out/bench/recovery-cold.json",
               ".venv/bin/fthsdp bench recovery --warm-restarts --json > out/bench/recovery-warm.json",
-              ".venv/bin/fthsdp bench lighthouse --replicas 1000 5000 10000 --json > out/bench/lighthouse.json",
+              ".venv/bin/fthsdp bench lighthouse --replicas 1000 5000 10000 --vs torchft --json "
+              "> out/bench/lighthouse.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
               "make benchmarks-doc    # copies out/bench/*.json to docs/bench-data/, rewrites this page and its plots",
               "```", ""]
