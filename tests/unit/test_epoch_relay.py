@@ -63,6 +63,13 @@ def _follower(master: dist.TCPStore) -> tuple[GroupEpochs, LighthouseClient]:
     return GroupEpochs(client, EpochFeed(), 1, 2, store=_store(master)), client
 
 
+def _rank0_closes_and_ends(relay: GroupEpochs, follower: GroupEpochs) -> None:
+    relay.close()
+    assert follower._thread is not None
+    follower._thread.join(timeout=10)
+    assert not follower._thread.is_alive(), "rank 0 closed, but its follower still waits"
+
+
 def test_an_epoch_crosses_unchanged() -> None:
     e = _epoch(7)
     assert epoch_from_pb(view_to_pb(e)) == e
@@ -94,14 +101,10 @@ def test_rank_zero_relays_every_epoch_to_a_follower(master: dist.TCPStore) -> No
                 assert got.wait_for(lambda n=n: n in seen, timeout=10), f"epoch {n} did not reach the follower"
         assert client.epoch == _epoch(5)
         assert seen == sorted(seen) and seen[-1] == 5
-        relay.close()
-        assert follower._thread is not None
-        follower._thread.join(timeout=10)
-        assert not follower._thread.is_alive(), "rank 0 closed, but its follower still waits"
+        _rank0_closes_and_ends(relay, follower)
     finally:
-        relay.close()
-        follower.close()
-        client.close()
+        for x in (relay, follower, client):
+            x.close()
 
 
 def test_a_follower_behind_takes_the_newest(master: dist.TCPStore) -> None:
@@ -119,14 +122,10 @@ def test_a_follower_behind_takes_the_newest(master: dist.TCPStore) -> None:
         follower.start(5.0)
         e = client.wait_epoch(last - 1, timeout=10)
         assert e == _epoch(last), f"the follower did not take the newest epoch: {e}"
-        relay.close()
-        assert follower._thread is not None
-        follower._thread.join(timeout=10)
-        assert not follower._thread.is_alive(), "rank 0 closed, but its follower still waits"
+        _rank0_closes_and_ends(relay, follower)
     finally:
-        relay.close()
-        follower.close()
-        client.close()
+        for x in (relay, follower, client):
+            x.close()
 
 
 def test_a_single_rank_group_relays_nothing() -> None:
