@@ -82,26 +82,22 @@ class LighthouseClient:
         if self._on_epoch is not None:
             self._on_epoch(e)
 
-    def start(self, register: bool = True, deadline_s: float = 30.0) -> Registration | None:
-        """Register (retrying until ``deadline_s``) and start heartbeats and the watch.
-
-        With ``register=False`` only the watch runs (a rank of a group whose leader does not relay the epochs).
-        """
+    def start(self, deadline_s: float = 30.0) -> Registration:
+        """Register (retrying until ``deadline_s``) and start the session: heartbeats up, epochs down. A group's
+        other ranks do not start theirs: its rank 0 relays the epochs to them (``fthsdp.runtime.epoch_relay``)."""
         if self._session is not None:
             raise RuntimeError("LighthouseClient.start() called twice")
-        reg: Registration | None = None
-        if register:
-            reg = self._run(self._register_until(deadline_s), timeout=deadline_s + 1.0)
-            if reg.epoch.number:
-                self.deliver(reg.epoch)
+        reg = self._run(self._register_until(deadline_s), timeout=deadline_s + 1.0)
+        if reg.epoch.number:
+            self.deliver(reg.epoch)
         # Made here, not inside the session coroutine, so that a close() right after start() always finds it
         # (an asyncio.Event binds to the loop that first waits on it).
         stop = self._stop = asyncio.Event()
 
         async def session() -> None:
-            await self.aio.run(self.deliver, stop, register=register,
-                               step=lambda: self._step, on_lost=self._on_lost,
-                               known_epoch=self._latest.number if self._latest else 0)
+            # The group's ranks (its shard count) all get the epochs: rank 0 relays them to the others.
+            await self.aio.run(self.deliver, stop, step=lambda: self._step, on_lost=self._on_lost,
+                               known_epoch=self._latest.number if self._latest else 0, ranks=self.aio.shard_count)
 
         self._session = asyncio.run_coroutine_threadsafe(session(), self._loop)
         return reg

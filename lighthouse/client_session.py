@@ -42,12 +42,11 @@ class AsyncLighthouseClient(LighthouseStreams):
     background session."""
 
     async def run(self, on_epoch: Callable[[EpochView], None], stop: asyncio.Event, *,
-                  register: bool = True, step: Callable[[], int] = lambda: 0,
-                  on_lost: Callable[[str], None] | None = None, known_epoch: int = 0, ranks: int = 1) -> None:
+                  step: Callable[[], int] = lambda: 0, on_lost: Callable[[str], None] | None = None,
+                  known_epoch: int = 0, ranks: int = 1) -> None:
         """Heartbeat and watch until ``stop`` is set: on one session stream (``session``), or, with a lighthouse
-        that has none, with unary heartbeats beside a watch stream. ``register=False`` only watches (ranks
-        that do not hold the replica group's session). ``ranks``: the group's ranks the epochs reach
-        (informational, for the lighthouse).
+        that has none, with unary heartbeats beside a watch stream. ``ranks``: the group's ranks the epochs reach
+        (informational, for the lighthouse; its rank 0 relays them to the others: ``fthsdp.runtime.epoch_relay``).
 
         ``on_lost`` is told, and heartbeats stop, when this incarnation is over (declared dead, left or replaced),
         or when a lighthouse that lost it does not give it back its role (see the module's docstring).
@@ -68,16 +67,12 @@ class AsyncLighthouseClient(LighthouseStreams):
             if on_lost is not None:
                 on_lost(why)
 
-        if register:
-            tasks = [asyncio.create_task(self._session_loop(deliver, latest, held, step, stop, lost, ranks))]
-        else:
-            tasks = [asyncio.create_task(self._watch_loop(deliver, latest, stop))]
+        task = asyncio.create_task(self._session_loop(deliver, latest, held, step, stop, lost, ranks))
         try:
             await stop.wait()
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _session_loop(self, deliver: Callable[[EpochView], None], latest: dict[str, int],
                             held: list[EpochView], step: Callable[[], int], stop: asyncio.Event,

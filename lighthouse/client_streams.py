@@ -1,6 +1,6 @@
 """The lighthouse's streams from one replica (``LighthouseStreams``): the session (heartbeats up, epochs down as
-deltas, applied to the epoch held) and, for an older lighthouse or a rank that does not hold its group's session,
-the watch stream. Errors are typed as the calls' are (``lighthouse.client_rpc``)."""
+deltas, applied to the epoch held) and, for an older lighthouse without sessions, the watch stream. Errors are typed
+as the calls' are (``lighthouse.client_rpc``)."""
 
 from __future__ import annotations
 

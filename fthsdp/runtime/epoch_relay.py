@@ -71,13 +71,13 @@ class GroupEpochs:
         """Rank 0: register (retrying up to ``wait_s``) and start the session, relaying its epochs; the others:
         follow rank 0. Returns rank 0's registration."""
         if self._store is None:
-            return self.client.start(register=True, deadline_s=wait_s)
+            return self.client.start(deadline_s=wait_s)
         if self.rank != 0:
             self._thread = start_thread(self._follow, name="fthsdp-epoch-follower", device=None)
             return None
         self.feed.add_listener(self._offer)
         self._thread = start_thread(self._relay, name="fthsdp-epoch-relay", device=None)
-        return self.client.start(register=True, deadline_s=wait_s)
+        return self.client.start(deadline_s=wait_s)
 
     def _offer(self, epoch: EpochView) -> None:
         """Rank 0, on the lighthouse client's thread: hand ``epoch`` to the relay thread (never blocks on the store)."""
@@ -117,9 +117,9 @@ class GroupEpochs:
         while not self._closed:
             k = self._next
             try:
-                if not (self._store.check(["n"]) and int(self._store.get("n")) >= k):  # else: behind, take the newest
+                if self._relayed() < k:  # else: behind, take the newest at once
                     self._store.wait([str(k)], timedelta(seconds=FOLLOW_WAIT_S))
-                newest = max(k, int(self._store.get("n"))) if self._store.check(["n"]) else k
+                newest = max(k, self._relayed())
                 raw = self._store.get(str(newest))
             except dist.DistError as e:
                 if self._closed:
@@ -133,6 +133,11 @@ class GroupEpochs:
                 return  # rank 0 closed
             self.client.deliver(epoch_from_bytes(raw))
             self._next = newest + 1
+
+    def _relayed(self) -> int:
+        """The newest key rank 0 relayed (0: none yet)."""
+        assert self._store is not None
+        return int(self._store.get("n")) if self._store.check(["n"]) else 0
 
     def close(self) -> None:
         """Stop relaying (rank 0 wakes its followers first) or following, and wait for the thread to end: a thread

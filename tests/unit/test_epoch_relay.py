@@ -37,10 +37,10 @@ class _Leader:
 
     def __init__(self, feed: EpochFeed) -> None:
         self.feed = feed
-        self.started: list[bool] = []
+        self.started: list[float] = []
 
-    def start(self, register: bool, deadline_s: float) -> str:
-        self.started.append(register)
+    def start(self, deadline_s: float) -> str:
+        self.started.append(deadline_s)
         self.feed.publish(_epoch(1))
         return "registration"
 
@@ -92,7 +92,7 @@ def test_rank_zero_relays_every_epoch_to_a_follower(master: dist.TCPStore) -> No
     client.deliver = lambda e: (original(e), record(e))  # type: ignore[method-assign]
     try:
         assert follower.start(5.0) is None  # a follower registers nothing
-        assert relay.start(5.0) == "registration" and leader.started == [True]
+        assert relay.start(5.0) == "registration" and leader.started == [5.0]
         first = client.wait_epoch(0, timeout=10)
         assert first == _epoch(1)
         for n in range(2, 6):
