@@ -82,6 +82,8 @@ class Fetch:
         self._work: queue.Queue[list[tuple[int, int, int]]] = queue.Queue()
         self._remaining = -1
         self._alive = len(self.sources)
+        self._registered = 0
+        """Sources that registered the request (``QUEUED``) or already had the snapshot."""
         self._error: str = "" if self.sources else "no healthy replica to fetch from"
         self._t0 = time.perf_counter()
         self._t_manifest = 0.0
@@ -102,6 +104,19 @@ class Fetch:
     def done(self) -> bool:
         with self._lock:
             return self._remaining == 0 or self._alive == 0 or self._cancelled
+
+    def wait_registered(self, timeout: float) -> int:
+        """Wait until every source registered the request or failed (or ``timeout`` passed); returns how many
+        registered. A source that registered step S serves it: it cannot pass S's update while this replica
+        holds S's commit back, so a joiner waits for this before it sends its share of step S."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._registered + (len(self.sources) - self._alive) < len(self.sources) and not self._cancelled:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            return self._registered
 
     def cancel(self) -> None:
         """Abandon the fetch: connections are cut (the sources drop their snapshots), ``result`` raises."""
@@ -161,7 +176,15 @@ class Fetch:
             nonce = wire.parse_challenge(challenge)
             hello = dataclasses.replace(self.hello, proof=auth.proof(self._token, nonce, self.hello))
             wire.send_control(sock, Kind.HELLO, wire.hello_doc(hello))
-            kind, obj = wire.recv_control(sock, (Kind.REDIRECT, Kind.MANIFEST))
+            kind, obj = wire.recv_control(sock, (Kind.REDIRECT, Kind.QUEUED, Kind.MANIFEST))
+            if kind != Kind.REDIRECT:
+                with self._lock:
+                    self._registered += 1
+                    self._lock.notify_all()
+            if kind == Kind.QUEUED:
+                if (queued := wire.parse_queued(obj)) != self.hello.step:
+                    raise ProtocolError(f"asked for step {self.hello.step}, queued for step {queued}")
+                kind, obj = wire.recv_control(sock, (Kind.MANIFEST,))
             if kind == Kind.MANIFEST:
                 sock.settimeout(self.io_timeout_s)
                 self._accept_manifest(wire.parse_manifest(obj))

@@ -1,9 +1,14 @@
 """The catch-up server of one rank of a healthy replica.
 
-A joiner asks for the snapshot of step S (the state after committing step S-1), with S still ahead of this
-rank. The training thread takes the snapshot itself at that commit boundary (``at_commit``): a copy of the
-rank's parameter and optimizer-state shards, data cursors and RNG state, never parameters in flight. Connection
-threads stream it from the copy while training goes on, and drop it once no joiner needs it.
+A joiner asks for the snapshot of step S (the state after committing step S-1). The training thread tells the
+server where it is: ``at_commit(S)`` at the commit boundary before step S, ``before_update(S)`` just before step
+S's optimizer update, the first change to that state (its forward and backward leave the parameter and
+optimizer-state shards alone). In between, the state of step S stands still, so a request for S that arrives
+before ``before_update(S)`` (or for a later step) is registered, answered ``QUEUED``, and a snapshot thread copies
+the state (the rank's parameter and optimizer-state shards, data cursors, trainer state and RNG as of the boundary)
+while training goes on; ``before_update(S)`` waits for a copy in progress. The training thread copies nothing.
+Connection threads stream from the copy and drop it once no joiner needs it. A joiner that waits for ``QUEUED``
+before it lets step S commit (its zeros of step S) is sure to be served step S.
 
 Every session starts with a challenge (``fthsdp.catchup.auth``): the joiner proves the job token without sending
 it, and is admitted only as a joining member, with its incarnation, of this replica's current epoch; a request
@@ -35,7 +40,9 @@ class InsecureServing(CatchupError):
 
 
 SnapshotFn = Callable[[], Sequence[tuple[str, torch.Tensor]]]
-"""Returns (name, CPU contiguous tensor) for everything a joiner needs, copied: called on the training thread."""
+"""Returns (name, CPU contiguous tensor) for everything a joiner needs, copied: the state of step S. Called on a
+snapshot thread between ``at_commit(S)`` and ``before_update(S)``, while the training thread leaves that state
+alone."""
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -92,6 +99,12 @@ class CatchupServer:
         self._lock = threading.Condition()
         self._step = -1
         self._active = False
+        self._updating = False
+        """The training thread passed ``before_update(self._step)``: the state of that step is gone."""
+        self._copying: int | None = None
+        """The step a snapshot thread is copying."""
+        self._failed = -1
+        """The last step whose copy failed."""
         self._requested: dict[int, int] = {}
         self._snapshots: dict[int, _Snapshot] = {}
         self._sessions = 0
@@ -107,26 +120,68 @@ class CatchupServer:
     # --- the training thread ------------------------------------------------------------------------------------
 
     def at_commit(self, step: int, active: bool) -> None:
-        """Called at every commit boundary with the step about to be trained: takes the snapshot of ``step`` if a
-        joiner asked for it. Cheap otherwise."""
+        """Called at every commit boundary with the step about to be trained: its state stands still until
+        ``before_update(step)``. Starts the snapshot of ``step`` if a joiner asked for it. Cheap otherwise."""
         with self._lock:
-            self._step, self._active = step, active
-            waiting = self._requested.pop(step, 0)
+            self._step, self._active, self._updating = step, active, False
             late = [s for s in self._requested if s < step]
-            for s in late:  # cannot happen with joiners that ask ahead; fail them rather than hang them
+            for s in late:  # cannot happen with joiners that wait for QUEUED; fail them rather than hang them
                 del self._requested[s]
-            if waiting and active and step not in self._snapshots:
-                t0 = time.perf_counter()
-                pairs = list(self._take())
+            if self._requested.get(step) and active:
+                self._start_copy(step)
+            if late:
+                self._lock.notify_all()
+
+    def before_update(self, step: int) -> None:
+        """Called on the training thread just before step ``step``'s optimizer update changes the state: waits for
+        a snapshot of it in progress (copies run while the step's forward and backward do). Later requests for
+        ``step`` are too late."""
+        with self._lock:
+            while self._copying == step:
+                self._lock.wait(1.0)
+            self._updating = True
+            if self._requested.pop(step, 0):  # cannot happen: a request for the current step starts its copy
+                self._lock.notify_all()
+
+    def _start_copy(self, step: int) -> None:
+        """(Lock held.) Copy the state of ``step`` (the current one) on a snapshot thread, once."""
+        if self._copying is None and step not in self._snapshots:
+            self._copying = step
+            start_thread(self._copy, args=(step,), name=f"catchup-snapshot-r{self.rank}", device=None)
+
+    def _copy(self, step: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            pairs: list[tuple[str, torch.Tensor]] | None = list(self._take())
+        except Exception:  # a bug in the snapshot function: the joiners are refused, training goes on
+            log.exception("catchup replica=%s rank=%d step=%d: the snapshot failed", self.replica_id, self.rank,
+                          step)
+            pairs = None
+        with self._lock:
+            self._copying = None
+            waiting = self._requested.pop(step, 0)
+            if pairs is None:
+                self._failed = step
+            elif waiting:
                 tensors = [t for _, t in pairs]
                 entries = tuple(Entry(n, str(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in pairs)
                 self._snapshots[step] = _Snapshot(step, entries, [tensor_bytes(t) for t in tensors], tensors, waiting)
                 log.info("catchup replica=%s rank=%d step=%d snapshot taken for %d joiner session(s): %d tensors, "
                          "%.1f MB in %.3fs", self.replica_id, self.rank, step, waiting, len(pairs),
                          sum(e.nbytes for e in entries) / 1e6, time.perf_counter() - t0)
-            elif waiting and step in self._snapshots:
-                self._snapshots[step].refs += waiting
-            if waiting or late:
+            self._lock.notify_all()
+
+    def _release(self, step: int) -> None:
+        """(Lock held.) A session that registered for ``step`` is gone: its count is in ``_requested`` until the
+        snapshot is taken, then in the snapshot's references."""
+        if self._requested.get(step):
+            self._requested[step] -= 1
+            if not self._requested[step]:
+                del self._requested[step]
+        elif step in self._snapshots:
+            self._snapshots[step].refs -= 1
+            if self._snapshots[step].refs <= 0:
+                del self._snapshots[step]
                 self._lock.notify_all()
 
     def close(self, drain_s: float = 10.0) -> None:
@@ -224,7 +279,7 @@ class CatchupServer:
         return None
 
     def _wait_for(self, conn: socket.socket, hello: wire.Hello) -> _Snapshot | None:
-        """Register the request for step S, wait (bounded) for the training thread to take it."""
+        """Register the request for step S, answer ``QUEUED``, wait (bounded) for the snapshot thread to take it."""
         s = hello.step
         deadline = time.monotonic() + self.wait_s
         with self._lock:
@@ -237,16 +292,28 @@ class CatchupServer:
             if s in self._snapshots:
                 self._snapshots[s].refs += 1
                 return self._snapshots[s]
-            if s <= self._step:
-                self._refuse(conn, "too_late", f"step {s} is past: this replica is at step {self._step}")
+            if s < self._step or (s == self._step and self._updating):
+                self._refuse(conn, "too_late", f"step {s} is past: this replica is at step {self._step}"
+                             f"{' (updating)' if self._updating else ''}")
                 return None
             self._requested[s] = self._requested.get(s, 0) + 1
+            if s == self._step:
+                self._start_copy(s)
+        try:
+            wire.send_control(conn, Kind.QUEUED, {"step": s})
+        except BaseException:
+            with self._lock:
+                self._release(s)
+            raise
+        with self._lock:
             while s not in self._snapshots:
                 left = deadline - time.monotonic()
-                if self._closed or left <= 0 or (s not in self._requested and s not in self._snapshots):
-                    if self._requested.get(s):
-                        self._requested[s] -= 1
-                    code = "closed" if self._closed else "timeout" if left <= 0 else "too_late"
+                gone = s not in self._requested and self._copying != s  # its count was dropped: no snapshot comes
+                if self._closed or left <= 0 or gone:
+                    if not gone:
+                        self._release(s)
+                    code = ("closed" if self._closed else "timeout" if left <= 0 else
+                            "unavailable" if self._failed == s else "too_late")
                     self._refuse(conn, code, f"no snapshot of step {s} (this replica is at step {self._step})")
                     return None
                 self._lock.wait(min(left, 1.0))

@@ -10,6 +10,7 @@ A session (joiner rank s to source rank s)::
                                           <-  CHALLENGE {nonce}
     HELLO {job, replica, incarnation, rank, step, proof}  ->   (proof: ``fthsdp.catchup.auth``; never the token)
                                           <-  REDIRECT {addr}        (asked the wrong rank)
+                                          <-  QUEUED {step}          (registered: step S will be served)
                                           <-  MANIFEST {step, entries, chunk_bytes}   (once the snapshot exists)
     GET {ranges: [[entry, offset, length]]} ->
                                           <-  DATA ... DATA END
@@ -34,8 +35,9 @@ checksum: Callable[[bytes | bytearray | memoryview], int] = crc32c
 """CRC-32C: hardware-accelerated (~3x zlib's CRC-32), and off the GIL."""
 
 MAGIC = b"FTCU"
-VERSION = 2
-"""2: the token is proven by HMAC over a nonce (``CHALLENGE``), never sent."""
+VERSION = 3
+"""2: the token is proven by HMAC over a nonce (``CHALLENGE``), never sent. 3: ``QUEUED`` before a manifest that
+is not ready yet."""
 FRAME = struct.Struct("!4sBBI")
 """magic, version, kind, payload length."""
 CHUNK = struct.Struct("!IQII")
@@ -57,6 +59,7 @@ class Kind(IntEnum):
     BYE = 7
     ERROR = 8
     CHALLENGE = 9
+    QUEUED = 10
 
 
 class CatchupError(RuntimeError):
@@ -69,7 +72,7 @@ class ProtocolError(CatchupError):
 
 class Refused(CatchupError):
     """The peer answered with an ERROR frame (``code``: bad_request, unauthenticated, wrong_job, not_member,
-    not_joining, stale_incarnation, not_active, too_late, busy, closed, timeout)."""
+    not_joining, stale_incarnation, not_active, too_late, busy, closed, timeout, unavailable)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
@@ -226,6 +229,11 @@ def hello_doc(h: Hello) -> dict[str, Any]:
 def parse_hello(obj: dict[str, Any]) -> Hello:
     return Hello(str_field(obj, "job", 256), str_field(obj, "replica", 256), str_field(obj, "incarnation", 256),
                  _int(obj, "rank", 0, 1 << 20), _int(obj, "step"), str_field(obj, "proof", 128))
+
+
+def parse_queued(obj: dict[str, Any]) -> int:
+    """The step a ``QUEUED`` frame registered."""
+    return _int(obj, "step")
 
 
 def parse_challenge(obj: dict[str, Any]) -> str:

@@ -2,9 +2,10 @@
 
 It warms up (one thrown-away step, so its slow first step is not paid in the data plane), enters the data plane
 (``Ready(JOINING)``), and from then on exchanges every step as a zero contributor, keeping the averaged gradients
-it receives, while background threads fetch the snapshot of a step S just ahead of the others from the healthy
-replicas' catch-up servers. Once every rank has its snapshot, the replica loads it and replays the kept steps
-S, S+1, ... with the same optimizer step, so it ends bitwise identical to the others; then it turns active.
+it receives, while background threads fetch the snapshot of the step S the others are training (their state
+until S's optimizer update, which waits for this replica's zeros of S) from the healthy replicas' catch-up
+servers. Once every rank has its snapshot, the replica loads it and replays the kept steps S, S+1, ... with the
+same optimizer step, so it ends bitwise identical to the others; then it turns active.
 Replay, not re-fetching a newer snapshot: a fetch slower than a step would chase the others forever, while
 replaying a step (an optimizer step, no forward or backward) is always faster than training one.
 
@@ -35,6 +36,9 @@ from lighthouse.errors import Busy, FencedOut, HeldOut
 
 MAX_FETCHES = 5
 """Failed fetches of one catch-up before the replica gives up (and restarts to try again)."""
+REGISTER_WAIT_S = 5.0
+"""How long a joiner holds its share of the next step back while its sources register the fetch (``QUEUED``):
+milliseconds normally; a source that takes longer may have passed the step, and the others serve it."""
 
 
 def fetch_sources(members: Sequence[m.EpochMember], replica_id: str, slot: int) -> list[Source]:
@@ -123,10 +127,12 @@ class Joiner:
         self.attempts += attempts
         self.kept[step] = results
         if self.fetch is None:
-            # The others cannot commit step+1 without us: step+2 is ahead of every source.
-            self.target = step + 2
+            # The others hold step+1's state until its optimizer update, which waits for our zeros of step+1:
+            # once the sources have registered the request (before those go out), each one serves that state.
+            self.target = step + 1
             self.fetch = self._start_fetch(self.target)
             self.fetches += 1
+            self.fetch.wait_registered(REGISTER_WAIT_S)
         for s in [s for s in self.kept if s < self.target]:
             del self.kept[s]
         if len(self.kept) > self.config.max_replay:

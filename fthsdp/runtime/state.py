@@ -64,10 +64,19 @@ class ShardState:
                ("state/json", torch.frombuffer(doc, dtype=torch.uint8))]
         return out + self.rng() if rng else out
 
-    def snapshot(self, cursors: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """A copy of everything a joiner needs, on the CPU, with its digest (``DIGEST``, RNG included): taken by the
-        training thread at a commit boundary."""
-        out = [(name, t.detach().to("cpu", copy=True).contiguous()) for name, t in self.pairs(cursors, rng=True)]
+    def boundary(self, cursors: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """What a snapshot of the coming step takes as of its commit boundary (the training thread calls this
+        there): the data cursors, the trainer state and the RNG state, which the step's forward may move. The
+        parameter and optimizer-state shards stand still until the step's optimizer update."""
+        doc = bytearray(self.state.encode(self.opt))
+        return [("data/cursors", cursors.clone()), ("state/json", torch.frombuffer(doc, dtype=torch.uint8)),
+                *self.rng()]
+
+    def snapshot(self, boundary: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """A copy of everything a joiner needs, on the CPU, with its digest (``DIGEST``, RNG included), in
+        ``pairs`` order: the shards copied now, the rest as ``boundary`` took it. Runs on a snapshot thread
+        between that boundary and the step's optimizer update (``fthsdp.catchup.server``)."""
+        out = [(name, t.detach().to("cpu", copy=True).contiguous()) for name, t in [*self.tensors(), *boundary]]
         return [*out, (DIGEST, torch.frombuffer(bytearray(digest_of(out)), dtype=torch.uint8))]
 
     def _make_optimizer_state(self, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -19,6 +19,7 @@ from fthsdp.catchup.server import CatchupServer
 from fthsdp.catchup.wire import FetchFailed, Hello, Kind, Refused
 from lighthouse.epoch_view import EpochView
 from lighthouse.model import JOINING, Endpoints, EpochMember
+from tests.helpers.lighthouse import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 INC = "inc1"
@@ -36,7 +37,8 @@ def _state(seed: int, step: int) -> list[tuple[str, torch.Tensor]]:
 
 
 class Trainer:
-    """Stands in for a replica's training thread: commits steps and calls at_commit, until stopped."""
+    """Stands in for a replica's training thread: commits steps, calling at_commit and before_update, until
+    stopped."""
 
     def __init__(self, server: CatchupServer, seed: int = 0) -> None:
         self.server, self.seed, self.step = server, seed, 0
@@ -47,6 +49,7 @@ class Trainer:
         while not self.stop.is_set():
             self.server.at_commit(self.step, active=True)
             self.stop.wait(0.01)  # a training step's worth of time (pacing, not synchronisation)
+            self.server.before_update(self.step)
             self.step += 1
 
 
@@ -191,10 +194,86 @@ def test_bad_hello_is_refused_with_a_clear_code(change: dict[str, object], code:
 def test_a_step_already_past_is_refused_too_late() -> None:
     a = _server(0)
     try:
+        wait_until(lambda: a[1].step >= 2, timeout=10)  # step 0's update is done
         with pytest.raises(FetchFailed, match="too_late"):
             _fetch([Source("r0", a[0].address)], 0).result(30)
     finally:
         _stop(a)
+
+
+class HeldCopy:
+    """A snapshot function that records its thread and, while ``hold`` is clear, waits (a copy in progress)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.hold, self.entered = step, threading.Event(), threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self) -> list[tuple[str, torch.Tensor]]:
+        self.threads.append(threading.current_thread())
+        self.entered.set()
+        assert self.hold.wait(30)
+        return [(n, t.clone()) for n, t in _state(0, self.step)]
+
+
+def test_the_step_being_trained_is_served_off_the_training_thread_and_its_update_waits_for_the_copy() -> None:
+    copy = HeldCopy(7)
+    srv = CatchupServer(job="job", replica_id="r0", rank=0, world_size=1, snapshot=copy, epoch=lambda: EPOCH,
+                        chunk_bytes=64 << 10)
+    try:
+        srv.at_commit(7, active=True)  # the boundary before step 7: its forward and backward run now
+        f = _fetch([Source("r0", srv.address)], 7)
+        assert f.wait_registered(10) == 1  # QUEUED: step 7 will be served
+        assert copy.entered.wait(10) and copy.threads[0] is not threading.current_thread()
+        update = threading.Thread(target=srv.before_update, args=(7,), daemon=True)
+        update.start()
+        update.join(0.3)
+        assert update.is_alive(), "step 7's update ran while its snapshot was being copied"
+        copy.hold.set()
+        update.join(10)
+        assert not update.is_alive()
+        res = f.result(30)
+        assert res.step == 7
+        _expect_equal(res.tensors, 7)
+        # After the update began, step 7's state is gone: a new request for it is too late.
+        with pytest.raises(FetchFailed, match="too_late"):
+            _fetch([Source("r0", srv.address)], 7).result(30)
+    finally:
+        copy.hold.set()
+        srv.close(drain_s=1)
+
+
+def test_a_request_for_a_coming_step_is_queued_and_copied_at_its_boundary() -> None:
+    copy = HeldCopy(9)
+    copy.hold.set()
+    srv = CatchupServer(job="job", replica_id="r0", rank=0, world_size=1, snapshot=copy, epoch=lambda: EPOCH,
+                        chunk_bytes=64 << 10)
+    try:
+        srv.at_commit(8, active=True)
+        f = _fetch([Source("r0", srv.address)], 9)
+        assert f.wait_registered(10) == 1 and not f.done() and not copy.entered.is_set()
+        srv.before_update(8)
+        assert not copy.entered.is_set()  # nothing copied for step 8, which nobody asked for
+        srv.at_commit(9, active=True)
+        res = f.result(30)
+        assert res.step == 9 and copy.threads and copy.threads[0] is not threading.current_thread()
+        _expect_equal(res.tensors, 9)
+    finally:
+        srv.close(drain_s=1)
+
+
+def test_a_failing_snapshot_is_refused_unavailable_and_training_goes_on() -> None:
+    def broken() -> list[tuple[str, torch.Tensor]]:
+        raise RuntimeError("simulated bug in the snapshot")
+
+    srv = CatchupServer(job="job", replica_id="r0", rank=0, world_size=1, snapshot=broken, epoch=lambda: EPOCH)
+    try:
+        srv.at_commit(4, active=True)
+        with pytest.raises(FetchFailed, match="unavailable"):
+            _fetch([Source("r0", srv.address)], 4).result(30)
+        srv.before_update(4)  # does not wait for anything
+        assert not srv._requested and not srv._snapshots
+    finally:
+        srv.close(drain_s=1)
 
 
 def test_a_joining_replica_does_not_serve() -> None:
