@@ -16,7 +16,11 @@ groups killed at the same step measure what a double failure costs the last surv
   (``join_from_registration_s``: from its registration, once Python, torch and the model are up);
 - ``transfer_ratio``: the catch-up's throughput (rank 0's bytes over its transfer time) over a plain loopback
   socket copy of the same bytes between two processes, measured in the same run while the job trains
-  (target >= 0.5).
+  (target >= 0.5);
+- ``ett_common_step``: the effective training time on one common step: distinct replica-steps trained x the
+  median step of plain FSDP2-HSDP on the same shape (no failure; run after fthsdp's, in the same invocation) /
+  (replicas x wall time from the first to the last commit). ``effective_training_time`` uses the run's own median
+  step, so a slower step would score better; this one cannot (``common_ett``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 from itertools import pairwise
 from typing import Any
 
+from fthsdp.bench.baselines import run_plain
 from fthsdp.bench.results import RecoveryResult
 from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
 from fthsdp.testing.progress import steps_of
@@ -128,6 +133,8 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
         "rejoin_s": report["rejoin_s"],
         "back_to_full_s": _back_to_full(cluster, kill["t"]),
         "effective_training_time": report["effective_training_time"],
+        "replica_steps_trained": report["replica_steps_trained"],
+        "wall_s": report["wall_s"],
         # The keys every system of ``bench recovery --vs torchft`` reports (fthsdp/bench/vs.py).
         "step_s": report["median_step_s"],
         "stall_s": round(statistics.mean(report["stall_per_failure_s"] or [0.0]), 3),
@@ -135,6 +142,13 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
         "final_equal": len({f["param_hash"] for f in report["final"].values() if f}) == 1
         and all(report["final"].values()),
     }
+
+
+def common_ett(replica_steps_trained: int, wall_s: float, replicas: int, common_step_s: float | None) -> float | None:
+    """Effective training time on one common step (see the module doc): None without a common step."""
+    if not common_step_s or wall_s <= 0:
+        return None
+    return round(replica_steps_trained * common_step_s / (replicas * wall_s), 3)
 
 
 def _back_to_full(cluster: Cluster, killed_at: float) -> float | None:
@@ -163,9 +177,11 @@ class _SocketBaseline:
 
 def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step: int = 20, model: str = "reference",
                    restart_delay_s: float = 2.0, workdir: str | None = None,
-                   kills: tuple[Kill, ...] = (), warm_restarts: bool = False) -> RecoveryResult:
+                   kills: tuple[Kill, ...] = (), warm_restarts: bool = False,
+                   common_step: bool = True) -> RecoveryResult:
     """One run with ``kills`` (default: group 1 at ``kill_step``), restarts cold or from warm standbys
-    (``ClusterConfig.warm_restarts``); see the module doc."""
+    (``ClusterConfig.warm_restarts``); see the module doc. ``common_step``: then run plain FSDP2-HSDP on the same
+    shape for ``ett_common_step`` (``--vs`` measures its own plain runs, and passes False)."""
     kills = kills or (Kill(1, kill_step),)
     if len({k.replica for k in kills}) >= replicas:
         raise ValueError(f"--kill: {len(kills)} kills leave no survivor among {replicas} replica groups")
@@ -180,6 +196,11 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
         if not baseline.mbps:
             raise RuntimeError("the restarted replica never caught up: no recovery to measure")
         spec = ",".join(f"{k.replica}@{k.step}:{k.phase}" for k in kills)
+        figures = measure(cluster, report, baseline.mbps)
+        common = run_plain(wd / "plain", steps=steps, replicas=replicas, ranks=ranks, model=model)["step_s"] \
+            if common_step else None
         return RecoveryResult(replicas=replicas, ranks_per_replica=ranks, steps=steps, model=model, kill=spec,
-                              restart_delay_s=restart_delay_s, warm_restarts=warm_restarts,
-                              **measure(cluster, report, baseline.mbps))
+                              restart_delay_s=restart_delay_s, warm_restarts=warm_restarts, **figures,
+                              common_step_s=common,
+                              ett_common_step=common_ett(figures["replica_steps_trained"], figures["wall_s"],
+                                                         replicas, common))

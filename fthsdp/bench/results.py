@@ -212,11 +212,19 @@ class RecoveryResult(_AsJson):
     rejoin_s: float | None
     back_to_full_s: float | None
     effective_training_time: float
+    replica_steps_trained: int
+    wall_s: float
+    """The first commit to the last, of any replica."""
     # The keys every system of ``bench recovery --vs torchft`` reports (fthsdp/bench/vs.py).
     step_s: float
     stall_s: float
     ett: float
     final_equal: bool
+    common_step_s: float | None = None
+    """Plain FSDP2-HSDP's median step on the same shape, measured in the same invocation (None with ``--vs``,
+    whose table has its own)."""
+    ett_common_step: float | None = None
+    """``fthsdp.bench.recovery.common_ett``: the effective training time on the common step."""
 
 
 @dataclass(frozen=True)
@@ -229,8 +237,13 @@ class RecoveryReport:
 
     def to_json(self) -> dict[str, Any]:
         f = self.fthsdp
+        ett_common = f.ett_common_step
+        if self.vs is not None:  # the table's plain runs give the common step
+            ett_common = next((r.get("ett_common_step") for r in self.vs.get("table", []) if r["system"] == "fthsdp"),
+                              ett_common)
         return {"rejoin_s": f.rejoin_s, "back_to_full_s": f.back_to_full_s, "restart_delay_s": f.restart_delay_s,
-                "warm_restarts": f.warm_restarts, "fthsdp": f.to_json(), **(self.vs or {})}
+                "warm_restarts": f.warm_restarts, "ett_common_step": ett_common, "fthsdp": f.to_json(),
+                **(self.vs or {})}
 
 
 def format_recovery(r: RecoveryReport) -> str:
@@ -246,7 +259,10 @@ def format_recovery(r: RecoveryReport) -> str:
              f"  joiner start -> active            {f.join_s:>8} s   (from its registration: "
              f"{f.join_from_registration_s} s)",
              f"  transfer / plain socket copy      {f.transfer_ratio:>8}   ({f.transfer_mbps} vs "
-             f"{f.socket_copy_mbps} MB/s; target >= 0.5)"]
+             f"{f.socket_copy_mbps} MB/s; target >= 0.5)",
+             f"  effective training time           {f.effective_training_time:>8}   (on the common step: "
+             f"{_cell(r.to_json()['ett_common_step'], '')}, plain FSDP2-HSDP's "
+             f"{_cell(f.common_step_s or (r.vs or {}).get('plain', {}).get('step_s'), '')} s)"]
     if r.vs is not None and "table" in r.vs:
         lines += ["", format_vs_table(r.vs)]
     return "\n".join(lines)
@@ -266,11 +282,11 @@ def format_vs_table(result: dict[str, Any]) -> str:
     lines = [f"{w.get('replicas', '?')} replicas x {w.get('ranks_per_replica', '?')} rank, {w.get('steps', '?')} "
              f"steps, SIGKILL {w.get('kill', '?')}, restart after {w.get('restart_delay_s', '?')} s",
              f"{'system':<30} {'step s':>8} {'vs plain':>8} {'stall s':>8} {'rejoin s':>9} {'ETT':>6} "
-             f"{'equal':>6}"]
+             f"{'ETT@plain':>9} {'equal':>6}"]
     for r in result["table"]:
         lines.append(f"{r['system']:<30} {_cell(r['step_s'], '.3f'):>8} {_cell(r['step_ratio'], '.2f'):>8} "
                      f"{_cell(r['stall_s'], '.2f'):>8} {_cell(r['rejoin_s'], '.2f'):>9} {_cell(r['ett'], '.3f'):>6} "
-                     f"{_cell(r.get('final_equal'), ''):>6}")
+                     f"{_cell(r.get('ett_common_step'), '.3f'):>9} {_cell(r.get('final_equal'), ''):>6}")
     return "\n".join(lines)
 
 
@@ -306,6 +322,47 @@ def format_sim(r: SimResult) -> str:
         lines.append(f"  {mode:<7} ETT {x.ett:.3f}  (closed form, fixed arrivals {x.closed_form_fixed:.3f}; "
                      f"Poisson limit {x.poisson_limit:.3f})")
     return "\n".join(lines)
+
+
+# --- bench catchup --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CatchupResult(_AsJson):
+    """``fthsdp bench catchup`` (``fthsdp.bench.catchup``'s module doc)."""
+
+    mb: float
+    bytes: int
+    model: str
+    repeats: int
+    transfer_ratio: float
+    """The best fetch's throughput over the best plain socket copy's (target >= 0.6)."""
+    transfer_mbps: float
+    socket_copy_mbps: float
+    fetch_mbps_all: list[float]
+    socket_copy_mbps_all: list[float]
+    snapshot_wait_s: list[float]
+    """Per fetch: its request to the manifest (the source's snapshot copy, and the step boundary it waits for)."""
+    serve_step_ratio: float
+    """The source's median step while serving over its median step with nothing moving (target <= 1.05)."""
+    steady_step_s: float
+    serving_step_s: float
+    steady_steps: int
+    serving_steps: int
+    loadavg_1min: float
+    """The 1-minute load average before the run."""
+    measured_at: str
+    benchmark: str = "catchup"
+
+
+def format_catchup(r: CatchupResult) -> str:
+    return "\n".join([
+        f"catch-up of {r.bytes / 1e6:.0f} MB from one source training the {r.model} model "
+        f"(load before {r.loadavg_1min})",
+        f"  transfer / plain socket copy   {r.transfer_ratio:>7}   ({r.transfer_mbps} vs {r.socket_copy_mbps} MB/s, "
+        f"best of {r.repeats}; target >= 0.6)",
+        f"  source's step while serving    {r.serve_step_ratio:>7}   ({r.serving_step_s} vs {r.steady_step_s} s, "
+        f"{r.serving_steps} vs {r.steady_steps} steps; target <= 1.05)"])
 
 
 # --- bench straggler ------------------------------------------------------------------------------------------

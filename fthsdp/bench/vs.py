@@ -14,13 +14,15 @@ import time
 from typing import Any
 
 from fthsdp.bench.baselines import run_plain, run_restart, run_torchft
+from fthsdp.bench.recovery import common_ett
 from fthsdp.bench.results import format_vs_table
 
-COLUMNS = ("step_s", "step_ratio", "stall_s", "rejoin_s", "ett")
+COLUMNS = ("step_s", "step_ratio", "stall_s", "rejoin_s", "ett", "ett_common_step")
 
 
-def _row(name: str, r: dict[str, Any], plain_step: float) -> dict[str, Any]:
+def _row(name: str, r: dict[str, Any], plain_step: float, replicas: int) -> dict[str, Any]:
     step = r.get("step_s")
+    trained, wall = r.get("replica_steps_trained"), r.get("wall_s")
     return {
         "system": name,
         "step_s": step,
@@ -28,6 +30,7 @@ def _row(name: str, r: dict[str, Any], plain_step: float) -> dict[str, Any]:
         "stall_s": r.get("stall_s"),
         "rejoin_s": r.get("rejoin_s"),
         "ett": r.get("ett"),
+        "ett_common_step": common_ett(trained, wall, replicas, plain_step) if trained and wall else None,
         "final_equal": r.get("final_equal"),
     }
 
@@ -50,10 +53,10 @@ def compare(fthsdp_result: dict[str, Any] | None, workdir: pathlib.Path | str, s
             r.pop("progress", None)
             r.pop("events", None)
     base = plain["step_s"]
-    table = [_row("fthsdp", fthsdp_result or {}, base), _row("torchft", torchft, base),
-             _row("whole-job restart", restart, base),
+    table = [_row("fthsdp", fthsdp_result or {}, base, replicas), _row("torchft", torchft, base, replicas),
+             _row("whole-job restart", restart, base, replicas),
              {"system": "plain FSDP2-HSDP (no failure)", "step_s": base, "step_ratio": 1.0, "stall_s": None,
-              "rejoin_s": None, "ett": None, "final_equal": None}]
+              "rejoin_s": None, "ett": None, "ett_common_step": None, "final_equal": None}]
     return {
         "benchmark": "recovery_vs",
         "workload": {"replicas": replicas, "ranks_per_replica": 1, "steps": steps, "kill": f"1@{kill_step}",
@@ -71,6 +74,8 @@ def compare(fthsdp_result: dict[str, Any] | None, workdir: pathlib.Path | str, s
                        "step after the restart + steps lost since the checkpoint x median step)",
             "rejoin_s": "kill -> first committed step of the restarted replica (restart: of the restarted job)",
             "ett": "distinct replica-steps trained x median step / (replicas x wall time first..last commit)",
+            "ett_common_step": "distinct replica-steps trained x plain FSDP2-HSDP's step_s / (replicas x wall time "
+                               "first..last commit): one common step for every system",
         },
     }
 

@@ -43,6 +43,8 @@ SnapshotFn = Callable[[], Sequence[tuple[str, torch.Tensor]]]
 """Returns (name, CPU contiguous tensor) for everything a joiner needs, copied: the state of step S. Called on a
 snapshot thread between ``at_commit(S)`` and ``before_update(S)``, while the training thread leaves that state
 alone."""
+SealFn = Callable[[list[tuple[str, torch.Tensor]]], Sequence[tuple[str, torch.Tensor]]]
+"""Finishes a snapshot's copies (adds their digest): runs after ``before_update`` stopped waiting for them."""
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -78,13 +80,13 @@ class CatchupServer:
     this replica's current epoch (who may fetch: ``auth.admit``)."""
 
     def __init__(self, *, job: str, replica_id: str, rank: int, world_size: int, snapshot: SnapshotFn,
-                 epoch: Callable[[], EpochView | None],
+                 epoch: Callable[[], EpochView | None], seal: SealFn = list,
                  host: str = "127.0.0.1", port: int = 0, token: str = "", wait_s: float = 60.0,
                  idle_s: float = 60.0, max_sessions: int = 16, chunk_bytes: int = wire.DEFAULT_CHUNK,
                  on_chunk_sent: Callable[[int, int], None] | None = None,
                  corrupt: Callable[[int, int, bytearray], bool] | None = None) -> None:
         self.job, self.replica_id, self.rank, self.world_size = job, replica_id, rank, world_size
-        self._take = snapshot
+        self._take, self._seal = snapshot, seal
         self._epoch = epoch
         if not auth.serving_allowed(host, token):
             raise InsecureServing(f"the catch-up server has no job token (FTHSDP_TOKEN_FILE), so it serves on "
@@ -102,7 +104,9 @@ class CatchupServer:
         self._updating = False
         """The training thread passed ``before_update(self._step)``: the state of that step is gone."""
         self._copying: int | None = None
-        """The step a snapshot thread is copying."""
+        """The step a snapshot thread is copying (its update waits)."""
+        self._sealing: int | None = None
+        """The step whose copies a snapshot thread is sealing (``seal``; its update need not wait)."""
         self._failed = -1
         """The last step whose copy failed."""
         self._requested: dict[int, int] = {}
@@ -124,7 +128,7 @@ class CatchupServer:
         ``before_update(step)``. Starts the snapshot of ``step`` if a joiner asked for it. Cheap otherwise."""
         with self._lock:
             self._step, self._active, self._updating = step, active, False
-            late = [s for s in self._requested if s < step]
+            late = [s for s in self._requested if s < step and s != self._sealing]  # a sealed copy serves its own
             for s in late:  # cannot happen with joiners that wait for QUEUED; fail them rather than hang them
                 del self._requested[s]
             if self._requested.get(step) and active:
@@ -140,25 +144,37 @@ class CatchupServer:
             while self._copying == step:
                 self._lock.wait(1.0)
             self._updating = True
-            if self._requested.pop(step, 0):  # cannot happen: a request for the current step starts its copy
+            # Requests for this step are in the copy being sealed, if any; else (cannot happen: a request for the
+            # current step starts its copy) they are too late.
+            if self._sealing != step and self._requested.pop(step, 0):
                 self._lock.notify_all()
 
     def _start_copy(self, step: int) -> None:
         """(Lock held.) Copy the state of ``step`` (the current one) on a snapshot thread, once."""
-        if self._copying is None and step not in self._snapshots:
+        if self._copying is None and self._sealing != step and step not in self._snapshots:
             self._copying = step
             start_thread(self._copy, args=(step,), name=f"catchup-snapshot-r{self.rank}", device=None)
 
     def _copy(self, step: int) -> None:
         t0 = time.perf_counter()
+        pairs: Sequence[tuple[str, torch.Tensor]] | None = None
         try:
-            pairs: list[tuple[str, torch.Tensor]] | None = list(self._take())
+            copies: list[tuple[str, torch.Tensor]] | None = list(self._take())
         except Exception:  # a bug in the snapshot function: the joiners are refused, training goes on
             log.exception("catchup replica=%s rank=%d step=%d: the snapshot failed", self.replica_id, self.rank,
                           step)
-            pairs = None
+            copies = None
+        with self._lock:  # the copies are done: the update may run (the seal below does not read the state)
+            self._copying, self._sealing = None, step
+            self._lock.notify_all()
+        t_copy = time.perf_counter() - t0
+        try:
+            pairs = self._seal(copies) if copies is not None else None
+        except Exception:
+            log.exception("catchup replica=%s rank=%d step=%d: sealing the snapshot failed", self.replica_id,
+                          self.rank, step)
         with self._lock:
-            self._copying = None
+            self._sealing = None
             waiting = self._requested.pop(step, 0)
             if pairs is None:
                 self._failed = step
@@ -167,8 +183,8 @@ class CatchupServer:
                 entries = tuple(Entry(n, str(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in pairs)
                 self._snapshots[step] = _Snapshot(step, entries, [tensor_bytes(t) for t in tensors], tensors, waiting)
                 log.info("catchup replica=%s rank=%d step=%d snapshot taken for %d joiner session(s): %d tensors, "
-                         "%.1f MB in %.3fs", self.replica_id, self.rank, step, waiting, len(pairs),
-                         sum(e.nbytes for e in entries) / 1e6, time.perf_counter() - t0)
+                         "%.1f MB copied in %.3fs, sealed in %.3fs", self.replica_id, self.rank, step, waiting,
+                         len(pairs), sum(e.nbytes for e in entries) / 1e6, t_copy, time.perf_counter() - t0 - t_copy)
             self._lock.notify_all()
 
     def _release(self, step: int) -> None:
@@ -308,7 +324,7 @@ class CatchupServer:
         with self._lock:
             while s not in self._snapshots:
                 left = deadline - time.monotonic()
-                gone = s not in self._requested and self._copying != s  # its count was dropped: no snapshot comes
+                gone = s not in self._requested  # its count was dropped (taken, failed or too late): none comes
                 if self._closed or left <= 0 or gone:
                     if not gone:
                         self._release(s)

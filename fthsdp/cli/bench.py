@@ -1,4 +1,4 @@
-"""``fthsdp bench lighthouse|ftar|overhead|recovery|straggler``: the benchmarks (``fthsdp.bench``), each against
+"""``fthsdp bench lighthouse|ftar|overhead|recovery|catchup|straggler``: the benchmarks (``fthsdp.bench``), each against
 a baseline measured in the same run; ``--json`` prints the result's document, otherwise its table
 (``fthsdp.bench.results``)."""
 
@@ -51,7 +51,7 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
         raise SystemExit("--kill is not supported with --vs (the baselines kill group 1 at --kill-step)")
     ours = bench_recovery(replicas=a.replicas, ranks=ranks, steps=a.steps, kill_step=a.kill_step, model=a.model,
                           restart_delay_s=a.restart_delay, kills=kills, workdir=a.workdir,
-                          warm_restarts=a.warm_restarts)
+                          warm_restarts=a.warm_restarts, common_step=not a.vs)
     report = RecoveryReport(ours)
     if a.vs:
         from fthsdp.bench.vs import compare
@@ -60,6 +60,17 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
             report = RecoveryReport(ours, compare(ours.to_json(), tmp, steps=a.steps, kill_step=a.kill_step,
                                                   replicas=a.replicas))
     emit(report, a.json, format_recovery)
+
+
+def cmd_bench_catchup(a: argparse.Namespace) -> None:
+    from fthsdp.bench.catchup import bench_catchup
+    from fthsdp.bench.results import format_catchup
+
+    try:
+        result = bench_catchup(mb=a.mb, model=a.model, repeats=a.repeats)
+    except ValueError as e:
+        raise SystemExit(f"fthsdp bench catchup: {e}") from None
+    emit(result, a.json, format_catchup)
 
 
 def cmd_bench_straggler(a: argparse.Namespace) -> None:
@@ -127,6 +138,13 @@ def register(sub: Subparsers) -> None:
                     help="also run torchft and a whole-job restart on the same workload")
     br.add_argument("--json", action="store_true")
     br.set_defaults(fn=cmd_bench_recovery)
+    bc = bsub.add_parser("catchup", help="the catch-up transfer of a large state against a plain socket copy, and "
+                                         "the serving source's step against its steady step")
+    bc.add_argument("--mb", type=float, default=512.0, help="the state's size in MB (float32 tensors)")
+    bc.add_argument("--model", default="reference", help="the model the source trains meanwhile")
+    bc.add_argument("--repeats", type=int, default=3, help="fetches and socket copies (the best of each counts)")
+    bc.add_argument("--json", action="store_true")
+    bc.set_defaults(fn=cmd_bench_catchup)
     bs = bsub.add_parser("straggler", help="one replica made slow: steps to detection, throughput doing nothing and "
                                            "after ejecting it, against the same job with no straggler")
     bs.add_argument("--steps", type=int, default=100)

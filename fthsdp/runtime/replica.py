@@ -45,7 +45,7 @@ from fthsdp.runtime.metrics import ReplicaMetrics
 from fthsdp.runtime.pace import PaceWindow
 from fthsdp.runtime.result import StepResult
 from fthsdp.runtime.startup import Role, agree_incarnation, die_with_parent, gather_addresses, register, start_from
-from fthsdp.runtime.state import ShardState, replica_hash
+from fthsdp.runtime.state import Boundary, ShardState, replica_hash
 from fthsdp.runtime.trainer_state import Scheduler, Stateful, TrainerState
 from fthsdp.testing.faults import FaultInjector, Phase
 from lighthouse import membership as m
@@ -77,7 +77,7 @@ class Replica:
         """Committed steps so far (a joiner learns it at its first exchange)."""
         self.cursors = torch.zeros(cfg.num_replicas, dtype=torch.int64)
         """Per data slot, the batches trained so far (the same on every replica)."""
-        self._boundary: list[tuple[str, torch.Tensor]] = []
+        self._boundary = Boundary([])
         """What a snapshot of the coming step takes as of its commit boundary (``ShardState.boundary``)."""
         self._settling: list[Handle | None] | None = None  # caught up: the next step's zeros, sent (zero_step)
         self.protocol = CommitProtocol()
@@ -89,6 +89,7 @@ class Replica:
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, host=cfg.host,
                                     snapshot=lambda: self._parts()[0].snapshot(self._boundary),
+                                    seal=ShardState.seal,
                                     epoch=lambda: self.client.epoch if hasattr(self, "client") else None,
                                     token=cfg.token, wait_s=cfg.epoch_wait_s, on_chunk_sent=self.faults.on_chunk_sent,
                                     corrupt=self.faults.corrupter())

@@ -8,18 +8,31 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ftar.devices import record, side_stream, wait_for
 from fthsdp.runtime import trainer_state
 from fthsdp.runtime.errors import StateMismatch
 from fthsdp.runtime.trainer_state import TrainerState
 
 DIGEST = "state/digest"
 """The snapshot entry holding the source's digest of the snapshot (RNG included)."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What ``ShardState.boundary`` takes at a commit boundary for a snapshot of the coming step."""
+
+    pairs: list[tuple[str, torch.Tensor]]
+    """The data cursors, the trainer state (JSON bytes) and the RNG state, in ``ShardState.pairs`` order."""
+    ready: Any = None
+    """On a GPU: recorded on the training thread's stream at the boundary, after the update that made the state."""
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -64,20 +77,31 @@ class ShardState:
                ("state/json", torch.frombuffer(doc, dtype=torch.uint8))]
         return out + self.rng() if rng else out
 
-    def boundary(self, cursors: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def boundary(self, cursors: torch.Tensor) -> Boundary:
         """What a snapshot of the coming step takes as of its commit boundary (the training thread calls this
-        there): the data cursors, the trainer state and the RNG state, which the step's forward may move. The
-        parameter and optimizer-state shards stand still until the step's optimizer update."""
+        there): the data cursors, the trainer state and the RNG state, which the step's forward may move; on a GPU,
+        an event after the work queued so far (the update that made the state). The parameter and
+        optimizer-state shards stand still until the step's optimizer update."""
+        ready = record(self.device)
         doc = bytearray(self.state.encode(self.opt))
-        return [("data/cursors", cursors.clone()), ("state/json", torch.frombuffer(doc, dtype=torch.uint8)),
-                *self.rng()]
+        return Boundary([("data/cursors", cursors.clone()), ("state/json", torch.frombuffer(doc, dtype=torch.uint8)),
+                         *self.rng()], ready)
 
-    def snapshot(self, boundary: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """A copy of everything a joiner needs, on the CPU, with its digest (``DIGEST``, RNG included), in
-        ``pairs`` order: the shards copied now, the rest as ``boundary`` took it. Runs on a snapshot thread
-        between that boundary and the step's optimizer update (``fthsdp.catchup.server``)."""
-        out = [(name, t.detach().to("cpu", copy=True).contiguous()) for name, t in [*self.tensors(), *boundary]]
-        return [*out, (DIGEST, torch.frombuffer(bytearray(digest_of(out)), dtype=torch.uint8))]
+    def snapshot(self, boundary: Boundary) -> list[tuple[str, torch.Tensor]]:
+        """A copy of everything a joiner needs, on the CPU, in ``pairs`` order: the shards copied now, the rest as
+        ``boundary`` took it. Runs on a snapshot thread (``fthsdp.catchup.server``) between that boundary and the
+        step's optimizer update; on a GPU, on a stream of that thread's own, after ``boundary.ready``, so the
+        training thread's kernels go on meanwhile. ``seal`` adds the digest, once the update may run."""
+        if boundary.ready is not None:  # this thread's copies on a stream of its own, after the update's kernels
+            side_stream(self.device)
+            wait_for(boundary.ready)
+        # Into pageable host memory: each copy returns once it is done.
+        return [(name, t.detach().to("cpu", copy=True).contiguous()) for name, t in [*self.tensors(), *boundary.pairs]]
+
+    @staticmethod
+    def seal(copies: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """``copies`` with their digest (``DIGEST``, RNG included), which a joiner checks once it loaded them."""
+        return [*copies, (DIGEST, torch.frombuffer(bytearray(digest_of(copies)), dtype=torch.uint8))]
 
     def _make_optimizer_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """On a joiner: create the optimizer-state tensors the source has and this rank lacks (zeros, same

@@ -399,6 +399,8 @@ class Cluster:
             "stall_per_failure_s": [round(x, 3) for x in m["stall_per_failure_s"]],
             "rejoin_s": round(max(rejoin), 3) if rejoin else None,
             "effective_training_time": round(ett, 3),
+            "replica_steps_trained": m["replica_steps_trained"],
+            "wall_s": round(m["wall_s"], 3),
             "loss": {str(i): [[x.step, x.loss] for x in rows if x.loss is not None]
                      for i, rows in steps.items()},
             "timeline": {str(i): _segments(rows, t_start) for i, rows in steps.items()},

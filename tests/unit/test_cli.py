@@ -22,7 +22,7 @@ SIM = ["sim", "--gpus", "98304", "--replica-gpus", "8192", "--mtbf-min", "18", "
 
 @pytest.mark.parametrize("argv", [[], ["lighthouse"], ["status"], ["emulate"], ["run"], ["demo"], ["chaos"], ["sim"],
                                   ["bench"], ["bench", "lighthouse"], ["bench", "ftar"], ["bench", "overhead"],
-                                  ["bench", "recovery"]])
+                                  ["bench", "recovery"], ["bench", "catchup"]])
 def test_every_command_has_help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args([*argv, "--help"])

@@ -89,7 +89,7 @@ def test_a_loaded_snapshot_hashes_like_its_source_and_trains_on_identically(sche
     model, source, sched = _replica(1, scheduler)
     _train(model, source, 3, factor=0.5)
     assert source.opt.param_groups[0]["lr"] != 0.1  # the scheduler moved it; the degraded factor was restored
-    snap = dict(source.snapshot(source.boundary(cursors)))
+    snap = dict(source.seal(source.snapshot(source.boundary(cursors))))
     j_model, joiner, j_sched = _replica(2, scheduler)  # fresh: no optimizer state, other RNG, lr at its start
     assert joiner.digest(cursors, rng=True) != snap[DIGEST].numpy().tobytes()
     loaded = joiner.load(snap, torch.zeros(2, dtype=torch.int64))
@@ -139,7 +139,7 @@ def test_side_state_round_trips_through_a_checkpoint_file() -> None:
 def test_a_source_with_other_registered_objects_is_refused_unchanged() -> None:
     cursors = torch.zeros(2, dtype=torch.int64)
     _, source, _ = _replica(1, "cosine")
-    snap = dict(source.snapshot(source.boundary(cursors)))
+    snap = dict(source.seal(source.snapshot(source.boundary(cursors))))
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     joiner = ShardState(list(model.parameters()), torch.optim.AdamW(model.parameters(), lr=0.1), CPU,

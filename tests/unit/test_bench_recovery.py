@@ -1,0 +1,43 @@
+"""``fthsdp bench recovery``'s effective training time on one common step: its formula, that a slower step cannot
+score better with it, and that the JSON's top-level ``ett_common_step`` is the one measured in the same invocation
+(the side-by-side table's when there is one)."""
+
+from __future__ import annotations
+
+from fthsdp.bench.recovery import common_ett
+from fthsdp.bench.results import RecoveryReport, RecoveryResult
+from fthsdp.bench.vs import _row
+
+
+def test_common_ett_is_replica_steps_on_the_common_step_over_replicas_times_wall() -> None:
+    assert common_ett(170, 60.0, 3, 1.0) == round(170 * 1.0 / (3 * 60.0), 3)
+    assert common_ett(170, 60.0, 3, None) is None and common_ett(170, 0.0, 3, 1.0) is None
+
+
+def test_a_slower_step_scores_better_on_its_own_step_but_not_on_the_common_one() -> None:
+    # Two systems train the same replica-steps; the second's step is 1.5x longer, so its run takes 1.5x the wall.
+    fast = {"step_s": 1.0, "replica_steps_trained": 170, "wall_s": 60.0, "ett": round(170 * 1.0 / 180, 3)}
+    slow = {"step_s": 1.5, "replica_steps_trained": 170, "wall_s": 60.0 * 1.5, "ett": round(170 * 1.5 / 270, 3)}
+    assert slow["ett"] == fast["ett"]  # its own median step hides the slowdown
+    a, b = _row("fast", fast, 1.0, 3), _row("slow", slow, 1.0, 3)
+    assert b["ett_common_step"] < a["ett_common_step"]
+    assert a["ett_common_step"] == fast["ett"]
+    assert _row("none", {"step_s": 1.0}, 1.0, 3)["ett_common_step"] is None
+
+
+def _result(**kw: object) -> RecoveryResult:
+    base: dict[str, object] = dict(
+        replicas=3, ranks_per_replica=2, steps=60, model="reference", kill="1@20:forward", restart_delay_s=2.0,
+        warm_restarts=False, survivor_stall_s=0.5, catchup_step_ratio=1.0, join_s=3.0, join_from_registration_s=2.0,
+        transfer_ratio=0.5, down_step_s=1.0, catchup_step_s=1.0, catchup_steps_observed=3, catchup_bytes_rank0=1,
+        transfer_mbps=1.0, socket_copy_mbps=2.0, catchup={}, rejoin_s=5.0, back_to_full_s=6.0,
+        effective_training_time=0.95, replica_steps_trained=170, wall_s=60.0, step_s=1.0, stall_s=0.5, ett=0.95,
+        final_equal=True)
+    return RecoveryResult(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_the_top_level_key_is_this_runs_own_or_the_tables() -> None:
+    own = RecoveryReport(_result(common_step_s=0.9, ett_common_step=0.85)).to_json()
+    assert own["ett_common_step"] == 0.85 and own["fthsdp"]["common_step_s"] == 0.9
+    vs = {"table": [{"system": "fthsdp", "ett_common_step": 0.8}, {"system": "torchft", "ett_common_step": 0.7}]}
+    assert RecoveryReport(_result(), vs).to_json()["ett_common_step"] == 0.8
