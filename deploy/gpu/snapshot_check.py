@@ -64,7 +64,8 @@ def run(steps: int, control: bool) -> dict[str, Any]:
 
     epoch = EpochView(JOB, 1, (EpochMember("joiner", INC, JOINING, 1, Endpoints()),), "", 0.0, "gpu-check")
     srv = CatchupServer(job=JOB, replica_id="source", rank=0, world_size=1, token=TOKEN, epoch=lambda: epoch,
-                        snapshot=wrong_snapshot if control else (lambda: shards.snapshot(at[0])), seal=ShardState.seal)
+                        snapshot=wrong_snapshot if control else (lambda: shards.snapshot(at[0])), seal=ShardState.seal,
+                        device=dev)
     refs: dict[int, bytes] = {}
     current = [0]
     done = threading.Event()

@@ -80,13 +80,15 @@ class CatchupServer:
     this replica's current epoch (who may fetch: ``auth.admit``)."""
 
     def __init__(self, *, job: str, replica_id: str, rank: int, world_size: int, snapshot: SnapshotFn,
-                 epoch: Callable[[], EpochView | None], seal: SealFn = list,
+                 epoch: Callable[[], EpochView | None], seal: SealFn = list, device: torch.device | None = None,
                  host: str = "127.0.0.1", port: int = 0, token: str = "", wait_s: float = 60.0,
                  idle_s: float = 60.0, max_sessions: int = 16, chunk_bytes: int = wire.DEFAULT_CHUNK,
                  on_chunk_sent: Callable[[int, int], None] | None = None,
                  corrupt: Callable[[int, int, bytearray], bool] | None = None) -> None:
         self.job, self.replica_id, self.rank, self.world_size = job, replica_id, rank, world_size
         self._take, self._seal = snapshot, seal
+        self._device = device
+        """The device the snapshot thread runs on (the state's: ``snapshot`` may copy from a GPU); None: CPU."""
         self._epoch = epoch
         if not auth.serving_allowed(host, token):
             raise InsecureServing(f"the catch-up server has no job token (FTHSDP_TOKEN_FILE), so it serves on "
@@ -153,7 +155,7 @@ class CatchupServer:
         """(Lock held.) Copy the state of ``step`` (the current one) on a snapshot thread, once."""
         if self._copying is None and self._sealing != step and step not in self._snapshots:
             self._copying = step
-            start_thread(self._copy, args=(step,), name=f"catchup-snapshot-r{self.rank}", device=None)
+            start_thread(self._copy, args=(step,), name=f"catchup-snapshot-r{self.rank}", device=self._device)
 
     def _copy(self, step: int) -> None:
         t0 = time.perf_counter()

@@ -89,7 +89,7 @@ class Replica:
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, host=cfg.host,
                                     snapshot=lambda: self._parts()[0].snapshot(self._boundary),
-                                    seal=ShardState.seal,
+                                    seal=ShardState.seal, device=self.device,
                                     epoch=lambda: self.client.epoch if hasattr(self, "client") else None,
                                     token=cfg.token, wait_s=cfg.epoch_wait_s, on_chunk_sent=self.faults.on_chunk_sent,
                                     corrupt=self.faults.corrupter())
