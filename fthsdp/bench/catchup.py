@@ -12,7 +12,14 @@ the same bytes between two processes (``fthsdp.bench.recovery.socket_copy_mbps``
 - ``transfer_ratio``: the best fetch's throughput (its manifest to its last byte, checksums included) over the
   best socket copy's;
 - ``serve_step_ratio``: the source's median step while it serves (steps that overlap a fetch, its snapshot copy
-  included) over its median step while nothing is transferred (before the first copy, after the warm-up).
+  included) over its median step while nothing is transferred (after the warm-up: before the first copy, and
+  ``QUIET_BETWEEN`` steps after each fetch, so that the baseline spans the run).
+
+Pinned (the default where there are two cores or more; ``--no-pin`` not): the source's training thread has the
+first core to itself, and everything else (the source's catch-up threads, the joiner, the socket copy's two
+processes) shares the others. That stands for a real host, whose catch-up threads and the joiner's whole machine
+are not on the core that drives the training; on 2 cores, unpinned, the joiner's receive and checksums and both
+sides of the copy take turns with the training thread on the same two cores.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from fthsdp.bench.results import CatchupResult
 JOB, INC, TOKEN = "bench", "inc-bench", "bench-token"
 PIECE_FLOATS = 1 << 20
 """The synthetic state's tensors hold at most this many float32 (4 MiB each)."""
+QUIET_BETWEEN = 3
+"""Steps the source trains with nothing moving after each fetch (they count as steady, as do those before)."""
 
 
 def synthetic_state(mb: float) -> list[tuple[str, torch.Tensor]]:
@@ -53,8 +62,18 @@ def _snapshot(state: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torc
     return [*out, (DIGEST, torch.frombuffer(bytearray(digest_of(out)), dtype=torch.uint8))]
 
 
-def _source(mb: float, model: str, step: Any, stop: Any, out: mp.Queue[Any]) -> None:
-    """The source replica: trains, serves ``mb`` MB, reports its steps' (start, end) wall times."""
+def cores() -> tuple[set[int], set[int]] | None:
+    """(the source's training thread's core, every other core), or None where threads cannot be pinned."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    mine = sorted(os.sched_getaffinity(0))
+    return ({mine[0]}, set(mine[1:])) if len(mine) >= 2 else None
+
+
+def _source(mb: float, model: str, pin: bool, step: Any, stop: Any, out: mp.Queue[Any]) -> None:
+    """The source replica: trains, serves ``mb`` MB, reports its steps' (start, end) wall times. Pinned, its
+    catch-up threads (made by the server's constructor, and by its threads) run on the other cores, the training
+    thread on its own."""
     from fthsdp.catchup.server import CatchupServer
     from fthsdp.examples.gpt import GPT, GPTConfig
     from lighthouse.epoch_view import EpochView
@@ -63,8 +82,13 @@ def _source(mb: float, model: str, step: Any, stop: Any, out: mp.Queue[Any]) -> 
     torch.set_num_threads(1)
     state = synthetic_state(mb)
     epoch = EpochView(JOB, 1, (EpochMember("joiner", INC, JOINING, 1, Endpoints()),), "", 0.0, "bench")
+    split = cores() if pin else None
+    if split:
+        os.sched_setaffinity(0, split[1])  # this thread, and the threads it makes from now on
     srv = CatchupServer(job=JOB, replica_id="source", rank=0, world_size=1, snapshot=lambda: _snapshot(state),
                         epoch=lambda: epoch, token=TOKEN)
+    if split:
+        os.sched_setaffinity(0, split[0])  # the training thread: a core of its own
     out.put(srv.address)
     cfg = GPTConfig.named(model)
     torch.manual_seed(0)
@@ -99,8 +123,10 @@ def _wait(cond: Any, what: str, timeout_s: float) -> None:
 
 
 def bench_catchup(mb: float = 512.0, model: str = "reference", repeats: int = 3, warmup: int = 3,
-                  steady: int = 8) -> CatchupResult:
-    """See the module doc. ``warmup`` steps are left out; ``steady`` steps are timed before anything moves."""
+                  steady: int = 8, pin: bool = True) -> CatchupResult:
+    """See the module doc. ``warmup`` steps are left out; ``steady`` steps are timed before anything moves (and more
+    between the fetches).
+    ``pin``: the source's training thread on a core of its own (where there are two or more)."""
     from fthsdp.catchup.client import Fetch, Source
 
     if mb <= 0 or repeats < 1:
@@ -108,16 +134,21 @@ def bench_catchup(mb: float = 512.0, model: str = "reference", repeats: int = 3,
     load_before = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     step, stop, out = ctx.Value("q", 0), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=_source, args=(mb, model, step, stop, out), daemon=True)
+    proc = ctx.Process(target=_source, args=(mb, model, pin, step, stop, out), daemon=True)
     proc.start()
+    split = cores() if pin else None
+    before = os.sched_getaffinity(0) if split else None
     try:
+        if split:  # the joiner and the socket copy's processes (spawned from here) off the training core
+            os.sched_setaffinity(0, split[1])
         address = out.get(timeout=300)
         _wait(lambda: step.value >= warmup + steady, "the source's steady steps", 600)
-        quiet_until = time.time()
         nbytes = sum(t.numel() * t.element_size() for _, t in synthetic_state(mb))
-        copies, fetches, windows = [], [], []
+        copies, fetches, windows, busy = [], [], [], []
         for _ in range(repeats):
+            t0 = time.time()
             copies.append(socket_copy_mbps(nbytes, repeats=1))
+            busy.append((t0, time.time()))
             t0 = time.time()
             f = Fetch([Source("source", address)], job=JOB, replica_id="joiner", rank=0, step=step.value + 1,
                       incarnation=INC, token=TOKEN, wait_s=120.0).start()
@@ -126,7 +157,8 @@ def bench_catchup(mb: float = 512.0, model: str = "reference", repeats: int = 3,
             fetches.append((res.bytes, res.transfer_s, res.wait_s))
             del res, f
             s = step.value
-            _wait(lambda s=s: step.value >= s + 2, "the source's steps after a fetch", 600)  # type: ignore[misc]
+            _wait(lambda s=s: step.value >= s + QUIET_BETWEEN + 1, "the source's steps after a fetch",  # type: ignore[misc]
+                  600)
         stop.set()
         times: list[tuple[float, float]] = out.get(timeout=120)
     finally:
@@ -134,12 +166,21 @@ def bench_catchup(mb: float = 512.0, model: str = "reference", repeats: int = 3,
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    quiet = [b - a for a, b in times[warmup:] if b <= quiet_until]
-    serving = [b - a for a, b in times if any(a < w1 and b > w0 for w0, w1 in windows)]
+        if before is not None:
+            os.sched_setaffinity(0, before)
+    def overlaps(a: float, b: float, spans: list[tuple[float, float]]) -> bool:
+        return any(a < w1 and b > w0 for w0, w1 in spans)
+
+    serving = [b - a for a, b in times if overlaps(a, b, windows)]
+    copying = [(w0, w0 + wait) for (w0, _), (_, _, wait) in zip(windows, fetches, strict=True)]
+    sending = [(w0 + wait, w1) for (w0, w1), (_, _, wait) in zip(windows, fetches, strict=True)]
+    while_copying = [b - a for a, b in times if overlaps(a, b, copying)]
+    while_sending = [b - a for a, b in times if overlaps(a, b, sending)]
+    quiet = [b - a for a, b in times[warmup:] if not overlaps(a, b, windows + busy)]
     fetch_mbps = [n / max(t, 1e-9) / 1e6 for n, t, _ in fetches]
     best_fetch, best_copy = max(fetch_mbps), max(copies)
     return CatchupResult(
-        mb=mb, bytes=nbytes, model=model, repeats=repeats,
+        mb=mb, bytes=nbytes, model=model, repeats=repeats, pinned=bool(split),
         transfer_ratio=round(best_fetch / best_copy, 3), transfer_mbps=round(best_fetch, 1),
         socket_copy_mbps=round(best_copy, 1), fetch_mbps_all=[round(x, 1) for x in fetch_mbps],
         socket_copy_mbps_all=[round(x, 1) for x in copies],
@@ -147,5 +188,7 @@ def bench_catchup(mb: float = 512.0, model: str = "reference", repeats: int = 3,
         serve_step_ratio=round(statistics.median(serving) / statistics.median(quiet), 3),
         steady_step_s=round(statistics.median(quiet), 4), serving_step_s=round(statistics.median(serving), 4),
         steady_steps=len(quiet), serving_steps=len(serving),
+        copying_step_s=round(statistics.median(while_copying), 4) if while_copying else None,
+        sending_step_s=round(statistics.median(while_sending), 4) if while_sending else None,
         loadavg_1min=round(load_before, 2),
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))

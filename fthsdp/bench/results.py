@@ -335,6 +335,8 @@ class CatchupResult(_AsJson):
     bytes: int
     model: str
     repeats: int
+    pinned: bool
+    """The source's training thread had a core to itself (``fthsdp.bench.catchup``'s module doc)."""
     transfer_ratio: float
     """The best fetch's throughput over the best plain socket copy's (target >= 0.6)."""
     transfer_mbps: float
@@ -349,6 +351,10 @@ class CatchupResult(_AsJson):
     serving_step_s: float
     steady_steps: int
     serving_steps: int
+    copying_step_s: float | None
+    """The source's median step among those that overlap a fetch's wait for its manifest (the snapshot's copy)."""
+    sending_step_s: float | None
+    """... among those that overlap a fetch's transfer (manifest to last byte)."""
     loadavg_1min: float
     """The 1-minute load average before the run."""
     measured_at: str
@@ -358,7 +364,7 @@ class CatchupResult(_AsJson):
 def format_catchup(r: CatchupResult) -> str:
     return "\n".join([
         f"catch-up of {r.bytes / 1e6:.0f} MB from one source training the {r.model} model "
-        f"(load before {r.loadavg_1min})",
+        f"({'its training thread on a core of its own' if r.pinned else 'unpinned'}; load before {r.loadavg_1min})",
         f"  transfer / plain socket copy   {r.transfer_ratio:>7}   ({r.transfer_mbps} vs {r.socket_copy_mbps} MB/s, "
         f"best of {r.repeats}; target >= 0.6)",
         f"  source's step while serving    {r.serve_step_ratio:>7}   ({r.serving_step_s} vs {r.steady_step_s} s, "

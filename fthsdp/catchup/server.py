@@ -87,8 +87,6 @@ class CatchupServer:
                  corrupt: Callable[[int, int, bytearray], bool] | None = None) -> None:
         self.job, self.replica_id, self.rank, self.world_size = job, replica_id, rank, world_size
         self._take, self._seal = snapshot, seal
-        self._device = device
-        """The device the snapshot thread runs on (the state's: ``snapshot`` may copy from a GPU); None: CPU."""
         self._epoch = epoch
         if not auth.serving_allowed(host, token):
             raise InsecureServing(f"the catch-up server has no job token (FTHSDP_TOKEN_FILE), so it serves on "
@@ -106,7 +104,8 @@ class CatchupServer:
         self._updating = False
         """The training thread passed ``before_update(self._step)``: the state of that step is gone."""
         self._copying: int | None = None
-        """The step a snapshot thread is copying (its update waits)."""
+        """The step the snapshot thread is to copy or copies (its update waits)."""
+        self._copy_running = False
         self._sealing: int | None = None
         """The step whose copies a snapshot thread is sealing (``seal``; its update need not wait)."""
         self._failed = -1
@@ -122,6 +121,9 @@ class CatchupServer:
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._threads: list[threading.Thread] = []
         self._acceptor = start_thread(self._accept_loop, name=f"catchup-accept-r{rank}", device=None)  # CPU only
+        # One thread copies every snapshot (on the state's device), started here: it shares the constructing
+        # thread's CPU affinity, not the training thread's, whatever thread asks for a copy.
+        self._copier = start_thread(self._copy_loop, name=f"catchup-snapshot-r{rank}", device=device)
 
     # --- the training thread ------------------------------------------------------------------------------------
 
@@ -152,10 +154,21 @@ class CatchupServer:
                 self._lock.notify_all()
 
     def _start_copy(self, step: int) -> None:
-        """(Lock held.) Copy the state of ``step`` (the current one) on a snapshot thread, once."""
+        """(Lock held.) Have the snapshot thread copy the state of ``step`` (the current one), once."""
         if self._copying is None and self._sealing != step and step not in self._snapshots:
             self._copying = step
-            start_thread(self._copy, args=(step,), name=f"catchup-snapshot-r{self.rank}", device=self._device)
+            self._lock.notify_all()
+
+    def _copy_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and (self._copying is None or self._copy_running):
+                    self._lock.wait()
+                if self._closed:
+                    return
+                step, self._copy_running = self._copying, True
+            assert step is not None
+            self._copy(step)
 
     def _copy(self, step: int) -> None:
         t0 = time.perf_counter()
@@ -167,7 +180,7 @@ class CatchupServer:
                           step)
             copies = None
         with self._lock:  # the copies are done: the update may run (the seal below does not read the state)
-            self._copying, self._sealing = None, step
+            self._copying, self._copy_running, self._sealing = None, False, step
             self._lock.notify_all()
         t_copy = time.perf_counter() - t0
         try:
@@ -207,12 +220,15 @@ class CatchupServer:
         deadline = time.monotonic() + drain_s
         with self._lock:
             self._closed = True
+            if not self._copy_running:
+                self._copying = None  # a copy asked for and not begun never will be: nothing waits for it
             self._requested.clear()
             self._lock.notify_all()
             while self._snapshots and time.monotonic() < deadline:
                 self._lock.wait(0.1)
             self._snapshots.clear()
         self._acceptor.join(2.0)
+        self._copier.join(30.0)  # a copy in progress ends (it reads the state, nothing blocks it)
         self._sock.close()
 
     # --- connections ----------------------------------------------------------------------------------------------

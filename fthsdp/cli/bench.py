@@ -67,7 +67,7 @@ def cmd_bench_catchup(a: argparse.Namespace) -> None:
     from fthsdp.bench.results import format_catchup
 
     try:
-        result = bench_catchup(mb=a.mb, model=a.model, repeats=a.repeats)
+        result = bench_catchup(mb=a.mb, model=a.model, repeats=a.repeats, pin=not a.no_pin)
     except ValueError as e:
         raise SystemExit(f"fthsdp bench catchup: {e}") from None
     emit(result, a.json, format_catchup)
@@ -143,6 +143,8 @@ def register(sub: Subparsers) -> None:
     bc.add_argument("--mb", type=float, default=512.0, help="the state's size in MB (float32 tensors)")
     bc.add_argument("--model", default="reference", help="the model the source trains meanwhile")
     bc.add_argument("--repeats", type=int, default=3, help="fetches and socket copies (the best of each counts)")
+    bc.add_argument("--no-pin", action="store_true",
+                    help="leave the source's training thread unpinned (pinned, it has a core to itself)")
     bc.add_argument("--json", action="store_true")
     bc.set_defaults(fn=cmd_bench_catchup)
     bs = bsub.add_parser("straggler", help="one replica made slow: steps to detection, throughput doing nothing and "
