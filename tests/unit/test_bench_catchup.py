@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fthsdp.bench.catchup import PIECE_FLOATS, bench_catchup, synthetic_state
+from fthsdp.bench.catchup import PIECE_FLOATS, bench_catchup, cores, synthetic_state
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,6 +26,7 @@ def test_a_small_run_reports_the_transfer_and_the_serving_step_against_their_bas
     assert r.transfer_mbps == max(r.fetch_mbps_all) and r.socket_copy_mbps == max(r.socket_copy_mbps_all)
     assert r.transfer_ratio == pytest.approx(r.transfer_mbps / r.socket_copy_mbps, rel=0.01)
     assert r.steady_steps >= 3 and r.serving_steps >= 1
+    assert r.pinned == (cores() is not None)  # the training thread has a core of its own where there are two
     assert r.serve_step_ratio == pytest.approx(r.serving_step_s / r.steady_step_s, rel=0.01)
 
 
