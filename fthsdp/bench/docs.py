@@ -37,7 +37,7 @@ from fthsdp.bench.sim import SimConfig, simulate  # noqa: E402
 
 KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
          "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json", "recovery-cold.json",
-         "recovery-warm.json")
+         "recovery-warm.json", "catchup.json")
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -496,6 +496,34 @@ def section_warm_restarts(cold: dict[str, Any] | None, warm: dict[str, Any] | No
     return out
 
 
+def section_catchup(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -> list[str]:
+    """The catch-up on a state large enough to time (``fthsdp bench catchup --mb 512 --json``)."""
+    if not doc:
+        return []
+    out = ["## Catch-up at scale", "",
+           f"`fthsdp bench catchup --mb {doc['mb']:.0f} --json` (data: `docs/bench-data/catchup.json`): one source "
+           f"process trains the {doc['model']} model (one thread) and serves a synthetic {doc['bytes'] / 1e6:.0f} MB "
+           f"state; the joiner fetches it {doc['repeats']} times, against as many plain loopback socket copies of the "
+           "same bytes between two processes in the same run (`fthsdp.bench.catchup`). "
+           + ("The source's training thread has a core of its own; its catch-up threads, the joiner and the socket "
+              "copies share the other (a real host's other cores and the joiner's machine). " if doc.get("pinned")
+              else "Unpinned. ")
+           + f"Measured at {doc['measured_at']}, 1-minute load {doc['loadavg_1min']} before.", "",
+           "| figure | value | note |", "| --- | ---: | --- |",
+           f"| transfer / plain socket copy | {fmt(doc['transfer_ratio'])} | {fmt(doc['transfer_mbps'], '.0f')} vs "
+           f"{fmt(doc['socket_copy_mbps'], '.0f')} MB/s, best of {doc['repeats']} each (fetches "
+           f"{', '.join(fmt(x, '.0f') for x in doc['fetch_mbps_all'])}; copies "
+           f"{', '.join(fmt(x, '.0f') for x in doc['socket_copy_mbps_all'])}); target >= 0.6 |",
+           f"| source's step while serving / steady | {fmt(doc['serve_step_ratio'])} | {fmt(doc['serving_step_s'])} "
+           f"vs {fmt(doc['steady_step_s'])} s ({doc['serving_steps']} vs {doc['steady_steps']} steps); while copying "
+           f"{fmt(doc.get('copying_step_s'))} s, while sending {fmt(doc.get('sending_step_s'))} s; target <= 1.05 |",
+           f"| request -> manifest (the snapshot's copy and digest) | "
+           f"{', '.join(fmt(x, '.2f') for x in doc['snapshot_wait_s'])} s | per fetch |", ""]
+    for para in (notes or {}).get("catchup", []):
+        out += [para, ""]
+    return out
+
+
 def section_straggler(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -> list[str]:
     """One replica made slow (``fthsdp bench straggler --json``)."""
     if not doc:
@@ -555,6 +583,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += section_recovery_hsdp(load(data, "recovery-hsdp.json"))
     lines += section_recovery_double(load(data, "recovery-double.json"))
     lines += section_warm_restarts(load(data, "recovery-cold.json"), load(data, "recovery-warm.json"), notes)
+    lines += section_catchup(load(data, "catchup.json"), notes)
     lines += section_lighthouse(load(data, "lighthouse.json"), load(data, "saturation.json"), notes, img)
     lines += section_sim(rec, base, img)
     lines += section_other(load(data, "overhead.json"), load(data, "ftar.json"))
@@ -568,6 +597,7 @@ def main(argv: list[str] | None = None) -> None:
               ".venv/bin/fthsdp bench lighthouse --replicas 1000 5000 10000 --vs torchft --json "
               "> out/bench/lighthouse.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
+              ".venv/bin/fthsdp bench catchup --mb 512 --json > out/bench/catchup.json",
               "make benchmarks-doc    # copies out/bench/*.json to docs/bench-data/, rewrites this page and its plots",
               "```", ""]
     out.write_text("\n".join(lines))

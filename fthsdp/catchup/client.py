@@ -118,6 +118,12 @@ class Fetch:
                 self._lock.wait(left)
             return self._registered
 
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the fetch to end (done, failed or cancelled); returns ``done()``."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._remaining == 0 or self._alive == 0 or self._cancelled, timeout)
+        return self.done()
+
     def cancel(self) -> None:
         """Abandon the fetch: connections are cut (the sources drop their snapshots), ``result`` raises."""
         with self._lock:

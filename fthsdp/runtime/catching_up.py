@@ -12,6 +12,7 @@ fetch used to run in one go, and the others waited for all of it in their next e
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -21,6 +22,7 @@ from typing import Protocol
 import torch
 
 from ftar import ExchangeResult, Handle
+from fthsdp.catchup.client import FetchResult
 from fthsdp.runtime.commit import Commit
 from fthsdp.runtime.join import Joiner
 from fthsdp.runtime.metrics import ReplicaMetrics
@@ -70,20 +72,24 @@ def catch_up(rep: Replica, closure: Callable[[], torch.Tensor], shards: ShardSta
             got = rep.joiner.exchanged(commit.step, results, commit.attempts)
             if got is None:
                 handles, t_last = rep._exchange_all(contribute=False), time.perf_counter()
+                # The snapshot often comes in while this step's exchange waits for the others' compute: load it
+                # then, and the exchange's results are replayed on top once it settles.
+                got = rep.joiner.early(functools.partial(_all_done, handles))
+                if got is not None:
+                    t_in, exchanging = time.perf_counter(), rep.step
+                    at, rep.step = _load(rep, shards, got), exchanging
                 continue
             t_in = time.perf_counter()
         else:
             rep.joiner.keep(commit.step, results, commit.attempts)
         handles = rep._exchange_all(contribute=False)  # the next step's zeros first: the others need not wait
         exchanging = rep.step
-        if at < 0:  # the first slice: load the snapshot and check it
-            rep.cursors = shards.load(got.tensors, rep.cursors)
-            rep.step = got.step
-            rep.joiner.verify(got, shards.digest(rep.cursors, rng=True))
-        else:
-            rep.step = at
+        first = at < 0
+        if first:  # the first slice: load the snapshot and check it
+            at = _load(rep, shards, got)
+        rep.step = at
         budget = SLICE_SHARE * statistics.median(intervals[-5:])
-        replayed += rep.joiner.replay_slice(commit.step, rep._commit, budget, MIN_SLICE if at >= 0 else 0)
+        replayed += rep.joiner.replay_slice(commit.step, rep._commit, budget, 0 if first else MIN_SLICE)
         at, rep.step = rep.step, exchanging  # the state is at step ``at``; the exchanges go on at ``exchanging``
         if all_ranks(at == commit.step + 1, rep.device):  # every rank holds the state after the last exchange
             break
@@ -99,6 +105,19 @@ def catch_up(rep: Replica, closure: Callable[[], torch.Tensor], shards: ShardSta
              sorted(got.sources), replayed, t_applied - t_in)
     return StepResult(commit.step, None, commit.epoch, results[0].contributors, True, rep.joiner.attempts,
                       time.perf_counter() - t0, (), rep._lr_factor, catchup, contributed=False)
+
+
+def _all_done(handles: list[Handle | None]) -> bool:
+    return all(h is None or h.done() for h in handles)
+
+
+def _load(rep: Replica, shards: ShardState, got: FetchResult) -> int:
+    """Load the snapshot into this rank's state and check it against the source's digest (a collective); returns
+    the step of the state now held."""
+    rep.cursors = shards.load(got.tensors, rep.cursors)
+    rep.step = got.step
+    rep.joiner.verify(got, shards.digest(rep.cursors, rng=True))
+    return got.step
 
 
 def zero_step(rep: Replica, zeros: list[Handle | None]) -> StepResult:

@@ -36,6 +36,8 @@ from lighthouse.errors import Busy, FencedOut, HeldOut
 
 MAX_FETCHES = 5
 """Failed fetches of one catch-up before the replica gives up (and restarts to try again)."""
+EARLY_POLL_S = 0.01
+"""How often a joiner waiting for its fetch looks whether the step's exchange came in first (``Joiner.early``)."""
 REGISTER_WAIT_S = 5.0
 """How long a joiner holds its share of the next step back while its sources register the fetch (``QUEUED``):
 milliseconds normally; a source that takes longer may have passed the step, and the others serve it."""
@@ -138,6 +140,23 @@ class Joiner:
         if len(self.kept) > self.config.max_replay:
             raise RejoinRequired(f"the catch-up fetch is {len(self.kept)} steps behind (FTHSDP_CATCHUP_MAX_REPLAY="
                                  f"{self.config.max_replay})")
+        return self._collect()
+
+    def early(self, exchanged: Callable[[], bool]) -> FetchResult | None:
+        """While this replica's zeros of the next step are in flight (``exchanged()``: that exchange is in), wait
+        for whichever comes first, the exchange or this rank's fetch (the training thread has nothing else to do);
+        then, with every rank (a collective), take the snapshot if every rank has it: loaded before that step's
+        exchange settles, it saves the joiner a step. None: go on exchanging."""
+        if self.fetch is None:  # every rank's fetch failed and was dropped: a new one starts at the next step
+            return None
+        while not exchanged() and not self.fetch.wait(EARLY_POLL_S):
+            pass
+        return self._collect()
+
+    def _collect(self) -> FetchResult | None:
+        """Every rank (a collective): the snapshot, once every rank has its own; after a failed fetch on any rank,
+        every rank drops it (and its kept steps) and starts over at a newer step."""
+        assert self.fetch is not None
         if not all_ranks(self.fetch.done(), self.device):
             return None
         try:
