@@ -66,3 +66,61 @@ def test_a_held_out_joiner_probes_every_rank_together_and_asks_again_until_let_i
     joiner._enter_data_plane(None, lambda: torch.zeros(()))  # type: ignore[arg-type]
     assert client.asked == [0.0, 0.25, 0.25]  # no probe until asked for one; then one per attempt
     assert len(probes) == 2
+
+
+class FakeFetch:
+    """A fetch that completes (or fails) when told to."""
+
+    def __init__(self, result: object = None, error: Exception | None = None) -> None:
+        self.finished, self.waits = False, 0
+        self._result, self._error = result, error
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self, timeout: float) -> bool:
+        self.waits += 1
+        if self.waits == 3:  # it completes while the joiner waits
+            self.finished = True
+        return self.finished
+
+    def result(self, timeout: float | None = None) -> object:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _joiner(monkeypatch: Any) -> Joiner:
+    import fthsdp.runtime.join as join
+
+    monkeypatch.setattr(join, "all_ranks", lambda flag, device: flag)  # one rank: its own flag
+    config = RuntimeConfig(lighthouse="127.0.0.1:1", replica_index=1, num_replicas=3, replica_id="r1", rank=0,
+                           world_size=1)
+    return Joiner(config, 0, 1, None, None, torch.device("cpu"), lambda *a: None)  # type: ignore[arg-type]
+
+
+def test_early_takes_the_snapshot_that_comes_in_before_the_steps_exchange(monkeypatch: Any) -> None:
+    joiner = _joiner(monkeypatch)
+    snapshot = object()
+    joiner.fetch = FakeFetch(snapshot)  # type: ignore[assignment]
+    assert joiner.early(lambda: False) is snapshot
+
+
+def test_early_goes_on_exchanging_when_the_exchange_comes_in_first(monkeypatch: Any) -> None:
+    joiner = _joiner(monkeypatch)
+    fetch = FakeFetch(object())
+    joiner.fetch = fetch  # type: ignore[assignment]
+    assert joiner.early(lambda: True) is None
+    assert fetch.waits == 0 and joiner.fetch is fetch  # not waited on, still fetching
+    joiner.fetch = None
+    assert joiner.early(lambda: False) is None  # no fetch (dropped after a failure): nothing to wait for
+
+
+def test_early_drops_a_failed_fetch_and_its_kept_steps(monkeypatch: Any) -> None:
+    from fthsdp.catchup.wire import FetchFailed
+
+    joiner = _joiner(monkeypatch)
+    joiner.fetch, joiner.fetches = FakeFetch(error=FetchFailed("no source")), 1  # type: ignore[assignment]
+    joiner.kept = {7: []}
+    assert joiner.early(lambda: False) is None
+    assert joiner.fetch is None and not joiner.kept
