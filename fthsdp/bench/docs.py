@@ -483,13 +483,14 @@ def section_warm_restarts(cold: dict[str, Any] | None, warm: dict[str, Any] | No
            "standby (docs/design.md §7, \"Warm restarts\").", "",
            "| restart | kill -> restarted replica's first joined step (s) | kill -> all replicas contributing (s) | "
            "start (release) -> active (s) | registration -> active (s) | survivors' stall (s) | steady step (s) | "
-           "effective training time | final states equal |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+           "effective training time | on plain's step | final states equal |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
     for name, f in runs:
         out.append(f"| {name} | {fmt(f.get('rejoin_s'), '.2f')} | {fmt(f.get('back_to_full_s'), '.2f')} | "
                    f"{fmt(f.get('join_s'), '.2f')} | {fmt(f.get('join_from_registration_s'), '.2f')} | "
                    f"{fmt(f.get('survivor_stall_s'), '.2f')} | {fmt(f.get('step_s'), '.3f')} | "
-                   f"{fmt(f.get('effective_training_time'))} | {fmt(f.get('final_equal'))} |")
+                   f"{fmt(f.get('effective_training_time'))} | {fmt(f.get('ett_common_step'))} | "
+                   f"{fmt(f.get('final_equal'))} |")
     out.append("")
     for para in (notes or {}).get("warm", []):
         out += [para, ""]

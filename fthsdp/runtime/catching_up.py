@@ -2,13 +2,14 @@
 the snapshot is fetched, then load it and replay the kept steps — still exchanging zeros, a slice per step — and
 turn active, with one more zero step after that.
 
-A snapshot that comes in while a step's zeros are in flight is loaded and checked then (``Joiner.early``), and
-that step's results replayed on top once its exchange settles. Every step's zeros go out *before* that step's
-share of the load and replay: the others compute the step meanwhile, so they wait for nothing as long as a slice takes less than their step. The first slice loads and
-checks the snapshot; the others replay kept steps for about half of the others' step (measured here, as the time
-between two exchanges while fetching), at least two each, so the backlog shrinks by at least one per step
-(replaying a step is an optimizer step, cheaper than training one). A replay of many kept steps after a slow
-fetch used to run in one go, and the others waited for all of it in their next exchange.
+A snapshot that comes in while a step's zeros are in flight is loaded and checked then (``Joiner.early``), and that
+step's results replayed on top once its exchange settles. Every step's zeros go out *before* that step's share of
+the load and replay: the others compute the step meanwhile, so they wait for nothing as long as a slice takes less
+than their step. The first slice loads and checks the snapshot; the others replay kept steps for about half of the
+others' step (measured here, as the time between two exchanges while fetching), at least two each, so the backlog
+shrinks by at least one per step (replaying a step is an optimizer step, cheaper than training one). A replay of
+many kept steps after a slow fetch used to run in one go, and the others waited for all of it in their next
+exchange.
 """
 
 from __future__ import annotations
