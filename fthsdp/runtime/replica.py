@@ -45,7 +45,7 @@ from fthsdp.runtime.metrics import ReplicaMetrics
 from fthsdp.runtime.pace import PaceWindow
 from fthsdp.runtime.result import StepResult
 from fthsdp.runtime.startup import Role, agree_incarnation, die_with_parent, gather_addresses, register, start_from
-from fthsdp.runtime.state import Boundary, ShardState, replica_hash
+from fthsdp.runtime.state import ShardState, replica_hash
 from fthsdp.runtime.trainer_state import Scheduler, Stateful, TrainerState
 from fthsdp.testing.faults import FaultInjector, Phase
 from lighthouse import membership as m
@@ -77,8 +77,6 @@ class Replica:
         """Committed steps so far (a joiner learns it at its first exchange)."""
         self.cursors = torch.zeros(cfg.num_replicas, dtype=torch.int64)
         """Per data slot, the batches trained so far (the same on every replica)."""
-        self._boundary = Boundary([])
-        """What a snapshot of the coming step takes as of its commit boundary (``ShardState.boundary``)."""
         self._settling: list[Handle | None] | None = None  # caught up: the next step's zeros, sent (zero_step)
         self.protocol = CommitProtocol()
         self.pace, self._own_compute_s = PaceWindow(), 0.0  # fail-slow evidence; the last step's compute, unslowed
@@ -88,7 +86,7 @@ class Replica:
         self.check = DigestCheck(cfg.digest_every, self.slot, self._log, lambda s, d: self.client.set_digest(s, d))
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, host=cfg.host,
-                                    snapshot=lambda: self._parts()[0].snapshot(self._boundary),
+                                    snapshot=lambda: self._parts()[0].snapshot(),
                                     seal=ShardState.seal, device=self.device,
                                     epoch=lambda: self.client.epoch if hasattr(self, "client") else None,
                                     token=cfg.token, wait_s=cfg.epoch_wait_s, on_chunk_sent=self.faults.on_chunk_sent,
@@ -225,7 +223,8 @@ class Replica:
                 self._log(logging.WARNING, "resumed from checkpoint %s", ck.path)
             self._resume_from = None
         if not self.joining and not self.standby:
-            self._at_boundary()
+            self._parts()[0].mark(self.cursors)  # what a snapshot of the coming step takes at its boundary
+            self.server.at_commit(self.step, active=True)
 
     @property
     def cursor(self) -> int:
@@ -352,8 +351,7 @@ class Replica:
                       self.config.lr_rule, contributors, self.config.num_replicas)
         self._lr_factor = factor
         self.faults.at(step, Phase.OPTIMIZER)
-        if not self.joining:
-            self.server.before_update(step)  # a snapshot of this step's state in progress finishes first
+        self.server.before_update(step)  # a snapshot of this step's state in progress finishes first
         shards.optimizer_step(factor)
         if not self.joining and self.faults.corrupts(step):
             shards.flip_bit()
@@ -363,17 +361,12 @@ class Replica:
         self.step = step + 1
         return batches
 
-    def _at_boundary(self) -> None:
-        """An active replica's commit boundary: what a snapshot of the coming step takes as of now (the RNG moves
-        in its forward), and the catch-up server told."""
-        self._boundary = self._parts()[0].boundary(self.cursors)
-        self.server.at_commit(self.step, active=True)
-
     def _after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None:
         """Commit-boundary duties: lighthouse step, snapshot for joiners, checkpoints, and stopping if the vote
         carried a SIGTERM."""
         self.client.set_step(self.step)
-        self._at_boundary()
+        self._parts()[0].mark(self.cursors)  # what a snapshot of the coming step takes at its boundary
+        self.server.at_commit(self.step, active=True)
         cfg = self.config
         if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and batches \
                 and min(s for s, _ in batches) == self.slot:

@@ -50,6 +50,8 @@ class ShardState:
         self.opt = opt
         self.device = device
         self.state = state
+        self.marked = Boundary([])
+        """The side state of the coming step's snapshot, taken at its commit boundary (``mark``)."""
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, local tensor) of every parameter shard and optimizer-state tensor, in order. Optimizer-state
@@ -87,11 +89,17 @@ class ShardState:
         return Boundary([("data/cursors", cursors.clone()), ("state/json", torch.frombuffer(doc, dtype=torch.uint8)),
                          *self.rng()], ready)
 
-    def snapshot(self, boundary: Boundary) -> list[tuple[str, torch.Tensor]]:
+    def mark(self, cursors: torch.Tensor) -> None:
+        """At an active replica's commit boundary: keep ``boundary(cursors)`` for a snapshot of the coming step."""
+        self.marked = self.boundary(cursors)
+
+    def snapshot(self, boundary: Boundary | None = None) -> list[tuple[str, torch.Tensor]]:
         """A copy of everything a joiner needs, on the CPU, in ``pairs`` order: the shards copied now, the rest as
-        ``boundary`` took it. Runs on a snapshot thread (``fthsdp.catchup.server``) between that boundary and the
-        step's optimizer update; on a GPU, on a stream of that thread's own, after ``boundary.ready``, so the
-        training thread's kernels go on meanwhile. ``seal`` adds the digest, once the update may run."""
+        ``boundary`` took it (by default the last ``mark``). Runs on a snapshot thread
+        (``fthsdp.catchup.server``) between that boundary and the step's optimizer update; on a GPU, on a stream
+        of that thread's own, after ``boundary.ready``, so the training thread's kernels go on meanwhile.
+        ``seal`` adds the digest, once the update may run."""
+        boundary = boundary if boundary is not None else self.marked
         if boundary.ready is not None:  # this thread's copies on a stream of its own, after the update's kernels
             side_stream(self.device)
             wait_for(boundary.ready)
