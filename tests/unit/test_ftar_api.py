@@ -123,7 +123,7 @@ def test_a_vote_lost_to_lanes_in_different_epochs_asks_for_a_reformed_one(monkey
                    "older epoch than the newest its replica's lanes used waits for an epoch nobody asks for")
 def test_a_vote_lost_to_a_lane_that_failed_below_the_newest_epoch_asks_for_a_reformed_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Seen in ``fthsdp bench recovery --warm-restarts`` (2 of 10 runs on 2026-11-26): a joiner's epoch 3 came while
+    """Seen in ``fthsdp bench recovery --warm-restarts`` (2 of 9 runs on 2026-11-26): a joiner's epoch 3 came while
     the survivors exchanged a step; one survivor's lane 1 had begun it in epoch 2, its other lane and the other
     survivor's lanes in epoch 3. Lane 1's epoch-2 collective broke, and its report was refused as stale (the
     lighthouse was at 3). The vote (failed, newest 3) reset every lane above 3 without asking for a re-formed epoch,
