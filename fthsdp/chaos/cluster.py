@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fthsdp.testing.etcd import EtcdCluster
-from fthsdp.testing.launcher import Cluster, ClusterConfig
+from fthsdp.testing.launcher import Cluster, ClusterConfig, streams_opened
 from fthsdp.testing.lighthouse_process import start_lighthouse_process
 from fthsdp.testing.procutil import stop_process, write_atomic
 
@@ -104,6 +104,21 @@ class ChaosCluster(Cluster):
             if time.monotonic() > end:
                 raise RuntimeError("no lighthouse leads (the end-of-run status cannot be read)")
             time.sleep(0.2)  # polling a condition with a deadline
+
+    def lighthouse_streams(self) -> dict[str, int]:
+        """Streams opened by kind, summed over the lighthouses alive at the end (one that was killed took its
+        counts with it: the chaos runner may kill the leader just before the end)."""
+        if self.etcd is None:
+            return super().lighthouse_streams()
+        total: dict[str, int] = {}
+        for lh in self._live():
+            try:
+                counts = streams_opened(lh.http)
+            except OSError:  # URLError included: it is on its way down, or not up again yet
+                continue
+            for kind, n in counts.items():
+                total[kind] = total.get(kind, 0) + n
+        return total
 
     def leader(self) -> LighthouseProc | None:
         """The lighthouse that answers as the leader, if one does."""

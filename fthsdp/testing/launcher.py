@@ -279,10 +279,7 @@ class Cluster:
 
     def lighthouse_streams(self) -> dict[str, int]:
         """Sessions and watch streams the lighthouse opened so far, by kind (its ``/metrics``)."""
-        with urllib.request.urlopen(f"http://{self.http}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        found = re.findall(r'^fthsdp_lighthouse_streams_opened_total\{kind="(\w+)"\} (\S+)$', text, re.M)
-        return {kind: int(float(n)) for kind, n in found}
+        return streams_opened(self.http)
 
     def lighthouse_args(self) -> list[str]:
         c = self.config
@@ -409,6 +406,14 @@ class Cluster:
             "t_start": t_start,
             "lighthouse_streams_opened": self.streams_opened,
         }
+
+
+def streams_opened(http: str) -> dict[str, int]:
+    """Sessions and watch streams the lighthouse at ``http`` opened so far, by kind (its ``/metrics``)."""
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found = re.findall(r'^fthsdp_lighthouse_streams_opened_total\{kind="(\w+)"\} (\S+)$', text, re.M)
+    return {kind: int(float(n)) for kind, n in found}
 
 
 def _final(rows: list[ProgressRow]) -> ProgressRow | None:
