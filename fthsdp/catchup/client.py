@@ -103,26 +103,25 @@ class Fetch:
 
     def done(self) -> bool:
         with self._lock:
-            return self._remaining == 0 or self._alive == 0 or self._cancelled
+            return self._ended()
+
+    def _ended(self) -> bool:
+        """(Lock held.) Every byte is in, every source is gone, or the fetch was cancelled."""
+        return self._remaining == 0 or self._alive == 0 or self._cancelled
 
     def wait_registered(self, timeout: float) -> int:
         """Wait until every source registered the request or failed (or ``timeout`` passed); returns how many
         registered. A source that registered step S serves it: it cannot pass S's update while this replica
         holds S's commit back, so a joiner waits for this before it sends its share of step S."""
-        deadline = time.monotonic() + timeout
         with self._lock:
-            while self._registered + (len(self.sources) - self._alive) < len(self.sources) and not self._cancelled:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._lock.wait(left)
+            self._lock.wait_for(lambda: self._registered + len(self.sources) - self._alive >= len(self.sources)
+                                or self._cancelled, timeout)
             return self._registered
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for the fetch to end (done, failed or cancelled); returns ``done()``."""
         with self._lock:
-            self._lock.wait_for(lambda: self._remaining == 0 or self._alive == 0 or self._cancelled, timeout)
-        return self.done()
+            return self._lock.wait_for(self._ended, timeout)
 
     def cancel(self) -> None:
         """Abandon the fetch: connections are cut (the sources drop their snapshots), ``result`` raises."""
@@ -147,7 +146,7 @@ class Fetch:
         """Wait for the fetch; raises ``FetchFailed`` if no source could complete it."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while not (self._remaining == 0 or self._alive == 0 or self._cancelled):
+            while not self._ended():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise FetchFailed(f"fetch of step {self.hello.step} did not finish in {timeout}s")
