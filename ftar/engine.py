@@ -93,22 +93,18 @@ class LaneEngine:
         self._state = LaneState(self.replica_id, lane)
         self._reports = PendingReports()  # the last failure's, sent again while its epoch does not come
         self._group: EpochGroup | None = None
-        self._plane_epoch = 0
-        """The epoch of the group last built (or being built): a newer one signals ``_epoch_changed``."""
+        self._plane_epoch = 0  # the epoch of the group last built (or being built): a newer one signals a change
         self.device = devices.resolve(self.config.backend, self.config.device)
         self._reaper = Reaper(lane, self.device)
-        self._direct = False
-        """The last packing reduced the caller's tensors in place."""
+        self._direct = False  # the last packing reduced the caller's tensors in place
         self._tag = 0
         self._held = HeldResults()  # the results this lane acted on, until forget_before (ftar.reconcile)
         self._served: dict[int, Held] = {}  # what a holder served this lane in the current group, by tag
         self._closed = False
         self.last_rebuild_s = 0.0
-        self.tag_label: Callable[[int], str] = lambda tag: f"tag={tag}"
-        """How log lines name a tag: a caller whose tags encode more (the runtime: a step and a bucket) says so."""
+        self.tag_label: Callable[[int], str] = lambda tag: f"tag={tag}"  # how log lines name a tag (settable)
         self._remove_listener = membership.add_listener(self._on_epoch)
-        self._thread = devices.start_thread(self._worker, name=f"ftar-lane{lane}-{self.replica_id}",
-                                            device=self.device)
+        self._thread = devices.start_thread(self._worker, name=f"ftar-lane{lane}-{self.replica_id}", device=self.device)
 
     # --- public -----------------------------------------------------------------------------------------------
 
@@ -151,13 +147,17 @@ class LaneEngine:
         reconciliation, ``ftar.reconcile``)."""
         self._held.forget_before(tag)
 
+    @property
+    def asking(self) -> int:
+        """The epoch this lane's pending failure reports ask the lighthouse to move past (0: none)."""
+        return self._reports.asking
+
     def reset(self, after: int = 0, reform: bool = False) -> None:
         """Accept exchanges again after an ``Interrupted`` one (call once every pending handle is done). With
         ``after``, never exchange in epoch ``after`` or an older one again: the caller gave up a sequence it
         exchanged there, and partners that kept it moved on in that epoch's group (a redo there would pair with
-        their next exchanges). ``reform``: nothing failed (the caller's lanes only went in different epochs), so
-        nobody reports anything: if ``after`` is still the newest epoch a second from now, ask for a re-formed one
-        (``rules.PendingReports.reform``)."""
+        their next exchanges). ``reform``: none of the caller's lanes is ``asking`` past ``after``, so nobody will: if
+        it is still the newest epoch a second from now, ask for a re-formed one (``rules.PendingReports.reform``)."""
         self._state.reset()
         if after > self._state.failed_epoch:
             self._state.failed(after)

@@ -322,6 +322,12 @@ class PendingReports:
         else:
             self.verdict = None
 
+    @property
+    def asking(self) -> int:
+        """The epoch these reports ask the lighthouse to move past (0: none pending). A replica whose lanes ask
+        for nothing above the newest epoch they used must ask for a re-formed one (``reform``)."""
+        return self.epoch if self.verdict is not None else 0
+
     def reform(self, epoch: EpochView, me: str, now: float) -> None:
         """The replica's vote put ``epoch`` behind its lanes although none of them failed there (they exchanged
         the step in different epochs): nobody will report anything, so unless a newer epoch comes within

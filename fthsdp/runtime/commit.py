@@ -78,17 +78,19 @@ LaneEvent = Exchanged | Failed
 @dataclass(frozen=True)
 class Ballot:
     """One rank's vote: whether its lane failed, the newest and oldest epoch its buckets went in, the step
-    they agreed on (-1: none), and whether it got SIGTERM."""
+    they agreed on (-1: none), whether it got SIGTERM, and the epoch its lane's failure reports ask the lighthouse
+    to move past (0: none; ``LaneEngine.asking``)."""
 
     failed: bool
     newest: int
     oldest: int
     step: int
     stop: bool
+    asking: int = 0
 
     def encode(self) -> list[int]:
         """The ints whose element-wise MAX over the replica's ranks is the tally (minima ride negated)."""
-        return [int(self.failed), self.newest, -self.oldest, self.step, -self.step, int(self.stop)]
+        return [int(self.failed), self.newest, -self.oldest, self.step, -self.step, int(self.stop), self.asking]
 
 
 @dataclass(frozen=True)
@@ -104,17 +106,27 @@ class Tally:
     lowest_step: int
     stop: bool
     """Some rank got SIGTERM."""
+    asking: int = 0
+    """The newest epoch some rank's failure reports ask the lighthouse to move past (0: none)."""
 
     @classmethod
     def decode(cls, maxed: Sequence[int]) -> Tally:
         """From the element-wise MAX of every rank's ``Ballot.encode()``."""
-        failed, newest, oldest, highest, lowest, stop = (int(x) for x in maxed)
-        return cls(failed != 0, newest, -oldest, highest, -lowest, stop != 0)
+        failed, newest, oldest, highest, lowest, stop, asking = (int(x) for x in maxed)
+        return cls(failed != 0, newest, -oldest, highest, -lowest, stop != 0, asking)
 
     @classmethod
     def of(cls, ballots: Sequence[Ballot]) -> Tally:
         """What the vote's all-reduce computes from these ballots."""
         return cls.decode([max(column) for column in zip(*(b.encode() for b in ballots), strict=True)])
+
+    @property
+    def reform(self) -> bool:
+        """No rank's lane asks past the newest epoch the buckets went in: nothing failed, or only in older epochs
+        (a lane that began the step before an epoch change), whose reports the lighthouse refuses as stale. A redo
+        above that epoch must then ask for a re-formed one (``LaneEngine.reset``), or it waits for an epoch
+        nobody asked for (found by ``bench recovery --warm-restarts``: the survivors stalled 10 s)."""
+        return self.asking < self.newest
 
     @property
     def passed(self) -> bool:
@@ -189,10 +201,10 @@ class CommitProtocol:
         failed = len(done) != len(self._lanes) or agreed < 0
         return failed, tuple(e.epoch for e in done) or (0,), agreed
 
-    def ballot(self) -> Ballot:
-        """This rank's vote on the attempt whose buckets were reported."""
+    def ballot(self, asking: int = 0) -> Ballot:
+        """This rank's vote on the attempt whose buckets were reported; ``asking``: ``LaneEngine.asking``."""
         failed, epochs, agreed = self._summary()
-        return Ballot(failed, max(epochs), min(epochs), agreed, self._stop)
+        return Ballot(failed, max(epochs), min(epochs), agreed, self._stop, asking)
 
     def vote(self, tally: Tally) -> Decision:
         """The replica's vote is in: commit, redo, or give up. The next attempt's buckets are reported afresh."""

@@ -44,4 +44,4 @@ def barrier(buckets: BucketExchange, engine: LaneEngine, step: int, vote: Callab
             log(logging.WARNING, "end of job: not every member confirmed the last step (%s); leaving anyway",
                 decision.reason)
             return False
-        engine.reset(after=tally.newest, reform=not tally.failed)  # the vote put that epoch behind every lane
+        engine.reset(after=tally.newest, reform=tally.reform)  # the vote put that epoch behind every lane

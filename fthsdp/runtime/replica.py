@@ -311,8 +311,8 @@ class Replica:
             self.metrics.on_retry(decision.reason)
             self._log(logging.INFO, "vote failed (epochs %s, failed=%d); redoing the step's exchange",
                       list(decision.epochs), decision.failed)
-            # Partners that committed moved on in that epoch's group; with no failure, nobody asks for a newer one.
-            self.engine.reset(after=tally.newest, reform=not tally.failed)
+            # Partners that committed moved on in that epoch's group; if no lane's reports ask past it, ask.
+            self.engine.reset(after=tally.newest, reform=tally.reform)
             handles = self._exchange_all(contribute)
 
     def _exchange_all(self, contribute: bool) -> list[Handle | None]:
@@ -333,7 +333,8 @@ class Replica:
         """The replica-local vote: one MAX all-reduce of every rank's ballot (``protocol``'s, the step's by
         default). It carries SIGTERM too, so every rank stops at the same commit boundary without a collective of
         its own."""
-        ctrl = torch.tensor((protocol or self.protocol).ballot().encode(), dtype=torch.int64, device=self.device)
+        ballot = (protocol or self.protocol).ballot(self.engine.asking)
+        ctrl = torch.tensor(ballot.encode(), dtype=torch.int64, device=self.device)
         dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
         return Tally.decode(ctrl.tolist())
 

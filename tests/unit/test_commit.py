@@ -173,6 +173,21 @@ def test_ballot_encoding_round_trips_through_a_max_reduction() -> None:
     b = Ballot(True, 6, 5, 12, True)
     assert Tally.decode(a.encode()) == Tally(False, 4, 3, 10, 10, False)
     assert Tally.of([a, b]) == Tally(failed=True, newest=6, oldest=3, highest_step=12, lowest_step=10, stop=True)
+    c = Ballot(True, 0, 0, -1, False, asking=5)
+    assert Tally.of([a, c]).asking == 5 and Tally.decode(c.encode()) == Tally(True, 0, 0, -1, -1, False, 5)
+
+
+@pytest.mark.parametrize(("ballots", "reform"), [
+    ([Ballot(False, 3, 2, 7, False), Ballot(False, 3, 3, 7, False)], True),  # lanes in different epochs, no failure
+    ([Ballot(True, 0, 0, -1, False, asking=3), Ballot(False, 3, 3, 7, False)], False),  # a lane reports in 3
+    ([Ballot(True, 0, 0, -1, False, asking=2), Ballot(False, 3, 3, 7, False)], True),  # only stale reports, in 2
+    ([Ballot(True, 0, 0, -1, False), Ballot(False, 3, 3, 7, False)], True),  # a lane abandoned 2 for 3: no reports
+])
+def test_a_redo_asks_for_a_reformed_epoch_when_no_lane_asks_past_the_newest_one(ballots: list[Ballot],
+                                                                                 reform: bool) -> None:
+    """``Tally.reform``: a lane's failure reports bring the next epoch only if they are about the newest epoch the
+    replica's buckets went in; otherwise the redo must ask (the 10 s stall of ``bench recovery --warm-restarts``)."""
+    assert Tally.of(ballots).reform is reform
 
 
 # --- data slots ------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from ftar import EngineClosed, Excluded, FTARConfig, LaneEngine, NoEpoch, rules
+from fthsdp.runtime.commit import CommitProtocol, Exchanged, Failed, Failure, Tally
 from lighthouse.epoch_view import EpochView
 from lighthouse.model import ACTIVE, Endpoints, EpochMember
 
@@ -119,23 +121,31 @@ def test_a_vote_lost_to_lanes_in_different_epochs_asks_for_a_reformed_one(monkey
         assert set(lighthouse.reports) <= {("r1", 3, False)}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 17 (found by bench recovery --warm-restarts): a lane that failed in an "
-                   "older epoch than the newest its replica's lanes used waits for an epoch nobody asks for")
 def test_a_vote_lost_to_a_lane_that_failed_below_the_newest_epoch_asks_for_a_reformed_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Seen in ``fthsdp bench recovery --warm-restarts`` (2 of 9 runs on 2026-11-26): a joiner's epoch 3 came while
-    the survivors exchanged a step; one survivor's lane 1 had begun it in epoch 2, its other lane and the other
-    survivor's lanes in epoch 3. Lane 1's epoch-2 collective broke, and its report was refused as stale (the
+    the survivors exchanged a step; one survivor's lane 0 had begun it in epoch 2, its other lane and the other
+    survivor's lanes in epoch 3. Lane 0's epoch-2 collective broke, and its report was refused as stale (the
     lighthouse was at 3). The vote (failed, newest 3) reset every lane above 3 without asking for a re-formed epoch,
     since a lane had failed; the others waited for it in epoch 3's rendezvous for 10 s before asking, and the
-    survivors stalled 10.2 s. A lane that did not fail in the epoch its vote puts behind it should ask, as with no
-    failure at all (``PendingReports.reform``; the runtime passes ``reform=False`` when any lane failed)."""
+    survivors stalled 10.2 s. Now the ballots carry what each lane's reports ask for (``LaneEngine.asking``): none
+    asks past 3, so the redo asks for a re-formed epoch 3, as with no failure at all."""
     monkeypatch.setattr(rules, "REPORT_AGAIN_S", 0.05)
     lighthouse = QuietLighthouse()
     eng = LaneEngine(lighthouse, 0, FTARConfig(epoch_wait_s=0.3))
     try:
-        eng._state.failed(2)  # this lane's attempt failed in epoch 2; its report was stale
-        eng.reset(after=3, reform=False)  # what Replica._settle passes after a vote with a failed lane
+        eng._state.failed(2)  # this lane's attempt failed in epoch 2 and blamed r1 there (a stale report)
+        e2 = dataclasses.replace(lighthouse.e3, number=2)
+        eng._reports.sent(rules.blame(e2, e2, "r0", ["r1"], "broken"), 2, time.monotonic())  # before 3 came
+        assert eng.asking == 2
+        mine, other = CommitProtocol(), CommitProtocol()
+        for protocol in (mine, other):
+            protocol.begin()
+        mine.lane(Failed(Failure.INTERRUPTED))
+        other.lane(Exchanged(3, 21))
+        tally = Tally.of([mine.ballot(eng.asking), other.ballot()])
+        assert (tally.failed, tally.newest, tally.asking, tally.reform) == (True, 3, 2, True)
+        eng.reset(after=tally.newest, reform=tally.reform)  # as Replica._settle does
         with pytest.raises(NoEpoch):
             eng.allreduce([torch.ones(1)]).wait(10)
     finally:

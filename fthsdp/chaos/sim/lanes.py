@@ -301,6 +301,11 @@ class SimLane:
     def forget_before(self, tag: int) -> None:
         self.held.forget_before(tag)
 
+    @property
+    def asking(self) -> int:
+        """As ``LaneEngine.asking``."""
+        return self.reports.asking
+
     def reset(self, after: int, reform: bool = False) -> None:
         """As ``LaneEngine.reset``."""
         self.state.reset()

@@ -202,7 +202,7 @@ class SimTrainer:
                 if rejoin is not None:
                     self.proc.exit(f"rejoin: {rejoin.reason} ({out})")
                     return
-        tally = Tally.of([p.ballot() for p in self.protocols])
+        tally = Tally.of([p.ballot(lane.asking) for p, lane in zip(self.protocols, self.lanes, strict=True)])
         decisions = [p.vote(tally) for p in self.protocols]
         decision = decisions[0]
         if isinstance(decision, Rejoin):
@@ -214,7 +214,7 @@ class SimTrainer:
             return
         self.world.log(f"{self.inc} step {self.step}: vote failed ({tally}); redo")
         for lane in self.lanes:
-            lane.reset(after=tally.newest, reform=not tally.failed)  # partners that committed moved on there
+            lane.reset(after=tally.newest, reform=tally.reform)  # partners that committed moved on there
         self._launch()
 
     def _commit(self, step: int, results: list[list[Result]]) -> None:
@@ -286,7 +286,7 @@ class SimTrainer:
             done = row[0]
             p.lane(Exchanged(done.epoch, self.step) if isinstance(done, Result) else
                    Failed(failure_of(done) if isinstance(done, FTARError) else Failure.ERROR))
-        tally = Tally.of([p.ballot() for p in self.protocols])
+        tally = Tally.of([p.ballot(lane.asking) for p, lane in zip(self.protocols, self.lanes, strict=True)])
         decision = [p.vote(tally) for p in self.protocols][0]
         if isinstance(decision, Commit):
             self._leave("")
@@ -295,7 +295,7 @@ class SimTrainer:
         else:
             self.world.log(f"{self.inc} end-of-job barrier: vote failed ({tally}); again")
             for lane_ in self.lanes:
-                lane_.reset(after=tally.newest, reform=not tally.failed)
+                lane_.reset(after=tally.newest, reform=tally.reform)
             self._barrier_round()
 
     def _leave(self, warning: str) -> None:
