@@ -29,7 +29,7 @@ from lighthouse.errors import (
     Unauthenticated,
     UnknownTarget,
 )
-from lighthouse.model import ACTIVE, JOINING, Endpoints
+from lighthouse.model import ACTIVE, JOINING, NO_SLOT, Endpoints
 from lighthouse.proto_codec import (
     ROLE_FROM_PB,
     ROLE_TO_PB,
@@ -124,7 +124,8 @@ class LighthouseRpc:
 
     def __init__(self, addresses: str | Sequence[str], job_id: str, replica_id: str, *, shard_count: int = 1,
                  endpoints: Endpoints = NO_ENDPOINTS, incarnation: str | None = None,
-                 rpc_timeout_s: float = 2.0, security: ClientSecurity | None = None) -> None:
+                 rpc_timeout_s: float = 2.0, security: ClientSecurity | None = None, slot: int = NO_SLOT,
+                 slots: int = 0) -> None:
         self.addresses = parse_addresses(addresses)
         self.security = security or ClientSecurity()
         self._metadata = self.security.metadata()
@@ -139,6 +140,9 @@ class LighthouseRpc:
         """(step, hex digest) of the replica's latest state digest, sent with every heartbeat (informational)."""
         self.pace: Pace | None = None
         """The replica's latest pace report, sent with every heartbeat (fail-slow evidence)."""
+        self.slot, self.slots = slot, slots
+        """The data slot a registration asks for (the one held in the newest epoch, once in one; ``NO_SLOT``: none,
+        a spare) and the job's slot count (0: none named; ``lighthouse.slots``)."""
         self.role = ""
         self.in_data_plane = False
         """A joiner: the lighthouse accepted its Ready(JOINING)."""
@@ -223,6 +227,8 @@ class LighthouseRpc:
         """Keep track of whether this incarnation was dropped: in one epoch, absent from a newer one."""
         me = epoch.member(self.replica_id)
         if me is not None and me.incarnation == self.incarnation:
+            if self.slots and epoch.number >= self.member_of:
+                self.slot = me.slot  # a registration again (a lighthouse that lost it) asks for what it holds
             self.member_of = max(self.member_of, epoch.number)
         elif self.member_of and epoch.number > self.member_of and not self.dropped_from:
             self.dropped_from = epoch.number
@@ -246,7 +252,8 @@ class LighthouseRpc:
         resp = await self._call("Register", pb.RegisterRequest(
             job_id=self.job_id, replica_id=self.replica_id, shard_count=self.shard_count,
             incarnation=self.incarnation, role=ROLE_TO_PB[claim] if claim else pb.ROLE_UNSPECIFIED,
-            last_epoch=last_epoch, endpoints=endpoints_to_pb(self.endpoints)))
+            last_epoch=last_epoch, endpoints=endpoints_to_pb(self.endpoints),
+            slot=None if self.slot == NO_SLOT else self.slot, slots=self.slots))
         assert isinstance(resp, pb.RegisterResponse)
         self.role = ROLE_FROM_PB.get(resp.role, JOINING)
         self.heartbeat_interval_s = resp.heartbeat_interval_s or self.heartbeat_interval_s

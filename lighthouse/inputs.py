@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from lighthouse.ejection import Eject as Eject
-from lighthouse.model import Endpoints
+from lighthouse.model import NO_SLOT, Endpoints
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,11 @@ class Register:
     data plane); '' for a plain registration."""
     last_epoch: int = 0
     """The newest epoch this replica saw: numbering goes on above it."""
+    slot: int = NO_SLOT
+    """The data slot it asks for (``lighthouse.slots``): its ``FTHSDP_REPLICA_INDEX``, or the slot it held, when
+    registering again; ``NO_SLOT``: none (a spare)."""
+    slots: int = 0
+    """The job's data slots as this replica knows them (``FTHSDP_NUM_REPLICAS``); 0: it names none."""
 
 
 @dataclass(frozen=True)

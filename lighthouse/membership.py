@@ -53,6 +53,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from lighthouse import slots
 from lighthouse.ejection import eject
 from lighthouse.escalation import hung_verdict
 from lighthouse.events import (
@@ -84,6 +85,7 @@ from lighthouse.inputs import Tick as Tick
 from lighthouse.model import ACTIVE as ACTIVE
 from lighthouse.model import FINISHED, HISTORY_LIMIT, ROLES, Member
 from lighthouse.model import JOINING as JOINING
+from lighthouse.model import NO_SLOT as NO_SLOT
 from lighthouse.model import Endpoints as Endpoints
 from lighthouse.model import Epoch as Epoch
 from lighthouse.model import EpochMember as EpochMember
@@ -149,6 +151,8 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
     if job_shards is not None and ev.shard_count != job_shards:
         return _reject(state, "INVALID_ARGUMENT",
                        f"shard_count {ev.shard_count} differs from the job's {job_shards}")
+    if (why := slots.check(state, ev.slot, ev.slots)) is not None:
+        return _reject(state, "INVALID_ARGUMENT", why)
     if ev.claim not in ("", *ROLES):
         return _reject(state, "INVALID_ARGUMENT", f"claim must be one of {ROLES} or empty, got {ev.claim!r}")
     if state.is_departed(ev.replica_id, ev.incarnation):
@@ -175,12 +179,13 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
         trained = state.epoch is not None or max(state.last_number, ev.last_epoch) > 0
         role = JOINING if trained and any(x.role == ACTIVE for x in members.values()) else ACTIVE
     members[ev.replica_id] = Member(ev.replica_id, ev.incarnation, ev.shard_count, ev.endpoints, role,
-                                    in_epoch=reclaim or role == ACTIVE, registered_at=ev.now, reclaimed=reclaim)
+                                    in_epoch=reclaim or role == ACTIVE, registered_at=ev.now, reclaimed=reclaim,
+                                    asks=ev.slot if ev.slots else NO_SLOT)
     events.append(Registered(ev.replica_id, role, reclaimed=reclaim))
     suspicions = {k: v for k, v in state.suspicions.items() if k != ev.replica_id}
     suspected_at = {k: v for k, v in state.suspected_at.items() if k != ev.replica_id}
     new = dataclasses.replace(state, members=members, suspicions=suspicions, suspected_at=suspected_at,
-                              last_number=max(state.last_number, ev.last_epoch))
+                              last_number=max(state.last_number, ev.last_epoch), slots=state.slots or ev.slots)
     known = state.known_in_epoch_count()
     if known is not None and not reclaim:  # one member more: count on, instead of counting every member again
         new.seed_in_epoch_count(known + members[ev.replica_id].in_epoch)
@@ -386,9 +391,10 @@ def _reconcile(state: State, events: tuple[MembershipEvent, ...], now: float, po
                        and (window > 0 or not policy.expected_replicas))
         if not (full or window_over):
             return Outcome(state=state, events=events)
+    state = slots.assign(state)  # a free slot (its holder died) goes to a spare at once
     wanted = _wanted(state)
     if (state.epoch is not None and not force and len(wanted) == len(state.epoch.members)
-            and tuple((m.replica_id, m.incarnation, m.role) for m in wanted) == state.epoch.key()):
+            and tuple((m.replica_id, m.incarnation, m.role, m.slot) for m in wanted) == state.epoch.key()):
         return Outcome(state=state, events=events)
     if (len(wanted) < policy.min_replicas and state.finished_step is None) or not any(m.role == ACTIVE for m in wanted):
         return Outcome(state=state, events=(*events, GuardHeld(len(wanted), policy.min_replicas)))

@@ -12,6 +12,8 @@ from lighthouse.events import MembershipEvent
 ACTIVE = "active"
 JOINING = "joining"
 ROLES = (ACTIVE, JOINING)
+NO_SLOT = -1
+"""A member that trains no data slot: a spare (``lighthouse.slots``)."""
 
 
 @dataclass(frozen=True)
@@ -89,12 +91,16 @@ class Member:
     reclaimed: bool = False
     """Re-registered with the role it held, to a lighthouse that had lost it (a restart without a durable store);
     only meaningful before this lighthouse's first epoch."""
+    slot: int = NO_SLOT
+    """The data slot this member trains (``lighthouse.slots``); ``NO_SLOT``: none, a spare."""
+    asks: int = NO_SLOT
+    """The slot it asked for at registration (its ``FTHSDP_REPLICA_INDEX``; ``NO_SLOT``: none)."""
 
     @functools.cached_property
     def listed(self) -> EpochMember:
         """This member as an epoch lists it: one object for as long as the member is unchanged, so that epochs
         share their unchanged members (and what is built from them, such as their encodings, is built once)."""
-        return EpochMember(self.replica_id, self.incarnation, self.role, self.shard_count, self.endpoints)
+        return EpochMember(self.replica_id, self.incarnation, self.role, self.shard_count, self.endpoints, self.slot)
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,12 @@ class EpochMember:
     role: str
     shard_count: int
     endpoints: Endpoints
+    slot: int = NO_SLOT
+    """The data slot it trains in this epoch; ``NO_SLOT``: none (a spare: it exchanges zeros, applies the update)."""
+
+    @property
+    def spare(self) -> bool:
+        return self.slot == NO_SLOT
 
 
 @dataclass(frozen=True)
@@ -131,10 +143,11 @@ class Epoch:
         return tuple((m.replica_id, m.incarnation) for m in self.members)
 
     @functools.cached_property
-    def _key(self) -> tuple[tuple[str, str, str], ...]:
-        return tuple((m.replica_id, m.incarnation, m.role) for m in self.members)
+    def _key(self) -> tuple[tuple[str, str, str, int], ...]:
+        return tuple((m.replica_id, m.incarnation, m.role, m.slot) for m in self.members)
 
-    def key(self) -> tuple[tuple[str, str, str], ...]:
+    def key(self) -> tuple[tuple[str, str, str, int], ...]:
+        """Who is in it, in which role, training which slot: an epoch forms when this would change."""
         return self._key
 
     def replica_ids(self) -> tuple[str, ...]:
@@ -174,6 +187,9 @@ class State:
     """The job completed at this step: a member left with reason ``"finished"`` (the highest step, if several
     did). None: not finished. Durable. From then on nobody registers (``Outcome.finished_step``), and once no
     active member is left the remaining members are dropped (``DeathCause.JOB_FINISHED``)."""
+    slots: int = 0
+    """The job's data slots (``FTHSDP_NUM_REPLICAS``), from its first registration that named them; 0: none named
+    (no slot is handed out: ``lighthouse.slots``). Durable."""
 
     @functools.cached_property
     def in_epoch_count(self) -> int:

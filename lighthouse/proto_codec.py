@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 from lighthouse import deltas
 from lighthouse.epoch_view import EpochView
 from lighthouse.errors import ValidationError
-from lighthouse.model import ACTIVE, JOINING, Endpoints, Epoch, EpochMember
+from lighthouse.model import ACTIVE, JOINING, NO_SLOT, Endpoints, Epoch, EpochMember
 from lighthouse.rendezvous import SCHEME, namespace_of
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.validate import ENDPOINT_MAX, check_text
@@ -45,13 +45,15 @@ def endpoints_to_pb(e: Endpoints) -> pb.Endpoints:
 
 def member_to_pb(x: EpochMember) -> pb.Member:
     return pb.Member(replica_id=x.replica_id, incarnation=x.incarnation, role=ROLE_TO_PB[x.role],
-                     shard_count=x.shard_count, endpoints=endpoints_to_pb(x.endpoints))
+                     shard_count=x.shard_count, endpoints=endpoints_to_pb(x.endpoints),
+                     slot=None if x.slot == NO_SLOT else x.slot)
 
 
 def member_from_pb(x: pb.Member) -> EpochMember:
     """A pushed member (an unknown role reads as joining)."""
     return EpochMember(x.replica_id, x.incarnation, ROLE_FROM_PB.get(x.role, JOINING), x.shard_count,
-                       Endpoints(x.endpoints.data_plane, x.endpoints.catchup, x.endpoints.http))
+                       Endpoints(x.endpoints.data_plane, x.endpoints.catchup, x.endpoints.http),
+                       x.slot if x.HasField("slot") else NO_SLOT)
 
 
 def _rendezvous_of(job_id: str, number: int, rendezvous: str) -> str:

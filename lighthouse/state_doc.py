@@ -19,7 +19,7 @@ from lighthouse.events import (
     TurnedActive,
     Unattributed,
 )
-from lighthouse.model import JOINING, Endpoints, Epoch, EpochMember, Member, State
+from lighthouse.model import JOINING, NO_SLOT, Endpoints, Epoch, EpochMember, Member, State
 
 DOC_HISTORY_LIMIT = 16
 """Epochs of history kept in the stored document (the live state keeps ``model.HISTORY_LIMIT``). The document
@@ -65,7 +65,7 @@ def _epoch_to_doc(e: Epoch) -> dict[str, Any]:
     return {
         "number": e.number,
         "members": [{"replica_id": x.replica_id, "incarnation": x.incarnation, "role": x.role,
-                     "shard_count": x.shard_count, "endpoints": _endpoints_to_doc(x.endpoints)}
+                     "shard_count": x.shard_count, "endpoints": _endpoints_to_doc(x.endpoints), "slot": x.slot}
                     for x in e.members],
         "created_at": e.created_at,
         "reason": e.reason,
@@ -85,7 +85,7 @@ def _epoch_from_doc(d: dict[str, Any]) -> Epoch:
     for x in d["members"]:
         if isinstance(x, dict):
             members.append(EpochMember(x["replica_id"], x["incarnation"], x["role"], int(x["shard_count"]),
-                                       Endpoints(**x["endpoints"])))
+                                       Endpoints(**x["endpoints"]), int(x.get("slot", NO_SLOT))))
         else:  # a history entry: the replica id only
             members.append(EpochMember(str(x), "", "", 0, Endpoints()))
     return Epoch(number=int(d["number"]), members=tuple(members), created_at=float(d["created_at"]),
@@ -97,9 +97,10 @@ def durable_change(before: State, after: State) -> bool:
     """Whether ``after`` changes what the document holds, so the store must be written: a new epoch; the counter
     alone (a member that came back to a lighthouse that lost it names the epochs it saw: the store's fence is the
     stored number); the end of the job; an incarnation that became over for good (a hung one back after a
-    restart must be refused)."""
+    restart must be refused); the job's slot count, once named."""
     return (after.epoch is not before.epoch or after.last_number != before.last_number
-            or after.finished_step != before.finished_step or after.departed is not before.departed)
+            or after.finished_step != before.finished_step or after.departed is not before.departed
+            or after.slots != before.slots)
 
 
 def state_to_doc(state: State) -> dict[str, Any]:
@@ -117,6 +118,7 @@ def state_to_doc(state: State) -> dict[str, Any]:
         "history": [_history_to_doc(e) for e in state.history[-DOC_HISTORY_LIMIT:]],
         "finished_step": state.finished_step,
         "departed": {rid: list(incs) for rid, incs in sorted(state.departed.items())},
+        "slots": state.slots,
     }
 
 
@@ -134,7 +136,7 @@ def state_from_doc(doc: dict[str, Any] | None, now: float) -> State:
             continue  # dropped while the min-replicas guard held the epoch: over, as before the restart
         members[x.replica_id] = Member(x.replica_id, x.incarnation, x.shard_count, x.endpoints, x.role,
                                        in_epoch=True, registered_at=now,
-                                       syncing_since=now if x.role == JOINING else None)
+                                       syncing_since=now if x.role == JOINING else None, slot=x.slot, asks=x.slot)
     return State(
         members=members,
         epoch=epoch,
@@ -142,4 +144,5 @@ def state_from_doc(doc: dict[str, Any] | None, now: float) -> State:
         history=tuple(_epoch_from_doc(e) for e in doc["history"]),
         finished_step=None if doc.get("finished_step") is None else int(doc["finished_step"]),
         departed=departed,
+        slots=int(doc.get("slots") or 0),
     )

@@ -178,10 +178,11 @@ class _SocketBaseline:
 def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step: int = 20, model: str = "reference",
                    restart_delay_s: float = 2.0, workdir: str | None = None,
                    kills: tuple[Kill, ...] = (), warm_restarts: bool = False,
-                   common_step: bool = True) -> RecoveryResult:
+                   common_step: bool = True, spares: int = 0) -> RecoveryResult:
     """One run with ``kills`` (default: group 1 at ``kill_step``), restarts cold or from warm standbys
-    (``ClusterConfig.warm_restarts``); see the module doc. ``common_step``: then run plain FSDP2-HSDP on the same
-    shape for ``ett_common_step`` (``--vs`` measures its own plain runs, and passes False)."""
+    (``ClusterConfig.warm_restarts``), with ``spares`` spare groups (``ClusterConfig.spares``); see the module doc.
+    ``common_step``: then run plain FSDP2-HSDP on the same shape for ``ett_common_step`` (``--vs`` measures its own
+    plain runs, and passes False)."""
     kills = kills or (Kill(1, kill_step),)
     if len({k.replica for k in kills}) >= replicas:
         raise ValueError(f"--kill: {len(kills)} kills leave no survivor among {replicas} replica groups")
@@ -190,7 +191,7 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
         baseline = _SocketBaseline(kills[0].replica)
         cluster = Cluster(ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model,
                                         kills=kills, restart_delay_s=restart_delay_s,
-                                        warm_restarts=warm_restarts), wd,
+                                        warm_restarts=warm_restarts, spares=spares), wd,
                           on_tick=baseline)
         report = cluster.run()
         if not baseline.mbps:
@@ -203,4 +204,4 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
                               restart_delay_s=restart_delay_s, warm_restarts=warm_restarts, **figures,
                               common_step_s=common,
                               ett_common_step=common_ett(figures["replica_steps_trained"], figures["wall_s"],
-                                                         replicas, common))
+                                                         replicas, common), spares=spares)

@@ -225,6 +225,8 @@ class RecoveryResult(_AsJson):
     whose table has its own)."""
     ett_common_step: float | None = None
     """``fthsdp.bench.recovery.common_ett``: the effective training time on the common step."""
+    spares: int = 0
+    """Spare replica groups besides ``replicas`` (``ClusterConfig.spares``): a spare takes the killed group's slot."""
 
 
 @dataclass(frozen=True)
@@ -242,13 +244,15 @@ class RecoveryReport:
             ett_common = next((r.get("ett_common_step") for r in self.vs.get("table", []) if r["system"] == "fthsdp"),
                               ett_common)
         return {"rejoin_s": f.rejoin_s, "back_to_full_s": f.back_to_full_s, "restart_delay_s": f.restart_delay_s,
-                "warm_restarts": f.warm_restarts, "ett_common_step": ett_common, "fthsdp": f.to_json(),
+                "warm_restarts": f.warm_restarts, "ett_common_step": ett_common, "spares": f.spares,
+                "fthsdp": f.to_json(),
                 **(self.vs or {})}
 
 
 def format_recovery(r: RecoveryReport) -> str:
     f = r.fthsdp
-    lines = [f"fthsdp recovery: {f.replicas} replicas x {f.ranks_per_replica} ranks, {f.model} model, "
+    lines = [f"fthsdp recovery: {f.replicas} replicas (+{f.spares} spare) x {f.ranks_per_replica} ranks, "
+             f"{f.model} model, "
              f"kill {f.kill}, restart {'from a warm standby' if f.warm_restarts else 'cold'} after "
              f"{f.restart_delay_s} s; final states equal: {f.final_equal}",
              f"  survivors' stall at the failure   {f.survivor_stall_s:>8} s",

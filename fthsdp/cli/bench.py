@@ -51,7 +51,7 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
         raise SystemExit("--kill is not supported with --vs (the baselines kill group 1 at --kill-step)")
     ours = bench_recovery(replicas=a.replicas, ranks=ranks, steps=a.steps, kill_step=a.kill_step, model=a.model,
                           restart_delay_s=a.restart_delay, kills=kills, workdir=a.workdir,
-                          warm_restarts=a.warm_restarts, common_step=not a.vs)
+                          warm_restarts=a.warm_restarts, common_step=not a.vs, spares=a.spares)
     report = RecoveryReport(ours)
     if a.vs:
         from fthsdp.bench.vs import compare
@@ -131,6 +131,9 @@ def register(sub: Subparsers) -> None:
     br.add_argument("--warm-restarts", action="store_true",
                     help="keep a warm standby of each group (started ahead, held before registering): a "
                     "restart releases it instead of starting cold")
+    br.add_argument("--spares", type=int, default=0,
+                    help="spare replica groups besides --replicas: a spare shadows training without a data slot "
+                    "and takes over the killed group's slot (back_to_full_s)")
     br.add_argument("--workdir", default=None,
                     help="keep the run's logs and progress files here (default: a temporary folder, removed)")
     br.add_argument("--model", default="reference")

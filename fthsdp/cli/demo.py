@@ -184,7 +184,8 @@ def cmd_demo(a: argparse.Namespace) -> None:
             delay = max(delay, ClusterConfig.heartbeat_timeout_s + 1.0)
         config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model,
                                kills=kills, restart_delay_s=delay, timeout_s=a.timeout,
-                               checkpoint_every=a.checkpoint_every, warm_restarts=a.warm_restarts)
+                               checkpoint_every=a.checkpoint_every, warm_restarts=a.warm_restarts,
+                               spares=a.spares)
         report = run_demo(config, pathlib.Path(a.report) if a.report else None,
                           pathlib.Path(a.plot) if a.plot else None, pathlib.Path(a.keep_logs) if a.keep_logs else None)
     except (ValueError, ReplicaFailed, TimeoutError) as e:
@@ -200,6 +201,9 @@ def register(sub: Subparsers) -> None:
     dm = sub.add_parser("demo", help="train the example model on R replica groups with failures injected")
     dm.add_argument("--replicas", type=int, default=3)
     dm.add_argument("--ranks", type=int, default=2, help="ranks per replica group (FSDP2 shards)")
+    dm.add_argument("--spares", type=int, default=0,
+                    help="spare replica groups besides --replicas: each shadows training without a data slot and "
+                    "takes over a killed group's slot in the next epoch")
     dm.add_argument("--steps", type=int, default=60)
     dm.add_argument("--model", default="reference", help="reference (the benchmark workload) or tiny")
     dm.add_argument("--kill", action="append", default=None,

@@ -143,9 +143,10 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
     try:
         while ft.step < a.steps:
             t0 = time.perf_counter()
-            # Data by this slot's cursor, not by step: a batch is trained once, even across failures.
+            # Data by the slot's cursor, not by step: a batch is trained once, even across failures. The slot is
+            # the one the lighthouse gives this replica now (a spare's is taken over from a dead replica).
             r = ft.train_step(lambda: _computed(a.compute_s, lambda: model.loss(
-                batch(a.seed, ft.cursor, slot, rank, per_rank, cfg.seq_len, cfg.vocab).to(ft.device))))
+                batch(a.seed, ft.cursor, ft.slot, rank, per_rank, cfg.seq_len, cfg.vocab).to(ft.device))))
             progress.write(event="step", step=r.step, loss=r.loss, epoch=r.epoch, contributors=r.contributors,
                            joined=r.joined, attempts=r.attempts, step_s=time.perf_counter() - t0,
                            exchange_s=r.exchange_s, batches=r.batches, lr_factor=r.lr_factor, catchup=r.catchup,

@@ -70,11 +70,12 @@ def _side_path(path: pathlib.Path, rank: int) -> pathlib.Path:
     return path / f"fthsdp-rank{rank}.json"
 
 
-def save(directory: str | os.PathLike[str], step: int, slot: int, model: nn.Module, opt: torch.optim.Optimizer,
+def save(directory: str | os.PathLike[str], step: int, index: int, model: nn.Module, opt: torch.optim.Optimizer,
          cursors: torch.Tensor, rank: int, side: bytes) -> pathlib.Path:
-    """Write the replica's state (a collective over the replica's ranks: call it on every rank); ``side`` is this
-    rank's trainer state and RNG (``ShardState.side_state``, JSON)."""
-    path = pathlib.Path(directory) / f"step-{step:08d}-r{slot}"
+    """Write the replica's state (a collective over the replica's ranks: call it on every rank) under its
+    ``FTHSDP_REPLICA_INDEX`` ``index`` (unique, where its data slot may be none: a spare); ``side`` is this rank's
+    trainer state and RNG (``ShardState.side_state``, JSON)."""
+    path = pathlib.Path(directory) / f"step-{step:08d}-r{index}"
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     tmp = _side_path(path, rank).with_suffix(".tmp")
@@ -83,7 +84,7 @@ def save(directory: str | os.PathLike[str], step: int, slot: int, model: nn.Modu
     dist.barrier()
     if rank == 0:
         tmp = path / (MARKER + ".tmp")
-        tmp.write_text(json.dumps({"step": step, "cursors": [int(c) for c in cursors.tolist()], "slot": slot,
+        tmp.write_text(json.dumps({"step": step, "cursors": [int(c) for c in cursors.tolist()], "replica_index": index,
                                    "world_size": dist.get_world_size()}))
         os.replace(tmp, path / MARKER)
     dist.barrier()

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fthsdp.runtime.errors import SlotConflict
+from lighthouse.model import NO_SLOT
 
 MAX_ATTEMPTS = 20
 """Votes one step may fail before the replica gives up and rejoins."""
@@ -78,8 +79,9 @@ LaneEvent = Exchanged | Failed
 @dataclass(frozen=True)
 class Ballot:
     """One rank's vote: whether its lane failed, the newest and oldest epoch its buckets went in, the step
-    they agreed on (-1: none), whether it got SIGTERM, and the epoch its lane's failure reports ask the lighthouse
-    to move past (0: none; ``LaneEngine.asking``)."""
+    they agreed on (-1: none), whether it got SIGTERM, the epoch its lane's failure reports ask the lighthouse
+    to move past (0: none; ``LaneEngine.asking``), and the data slot the newest epoch it saw gives its replica
+    (``NO_SLOT``: none, a spare; ``fthsdp.runtime.spares``)."""
 
     failed: bool
     newest: int
@@ -87,10 +89,12 @@ class Ballot:
     step: int
     stop: bool
     asking: int = 0
+    slot: int = NO_SLOT
 
     def encode(self) -> list[int]:
         """The ints whose element-wise MAX over the replica's ranks is the tally (minima ride negated)."""
-        return [int(self.failed), self.newest, -self.oldest, self.step, -self.step, int(self.stop), self.asking]
+        return [int(self.failed), self.newest, -self.oldest, self.step, -self.step, int(self.stop), self.asking,
+                self.slot]
 
 
 @dataclass(frozen=True)
@@ -108,12 +112,15 @@ class Tally:
     """Some rank got SIGTERM."""
     asking: int = 0
     """The newest epoch some rank's failure reports ask the lighthouse to move past (0: none)."""
+    slot: int = NO_SLOT
+    """The replica's data slot as the rank that saw the newest epoch knows it (a live member's slot only goes from
+    none to one, so the MAX is the newest): every rank trains it from the next step on."""
 
     @classmethod
     def decode(cls, maxed: Sequence[int]) -> Tally:
         """From the element-wise MAX of every rank's ``Ballot.encode()``."""
-        failed, newest, oldest, highest, lowest, stop, asking = (int(x) for x in maxed)
-        return cls(failed != 0, newest, -oldest, highest, -lowest, stop != 0, asking)
+        failed, newest, oldest, highest, lowest, stop, asking, slot = (int(x) for x in maxed)
+        return cls(failed != 0, newest, -oldest, highest, -lowest, stop != 0, asking, slot)
 
     @classmethod
     def of(cls, ballots: Sequence[Ballot]) -> Tally:
@@ -201,10 +208,11 @@ class CommitProtocol:
         failed = len(done) != len(self._lanes) or agreed < 0
         return failed, tuple(e.epoch for e in done) or (0,), agreed
 
-    def ballot(self, asking: int = 0) -> Ballot:
-        """This rank's vote on the attempt whose buckets were reported; ``asking``: ``LaneEngine.asking``."""
+    def ballot(self, asking: int = 0, slot: int = NO_SLOT) -> Ballot:
+        """This rank's vote on the attempt whose buckets were reported; ``asking``: ``LaneEngine.asking``;
+        ``slot``: its replica's slot in the newest epoch this rank saw."""
         failed, epochs, agreed = self._summary()
-        return Ballot(failed, max(epochs), min(epochs), agreed, self._stop, asking)
+        return Ballot(failed, max(epochs), min(epochs), agreed, self._stop, asking, slot)
 
     def vote(self, tally: Tally) -> Decision:
         """The replica's vote is in: commit, redo, or give up. The next attempt's buckets are reported afresh."""

@@ -89,7 +89,9 @@ class RuntimeConfig:
     lighthouse: str
     """``FTHSDP_LIGHTHOUSE``: ``host:port[,host:port...]`` of the lighthouse."""
     replica_index: int
-    """``FTHSDP_REPLICA_INDEX``: this replica group's index (0-based), also its data slot."""
+    """``FTHSDP_REPLICA_INDEX``: this replica group's index (0-based). Below ``FTHSDP_NUM_REPLICAS`` it is the data
+    slot the replica asks for; from there up (with ``FTHSDP_SPARES``) the replica is a spare: it asks for none.
+    The lighthouse decides who trains which slot (``lighthouse.slots``; ``Replica.slot``)."""
     num_replicas: int
     """``FTHSDP_NUM_REPLICAS``: replica groups configured for the job (the learning-rate rule's N_total)."""
     replica_id: str
@@ -100,6 +102,9 @@ class RuntimeConfig:
     """``WORLD_SIZE`` (torchrun): ranks per replica (the FSDP2 shard count)."""
     job_id: str = "default"
     """``FTHSDP_JOB``: the lighthouse job."""
+    spares: int = 0
+    """``FTHSDP_SPARES``: spare replica groups configured for the job (indexes ``N .. N + spares - 1``): each
+    shadows training without a data slot and takes a dead replica's slot (docs/design.md §8.5)."""
     backend: str = "gloo"
     """``FTHSDP_BACKEND``: ``gloo`` (CPU) or ``nccl`` (GPU); default by whether CUDA is available."""
     timeout_s: float = 5.0
@@ -153,6 +158,11 @@ class RuntimeConfig:
     """Fault injection for tests and demos (``fthsdp.testing.faults``, its variables documented there)."""
 
     @property
+    def asked_slot(self) -> int:
+        """The data slot this replica asks the lighthouse for: its index, or none (-1) for a spare."""
+        return self.replica_index if self.replica_index < self.num_replicas else -1
+
+    @property
     def device_index(self) -> int:
         """The GPU of this rank (with ``nccl``)."""
         return self.rank if self.local_rank is None else self.local_rank
@@ -162,8 +172,12 @@ class RuntimeConfig:
         e = _environ(env)
         index = _int(e, "FTHSDP_REPLICA_INDEX")
         num = _int(e, "FTHSDP_NUM_REPLICAS")
-        if not 0 <= index < num:
-            raise ConfigError(f"FTHSDP_REPLICA_INDEX={index} is outside 0..{num - 1} (FTHSDP_NUM_REPLICAS={num})")
+        spares = _int(e, "FTHSDP_SPARES", "0")
+        if num < 1 or spares < 0:
+            raise ConfigError(f"FTHSDP_NUM_REPLICAS={num} must be >= 1 and FTHSDP_SPARES={spares} >= 0")
+        if not 0 <= index < num + spares:
+            raise ConfigError(f"FTHSDP_REPLICA_INDEX={index} is outside 0..{num + spares - 1} "
+                              f"(FTHSDP_NUM_REPLICAS={num}, FTHSDP_SPARES={spares})")
         default_backend = "gloo"
         try:
             import torch
@@ -201,6 +215,7 @@ class RuntimeConfig:
             rank=_int(e, "RANK", "0"),
             world_size=_int(e, "WORLD_SIZE", "1"),
             job_id=e.get("FTHSDP_JOB", "default"),
+            spares=spares,
             backend=backend,
             timeout_s=_float(e, "FTHSDP_TIMEOUT", "5"),
             epoch_wait_s=_float(e, "FTHSDP_EPOCH_WAIT", "60"),

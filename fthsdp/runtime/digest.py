@@ -33,11 +33,11 @@ def words(digest: bytes) -> list[float]:
 
 def pack(slot: int, slots: int, digest: bytes | None) -> list[float]:
     """This replica's contribution: its digest's words in slot ``slot``'s positions, zeros elsewhere (and
-    everywhere without a digest: a joiner, or a step that is not checked)."""
-    if not 0 <= slot < slots:
-        raise ValueError(f"slot {slot} of {slots}")
+    everywhere without a digest: a joiner, a spare with no slot, or a step that is not checked)."""
     out = [0.0] * (slots * WORDS)
     if digest is not None:
+        if not 0 <= slot < slots:
+            raise ValueError(f"slot {slot} of {slots}")
         out[slot * WORDS:(slot + 1) * WORDS] = words(digest)
     return out
 

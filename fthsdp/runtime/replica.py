@@ -32,7 +32,7 @@ from torch.distributed.fsdp import fully_shard
 
 from ftar import EpochFeed, ExchangeResult, FTARConfig, Handle, LaneEngine, LighthouseMembership
 from fthsdp.catchup.server import CatchupServer
-from fthsdp.runtime import catching_up, checkpoint, ending, standby
+from fthsdp.runtime import catching_up, checkpoint, ending, spares, standby
 from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange, BucketTag, grads_untouched
 from fthsdp.runtime.commit import Commit, CommitProtocol, Rejoin, Tally, advance_cursors, contributing_slots
@@ -67,22 +67,19 @@ class Replica:
         if dist.get_world_size() != cfg.world_size or dist.get_rank() != cfg.rank:
             raise RuntimeError("the replica's process group does not match RANK/WORLD_SIZE")
         self.rank, self.world_size = cfg.rank, cfg.world_size
-        self.slot, self.slots = cfg.replica_index, cfg.num_replicas  # this replica's data slot; the job's slots
+        self.slot, self.slots = cfg.asked_slot, cfg.num_replicas  # this step's data slot (-1: a spare); the job's
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.backend == "nccl" \
             else torch.device("cpu")
         self.mesh = init_device_mesh(self.device.type, (cfg.world_size,))
         self.faults = FaultInjector.for_rank(cfg.faults, self.rank)
         self.incarnation = agree_incarnation(self.rank, self.device)
-        self.step = 0
-        """Committed steps so far (a joiner learns it at its first exchange)."""
-        self.cursors = torch.zeros(cfg.num_replicas, dtype=torch.int64)
-        """Per data slot, the batches trained so far (the same on every replica)."""
+        self.step = 0  # committed steps so far (a joiner learns it at its first exchange)
+        self.cursors = torch.zeros(cfg.num_replicas, dtype=torch.int64)  # per slot, batches trained (the job's)
         self._settling: list[Handle | None] | None = None  # caught up: the next step's zeros, sent (zero_step)
         self.protocol = CommitProtocol()
         self.pace, self._own_compute_s = PaceWindow(), 0.0  # fail-slow evidence; the last step's compute, unslowed
         self._lr_factor = 1.0
-        self.state = TrainerState()
-        """The optimizer's param groups and the registered objects: they travel and are digested with the tensors."""
+        self.state = TrainerState()  # param groups and registered objects: they travel with the tensors
         self.check = DigestCheck(cfg.digest_every, self.slot, self._log, lambda s, d: self.client.set_digest(s, d))
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, host=cfg.host,
@@ -97,13 +94,13 @@ class Replica:
         self.client = LighthouseClient(cfg.lighthouse, cfg.job_id, cfg.replica_id, shard_count=cfg.world_size,
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,
                                        endpoints=m.Endpoints(catchup=self.server.address),
-                                       security=cfg.security, on_lost=self._on_lost)
+                                       security=cfg.security, on_lost=self._on_lost, slot=self.slot,
+                                       slots=self.slots)
         self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size)  # one session per group
         self.standby = bool(cfg.standby_gate)
         """A warm standby not released yet: unregistered until its first ``train_step`` (``fthsdp.runtime.standby``)."""
         self._registered: list[Callable[[], object]] = []
-        self.finished = False
-        """The job completed before this replica came back: it holds the final checkpoint's state, never trains."""
+        self.finished = False  # the job completed before it came back: it holds the final checkpoint, never trains
         self.joining = True
         """True until this replica has caught up with the others (a standby counts as one until it registers)."""
         self.resumed_from: int | None = None  # the step of the checkpoint this replica resumed from, if it did
@@ -228,8 +225,8 @@ class Replica:
 
     @property
     def cursor(self) -> int:
-        """Index of the next batch of this replica's data slot."""
-        return int(self.cursors[self.slot])
+        """Index of the next batch of this replica's data slot (``slot``; a spare has none: ``RuntimeError``)."""
+        return spares.cursor(self)
 
     def _parts(self) -> tuple[ShardState, BucketExchange]:
         if self._shards is None or self._buckets is None:
@@ -253,6 +250,8 @@ class Replica:
             return catching_up.catch_up(self, closure, shards)  # zeros while fetching, then load, replay, active
         if self._settling is not None:
             return catching_up.zero_step(self, self._settling)  # caught up: these zeros were sent already
+        if self.slot == m.NO_SLOT:
+            return spares.spare_step(self)  # no data slot: zeros, no closure
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
@@ -303,6 +302,7 @@ class Replica:
             tally = self._vote()
             decision = self.protocol.vote(tally)
             if isinstance(decision, Commit):
+                spares.take(self, tally.slot)  # the slot the newest epoch gives this replica, from the next step
                 # Hold this step's results until the next commit: a partner that lost one of them is served it.
                 self.engine.forget_before(BucketTag(decision.step, 0).encode(len(buckets)))
                 return decision, results
@@ -333,7 +333,7 @@ class Replica:
         """The replica-local vote: one MAX all-reduce of every rank's ballot (``protocol``'s, the step's by
         default). It carries SIGTERM too, so every rank stops at the same commit boundary without a collective of
         its own."""
-        ballot = (protocol or self.protocol).ballot(self.engine.asking)
+        ballot = (protocol or self.protocol).ballot(self.engine.asking, spares.seen(self.client))
         ctrl = torch.tensor(ballot.encode(), dtype=torch.int64, device=self.device)
         dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
         return Tally.decode(ctrl.tolist())
@@ -383,8 +383,8 @@ class Replica:
     def _checkpoint(self) -> str:
         assert self.model is not None and self.opt is not None
         t0 = time.perf_counter()
-        path = checkpoint.save(self.config.checkpoint_dir, self.step, self.slot, self.model, self.opt, self.cursors,
-                               self.rank, self._parts()[0].side_state())
+        path = checkpoint.save(self.config.checkpoint_dir, self.step, self.config.replica_index, self.model, self.opt,
+                               self.cursors, self.rank, self._parts()[0].side_state())
         self._log(logging.INFO, "checkpoint %s written in %.3fs", path, time.perf_counter() - t0)
         return str(path)
 

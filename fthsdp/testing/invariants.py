@@ -54,15 +54,19 @@ def converged(report: dict[str, Any], steps: int) -> list[str]:
 # --- §8.3: survivors and committed steps ------------------------------------------------------------------------
 
 def survivor(rows: list[ProgressRow], steps: int) -> list[str]:
-    """A survivor (one incarnation all along) commits every step exactly once, in order, with a finite loss."""
+    """A survivor (one incarnation all along) commits every step exactly once, in order, with a finite loss on
+    every step it trained a batch in, and none on a step it did not (a spare's: ``contributed`` false)."""
     s = steps_of(rows)
     out = []
     got = [x.step for x in s if x.step is not None]
     if got != list(range(steps)):
         out.append(f"survivor's committed steps are not 0..{steps - 1} in order: {_summary(got)}")
-    bad = [x.step for x in s if not (x.loss is not None and x.loss == x.loss and x.loss < 20)]
+    bad = [x.step for x in s if x.contributed and not (x.loss is not None and x.loss == x.loss and x.loss < 20)]
     if bad:
         out.append(f"survivor has steps with no or a non-finite loss: {bad[:10]}")
+    idle = [x.step for x in s if not x.contributed and x.loss is not None]
+    if idle:
+        out.append(f"survivor has a loss on steps it trained no batch in: {idle[:10]}")
     incarnations = {x.incarnation for x in s}
     if len(incarnations) > 1:
         out.append(f"survivor ran as several incarnations: {sorted(map(str, incarnations))}")

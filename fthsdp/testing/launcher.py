@@ -64,7 +64,11 @@ class ClusterConfig:
     into each replica group's environment, the one place the launcher writes ``FTHSDP_*``)."""
 
     replicas: int = 3
-    """Replica groups (one torchrun each)."""
+    """Replica groups that train a data slot each (one torchrun each; ``FTHSDP_NUM_REPLICAS``)."""
+    spares: int = 0
+    """Spare replica groups besides them (indexes ``replicas ..``; ``FTHSDP_SPARES``): each shadows training with no
+    data slot and takes over a dead group's slot in the next epoch (docs/design.md §8.5). A spare costs a group's
+    devices and one more member in each exchange."""
     ranks: int = 2
     """Ranks per replica group (FSDP2 shards)."""
     steps: int = 60
@@ -132,11 +136,12 @@ class ClusterConfig:
     def indices(self) -> tuple[int, ...]:
         """The replica groups this launcher runs; ``ValueError`` when ``groups`` is malformed or needs an external
         lighthouse it lacks."""
+        total = self.replicas + self.spares
         if not self.groups:
-            return tuple(range(self.replicas))
-        bad = [i for i in self.groups if not 0 <= i < self.replicas]
+            return tuple(range(total))
+        bad = [i for i in self.groups if not 0 <= i < total]
         if bad or len(set(self.groups)) != len(self.groups):
-            raise ValueError(f"groups {list(self.groups)}: each must be one of 0..{self.replicas - 1}, once")
+            raise ValueError(f"groups {list(self.groups)}: each must be one of 0..{total - 1}, once")
         if not self.lighthouse:
             raise ValueError("running only some replica groups needs the job's lighthouse (the others use it)")
         return tuple(sorted(self.groups))
@@ -146,7 +151,8 @@ class ClusterConfig:
         """The environment of replica group ``index``'s torchrun: this process's, less a stray ``FTHSDP_FAULT``,
         plus the replica's settings, ``env[index]`` and the fault armed in this incarnation."""
         env = child_env(FTHSDP_LIGHTHOUSE=lighthouse, FTHSDP_REPLICA_INDEX=str(index),
-                        FTHSDP_NUM_REPLICAS=str(self.replicas), FTHSDP_PROGRESS=str(progress),
+                        FTHSDP_NUM_REPLICAS=str(self.replicas), FTHSDP_SPARES=str(self.spares),
+                        FTHSDP_PROGRESS=str(progress),
                         FTHSDP_TIMEOUT=str(self.collective_timeout_s))
         # torchrun never restarts a group here (the launcher does, as a new incarnation), so the workers keep
         # sharing the agent's rendezvous store: a second store would bind a port that can be taken meanwhile.
@@ -284,7 +290,7 @@ class Cluster:
     def lighthouse_args(self) -> list[str]:
         c = self.config
         return ["--heartbeat-interval", str(c.heartbeat_interval_s), "--heartbeat-timeout", str(c.heartbeat_timeout_s),
-                "--confirm-age", str(c.confirm_age_s), "--expected-replicas", str(c.replicas),
+                "--confirm-age", str(c.confirm_age_s), "--expected-replicas", str(c.replicas + c.spares),
                 "--straggler-policy", c.straggler_policy]
 
     def start_lighthouse(self) -> None:
@@ -386,6 +392,7 @@ class Cluster:
         rejoin = m["rejoin_per_failure_s"]
         return {
             "replicas": c.replicas,
+            "spares": c.spares,
             "ranks_per_replica": c.ranks,
             "steps": c.steps,
             "model": c.model,

@@ -125,7 +125,9 @@ class LighthouseService:
         last_epoch = check_epoch("last_epoch", req.last_epoch)
         trained = job.state.epoch is not None or job.state.last_number > 0
         out = await self.edge.apply(job, m.Register(req.replica_id, req.incarnation, req.shard_count, endpoints,
-                                                    clock(), claim=claim, last_epoch=last_epoch))
+                                                    clock(), claim=claim, last_epoch=last_epoch,
+                                                    slot=req.slot if req.HasField("slot") else m.NO_SLOT,
+                                                    slots=req.slots))
         if out.rejection is not None:
             await self._refuse(out.rejection, context, "Register")
         if out.finished_step is not None:

@@ -27,18 +27,20 @@ class Endpoints(_message.Message):
     def __init__(self, data_plane: _Optional[str] = ..., catchup: _Optional[str] = ..., http: _Optional[str] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("replica_id", "incarnation", "role", "shard_count", "endpoints")
+    __slots__ = ("replica_id", "incarnation", "role", "shard_count", "endpoints", "slot")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     incarnation: str
     role: Role
     shard_count: int
     endpoints: Endpoints
-    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ...) -> None: ...
+    slot: int
+    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class Epoch(_message.Message):
     __slots__ = ("job_id", "number", "members", "rendezvous", "created_unix", "reason", "plane")
@@ -59,7 +61,7 @@ class Epoch(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., plane: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("job_id", "replica_id", "shard_count", "endpoints", "incarnation", "role", "last_epoch")
+    __slots__ = ("job_id", "replica_id", "shard_count", "endpoints", "incarnation", "role", "last_epoch", "slot", "slots")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,8 @@ class RegisterRequest(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica_id: str
     shard_count: int
@@ -74,7 +78,9 @@ class RegisterRequest(_message.Message):
     incarnation: str
     role: Role
     last_epoch: int
-    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., last_epoch: _Optional[int] = ...) -> None: ...
+    slot: int
+    slots: int
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., last_epoch: _Optional[int] = ..., slot: _Optional[int] = ..., slots: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("incarnation", "role", "epoch", "heartbeat_interval_s", "heartbeat_timeout_s", "resume", "finished", "finished_step")

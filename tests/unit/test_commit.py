@@ -175,6 +175,8 @@ def test_ballot_encoding_round_trips_through_a_max_reduction() -> None:
     assert Tally.of([a, b]) == Tally(failed=True, newest=6, oldest=3, highest_step=12, lowest_step=10, stop=True)
     c = Ballot(True, 0, 0, -1, False, asking=5)
     assert Tally.of([a, c]).asking == 5 and Tally.decode(c.encode()) == Tally(True, 0, 0, -1, -1, False, 5)
+    # The slot: a rank that saw the epoch handing the replica a slot outvotes one that has not seen it yet.
+    assert (Tally.of([a, c]).slot, Tally.of([a, Ballot(False, 4, 4, 10, False, slot=1)]).slot) == (-1, 1)
 
 
 @pytest.mark.parametrize(("ballots", "reform"), [

@@ -145,3 +145,15 @@ def test_only_failed_pays_fails_when_a_healthy_replica_repeats_skips_or_stops_sh
         "replica 1 (no fault targeted it) fell behind: never committed step(s) [6, 7] "
         "(never reached the last step, 7)"]
     assert inv.only_failed_pays(rows, report, steps, {1}) == []  # a fault target is not blamed for it
+
+
+def test_a_spares_steps_need_no_loss_but_must_not_have_one() -> None:
+    """A spare survivor trains no batch: its rows carry no loss and ``contributed`` false, which the survivor
+    check accepts; a loss on such a step, or a contributing step without one, is a violation."""
+    rows = _run_rows(4, replicas=3)
+    rows[2] = [dataclasses.replace(x, loss=None, contributed=False) if x.event == "step" else x for x in rows[2]]
+    assert inv.survivor(rows[2], 4) == []
+    rows[2][2] = dataclasses.replace(rows[2][2], loss=1.0)
+    assert any("trained no batch" in v for v in inv.survivor(rows[2], 4))
+    rows[1][2] = dataclasses.replace(rows[1][2], loss=None)
+    assert any("no or a non-finite loss" in v for v in inv.survivor(rows[1], 4))

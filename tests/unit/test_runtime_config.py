@@ -129,3 +129,15 @@ def test_scheduler_setting() -> None:
 def test_a_standby_gate_is_read_and_off_by_default() -> None:
     assert RuntimeConfig.from_env(BASE).standby_gate == ""
     assert RuntimeConfig.from_env({**BASE, "FTHSDP_STANDBY_GATE": "/tmp/g"}).standby_gate == "/tmp/g"
+
+
+def test_spares_ask_for_no_slot_and_indexes_past_them_are_refused() -> None:
+    assert RuntimeConfig.from_env(BASE).asked_slot == 1
+    spare = RuntimeConfig.from_env({**BASE, "FTHSDP_REPLICA_INDEX": "4", "FTHSDP_SPARES": "2"})
+    assert (spare.spares, spare.asked_slot) == (2, -1)
+    with pytest.raises(ConfigError, match=r"outside 0\.\.4"):
+        RuntimeConfig.from_env({**BASE, "FTHSDP_REPLICA_INDEX": "5", "FTHSDP_SPARES": "2"})
+    with pytest.raises(ConfigError, match=r"outside 0\.\.2"):
+        RuntimeConfig.from_env({**BASE, "FTHSDP_REPLICA_INDEX": "3"})
+    with pytest.raises(ConfigError, match="FTHSDP_SPARES=-1"):
+        RuntimeConfig.from_env({**BASE, "FTHSDP_SPARES": "-1"})

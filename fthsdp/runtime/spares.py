@@ -1,0 +1,91 @@
+"""Data slots on the replica side, and the spare's step (docs/design.md §8.5).
+
+The lighthouse decides which replica trains which data slot and lists it in every epoch (``lighthouse.slots``).
+A replica's ranks agree on its slot through the commit vote: each rank's ballot carries the slot the newest
+epoch it saw gives the replica, the tally takes the MAX (a live member's slot only goes from none to one), and
+at every commit each rank takes the tally's slot for the next step. So every rank of a replica trains the same
+slot in a step, and a spare handed a dead replica's slot in the epoch of the step's redo contributes from the
+step after the failure.
+
+A replica with no slot (``NO_SLOT``) is a spare: its step exchanges zeros (``contribute=False``, not counted in
+the divisor), trains no batch and never calls the closure, then commits like the others, so its state equals
+theirs, bitwise, at every commit. What it costs: its devices, and one more member in every exchange.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import torch
+
+from ftar import ExchangeResult, Handle
+from fthsdp.runtime.agreement import DigestCheck
+from fthsdp.runtime.buckets import BucketExchange
+from fthsdp.runtime.commit import Commit
+from fthsdp.runtime.config import RuntimeConfig
+from fthsdp.runtime.join import Joiner
+from fthsdp.runtime.metrics import ReplicaMetrics
+from fthsdp.runtime.result import StepResult
+from lighthouse.client import LighthouseClient
+from lighthouse.model import NO_SLOT
+
+
+class Replica(Protocol):
+    """What the slot's hand-over and a spare's step use of ``fthsdp.runtime.replica.Replica`` (which imports this
+    module)."""
+
+    config: RuntimeConfig
+    slot: int
+    step: int
+    cursors: torch.Tensor
+    check: DigestCheck
+    joiner: Joiner
+    metrics: ReplicaMetrics
+    _buckets: BucketExchange | None
+    _lr_factor: float
+
+    def _exchange_all(self, contribute: bool) -> list[Handle | None]: ...
+    def _settle(self, handles: list[Handle | None], contribute: bool) -> tuple[Commit, list[ExchangeResult]]: ...
+    def _commit(self, step: int, results: list[ExchangeResult]) -> tuple[tuple[int, int], ...]: ...
+    def _after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None: ...
+    def _log(self, level: int, msg: str, *args: object) -> None: ...
+
+
+def seen(client: LighthouseClient) -> int:
+    """This replica's slot in the newest epoch this rank saw (``NO_SLOT``: none, or not in it)."""
+    epoch = client.epoch
+    me = epoch.member(client.replica_id) if epoch is not None else None
+    return me.slot if me is not None and me.incarnation == client.incarnation else NO_SLOT
+
+
+def cursor(rep: Replica) -> int:
+    """``Replica.cursor``: the next batch of the replica's slot."""
+    if rep.slot == NO_SLOT:
+        raise RuntimeError(f"replica {rep.config.replica_id} is a spare at step {rep.step}: it has no data slot, "
+                           "so no batch to train (train_step does not call the closure of a spare)")
+    return int(rep.cursors[rep.slot])
+
+
+def take(rep: Replica, slot: int) -> None:
+    """Train ``slot`` from the next step on (the tally's, at a commit): the data cursor, the slot mask and the
+    digest go by it."""
+    if slot == rep.slot:
+        return
+    rep._log(logging.INFO, "data slot %s from step %d (was %s)", "none (a spare)" if slot == NO_SLOT else slot,
+             rep.step + 1, "none" if rep.slot == NO_SLOT else rep.slot)
+    rep.slot = rep.check.slot = rep.joiner.slot = slot
+    if rep._buckets is not None:
+        rep._buckets.slot = slot
+
+
+def spare_step(rep: Replica) -> StepResult:
+    """A step without a slot: zeros in every bucket, the commit as everyone's; the closure is not called."""
+    t0 = time.perf_counter()
+    commit, results = rep._settle(rep._exchange_all(contribute=False), contribute=False)
+    batches = rep._commit(commit.step, results)
+    rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
+    rep._after_commit(batches, commit.stop)
+    return StepResult(commit.step, None, commit.epoch, results[0].contributors, False, commit.attempts,
+                      time.perf_counter() - t0, batches, rep._lr_factor, contributed=False)

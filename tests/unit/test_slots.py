@@ -1,0 +1,128 @@
+"""Data slots and spares at the lighthouse (``lighthouse.slots``, through ``lighthouse.membership.decide``): who
+trains which slot, in every epoch; a dead member's slot handed to a spare in the epoch that drops it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lighthouse import membership as m
+from lighthouse import slots
+from lighthouse.model import NO_SLOT
+from lighthouse.state_doc import state_from_doc, state_to_doc
+
+P = m.Policy(min_replicas=1, heartbeat_interval_s=0.5, heartbeat_timeout_s=3.0, confirm_age_s=1.0)
+EP = m.Endpoints()
+SLOTS = 2
+
+
+def apply(state: m.State, event: m.Event, policy: m.Policy = P) -> m.State:
+    out = m.decide(state, event, policy)
+    assert out.rejection is None, out.rejection
+    return out.state
+
+
+def register(state: m.State, rid: str, slot: int, now: float = 0.0, n: int = 1, policy: m.Policy = P) -> m.State:
+    return apply(state, m.Register(rid, f"{rid}-{n}", 1, EP, now, slot=slot, slots=SLOTS), policy)
+
+
+def held(state: m.State) -> dict[str, int]:
+    assert state.epoch is not None
+    return {x.replica_id: x.slot for x in state.epoch.members}
+
+
+def boot() -> m.State:
+    """Slots 0 and 1 (r0, r1) and a spare (s0), all active in the first epoch."""
+    policy = dataclasses.replace(P, expected_replicas=3, join_window_s=0.0)
+    state = m.State()
+    for rid, slot in (("r0", 0), ("r1", 1), ("s0", NO_SLOT)):
+        state = register(state, rid, slot, policy=policy)
+    assert held(state) == {"r0": 0, "r1": 1, "s0": NO_SLOT}
+    return state
+
+
+def kill(state: m.State, rid: str, now: float) -> m.State:
+    """``rid``'s process died: a peer reports it, its connection closed."""
+    assert state.epoch is not None
+    other = next(x for x in state.epoch.replica_ids() if x != rid)
+    seen = {x: now for x in state.members}
+    return apply(state, m.Report(other, state.members[other].incarnation, rid, state.epoch.number, "broken", now,
+                                 seen, disconnected_s=0.1))
+
+
+def test_a_dead_members_slot_goes_to_the_active_spare_in_the_epoch_that_drops_it() -> None:
+    state = kill(boot(), "r1", 5.0)
+    assert held(state) == {"r0": 0, "s0": 1}
+    # Back, r1 asks for its slot: it is held, so it comes in as a spare (joining), and stays one once active.
+    state = register(state, "r1", 1, 6.0, n=2)
+    assert state.members["r1"].slot == NO_SLOT and state.members["r1"].role == m.JOINING
+    state = apply(state, m.Ready("r1", "r1-2", m.JOINING, 6.5))
+    state = apply(state, m.Ready("r1", "r1-2", m.ACTIVE, 7.0))
+    assert held(state) == {"r0": 0, "s0": 1, "r1": NO_SLOT}
+
+
+def test_with_no_spare_the_slot_waits_for_its_replica_and_a_joiner_takes_a_free_one() -> None:
+    policy = dataclasses.replace(P, expected_replicas=2, join_window_s=0.0)
+    state = register(register(m.State(), "r0", 0, policy=policy), "r1", 1, policy=policy)
+    state = kill(state, "r1", 5.0)
+    assert held(state) == {"r0": 0}  # nobody to hand slot 1 to
+    state = register(state, "r1", 1, 6.0, n=2)
+    assert state.members["r1"].slot == NO_SLOT  # none until in the data plane
+    state = apply(state, m.Ready("r1", "r1-2", m.JOINING, 6.5))
+    assert held(state) == {"r0": 0, "r1": 1}  # free: it gets its own slot back
+    # A spare that comes while a slot is free takes it once in the data plane.
+    state = kill(state, "r1", 7.0)
+    state = register(state, "s0", NO_SLOT, 8.0)
+    assert state.members["s0"].slot == NO_SLOT
+    state = apply(state, m.Ready("s0", "s0-1", m.JOINING, 8.5))
+    assert held(state) == {"r0": 0, "s0": 1}
+
+
+def test_active_spares_are_preferred_then_the_replica_that_asked() -> None:
+    state = boot()
+    state = register(state, "s1", NO_SLOT, 1.0)
+    state = apply(state, m.Ready("s1", "s1-1", m.JOINING, 1.5))
+    # r1 restarts (a new incarnation) while the spare s1 is still joining: the active spare s0 takes slot 1.
+    state = register(state, "r1", 1, 2.0, n=2)
+    assert held(state)["s0"] == 1 and state.members["r1"].slot == NO_SLOT
+    assert held(state)["s1"] == NO_SLOT
+
+
+def test_no_two_members_ever_hold_one_slot() -> None:
+    state = boot()
+    for now, event in enumerate([("kill", "r0"), ("reg", "r0"), ("kill", "s0"), ("reg", "s0"), ("kill", "r1")]):
+        kind, rid = event
+        if kind == "kill":
+            state = kill(state, rid, 10.0 + now)
+        else:
+            state = register(state, rid, 0 if rid == "r0" else NO_SLOT, 10.0 + now, n=2 + now)
+            for role in (m.JOINING, m.ACTIVE):
+                state = apply(state, m.Ready(rid, state.members[rid].incarnation, role, 10.2 + now))
+        taken = [x.slot for x in state.members.values() if x.slot != NO_SLOT]
+        assert len(taken) == len(set(taken)), state.members
+        assert state.epoch is not None
+        listed = [x.slot for x in state.epoch.members if x.slot != NO_SLOT]
+        assert len(listed) == len(set(listed)) and set(listed) <= set(range(SLOTS))
+
+
+@pytest.mark.parametrize(("slot", "slots", "match"), [
+    (2, 2, "outside"), (-2, 2, "outside"), (0, -1, "slots must be"), (0, 3, "has 2 data slots")])
+def test_bad_slot_requests_are_refused_and_change_nothing(slot: int, slots: int, match: str) -> None:
+    state = boot()
+    out = m.decide(state, m.Register("x", "x-1", 1, EP, 1.0, slot=slot, slots=slots), P)
+    assert out.rejection is not None and out.rejection.code == "INVALID_ARGUMENT"
+    assert match in out.rejection.message and out.state is state
+
+
+def test_a_client_that_names_no_slots_gets_none_and_hands_out_nothing() -> None:
+    state = apply(m.State(), m.Register("a", "a-1", 1, EP, 0.0, slot=0))  # slots=0: the slot is ignored
+    assert state.slots == 0 and held(state) == {"a": NO_SLOT}
+    assert slots.assign(state) is state
+
+
+def test_slots_survive_the_state_document() -> None:
+    state = kill(boot(), "r1", 5.0)
+    back = state_from_doc(state_to_doc(state), 6.0)
+    assert back.slots == SLOTS and back.epoch == state.epoch
+    assert {rid: x.slot for rid, x in back.members.items()} == {"r0": 0, "s0": 1}
