@@ -468,19 +468,22 @@ def section_recovery_double(doc: dict[str, Any] | None) -> list[str]:
 
 
 def section_warm_restarts(cold: dict[str, Any] | None, warm: dict[str, Any] | None,
-                          notes: dict[str, Any] | None) -> list[str]:
-    """A cold restart against a warm standby's release, two invocations minutes apart (``--warm-restarts``)."""
+                          notes: dict[str, Any] | None, spares: dict[str, Any] | None = None) -> list[str]:
+    """A cold restart against a warm standby's release and a hot spare, invocations minutes apart
+    (``--warm-restarts``, ``--spares 1``)."""
     runs: list[tuple[str, dict[str, Any]]] = []
-    for name, doc in (("cold start", cold), ("warm standby", warm)):
+    for name, doc in (("cold start", cold), ("warm standby", warm), ("hot spare (+1 group), cold restart", spares)):
         if isinstance(f := (doc or {}).get("fthsdp"), dict):
             runs.append((name, f))
     if not runs:
         return []
-    out = ["## Warm restarts", "",
-           "`fthsdp bench recovery --json` and `fthsdp bench recovery --warm-restarts --json` (data: "
-           "`docs/bench-data/recovery-cold.json`, `recovery-warm.json`): the reference model, 3 groups x 2 ranks, "
-           "SIGKILL of group 1 at step 20, restarted 2 s later, from a cold torchrun or by releasing its warm "
-           "standby (docs/design.md §7, \"Warm restarts\").", "",
+    out = ["## Warm restarts and spares", "",
+           "`fthsdp bench recovery --json`, `fthsdp bench recovery --warm-restarts --json` and `fthsdp bench "
+           "recovery --spares 1 --json` (data: `docs/bench-data/recovery-cold.json`, `recovery-warm.json`, "
+           "`recovery-spares.json`): the reference model, 3 groups x 2 ranks (and one spare group of 2 ranks in "
+           "the last row), SIGKILL of group 1 at step 20, restarted 2 s later, from a cold torchrun or by releasing "
+           "its warm standby (docs/design.md §7, \"Warm restarts\" and \"Spares\"). With a spare, \"all replicas "
+           "contributing\" is every data slot again: the spare trains the killed group's.", "",
            "| restart | kill -> restarted replica's first joined step (s) | kill -> all replicas contributing (s) | "
            "start (release) -> active (s) | registration -> active (s) | survivors' stall (s) | steady step (s) | "
            "effective training time | on plain's step | final states equal |",
@@ -492,7 +495,7 @@ def section_warm_restarts(cold: dict[str, Any] | None, warm: dict[str, Any] | No
                    f"{fmt(f.get('effective_training_time'))} | {fmt(f.get('ett_common_step'))} | "
                    f"{fmt(f.get('final_equal'))} |")
     out.append("")
-    for para in (notes or {}).get("warm", []):
+    for para in (notes or {}).get("warm", []) + (notes or {}).get("spares", []):
         out += [para, ""]
     return out
 
@@ -583,7 +586,8 @@ def main(argv: list[str] | None = None) -> None:
     lines += section_recovery(rec, base, img)
     lines += section_recovery_hsdp(load(data, "recovery-hsdp.json"))
     lines += section_recovery_double(load(data, "recovery-double.json"))
-    lines += section_warm_restarts(load(data, "recovery-cold.json"), load(data, "recovery-warm.json"), notes)
+    lines += section_warm_restarts(load(data, "recovery-cold.json"), load(data, "recovery-warm.json"), notes,
+                                   load(data, "recovery-spares.json"))
     lines += section_catchup(load(data, "catchup.json"), notes)
     lines += section_lighthouse(load(data, "lighthouse.json"), load(data, "saturation.json"), notes, img)
     lines += section_sim(rec, base, img)
