@@ -1,5 +1,5 @@
-"""Data slots and spares (docs/design.md §8.4): which member trains which slot of the job's data, decided by the
-lighthouse and listed in every epoch. Pure functions over the membership state.
+"""Data slots and spares (docs/design.md §7, "Spares"): which member trains which slot of the job's data,
+decided by the lighthouse and listed in every epoch. Pure functions over the membership state.
 
 A job has ``slots`` data slots (``FTHSDP_NUM_REPLICAS``); each slot's data cursor belongs to the job, and a member
 holds a slot while it is live. A member without one is a **spare**: it is in the data plane, exchanges zeros and
@@ -7,11 +7,12 @@ applies every update, so it holds the same state as the others, bitwise, at ever
 
 - A registrant asks for a slot (its ``FTHSDP_REPLICA_INDEX``) or for none (a spare); it holds none until it is
   in the data plane (the first epoch, or its ``Ready(JOINING)``).
-- A member that dies or leaves frees its slot. Whenever an epoch forms, each free slot goes to a member in the
-  data plane that holds none: an active one first (a spare, current: it contributes from its next step), then
-  the one that asked for that slot, then any, by replica id. So the first epoch gives every replica the slot it
-  asked for; a killed replica's slot is handed to a spare in the epoch that drops it; and the killed replica,
-  back, comes in as a spare (or gets its slot back, if no spare took it).
+- A member that dies or leaves frees its slot. Whenever an epoch forms, the free slots go to the members in the
+  data plane that hold none: first each to the member that asked for it, then the rest to the others, active
+  ones first (a spare, current: it contributes from its next step), by replica id. So the first epoch, or a
+  resume after every replica died, gives every replica the slot it asked for; a killed replica's slot is handed
+  to a spare in the epoch that drops it (the killed replica is not in the data plane again yet); and the killed
+  replica, back, comes in as a spare (or gets its slot back, if no spare took it).
 - Two members never hold one slot in an epoch. A member trains the slot its newest epoch gives it when a step
   begins, and exchanges that step only in that epoch or a newer one, where the slot's previous holder is no
   longer a member: so no step has two contributions for one slot (the runtime checks it too,
@@ -38,23 +39,23 @@ def check(state: State, slot: int, slots: int) -> str | None:
 
 
 def assign(state: State) -> State:
-    """``state`` with every free slot handed to a member in the data plane that holds none (active first, then
-    the one that asked for it, then by replica id); the same object when nothing changes."""
+    """``state`` with every free slot handed to a member in the data plane that holds none: the slot it asked
+    for, else any free one (active members first, then by replica id); the same object when nothing changes."""
     if not state.slots:
         return state
     held = {m.slot for m in state.members.values() if m.slot != NO_SLOT}
     if len(held) >= state.slots:
         return state
-    takers = [m for m in state.members.values() if m.slot == NO_SLOT and m.in_epoch]
+    order = sorted((m for m in state.members.values() if m.slot == NO_SLOT and m.in_epoch),
+                   key=lambda m: (m.role != ACTIVE, m.replica_id))
+    free = [s for s in range(state.slots) if s not in held]
     changed: dict[str, Member] = {}
-    for slot in range(state.slots):
-        if not takers:
-            break
-        if slot in held:
-            continue
-        taker = min(takers, key=lambda m: (m.role != ACTIVE, m.asks != slot, m.replica_id))
-        takers.remove(taker)
-        changed[taker.replica_id] = dataclasses.replace(taker, slot=slot)
+    for m in order:  # first the slot each asked for
+        if m.asks in free:
+            free.remove(m.asks)
+            changed[m.replica_id] = dataclasses.replace(m, slot=m.asks)
+    for m, slot in zip((m for m in order if m.replica_id not in changed), list(free), strict=False):
+        changed[m.replica_id] = dataclasses.replace(m, slot=slot)
     if not changed:
         return state
     new = dataclasses.replace(state, members={**state.members, **changed})

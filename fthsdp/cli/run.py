@@ -88,10 +88,11 @@ def cmd_run(a: argparse.Namespace) -> None:
                                kills=tuple(Kill.parse(k) for k in a.kill or []), restart_delay_s=a.restart_delay,
                                max_restarts=a.max_restarts, timeout_s=a.timeout, lighthouse=a.lighthouse,
                                lighthouse_http=a.lighthouse_http, groups=tuple(a.group or ()),
-                               checkpoint_dir=a.checkpoint_dir, warm_restarts=a.warm_restarts)
+                               checkpoint_dir=a.checkpoint_dir, warm_restarts=a.warm_restarts, spares=a.spares)
         groups = config.indices()
         where = f"against the lighthouse at {a.lighthouse}" if a.lighthouse else "with an embedded lighthouse"
-        print(f"fthsdp run: replica groups {list(groups)} of {a.replicas}, {a.ranks} ranks each, {where}: {script} "
+        print(f"fthsdp run: replica groups {list(groups)} of {a.replicas} (+{a.spares} spare), {a.ranks} ranks each, "
+              f"{where}: {script} "
               f"{' '.join(a.args)}; logs in {workdir}", flush=True)
         cluster = Cluster(config, workdir, on_tick=StatusView())
         t_start, history = cluster.execute()
@@ -135,6 +136,10 @@ def register(sub: Subparsers) -> None:
     r.add_argument("--warm-restarts", action="store_true",
                    help="keep a warm standby of each group (started ahead, held before registering): a "
                    "restart releases it instead of starting cold")
+    r.add_argument("--spares", type=int, default=0,
+                   help="spare replica groups besides --replicas (indexes --replicas and up): each shadows training "
+                   "without a data slot and takes over a dead group's slot in the next epoch; read ft.slot inside "
+                   "the closure (next_batch does)")
     r.add_argument("--max-restarts", type=int, default=10, help="restarts of one group before the job is given up")
     r.add_argument("--timeout", type=float, default=24 * 3600.0, help="give up after this many seconds")
     r.add_argument("--workdir", default="", help="logs and progress files (default: a new temporary directory)")

@@ -104,7 +104,7 @@ class RuntimeConfig:
     """``FTHSDP_JOB``: the lighthouse job."""
     spares: int = 0
     """``FTHSDP_SPARES``: spare replica groups configured for the job (indexes ``N .. N + spares - 1``): each
-    shadows training without a data slot and takes a dead replica's slot (docs/design.md §8.5)."""
+    shadows training without a data slot and takes a dead replica's slot (docs/design.md §7, "Spares")."""
     backend: str = "gloo"
     """``FTHSDP_BACKEND``: ``gloo`` (CPU) or ``nccl`` (GPU); default by whether CUDA is available."""
     timeout_s: float = 5.0

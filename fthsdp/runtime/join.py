@@ -79,6 +79,7 @@ class Joiner:
         self.kept, self.fetch, self.target, self.fetches, self.attempts, self.member_unix = {}, None, -1, 0, 0, 0.0
         if self.config.join_warmup and not self.announced and not self.warmed:
             warm_up(opt, closure, self.log)
+            self.warmed = True  # a spare, once caught up, does not warm up again (``fthsdp.runtime.spares``)
         entered = time.time()
         if not self.announced:
             self._enter_data_plane(opt, closure)

@@ -251,7 +251,7 @@ class Replica:
         if self._settling is not None:
             return catching_up.zero_step(self, self._settling)  # caught up: these zeros were sent already
         if self.slot == m.NO_SLOT:
-            return spares.spare_step(self)  # no data slot: zeros, no closure
+            return spares.spare_step(self, closure)  # no data slot: zeros, no closure (but a warm-up)
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)

@@ -70,7 +70,7 @@ def training(config: RuntimeConfig | None = None) -> Iterator[Replica]:
     except FATAL_AT_START as e:
         _progress(event="fatal", error=f"{type(e).__name__}: {e}")
         raise
-    common = {"replica": ft.slot, "incarnation": ft.incarnation, "mode": "fthsdp"}
+    common = {"replica": ft.config.replica_index, "incarnation": ft.incarnation, "mode": "fthsdp"}
     if ft.rank == 0:  # a warm standby once released (in its first train_step)
         ft.when_registered(lambda: _progress(event="start", step=ft.step, joining=ft.joining, **common))
     try:

@@ -1,4 +1,4 @@
-"""Data slots on the replica side, and the spare's step (docs/design.md §8.5).
+"""Data slots on the replica side, and the spare's step (docs/design.md §7, "Spares").
 
 The lighthouse decides which replica trains which data slot and lists it in every epoch (``lighthouse.slots``).
 A replica's ranks agree on its slot through the commit vote: each rank's ballot carries the slot the newest
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -25,7 +26,7 @@ from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.commit import Commit
 from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.join import Joiner
+from fthsdp.runtime.join import Joiner, warm_up
 from fthsdp.runtime.metrics import ReplicaMetrics
 from fthsdp.runtime.result import StepResult
 from lighthouse.client import LighthouseClient
@@ -37,6 +38,7 @@ class Replica(Protocol):
     module)."""
 
     config: RuntimeConfig
+    opt: torch.optim.Optimizer | None
     slot: int
     step: int
     cursors: torch.Tensor
@@ -68,6 +70,22 @@ def cursor(rep: Replica) -> int:
     return int(rep.cursors[rep.slot])
 
 
+def warm(rep: Replica, closure: Callable[[], torch.Tensor]) -> None:
+    """A spare's first step warms up once (with ``FTHSDP_JOIN_WARMUP``, as a joiner does): one forward and
+    backward, thrown away, no optimizer step (its state must stay the others'), so that the first step it trains
+    a slot in is not a process's slow first one (FSDP2's lazy init, first allocations), which every member would
+    wait for. The closure runs as if this replica trained slot 0 (``cursor`` and ``slot`` read as that slot's):
+    like a joiner's warm-up, it must not consume data."""
+    if rep.joiner.warmed or not rep.config.join_warmup or rep.opt is None:
+        return
+    rep.slot = 0
+    try:
+        warm_up(rep.opt, closure, rep._log, optimizer_step=False)
+    finally:
+        rep.slot = NO_SLOT
+    rep.joiner.warmed = True
+
+
 def take(rep: Replica, slot: int) -> None:
     """Train ``slot`` from the next step on (the tally's, at a commit): the data cursor, the slot mask and the
     digest go by it."""
@@ -80,8 +98,10 @@ def take(rep: Replica, slot: int) -> None:
         rep._buckets.slot = slot
 
 
-def spare_step(rep: Replica) -> StepResult:
-    """A step without a slot: zeros in every bucket, the commit as everyone's; the closure is not called."""
+def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:
+    """A step without a slot: zeros in every bucket, the commit as everyone's; the closure is not called (but
+    once, for a warm-up: ``warm``)."""
+    warm(rep, closure)
     t0 = time.perf_counter()
     commit, results = rep._settle(rep._exchange_all(contribute=False), contribute=False)
     batches = rep._commit(commit.step, results)

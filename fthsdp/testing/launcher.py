@@ -67,8 +67,8 @@ class ClusterConfig:
     """Replica groups that train a data slot each (one torchrun each; ``FTHSDP_NUM_REPLICAS``)."""
     spares: int = 0
     """Spare replica groups besides them (indexes ``replicas ..``; ``FTHSDP_SPARES``): each shadows training with no
-    data slot and takes over a dead group's slot in the next epoch (docs/design.md §8.5). A spare costs a group's
-    devices and one more member in each exchange."""
+    data slot and takes over a dead group's slot in the next epoch (docs/design.md §7, "Spares"). A spare costs a
+    group's devices and one more member in each exchange."""
     ranks: int = 2
     """Ranks per replica group (FSDP2 shards)."""
     steps: int = 60

@@ -41,7 +41,7 @@ of 10,000 names would be 200 KB, written on the event loop at every change)."""
 
 def _members_text(members: tuple[m.EpochMember, ...]) -> str:
     if len(members) <= LOG_MEMBERS_UP_TO:
-        return ",".join(f"{x.replica_id}:{x.role}" for x in members)
+        return ",".join(f"{x.replica_id}:{x.role}" + ("" if x.slot == m.NO_SLOT else f":slot{x.slot}") for x in members)
     roles = collections.Counter(x.role for x in members)
     return f"{len(members)} ({', '.join(f'{n} {role}' for role, n in sorted(roles.items()))})"
 

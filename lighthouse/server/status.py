@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lighthouse.events import replica_kinds
-from lighthouse.model import Policy, State
+from lighthouse.model import NO_SLOT, Policy, State
 from lighthouse.proto_codec import ROLE_TO_PB
 from lighthouse.stragglers import Pace, Straggler, assess, training_paces
 from lighthouse.v1 import lighthouse_pb2 as pb
@@ -30,6 +30,8 @@ class MemberRow:
     """The latest state digest its heartbeats carried (empty: none) and the step it was taken before."""
     pace: Pace | None = None
     """Its latest pace report (compute and exchange wait per step; ``lighthouse.stragglers``); None: none."""
+    slot: int = NO_SLOT
+    """The data slot it trains (``lighthouse.slots``); ``NO_SLOT``: none (a spare, or not in the data plane)."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
             MemberRow(x.replica_id, x.incarnation, x.role, x.replica_id in in_epoch,
                       max(0.0, now - last_seen.get(x.replica_id, x.registered_at)), steps.get(x.replica_id, 0),
                       *digests_of.get(x.replica_id, (0, "")),
-                      paces_of[x.replica_id][-1] if x.replica_id in paces_of else None)
+                      paces_of[x.replica_id][-1] if x.replica_id in paces_of else None, x.slot)
             for x in sorted(state.members.values(), key=lambda x: x.replica_id)),
         history=tuple(HistoryRow(e.number, e.created_at, e.reason, e.replica_ids(), tuple(replica_kinds(e.events)))
                       for e in state.history[-STATUS_HISTORY:]),
@@ -156,6 +158,7 @@ def to_json(view: StatusView) -> dict[str, Any]:
         "heartbeat_timeout_s": view.heartbeat_timeout_s,
         "members": [
             {"replica_id": x.replica_id, "incarnation": x.incarnation, "role": x.role, "in_epoch": x.in_epoch,
+             "slot": None if x.slot == NO_SLOT else x.slot,
              "last_heartbeat_age_s": round(x.last_heartbeat_age_s, 3), "step": x.step,
              "digest_step": x.digest_step, "digest": x.digest,
              "pace": None if x.pace is None else {"step": x.pace.step, "compute_s": round(x.pace.compute_s, 4),

@@ -1,4 +1,4 @@
-"""A hot spare end to end (docs/design.md §8.5; issue 17): 2 replicas x 2 ranks and 1 spare group, a SIGKILL of
+"""A hot spare end to end (docs/design.md §7, "Spares"; issue 17): 2 replicas x 2 ranks and 1 spare group, a SIGKILL of
 replica 1. The spare takes replica 1's data slot in the epoch that drops it and contributes from the step after
 the failure: the job is back to 2 contributors one step later, every batch of every slot is still trained exactly
 once, and the killed replica comes back as a spare. Every group, the spare's included, ends with one state."""

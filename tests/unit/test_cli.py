@@ -193,6 +193,12 @@ def test_run_one_hosts_groups_needs_the_jobs_lighthouse_and_valid_groups(tmp_pat
     with pytest.raises(SystemExit, match=r"each must be one of 0\.\.1, once"):
         main(["run", "--replicas", "2", "--lighthouse", "127.0.0.1:1", "--group", "2", str(script)])
     assert ClusterConfig(replicas=4).indices() == (0, 1, 2, 3)
+    spares = ClusterConfig(replicas=2, spares=1)
+    assert spares.indices() == (0, 1, 2)  # the spare group is index 2 (it asks for no slot)
+    env = spares.replica_env(2, "h:1", tmp_path / "p", tmp_path, None)
+    assert (env["FTHSDP_REPLICA_INDEX"], env["FTHSDP_NUM_REPLICAS"], env["FTHSDP_SPARES"]) == ("2", "2", "1")
+    args = Cluster(spares, tmp_path).lighthouse_args()
+    assert args[args.index("--expected-replicas") + 1] == "3"  # the first epoch waits for the spare too
     assert ClusterConfig(replicas=4, lighthouse="h:1", groups=(3, 1)).indices() == (1, 3)
     for bad in [(1, 1), (-1,), (4,)]:
         with pytest.raises(ValueError, match="once"):

@@ -79,6 +79,20 @@ def test_with_no_spare_the_slot_waits_for_its_replica_and_a_joiner_takes_a_free_
     assert held(state) == {"r0": 0, "s0": 1}
 
 
+def test_after_every_replica_died_each_gets_the_slot_it_asked_for_whoever_comes_back_first() -> None:
+    """Found by ``test_every_replica_dies_job_resumes_from_checkpoint``: replica 1 came back first, alone, and was
+    handed slot 0 (the lowest free one), so it trained slot 0's batches from slot 1's place."""
+    policy = dataclasses.replace(P, expected_replicas=2, join_window_s=0.0)
+    state = register(register(m.State(), "r0", 0, policy=policy), "r1", 1, policy=policy)
+    state = apply(state, m.Tick(10.0, {x: 0.0 for x in state.members}))  # both silent past the timeout: dead
+    assert not state.members
+    state = register(state, "r1", 1, 11.0, n=2)
+    assert held(state) == {"r1": 1}
+    state = register(state, "r0", 0, 12.0, n=2)
+    state = apply(state, m.Ready("r0", "r0-2", m.JOINING, 12.5))
+    assert held(state) == {"r1": 1, "r0": 0}
+
+
 def test_active_spares_are_preferred_then_the_replica_that_asked() -> None:
     state = boot()
     state = register(state, "s1", NO_SLOT, 1.0)
