@@ -30,7 +30,7 @@ def cmd_sim(a: argparse.Namespace) -> None:
     if a.jobs < 0:
         sys.exit("fthsdp chaos: --jobs must be at least 1 (0: one per CPU)")
     if a.trace:
-        r = run_one(a.seed, a.sim_variant, trace=True, plane=a.sim_plane)
+        r = run_one(a.seed, a.sim_variant, trace=True, plane=a.sim_plane, spares=a.sim_spares)
         if a.json:
             print(json.dumps(r, indent=1))
         else:
@@ -39,7 +39,10 @@ def cmd_sim(a: argparse.Namespace) -> None:
         if r["violations"]:
             sys.exit(1)
         return
-    out = simulate(a.seed, a.runs, a.sim_variant, plane=a.sim_plane, jobs=a.jobs or os.cpu_count() or 1)
+    if a.sim_spares < 0 or (a.sim_spares and a.sim_plane != "lanes"):
+        sys.exit("fthsdp chaos: --sim-spares must be >= 0, and needs --sim-plane lanes")
+    out = simulate(a.seed, a.runs, a.sim_variant, plane=a.sim_plane, jobs=a.jobs or os.cpu_count() or 1,
+                   spares=a.sim_spares)
     if a.json:
         print(json.dumps(out, indent=1))
     else:
@@ -50,7 +53,8 @@ def cmd_sim(a: argparse.Namespace) -> None:
             print(f"  seed {x['seed']} ({'; '.join(x['faults'])}): {x['violations'][0]}  "
                   f"[replay: fthsdp chaos --sim --seed {x['seed']} --trace"
                   f"{' --sim-variant ' + a.sim_variant if a.sim_variant else ''}"
-                  f"{' --sim-plane ' + a.sim_plane if a.sim_plane != 'lanes' else ''}]")
+                  f"{' --sim-plane ' + a.sim_plane if a.sim_plane != 'lanes' else ''}"
+                  f"{' --sim-spares ' + str(a.sim_spares) if a.sim_spares else ''}]")
     if out["violations"]:
         sys.exit(1)
 
@@ -119,6 +123,9 @@ def register(sub: Subparsers) -> None:
     ch.add_argument("--sim-plane", default="lanes", metavar="PLANE",
                     help="with --sim: lanes (every rank's FTAR lane and the commit protocol; the default) or "
                     "membership (the membership layer alone, its data plane a model of failure detection)")
+    ch.add_argument("--sim-spares", type=int, default=0, metavar="K",
+                    help="with --sim: K spare groups besides the drawn replicas in every run (the lighthouse hands "
+                    "a dead replica's data slot to a spare; docs/design.md §7, Spares)")
     ch.add_argument("--trace", action="store_true", help="with --sim: replay --seed alone and print its trace")
     ch.add_argument("--jobs", type=int, default=0,
                     help="with --sim: processes to share the runs (default: one per CPU; the result is the same)")

@@ -101,6 +101,15 @@ class SimConfig:
     """Gradient buckets per step (one exchange each on every lane)."""
     reconcile: bool = True
     """FTAR's step reconciliation; off in the ``local-vote`` variant."""
+    spares: int = 0
+    """Spare groups besides ``replicas`` (``fthsdp chaos --sim --sim-spares``): they ask for no data slot and take a
+    dead replica's (``lighthouse.slots``); 0: the replicas name no slots, as before spares existed."""
+
+
+def twice(record: tr.Record) -> list[tuple[int, ...]]:
+    """The contributing slots of a committed step that name a slot more than once (two members trained one slot's
+    batch in one step: exactly-once broken; the runtime's ``contributing_slots`` raises ``SlotConflict``)."""
+    return sorted({by for _, _, by in record if len(set(by)) != len(by)})
 
 
 class SimCluster:
@@ -108,12 +117,14 @@ class SimCluster:
 
     def __init__(self, world: World, cfg: SimConfig) -> None:
         self.world, self.cfg = world, cfg
-        self.policy = dataclasses.replace(cfg.policy, min_replicas=cfg.min_replicas, expected_replicas=cfg.replicas)
+        self.policy = dataclasses.replace(cfg.policy, min_replicas=cfg.min_replicas,
+                                          expected_replicas=cfg.replicas + cfg.spares)
+        self.slots, self.spares = cfg.replicas, cfg.spares
         self.epoch_wait_s = cfg.epoch_wait_s
         self.reuse_epochs = cfg.reuse_epochs
         self.net = Net(world)
         self.lighthouse = SimLighthouse(world, self.policy, self._publish, strip_counter=cfg.reuse_epochs)
-        self.groups = [Supervisor(i) for i in range(cfg.replicas)]
+        self.groups = [Supervisor(i) for i in range(cfg.replicas + cfg.spares)]
         self.exits: list[Exit] = []
         self.stale: list[str] = []
         self.dropped_seen: dict[tuple[str, str], float] = {}
@@ -201,7 +212,7 @@ class SimCluster:
         lanes = LaneConfig(timeout_s=cfg.collective_timeout_s, connect_timeout_s=cfg.collective_timeout_s,
                            epoch_wait_s=cfg.epoch_wait_s, reconcile=cfg.reconcile)
         t = tr.SimTrainer(proc, cfg.lanes, cfg.buckets, cfg.replicas, self.total_steps, lanes, self._group,
-                          self._record)
+                          self._record, assigned=cfg.spares > 0)
         self.trainers.append(t)
         return t
 
@@ -236,6 +247,9 @@ class SimCluster:
         slots = {r[2] for r in record}
         if len(slots) != 1:
             self.plane_violations.append(f"state: step {step} at {who.inc} mixes contributors {sorted(slots)}")
+        for by in twice(record):
+            self.plane_violations.append(f"exactly-once: step {step} at {who.inc}: slots {by} (one slot trained "
+                                         "twice in a step)")
         k = 0
         for lane in range(len(who.lanes)):
             for b in range(who.buckets):

@@ -128,8 +128,10 @@ class SimLighthouse:
 
     # --- calls (each answers a Rejection or what the real service answers) ------------------------------------
 
-    def register(self, rid: str, inc: str, claim: str, last_epoch: int) -> m.Rejection | dict[str, Any]:
-        out = self.apply(m.Register(rid, inc, 1, Endpoints(), self.world.now, claim=claim, last_epoch=last_epoch))
+    def register(self, rid: str, inc: str, claim: str, last_epoch: int, slot: int = m.NO_SLOT,
+                 slots: int = 0) -> m.Rejection | dict[str, Any]:
+        out = self.apply(m.Register(rid, inc, 1, Endpoints(), self.world.now, claim=claim, last_epoch=last_epoch,
+                                    slot=slot, slots=slots))
         if out.rejection is not None:
             return out.rejection
         if out.finished_step is not None:

@@ -29,6 +29,9 @@ class Host(Protocol):
     policy: m.Policy
     epoch_wait_s: float
     reuse_epochs: bool
+    slots: int
+    """The job's data slots (its replicas; the groups past them are spares)."""
+    spares: int
     dropped_seen: dict[tuple[str, str], float]
 
     def exited(self, proc: SimReplica, why: str, finished: bool) -> None: ...
@@ -158,6 +161,8 @@ class SimReplica:
         """Register (``again``: the lighthouse lost this incarnation; claim the role it holds, '' for none)."""
         first = not self.registered
         last = self.known.number if self.known is not None and not self.c.reuse_epochs else 0
+        me = self.member(self.known)  # again: the slot it holds (``lighthouse.client_rpc``); first: its index's
+        slot = me.slot if me is not None else self.index if self.index < self.c.slots else m.NO_SLOT
 
         def ok(a: dict[str, Any]) -> None:
             if "finished" in a:
@@ -185,7 +190,7 @@ class SimReplica:
             else:
                 self.c.world.after(self.c.world.rng.uniform(0.2, 1.0),
                                    lambda: self.run(lambda: self.register(claim, again)))
-        self.call("register", (claim, last), ok, err)
+        self.call("register", (claim, last, slot, self.c.slots if self.c.spares else 0), ok, err)
 
     def heartbeat(self) -> None:
         def ok(a: dict[str, Any]) -> None:

@@ -88,8 +88,10 @@ def draw(seed: int, kinds: tuple[str, ...] = FAULT_KINDS) -> Drawn:
                  plane_faults=extra)
 
 
-def run_one(seed: int, variant: str = "", trace: bool = False, plane: str = "lanes") -> dict[str, Any]:
-    """One seeded run; its result names the faults, the violations and (with ``trace``) the trace."""
+def run_one(seed: int, variant: str = "", trace: bool = False, plane: str = "lanes",
+            spares: int = 0) -> dict[str, Any]:
+    """One seeded run; its result names the faults, the violations and (with ``trace``) the trace. ``spares``: that
+    many spare groups besides the drawn replicas (the faults are drawn as without them: on the replicas)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown --sim-variant {variant!r}: one of {', '.join(v for v in VARIANTS if v)}")
     if plane not in PLANES:
@@ -106,9 +108,10 @@ def run_one(seed: int, variant: str = "", trace: bool = False, plane: str = "lan
     lanes = d.lanes if plane == "lanes" else 0
     cfg = SimConfig(replicas=d.replicas, min_replicas=d.min_replicas, faults=faults, end_s=end_s, policy=policy,
                     reuse_epochs=variant == "reuse-epochs", lanes=lanes, buckets=d.buckets,
-                    reconcile=variant != "local-vote")
+                    reconcile=variant != "local-vote", spares=spares)
     world = World(seed, trace=trace)
-    world.log(f"seed {seed}: {d.replicas} replicas, min {d.min_replicas}"
+    world.log(f"seed {seed}: {d.replicas} replicas" + (f" + {spares} spare" if spares else "")
+              + f", min {d.min_replicas}"
               + (f", {lanes} lanes, {d.buckets} buckets" if lanes else ", no lanes") + "; faults: "
               + "; ".join(f.describe() for f in faults))
     cluster = SimCluster(world, cfg)
@@ -124,9 +127,9 @@ def run_one(seed: int, variant: str = "", trace: bool = False, plane: str = "lan
     violations += [f"guard: {v}" for v in checks.guard_holds(lh.published, d.min_replicas)]
     violations += [f"over-for-good: {v}" for v in checks.over_for_good(lh.published, lh.departed, lh.lives,
                                                                         cluster.dropped_seen)]
-    violations += [f"only-failed-pays: {v}" for v in checks.only_failed_pays(cluster.exits, d.replicas, targets,
-                                                                              end_s)]
-    violations += [f"no-hang: {v}" for v in checks.no_hang(cluster.at_end, d.replicas)]
+    groups = d.replicas + spares
+    violations += [f"only-failed-pays: {v}" for v in checks.only_failed_pays(cluster.exits, groups, targets, end_s)]
+    violations += [f"no-hang: {v}" for v in checks.no_hang(cluster.at_end, groups)]
     violations += [f"no-hang: {v}" for v in checks.finished([g.done for g in cluster.groups])]
     if lanes:
         violations += cluster.plane_violations
@@ -137,7 +140,7 @@ def run_one(seed: int, variant: str = "", trace: bool = False, plane: str = "lan
         violations += [f"state: {v}" for v in checks.histories_agree(
             [checks.History(t.inc, t.history, t.committed_at, t.inc in died, dropped.get(t.inc))
              for t in cluster.trainers], ended[0].history if ended else None)]
-    out: dict[str, Any] = {"seed": seed, "replicas": d.replicas, "min_replicas": d.min_replicas,
+    out: dict[str, Any] = {"seed": seed, "replicas": d.replicas, "spares": spares, "min_replicas": d.min_replicas,
                            "lanes": lanes, "buckets": d.buckets if lanes else 0,
                            "faults": [f.describe() for f in faults], "epochs": len(lh.published),
                            "events": world.events, "violations": violations}
@@ -146,25 +149,28 @@ def run_one(seed: int, variant: str = "", trace: bool = False, plane: str = "lan
     return out
 
 
-def _run_many(args: tuple[int, int, str, str]) -> list[dict[str, Any]]:
+def _run_many(args: tuple[int, int, str, str, int]) -> list[dict[str, Any]]:
     """Runs ``seed``..``seed + n - 1`` (one worker's share), without traces."""
-    seed, n, variant, plane = args
-    return [run_one(s, variant, plane=plane) for s in range(seed, seed + n)]
+    seed, n, variant, plane, spares = args
+    return [run_one(s, variant, plane=plane, spares=spares) for s in range(seed, seed + n)]
 
 
-def simulate(seed: int, runs: int, variant: str = "", plane: str = "lanes", jobs: int = 1) -> dict[str, Any]:
+def simulate(seed: int, runs: int, variant: str = "", plane: str = "lanes", jobs: int = 1,
+             spares: int = 0) -> dict[str, Any]:
     """``runs`` runs, seeds ``seed``..``seed + runs - 1``: the counts, and the first failing seeds. ``jobs`` > 1
     shares the seeds among that many processes (each run is a pure function of its seed: the result is the
-    same)."""
+    same). ``spares``: spare groups in every run (``run_one``)."""
     if runs < 1 or jobs < 1:
         raise ValueError(f"runs and jobs must be at least 1, got {runs} and {jobs}")
+    if spares < 0 or (spares and plane != "lanes"):
+        raise ValueError(f"spares must be >= 0, and need the lanes (got {spares} with plane {plane!r})")
     t0 = time.monotonic()
     jobs = min(jobs, runs)
     if jobs == 1:
-        results = _run_many((seed, runs, variant, plane))
+        results = _run_many((seed, runs, variant, plane, spares))
     else:
         share = -(-runs // (jobs * 8))  # several chunks per worker, so that a slow one does not hold the rest
-        chunks = [(s, min(share, seed + runs - s), variant, plane) for s in range(seed, seed + runs, share)]
+        chunks = [(s, min(share, seed + runs - s), variant, plane, spares) for s in range(seed, seed + runs, share)]
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
             results = [r for part in pool.map(_run_many, chunks) for r in part]
     kinds: collections.Counter[str] = collections.Counter()
@@ -179,6 +185,6 @@ def simulate(seed: int, runs: int, variant: str = "", plane: str = "lanes", jobs
             by_invariant.update({v.split(":", 1)[0] for v in r["violations"]})
             if len(failing) < 5:
                 failing.append({"seed": r["seed"], "faults": r["faults"], "violations": r["violations"][:5]})
-    return {"runs": runs, "seed": seed, "variant": variant, "plane": plane, "violations": bad,
+    return {"runs": runs, "seed": seed, "variant": variant, "plane": plane, "spares": spares, "violations": bad,
             "by_invariant": dict(sorted(by_invariant.items())), "faults_injected": dict(sorted(kinds.items())),
             "first_failing": failing, "events": events, "jobs": jobs, "seconds": round(time.monotonic() - t0, 1)}

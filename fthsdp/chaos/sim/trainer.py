@@ -26,6 +26,7 @@ from fthsdp.runtime.buckets import failure_of
 from fthsdp.runtime.commit import Commit, CommitProtocol, Exchanged, Failed, Failure, Rejoin, Tally, advance_cursors
 from lighthouse import membership as m
 from lighthouse.epoch_view import EpochView
+from lighthouse.model import NO_SLOT
 
 STEP_S = 1.0
 """A step's compute (forward and backward), for a replica that trains a batch."""
@@ -45,7 +46,7 @@ class Process(Protocol):
     rid: str
     inc: str
     index: int
-    """Its replica's index, which is its data slot."""
+    """Its replica's index: the data slot it asks for (none from the job's slot count up: a spare)."""
     alive: bool
     step: int
     """The step its heartbeats carry."""
@@ -78,8 +79,12 @@ class SimTrainer:
 
     def __init__(self, proc: Process, lanes: int, buckets: int, slots: int, total_steps: int,
                  lane_config: LaneConfig, groups: Callable[[EpochView, int], SimGroup],
-                 record: Callable[[SimTrainer, int, Record], None]) -> None:
+                 record: Callable[[SimTrainer, int, Record], None], assigned: bool = False) -> None:
         self.proc = proc
+        self.assigned = assigned
+        """The lighthouse hands out the slots (``lighthouse.slots``: a job with spares); else each trains its index."""
+        self.slot = proc.index if proc.index < slots else NO_SLOT
+        """The slot it trains this step (``fthsdp.runtime.spares``: the tally's, taken at each commit)."""
         self.world: World = proc.world
         self.rid, self.inc = proc.rid, proc.inc
         self.buckets, self.slots, self.total_steps = buckets, slots, total_steps
@@ -148,8 +153,8 @@ class SimTrainer:
     def _begin(self) -> None:
         for p in self.protocols:
             p.begin()
-        if self.joining:
-            self._launch()  # a joiner's zeros: nothing to compute
+        if self.joining or self.slot == NO_SLOT:
+            self._launch()  # a joiner's or a spare's zeros: nothing to compute
         else:
             self.world.after(STEP_S, lambda: self.run(self._launch))
 
@@ -166,10 +171,20 @@ class SimTrainer:
 
     def _request(self, lane: int, bucket: int, step: int | None, done: Callable[[Result | FTARError], None]) \
             -> Request:
-        contribute = not self.joining
-        value = grad(self.proc.index, step, lane, bucket) if contribute and step is not None else 0
-        return Request(None if step is None else step * self.buckets + bucket, value, self.proc.index, contribute,
+        contribute = not self.joining and self.slot != NO_SLOT
+        value = grad(self.slot, step, lane, bucket) if contribute and step is not None else 0
+        return Request(None if step is None else step * self.buckets + bucket, value, self.slot, contribute,
                        redo=False, new_epoch_ok=bucket == 0, done=done)
+
+    def _tally(self) -> Tally:
+        """The replica-local vote: the MAX of every lane's ballot."""
+        seen = self._seen()
+        return Tally.of([p.ballot(lane.asking, seen) for p, lane in zip(self.protocols, self.lanes, strict=True)])
+
+    def _seen(self) -> int:
+        """Its slot in the newest epoch its process saw (``fthsdp.runtime.spares.seen``)."""
+        me = self.proc.known.member(self.rid) if self.proc.known is not None else None
+        return me.slot if me is not None and me.incarnation == self.inc else NO_SLOT
 
     def _first(self, lane: int, out: Result | FTARError) -> None:
         """A joiner's first bucket on ``lane``: it learns the step, and sends the others."""
@@ -202,13 +217,16 @@ class SimTrainer:
                 if rejoin is not None:
                     self.proc.exit(f"rejoin: {rejoin.reason} ({out})")
                     return
-        tally = Tally.of([p.ballot(lane.asking) for p, lane in zip(self.protocols, self.lanes, strict=True)])
+        tally = self._tally()
         decisions = [p.vote(tally) for p in self.protocols]
         decision = decisions[0]
         if isinstance(decision, Rejoin):
             self.proc.exit(f"rejoin: {decision.reason}")
             return
         if isinstance(decision, Commit):
+            if self.assigned and tally.slot != self.slot:  # as ``fthsdp.runtime.spares.take``
+                self.world.log(f"{self.inc} trains slot {tally.slot} from step {decision.step + 1} (was {self.slot})")
+                self.slot = tally.slot
             results = [[o for o in row if isinstance(o, Result)] for row in self._outcomes]
             self._commit(decision.step, results)
             return
@@ -275,7 +293,7 @@ class SimTrainer:
     def _barrier_round(self) -> None:
         self._outcomes = [[None] for _ in self.lanes]
         for i, lane in enumerate(self.lanes):
-            lane.submit(Request(self.step * self.buckets, 0, self.proc.index, False, redo=False, new_epoch_ok=True,
+            lane.submit(Request(self.step * self.buckets, 0, self.slot, False, redo=False, new_epoch_ok=True,
                                 done=functools.partial(self._barrier_lane, i)))
 
     def _barrier_lane(self, lane: int, out: Result | FTARError) -> None:
@@ -286,7 +304,7 @@ class SimTrainer:
             done = row[0]
             p.lane(Exchanged(done.epoch, self.step) if isinstance(done, Result) else
                    Failed(failure_of(done) if isinstance(done, FTARError) else Failure.ERROR))
-        tally = Tally.of([p.ballot(lane.asking) for p, lane in zip(self.protocols, self.lanes, strict=True)])
+        tally = self._tally()
         decision = [p.vote(tally) for p in self.protocols][0]
         if isinstance(decision, Commit):
             self._leave("")
