@@ -33,7 +33,7 @@ class FakeReplica:
     world_size: int = 2
     slots: int = 3
     cursor: int = 4
-    config: Any = field(default_factory=lambda: type("C", (), {"replica_id": "replica-1"})())
+    config: Any = field(default_factory=lambda: type("C", (), {"replica_id": "replica-1", "replica_index": 1})())
     step: int = 7
     incarnation: str = "abc"
     joining: bool = False
