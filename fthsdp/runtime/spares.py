@@ -21,38 +21,25 @@ from typing import Protocol
 
 import torch
 
-from ftar import ExchangeResult, Handle
+from fthsdp.runtime import catching_up
 from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange
-from fthsdp.runtime.commit import Commit
 from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.join import Joiner, warm_up
-from fthsdp.runtime.metrics import ReplicaMetrics
+from fthsdp.runtime.join import warm_up
 from fthsdp.runtime.result import StepResult
 from lighthouse.client import LighthouseClient
 from lighthouse.model import NO_SLOT
 
 
-class Replica(Protocol):
+class Replica(catching_up.Replica, Protocol):
     """What the slot's hand-over and a spare's step use of ``fthsdp.runtime.replica.Replica`` (which imports this
-    module)."""
+    module): a joiner's steps' share, and the slot's holders."""
 
     config: RuntimeConfig
     opt: torch.optim.Optimizer | None
     slot: int
-    step: int
-    cursors: torch.Tensor
     check: DigestCheck
-    joiner: Joiner
-    metrics: ReplicaMetrics
     _buckets: BucketExchange | None
-    _lr_factor: float
-
-    def _exchange_all(self, contribute: bool) -> list[Handle | None]: ...
-    def _settle(self, handles: list[Handle | None], contribute: bool) -> tuple[Commit, list[ExchangeResult]]: ...
-    def _commit(self, step: int, results: list[ExchangeResult]) -> tuple[tuple[int, int], ...]: ...
-    def _after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None: ...
-    def _log(self, level: int, msg: str, *args: object) -> None: ...
 
 
 def seen(client: LighthouseClient) -> int:
