@@ -124,7 +124,8 @@ def _load(rep: Replica, shards: ShardState, got: FetchResult) -> int:
 
 def zero_step(rep: Replica, zeros: list[Handle | None]) -> StepResult:
     """The step after catching up contributes ``zeros`` (sent before the last slice of the replay) and trains no
-    batch (its slot's cursor stays): its own gradients would have come late, and the others would have waited."""
+    batch (its slot's cursor stays): its own gradients would have come late, and the others would have waited.
+    A spare's every step is one too (``fthsdp.runtime.spares.spare_step``)."""
     rep._settling, t0 = None, time.perf_counter()
     commit, results = rep._settle(zeros, contribute=False)
     batches = rep._commit(commit.step, results)

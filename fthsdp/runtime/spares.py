@@ -15,7 +15,6 @@ theirs, bitwise, at every commit. What it costs: its devices, and one more membe
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -86,13 +85,7 @@ def take(rep: Replica, slot: int) -> None:
 
 
 def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:
-    """A step without a slot: zeros in every bucket, the commit as everyone's; the closure is not called (but
-    once, for a warm-up: ``warm``)."""
+    """A step without a slot: zeros in every bucket, then the commit as everyone's (``catching_up.zero_step``, a
+    caught-up joiner's zero step); the closure is not called (but once, for a warm-up: ``warm``)."""
     warm(rep, closure)
-    t0 = time.perf_counter()
-    commit, results = rep._settle(rep._exchange_all(contribute=False), contribute=False)
-    batches = rep._commit(commit.step, results)
-    rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
-    rep._after_commit(batches, commit.stop)
-    return StepResult(commit.step, None, commit.epoch, results[0].contributors, False, commit.attempts,
-                      time.perf_counter() - t0, batches, rep._lr_factor, contributed=False)
+    return catching_up.zero_step(rep, rep._exchange_all(contribute=False))
