@@ -283,7 +283,7 @@ def _cell(v: Any, spec: str) -> str:
 def format_vs_table(result: dict[str, Any]) -> str:
     """The side-by-side table of ``fthsdp.bench.vs.compare``'s document."""
     w = result.get("workload", {})
-    lines = [f"{w.get('replicas', '?')} replicas x {w.get('ranks_per_replica', '?')} rank, {w.get('steps', '?')} "
+    lines = [f"{w.get('replicas', '?')} replicas x {w.get('ranks_per_replica', '?')} rank(s), {w.get('steps', '?')} "
              f"steps, SIGKILL {w.get('kill', '?')}, restart after {w.get('restart_delay_s', '?')} s",
              f"{'system':<30} {'step s':>8} {'vs plain':>8} {'stall s':>8} {'rejoin s':>9} {'ETT':>6} "
              f"{'ETT@plain':>9} {'equal':>6}"]

@@ -36,15 +36,19 @@ def _row(name: str, r: dict[str, Any], plain_step: float, replicas: int) -> dict
 
 
 def compare(fthsdp_result: dict[str, Any] | None, workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 20,
-            seed: int = 0, replicas: int = 3, keep_progress: bool = False) -> dict[str, Any]:
+            seed: int = 0, replicas: int = 3, ranks: int = 1, keep_progress: bool = False) -> dict[str, Any]:
+    """The baselines on fthsdp's shape (``replicas`` groups of ``ranks`` ranks; torchft with FSDP2 inside each group
+    when ``ranks`` > 1) and the side-by-side table."""
     work = pathlib.Path(workdir)
     t0 = time.time()
     # Plain FSDP2 before and after the failure runs: the machine's load drifts (others' jobs share its 2 cores),
     # and the baseline is their mean.
-    plain_before = run_plain(work / "plain", steps=steps, seed=seed, replicas=replicas)
-    torchft = run_torchft(work / "torchft", steps=steps, kill_step=kill_step, seed=seed, replicas=replicas)
-    restart = run_restart(work / "restart", steps=steps, kill_step=kill_step, seed=seed, replicas=replicas)
-    plain_after = run_plain(work / "plain-after", steps=steps, seed=seed, replicas=replicas)
+    plain_before = run_plain(work / "plain", steps=steps, seed=seed, replicas=replicas, ranks=ranks)
+    torchft = run_torchft(work / "torchft", steps=steps, kill_step=kill_step, seed=seed, replicas=replicas,
+                          ranks=ranks)
+    restart = run_restart(work / "restart", steps=steps, kill_step=kill_step, seed=seed, replicas=replicas,
+                          ranks=ranks)
+    plain_after = run_plain(work / "plain-after", steps=steps, seed=seed, replicas=replicas, ranks=ranks)
     plain = {**plain_before, "step_s": round((plain_before["step_s"] + plain_after["step_s"]) / 2, 4),
              "runs_step_s": [plain_before["step_s"], plain_after["step_s"]],
              "loadavg_1min": plain_before["loadavg_1min"] + plain_after["loadavg_1min"]}
@@ -59,7 +63,7 @@ def compare(fthsdp_result: dict[str, Any] | None, workdir: pathlib.Path | str, s
               "rejoin_s": None, "ett": None, "ett_common_step": None, "final_equal": None}]
     return {
         "benchmark": "recovery_vs",
-        "workload": {"replicas": replicas, "ranks_per_replica": 1, "steps": steps, "kill": f"1@{kill_step}",
+        "workload": {"replicas": replicas, "ranks_per_replica": ranks, "steps": steps, "kill": f"1@{kill_step}",
                      "restart_delay_s": 2.0, "model": "reference", "batch": 8, "lr": 3e-4,
                      "warmup_steps": 5},
         "table": table,

@@ -42,7 +42,8 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
     from fthsdp.bench.recovery import bench_recovery
     from fthsdp.bench.results import RecoveryReport, format_recovery
 
-    # Side by side with torchft: its workload (docs/design.md §12) is 1 rank per replica group, so ours is too.
+    # Side by side with torchft: its reference workload (docs/design.md §12) is 1 rank per replica group, so ours is
+    # too; --ranks 2 runs every system on the HSDP shape (torchft with FSDP2 inside each group).
     ranks = a.ranks if a.ranks is not None else (1 if a.vs else 2)
     from fthsdp.testing.launcher import Kill
 
@@ -58,7 +59,7 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
 
         with tempfile.TemporaryDirectory(prefix="fthsdp-bench-vs-") as tmp:
             report = RecoveryReport(ours, compare(ours.to_json(), tmp, steps=a.steps, kill_step=a.kill_step,
-                                                  replicas=a.replicas))
+                                                  replicas=a.replicas, ranks=ranks))
     emit(report, a.json, format_recovery)
 
 

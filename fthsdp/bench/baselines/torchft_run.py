@@ -1,7 +1,8 @@
 """torchft on the reference workload, with the failure schedule of ``fthsdp bench recovery``: torchft's
-lighthouse (the ``torchft_lighthouse`` binary) on loopback, R replica groups (one torchrun of one rank each,
-``fthsdp.bench.baselines.torchft_train``), a SIGKILL of group ``kill_replica`` (agent and worker) at ``kill_step``,
-restarted ``restart_delay_s`` later; it heals from a live group and trains on.
+lighthouse (the ``torchft_lighthouse`` binary) on loopback, R replica groups (one torchrun of ``ranks`` ranks
+each, ``fthsdp.bench.baselines.torchft_train``: the plain module on one rank, FSDP2 inside the group on several),
+a SIGKILL of group ``kill_replica`` (agent and workers) at ``kill_step``, restarted ``restart_delay_s`` later; it
+heals from a live group and trains on.
 
 torchft settings (documented in the result's ``settings``): lighthouse ``--min_replicas 2 --join_timeout_ms 1000
 --heartbeat_timeout_ms 5000 --quorum_tick_ms 100`` (torchft's default join timeout is 60 s, which stalls the
@@ -52,9 +53,10 @@ def _lighthouse_binary() -> str:
 
 
 def run_torchft(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 20, seed: int = 0,
-                replicas: int = 3, kill_replica: int = 1, restart_delay_s: float = 2.0, model: str = "reference",
-                batch: int = 8, lr: float = 3e-4, timeout_s: float = 900.0, collective_timeout_s: float = 5.0,
-                join_timeout_ms: int = JOIN_TIMEOUT_MS, warmup: int = WARMUP_STEPS) -> dict[str, Any]:
+                replicas: int = 3, ranks: int = 1, kill_replica: int = 1, restart_delay_s: float = 2.0,
+                model: str = "reference", batch: int = 8, lr: float = 3e-4, timeout_s: float = 900.0,
+                collective_timeout_s: float = 5.0, join_timeout_ms: int = JOIN_TIMEOUT_MS,
+                warmup: int = WARMUP_STEPS) -> dict[str, Any]:
     """Run the job to completion; return ``step_s`` (median steady step), ``stall_s`` (survivors' stall per
     failure), ``rejoin_s`` (kill -> first committed step of the restarted group), ``ett`` (effective training
     time), ``final_equal`` (every group ends with bitwise-equal parameters and optimizer state), and details."""
@@ -79,7 +81,7 @@ def run_torchft(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
 
     def start(g: _Group) -> None:
         g.incarnation += 1
-        cmd = [*torchrun(1), "-m", "fthsdp.bench.baselines.torchft_train", "--replica-index", str(g.index),
+        cmd = [*torchrun(ranks), "-m", "fthsdp.bench.baselines.torchft_train", "--replica-index", str(g.index),
                "--steps", str(steps), "--model", model, "--batch", str(batch), "--lr", str(lr), "--seed", str(seed),
                "--progress", str(g.progress), "--incarnation", str(g.incarnation),
                "--timeout", str(collective_timeout_s)]
@@ -159,14 +161,16 @@ def run_torchft(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
         "failures": len(failures),
         "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "final_steps": [f.step if f else None for f in finals],
-        "settings": {"replicas": replicas, "ranks_per_replica": 1, "steps": steps,
+        "settings": {"replicas": replicas, "ranks_per_replica": ranks, "steps": steps,
                      "kill": f"{kill_replica}@{kill_step}", "restart_delay_s": restart_delay_s, "model": model,
                      "batch": batch, "lr": lr,
                      "warmup_steps": warmup, "join_timeout_ms": join_timeout_ms,
                      "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS, "quorum_tick_ms": QUORUM_TICK_MS,
                      "lighthouse_min_replicas": 2, "manager_min_replica_size": 2,
                      "timeout_s": collective_timeout_s, "async_quorum": True,
-                     "gradient_exchange": "manager.allreduce of one flat bucket after backward + should_commit"},
+                     "gradient_exchange": "manager.allreduce of one flat bucket after backward + should_commit"
+                                          + (", per rank of its FSDP2-sharded gradient (a Manager per rank)"
+                                             if ranks > 1 else "")},
         "events": events,
         "progress": {str(i): [x.to_json() for x in rows] for i, rows in steps_rows.items()},
     }
@@ -182,9 +186,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-step", type=int, default=20)
     p.add_argument("--join-timeout-ms", type=int, default=JOIN_TIMEOUT_MS)
+    p.add_argument("--ranks", type=int, default=1, help="ranks per replica group (2: the HSDP shape, FSDP2 inside)")
     a = p.parse_args()
     work = pathlib.Path(a.workdir or tempfile.mkdtemp(prefix="fthsdp-torchft-"))
-    r = run_torchft(work, steps=a.steps, kill_step=a.kill_step, join_timeout_ms=a.join_timeout_ms)
+    r = run_torchft(work, steps=a.steps, kill_step=a.kill_step, join_timeout_ms=a.join_timeout_ms,
+                    ranks=a.ranks)
     r.pop("progress")
     print(json.dumps(r, indent=2))
 
