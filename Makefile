@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
+# The unit tests are pure and share nothing: they run in this many pytest-xdist workers. The integration tests run
+# one at a time (each already fills the machine's cores with real processes).
+UNIT_JOBS ?= 2
 
 .PHONY: setup demo test test-fast lint proto bench benchmarks-doc clean
 
@@ -25,7 +28,7 @@ demo: setup
 
 # The unit tests (no processes, seconds): the inner loop.
 test-fast: setup
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n $(UNIT_JOBS) tests/unit
 
 # ruff (style, imports, bug patterns) and mypy (strict on fthsdp.runtime, fthsdp.catchup, ftar, lighthouse).
 lint: setup
@@ -33,7 +36,8 @@ lint: setup
 	$(PY) -m mypy
 
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(UNIT_JOBS) tests/unit
+	$(PY) -m pytest -q tests/integration
 
 proto: setup
 	$(PY) scripts/gen_protos.py

@@ -1,14 +1,13 @@
 """The lighthouse's page for people (``GET /``): a pure function from the status document (``GET /status``) to
 one self-contained HTML page (inline CSS and JS, no external assets, so it works on an isolated cluster).
 
-The page shows the job's summary (epoch, leader, live replicas), the replicas with role, step and heartbeat
-age, a timeline of the recent epochs as a grid (one row per replica, one column per epoch: active, joining,
-absent, and the epochs where it failed or rejoined, from each history entry's structured ``events``), and the
-epochs with their events and reasons. A small inline script
-draws all of that from the status document embedded in the page, then fetches ``/status`` every
-``REFRESH_S`` seconds and redraws (same origin: a browser that authenticated for ``/`` sends the same
-credentials). Every string from the document reaches the DOM through ``textContent``, never as markup.
-Without JavaScript a plain table of the same data is shown.
+The page shows the job's summary (epoch, leader, live replicas), the replicas with role, data slot (or
+"spare"), step and heartbeat age, a timeline of the recent epochs as a grid (one row per replica, one column per
+epoch: active, joining, absent, and the epochs where it failed or rejoined, from each history entry's structured
+``events``), and the epochs with their events and reasons. A small inline script draws all of that from the
+status document embedded in the page, then fetches ``/status`` every ``REFRESH_S`` seconds and redraws (same
+origin: a browser that authenticated for ``/`` sends the same credentials). Every string from the document reaches
+the DOM through ``textContent``, never as markup. Without JavaScript a plain table of the same data is shown.
 """
 
 from __future__ import annotations
@@ -26,11 +25,19 @@ def _json_for_script(doc: dict[str, Any]) -> str:
             .replace("&", "\\u0026").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
 
 
+def _slot(member: dict[str, Any]) -> str:
+    """The data slot a member trains; "spare" for one in the data plane without one, "-" for one outside it."""
+    slot = member.get("slot")
+    if slot is not None:
+        return str(int(slot))
+    return "spare" if member.get("in_epoch") else "-"
+
+
 def _fallback(status: dict[str, Any]) -> str:
     """The same data as plain tables, for a browser without JavaScript."""
     rows = "".join(
         f"<tr><td>{html.escape(str(x['replica_id']))}</td><td>{html.escape(str(x['role']))}</td>"
-        f"<td>{'yes' if x.get('in_epoch') else 'no'}</td><td>{int(x.get('step', 0))}</td>"
+        f"<td>{_slot(x)}</td><td>{'yes' if x.get('in_epoch') else 'no'}</td><td>{int(x.get('step', 0))}</td>"
         f"<td>{float(x.get('last_heartbeat_age_s', 0)):.2f}</td><td>{html.escape(str(x.get('digest') or '-'))}</td>"
         "</tr>" for x in status.get("members", []))
     hist = "".join(
@@ -44,8 +51,8 @@ def _fallback(status: dict[str, Any]) -> str:
             + (f" · job finished at step {int(finished)}" if finished is not None else "")
             + (f" · state: {html.escape(str(agreement.get('text', '')))}" if agreement else "")
             + (f" · stragglers: {html.escape(slow)}" if slow else "") + "</p>"
-            "<table><tr><th>replica</th><th>role</th><th>in epoch</th><th>step</th><th>heartbeat age (s)</th>"
-            "<th>state digest</th></tr>"
+            "<table><tr><th>replica</th><th>role</th><th>slot</th><th>in epoch</th><th>step</th>"
+            "<th>heartbeat age (s)</th><th>state digest</th></tr>"
             f"{rows}</table><table><tr><th>epoch</th><th>time</th><th>members</th><th>reason</th></tr>{hist}</table>")
 
 
@@ -127,7 +134,7 @@ _SCRIPT = r"""
   }
   function members(s) {
     var t = el("table", {"id": "members"});
-    t.appendChild(row(["replica", "role", "in epoch", "step", "heartbeat age (s)", "incarnation",
+    t.appendChild(row(["replica", "role", "slot", "in epoch", "step", "heartbeat age (s)", "incarnation",
                        "compute / wait (s)", "state digest (step)"], true));
     var slowIds = (s.stragglers || []).map(function (x) { return x.replica_id; });
     var differ = (s.agreement && s.agreement.differ) || [];
@@ -136,7 +143,8 @@ _SCRIPT = r"""
                   x.digest ? x.digest + " (" + x.digest_step + ")" : "-");
       var pace = el("span", {"class": "pace" + (slowIds.indexOf(x.replica_id) >= 0 ? " slow" : "")},
                     x.pace ? Number(x.pace.compute_s).toFixed(3) + " / " + Number(x.pace.wait_s).toFixed(3) : "-");
-      var tr = row([x.replica_id, el("span", {"class": "role " + x.role}, x.role), x.in_epoch ? "yes" : "no",
+      var slot = x.slot !== null && x.slot !== undefined ? String(x.slot) : (x.in_epoch ? "spare" : "-");
+      var tr = row([x.replica_id, el("span", {"class": "role " + x.role}, x.role), slot, x.in_epoch ? "yes" : "no",
                     x.step, Number(x.last_heartbeat_age_s).toFixed(2), String(x.incarnation || "").slice(0, 12), pace,
                     dg]);
       tr.setAttribute("data-replica", x.replica_id);

@@ -17,6 +17,8 @@ runs, e.g. ``out/bench/``) over them. Known files:
 - ``notes.json``: ``{"conditions": [lines], "lighthouse": [lines], "saturation": [lines]}``, prose written after
   looking at a run (machine load, the profile): the generator cannot know it;
 - ``overhead.json``, ``ftar.json``: ``fthsdp bench overhead|ftar --json`` (optional);
+- ``recovery-vs-hsdp.json``: ``fthsdp bench recovery --vs torchft --ranks 2 --json`` (every system on the HSDP
+  shape, torchft with FSDP2 inside each group; optional);
 - ``recovery-double.json``: ``fthsdp bench recovery --kill 1@20 --kill 2@20 --json`` (optional);
 - ``straggler.json``: ``fthsdp bench straggler --json`` (optional).
 
@@ -37,7 +39,7 @@ from fthsdp.bench.sim import SimConfig, simulate  # noqa: E402
 
 KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
          "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json", "recovery-cold.json",
-         "recovery-warm.json", "catchup.json")
+         "recovery-warm.json", "catchup.json", "recovery-spares.json", "recovery-vs-hsdp.json")
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -97,17 +99,7 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
             "runs).", ""]
     if not fthsdp_real:
         out += ["The fthsdp row is a placeholder until its recovery run exists: " + PLACEHOLDER, ""]
-    out += ["| system | steady step (s) | step / plain FSDP2 | survivors' stall per failure (s) | rejoin (s) | "
-            "effective training time | on plain's step | final state equal |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
-    for r in table:
-        placeholder = r["system"] == "fthsdp" and not fthsdp_real
-        cells = ["*pending*"] * 7 if placeholder else [
-            fmt(r.get("step_s")), fmt(r.get("step_ratio"), ".2f"), fmt(r.get("stall_s"), ".2f"),
-            fmt(r.get("rejoin_s"), ".2f"), fmt(r.get("ett"), ".3f"), fmt(r.get("ett_common_step"), ".3f"),
-            fmt(r.get("final_equal"))]
-        out.append(f"| {r['system']} | " + " | ".join(cells) + " |")
-    out.append("")
+    out += _vs_rows(table, fthsdp_real)
     ft = doc.get("fthsdp") if fthsdp_real else None
     if isinstance(ft, dict):
         extra = [(k, label) for k, label in (("catchup_step_ratio", "survivors' step while the joiner catches up / "
@@ -131,9 +123,9 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
                 f"`min_replica_size={s.get('manager_min_replica_size')}`; gradients averaged with "
                 "`manager.allreduce` on one flat bucket after backward, optimizer step only when "
                 "`manager.should_commit()` (torchft's DDP wrapper crashed the survivors on a kill on this stack). "
-                "torchft trains the plain module, without FSDP2: with one rank per group there is nothing to shard, "
-                "and torchft 0.2.0's asynchronous quorum reads FSDP2 state mid-forward (docs/design.md §10); that "
-                "makes its step lighter than FSDP2-HSDP's and fthsdp's, which run FSDP2 even on one rank. "
+                "torchft trains the plain module, without FSDP2: with one rank per group there is nothing to shard; "
+                "that makes its step lighter than FSDP2-HSDP's and fthsdp's, which run FSDP2 even on one rank (the "
+                "next table runs every system, torchft included, with FSDP2 on 3 groups x 2 ranks). "
                 "The restarted group heals from a live one (torchft's HTTP checkpoint transport)."
                 + (f" Survivors' total excess over the failure window: {fmt(tft.get('lost_s'), '.2f')} s." if
                    tft.get("lost_s") is not None else ""), ""]
@@ -154,6 +146,51 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
             "`fthsdp/bench/recovery_metrics.py` computes all of them for every system.", ""]
     _plot_recovery(table, fthsdp_real, img / "bench-recovery.png")
     out += ["![recovery](img/bench-recovery.png)", ""]
+    return out
+
+
+def _vs_rows(table: list[dict[str, Any]], fthsdp_real: bool = True) -> list[str]:
+    """The side-by-side table of ``fthsdp.bench.vs.compare``'s document, as Markdown."""
+    out = ["| system | steady step (s) | step / plain FSDP2 | survivors' stall per failure (s) | rejoin (s) | "
+           "effective training time | on plain's step | final state equal |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for r in table:
+        placeholder = r["system"] == "fthsdp" and not fthsdp_real
+        cells = ["*pending*"] * 7 if placeholder else [
+            fmt(r.get("step_s")), fmt(r.get("step_ratio"), ".2f"), fmt(r.get("stall_s"), ".2f"),
+            fmt(r.get("rejoin_s"), ".2f"), fmt(r.get("ett"), ".3f"), fmt(r.get("ett_common_step"), ".3f"),
+            fmt(r.get("final_equal"))]
+        out.append(f"| {r['system']} | " + " | ".join(cells) + " |")
+    return [*out, ""]
+
+
+def section_recovery_vs_hsdp(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -> list[str]:
+    """``fthsdp bench recovery --vs torchft --ranks 2``: every system on the HSDP shape, torchft with FSDP2
+    inside each group."""
+    if not doc or not doc.get("table"):
+        return []
+    w = doc.get("workload", {})
+    tft = (doc.get("torchft") or {}).get("settings", {})
+    out = ["## Recovery vs torchft on the HSDP shape: 3 replica groups x 2 ranks", "",
+           f"`fthsdp bench recovery --vs torchft --ranks 2 --json` (data: `docs/bench-data/recovery-vs-hsdp.json`): "
+           f"the reference model, {w.get('replicas', 3)} replica groups x {w.get('ranks_per_replica', 2)} ranks "
+           f"with FSDP2 inside each group for every system, {w.get('steps', 60)} steps, SIGKILL of group "
+           f"{w.get('kill', '1@20')} (the whole group), restarted {w.get('restart_delay_s', 2.0)} s later; one "
+           "invocation, the step ratio and the common step against plain FSDP2-HSDP on the same shape measured in "
+           "it (the mean of a run before and one after the failure runs).", ""]
+    out += _vs_rows(doc["table"])
+    out += [f"torchft {_torchft_version()} on this shape (`fthsdp/bench/baselines/torchft_train.py`): each group "
+            "shards the model with FSDP2 over its two ranks (the same `fully_shard` calls as plain FSDP2-HSDP and "
+            "fthsdp), each rank has its own `Manager` (its group's rank 0 hosts the group's manager server, as in "
+            "torchft's HSDP recipe), and after backward each rank all-reduces its FSDP2-reduced gradient shard with "
+            "the same rank of the other groups (`manager.allreduce` on one flat bucket), stepping only when "
+            "`manager.should_commit()` agrees; a restarted group heals rank by rank from a live group's same rank "
+            "(its shard of parameters and AdamW state, read from the sharded parameters, never from the module's "
+            "state dict mid-forward). The same lighthouse settings and timeouts as the table above"
+            + (f" (`--join_timeout_ms {tft.get('join_timeout_ms')}`, timeouts {tft.get('timeout_s')} s, "
+               "asynchronous quorum)" if tft else "") + ".", ""]
+    for para in (notes or {}).get("vs_hsdp", []):
+        out += [para, ""]
     return out
 
 
@@ -584,6 +621,7 @@ def main(argv: list[str] | None = None) -> None:
         for para in notes["conditions"]:
             lines += [para, ""]
     lines += section_recovery(rec, base, img)
+    lines += section_recovery_vs_hsdp(load(data, "recovery-vs-hsdp.json"), notes)
     lines += section_recovery_hsdp(load(data, "recovery-hsdp.json"))
     lines += section_recovery_double(load(data, "recovery-double.json"))
     lines += section_warm_restarts(load(data, "recovery-cold.json"), load(data, "recovery-warm.json"), notes,
@@ -596,9 +634,11 @@ def main(argv: list[str] | None = None) -> None:
     lines += ["## Regenerating", "", "```bash",
               "mkdir -p out/bench",
               ".venv/bin/fthsdp bench recovery --vs torchft --json > out/bench/recovery.json   # < 15 min",
+              ".venv/bin/fthsdp bench recovery --vs torchft --ranks 2 --json > out/bench/recovery-vs-hsdp.json",
               ".venv/bin/fthsdp bench recovery --json > out/bench/recovery-hsdp.json",
               ".venv/bin/fthsdp bench recovery --json > out/bench/recovery-cold.json",
               ".venv/bin/fthsdp bench recovery --warm-restarts --json > out/bench/recovery-warm.json",
+              ".venv/bin/fthsdp bench recovery --spares 1 --json > out/bench/recovery-spares.json",
               ".venv/bin/fthsdp bench lighthouse --replicas 1000 5000 10000 --vs torchft --json "
               "> out/bench/lighthouse.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",

@@ -26,9 +26,10 @@ from fthsdp.runtime.state import ShardState, replica_hash
 class DigestCheck:
     """One rank's side of the periodic digest check."""
 
-    def __init__(self, every: int, slot: int, log: LogFn,
+    def __init__(self, every: int, slot: Callable[[], int], log: LogFn,
                  on_digest: Callable[[int, str], None] = lambda step, digest: None) -> None:
-        self.every, self.slot, self.log = every, slot, log
+        self.every, self.log = every, log
+        self._slot = slot
         self.on_digest = on_digest
         """Told each digest computed (the step, the 64 compared bits in hex): the lighthouse shows them."""
         self.last_cost_s = 0.0
@@ -60,8 +61,8 @@ class DigestCheck:
                    f"agrees (digest per replica index: {seen}): stopping rather than training on diverged state")
             self.log(logging.ERROR, "%s", msg)
             raise DigestMismatch(msg, step, verdict.differ)
-        if self.slot in verdict.differ:
-            msg = (f"this replica (index {self.slot}) holds a state that differs from the majority's at step {step} "
+        if (slot := self._slot()) in verdict.differ:
+            msg = (f"this replica (index {slot}) holds a state that differs from the majority's at step {step} "
                    f"(digest per replica index: {seen}): restarting to catch up from the others")
             self.log(logging.ERROR, "%s", msg)
             raise Diverged(msg, step, verdict.differ)

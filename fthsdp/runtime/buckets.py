@@ -124,10 +124,13 @@ class BucketExchange:
     order. Every bucket but the first stays in the epoch its step began in (FTAR's ``new_epoch_ok``)."""
 
     def __init__(self, params: Sequence[nn.Parameter], blocks: Sequence[Sequence[nn.Parameter]],
-                 engine: LaneEngine, *, slot: int, slots: int, device: torch.device, wait_s: float) -> None:
+                 engine: LaneEngine, *, slot: Callable[[], int], slots: int, device: torch.device,
+                 wait_s: float) -> None:
         self.buckets = plan_buckets(params, blocks)
         self.engine = engine
-        self.slot, self.slots, self.device = slot, slots, device
+        self.slot = slot
+        """The replica's data slot in the step being exchanged (``Replica.slot``; ``NO_SLOT``: a spare's)."""
+        self.slots, self.device = slots, device
         self.wait_s = wait_s
         """How long a joiner waits for its first bucket to learn the step."""
         self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
@@ -172,9 +175,9 @@ class BucketExchange:
         bucket = self.buckets[k]
         grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in bucket]
         if k == len(self.buckets) - 1:
-            words = digest.pack(self.slot, self.slots, self.digest if contribute else None)
+            words = digest.pack(self.slot(), self.slots, self.digest if contribute else None)
             grads.append(torch.tensor(words, dtype=torch.float32, device=self.device))
-            grads.append(slot_mask(self.slot, self.slots, contribute, self.device))
+            grads.append(slot_mask(self.slot(), self.slots, contribute, self.device))
         tag = None if step is None else BucketTag(step, k).encode(len(self.buckets))
         # On CUDA the lane reads the shards after this event, on the stream FSDP2 produced them on (the hook's).
         handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False, new_epoch_ok=k == 0,
@@ -190,9 +193,9 @@ class BucketExchange:
         (``redo=False``): the caller votes on it with the replica's other ranks and redoes it with them."""
         grads = [torch.zeros_like(local_tensor(p)) for p in self.buckets[0]]
         if len(self.buckets) == 1:
-            grads.append(torch.tensor(digest.pack(self.slot, self.slots, None), dtype=torch.float32,
+            grads.append(torch.tensor(digest.pack(self.slot(), self.slots, None), dtype=torch.float32,
                                       device=self.device))
-            grads.append(slot_mask(self.slot, self.slots, False, self.device))
+            grads.append(slot_mask(self.slot(), self.slots, False, self.device))
         return self.engine.allreduce(grads, contribute=False, op="sum", tag=BucketTag(step, 0).encode(len(self)),
                                      redo=False)
 

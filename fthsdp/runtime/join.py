@@ -56,9 +56,10 @@ class Joiner:
     """One replica's joining: entering the data plane once, then per catch-up the kept averaged gradients (per
     step, from the snapshot's step on) and the fetch of the snapshot."""
 
-    def __init__(self, config: RuntimeConfig, rank: int, slot: int, client: LighthouseClient,
+    def __init__(self, config: RuntimeConfig, rank: int, slot: Callable[[], int], client: LighthouseClient,
                  faults: FaultInjector, device: torch.device, log: LogFn) -> None:
         self.config, self.rank, self.slot = config, rank, slot
+        """``slot()``: the replica's data slot now (``Replica.slot``)."""
         self.client, self.faults, self.device, self.log = client, faults, device, log
         self.announced = False
         """Rank 0 told the lighthouse this replica is ready to enter the data plane."""
@@ -175,7 +176,7 @@ class Joiner:
 
     def _start_fetch(self, step: int) -> Fetch:
         epoch = self.client.epoch
-        sources = fetch_sources(epoch.members if epoch is not None else (), self.config.replica_id, self.slot)
+        sources = fetch_sources(epoch.members if epoch is not None else (), self.config.replica_id, self.slot())
         self.log(logging.INFO, "fetching the snapshot of step %d from %s", step, [s.replica_id for s in sources])
         return Fetch(sources, job=self.config.job_id, replica_id=self.config.replica_id, rank=self.rank, step=step,
                      incarnation=self.client.incarnation, token=self.config.token, wait_s=self.config.epoch_wait_s,
@@ -187,11 +188,11 @@ class Joiner:
         theirs = got.tensors.get(DIGEST)
         ok = theirs is not None and theirs.numpy().tobytes() == mine
         if not all_ranks(ok, self.device):
-            msg = (f"replica {self.config.replica_id} (index {self.slot}): the snapshot of step {got.step} from "
+            msg = (f"replica {self.config.replica_id} (index {self.slot()}): the snapshot of step {got.step} from "
                    f"{sorted(got.sources)}, once loaded, does not hash like the source's (rank {self.rank}: "
                    f"{'matches' if ok else 'differs'}): a registered object or param group did not load as saved")
             self.log(logging.ERROR, "%s", msg)
-            raise DigestMismatch(msg, got.step, (self.slot,))
+            raise DigestMismatch(msg, got.step, (self.slot(),))
         self.log(logging.INFO, "the loaded snapshot of step %d matches its source's digest", got.step)
 
     def keep(self, step: int, results: list[ExchangeResult], attempts: int) -> None:

@@ -80,7 +80,8 @@ class Replica:
         self.pace, self._own_compute_s = PaceWindow(), 0.0  # fail-slow evidence; the last step's compute, unslowed
         self._lr_factor = 1.0
         self.state = TrainerState()  # param groups and registered objects: they travel with the tensors
-        self.check = DigestCheck(cfg.digest_every, self.slot, self._log, lambda s, d: self.client.set_digest(s, d))
+        self.check = DigestCheck(cfg.digest_every, lambda: self.slot, self._log,
+                                 lambda s, d: self.client.set_digest(s, d))
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, host=cfg.host,
                                     snapshot=lambda: self._parts()[0].snapshot(),
@@ -94,8 +95,7 @@ class Replica:
         self.client = LighthouseClient(cfg.lighthouse, cfg.job_id, cfg.replica_id, shard_count=cfg.world_size,
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,
                                        endpoints=m.Endpoints(catchup=self.server.address),
-                                       security=cfg.security, on_lost=self._on_lost, slot=self.slot,
-                                       slots=self.slots)
+                                       security=cfg.security, on_lost=self._on_lost, slot=self.slot, slots=self.slots)
         self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size)  # one session per group
         self.standby = bool(cfg.standby_gate)
         """A warm standby not released yet: unregistered until its first ``train_step`` (``fthsdp.runtime.standby``)."""
@@ -110,7 +110,7 @@ class Replica:
         self.engine = LaneEngine(LighthouseMembership(self.client, self.feed), lane=self.rank,
                                  config=FTARConfig(backend=cfg.backend, timeout_s=cfg.timeout_s,
                                                    epoch_wait_s=cfg.epoch_wait_s, hold=True, device=self.device))
-        self.joiner = Joiner(cfg, self.rank, self.slot, self.client, self.faults, self.device, self._log)
+        self.joiner = Joiner(cfg, self.rank, lambda: self.slot, self.client, self.faults, self.device, self._log)
         self.model: nn.Module | None = None
         self.opt: torch.optim.Optimizer | None = None
         self._sharded: list[nn.Parameter] = []
@@ -181,7 +181,7 @@ class Replica:
         # backward, but these objects (which the optimizer holds) only change in the optimizer step.
         self._sharded = list(model.parameters())
         self._buckets = BucketExchange(self._sharded, [list(b.parameters()) for b in blocks], self.engine,
-                                       slot=self.slot, slots=self.config.num_replicas, device=self.device,
+                                       slot=lambda: self.slot, slots=self.config.num_replicas, device=self.device,
                                        wait_s=self._wait_s)
         return model
 

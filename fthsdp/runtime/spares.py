@@ -21,8 +21,6 @@ from typing import Protocol
 import torch
 
 from fthsdp.runtime import catching_up
-from fthsdp.runtime.agreement import DigestCheck
-from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.join import warm_up
 from fthsdp.runtime.result import StepResult
@@ -37,8 +35,6 @@ class Replica(catching_up.Replica, Protocol):
     config: RuntimeConfig
     opt: torch.optim.Optimizer | None
     slot: int
-    check: DigestCheck
-    _buckets: BucketExchange | None
 
 
 def seen(client: LighthouseClient) -> int:
@@ -74,14 +70,12 @@ def warm(rep: Replica, closure: Callable[[], torch.Tensor]) -> None:
 
 def take(rep: Replica, slot: int) -> None:
     """Train ``slot`` from the next step on (the tally's, at a commit): the data cursor, the slot mask and the
-    digest go by it."""
+    digest read it (``Replica.slot``)."""
     if slot == rep.slot:
         return
     rep._log(logging.INFO, "data slot %s from step %d (was %s)", "none (a spare)" if slot == NO_SLOT else slot,
              rep.step + 1, "none" if rep.slot == NO_SLOT else rep.slot)
-    rep.slot = rep.check.slot = rep.joiner.slot = slot
-    if rep._buckets is not None:
-        rep._buckets.slot = slot
+    rep.slot = slot
 
 
 def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:

@@ -98,7 +98,7 @@ class Model(nn.Module):
 
 def exchange(model: Model, engine: FakeEngine) -> BucketExchange:
     return BucketExchange(list(model.parameters()), [list(b.parameters()) for b in model.blocks],
-                          engine, slot=1, slots=3, device=CPU, wait_s=5.0)  # type: ignore[arg-type]
+                          engine, slot=lambda: 1, slots=3, device=CPU, wait_s=5.0)  # type: ignore[arg-type]
 
 
 def test_backward_hands_buckets_to_ftar_in_order_tagged_with_the_step() -> None:
@@ -238,7 +238,7 @@ def test_fsdp2_gradients_are_bound_and_step_like_copied_ones(one_rank_group: Any
         fully_shard(model, mesh=mesh)
         engine = FakeEngine()
         buckets = BucketExchange(list(model.parameters()), [list(b.parameters()) for b in model.blocks], engine,
-                                 slot=1, slots=3, device=CPU, wait_s=5.0)  # type: ignore[arg-type]
+                                 slot=lambda: 1, slots=3, device=CPU, wait_s=5.0)  # type: ignore[arg-type]
         buckets.alias = alias
         opt = torch.optim.AdamW(model.parameters(), lr=0.1)
         with buckets.armed(step=0):

@@ -19,11 +19,14 @@ from fthsdp.chaos.sim.run import VARIANTS, draw, run_one, simulate
 from fthsdp.chaos.sim.trainer import grad
 
 SLICE = {"lanes": 150, "membership": 400}
+JOBS = min(2, os.cpu_count() or 1)
+"""The slices run their seeds in this many processes (each run is a pure function of its seed: the same result,
+``test_runs_shared_among_processes_give_the_same_result``), so that they cost the suite half the time on 2 cores."""
 
 
 @pytest.mark.parametrize("plane", ["lanes", "membership"])
 def test_a_slice_of_seeds_keeps_every_invariant_under_every_fault_kind(plane: str) -> None:
-    out = simulate(0, SLICE[plane], plane=plane)
+    out = simulate(0, SLICE[plane], plane=plane, jobs=JOBS)
     assert out["runs"] == SLICE[plane] and out["violations"] == 0, out["first_failing"]
     kinds = set(FAULT_KINDS) | (set(PLANE_FAULT_KINDS) if plane == "lanes" else set())
     assert set(out["faults_injected"]) == kinds  # every kind was drawn
@@ -35,7 +38,7 @@ def test_with_a_spare_a_slice_of_seeds_keeps_every_invariant_and_dead_replicas_s
     dead replica's slot and the replica, back, comes in as a spare. Exactly-once is checked on every commit (no
     slot contributes twice to a step) besides every other invariant. Seed 104: replica 1 is killed mid-exchange;
     the spare (r2) trains slot 1 from the step after, replica 1's next incarnation trains none."""
-    out = simulate(0, 60, spares=1)
+    out = simulate(0, 60, spares=1, jobs=JOBS)
     assert out["spares"] == 1 and out["violations"] == 0, out["first_failing"]
     r = run_one(104, trace=True, spares=1)
     assert r["violations"] == [] and r["spares"] == 1
@@ -52,7 +55,7 @@ def test_with_a_spare_a_slice_of_seeds_keeps_every_invariant_and_dead_replicas_s
     ("local-vote", "only-failed-pays", 120, "lanes")])
 def test_each_broken_variant_is_caught_and_its_seed_replays(variant: str, invariant: str, runs: int,
                                                             plane: str) -> None:
-    out = simulate(0, runs, variant, plane=plane)
+    out = simulate(0, runs, variant, plane=plane, jobs=JOBS)
     assert out["violations"] > 0 and invariant in out["by_invariant"], out
     seed = out["first_failing"][0]["seed"]
     again = run_one(seed, variant, trace=True, plane=plane)

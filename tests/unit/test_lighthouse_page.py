@@ -76,6 +76,17 @@ def test_page_is_self_contained_and_embeds_the_status() -> None:
     assert "<td>r1</td><td>joining</td>" in page and "replica r1 dead" in page
 
 
+def test_page_shows_each_members_data_slot_and_the_spares() -> None:
+    members = [{"replica_id": "r0", "role": "active", "in_epoch": True, "slot": 1, "step": 3},
+               {"replica_id": "r1", "role": "active", "in_epoch": True, "slot": None, "step": 3},
+               {"replica_id": "r2", "role": "joining", "in_epoch": False, "slot": None, "step": 0}]
+    page = render_page(_status(members=members))
+    assert "<th>slot</th>" in page and '"slot", "in epoch"' in page  # both tables have the column
+    assert "<td>r0</td><td>active</td><td>1</td>" in page
+    assert "<td>r1</td><td>active</td><td>spare</td>" in page  # in the data plane without a slot
+    assert "<td>r2</td><td>joining</td><td>-</td>" in page
+
+
 def test_page_data_cannot_break_out_of_the_script() -> None:
     evil = "</script><script>alert(1)</script><!--"
     doc = _status(history=[{"epoch": 1, "time": 1.7e9, "reason": f"replica r0 left: {evil}", "members": [],
