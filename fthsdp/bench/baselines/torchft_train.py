@@ -100,7 +100,7 @@ class _LocalState:
     """What a healing rank fetches from the same rank of a live group: its parameter shards and their AdamW
     state as plain tensors. Read from the sharded parameters captured after ``fully_shard`` (FSDP2 swaps
     unsharded ones into the module during forward, when torchft's asynchronous quorum may serve them; these only
-    change in the optimizer step), never from ``model.state_dict()`` (docs/design.md §12)."""
+    change in the optimizer step), never from ``model.state_dict()`` (docs/design.md §10)."""
 
     def __init__(self, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
         self.params, self.opt = params, opt
@@ -208,6 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     if progress is not None:
         progress.close()
     manager.shutdown(wait=False)
+    if shards > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()
