@@ -9,10 +9,11 @@ first step after a rejoin) count for nothing.
 
 The lighthouse keeps each member's last ``KEEP`` reports of distinct steps (``remember``); ``assess`` — a pure
 function of those histories — names a replica a straggler when its reported compute was at least ``factor`` times
-the others' (the median of their latest reports) in each of its last ``confirm`` reports, and the others do wait
-on it (their median wait is at least ``WAIT_SHARE`` of its excess). A flag that does not hold for ``confirm``
-reports in a row is no flag: one noisy window raises nothing. What the lighthouse does with a straggler is its
-policy (today ``report``: the status, the page and ``fthsdp status`` name it with its evidence).
+the others' (the median of their latest reports) and at least ``MIN_EXCESS_S`` longer in each of its last
+``confirm`` reports, and the others do wait on it (their median wait is at least ``WAIT_SHARE`` of its excess). A
+flag that does not hold for ``confirm`` reports in a row is no flag: one noisy window raises nothing. What the
+lighthouse does with a straggler is its policy (today ``report``: the status, the page and ``fthsdp status`` name
+it with its evidence).
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ KEEP = 8
 WAIT_SHARE = 0.25
 """The others' median exchange wait must be at least this share of a straggler's excess compute: a replica that
 computes longer while nobody waits for it (its buckets are not the last) costs nothing."""
+MIN_EXCESS_S = 0.05
+"""A replica's compute must exceed the others' by at least this, not only by ``factor``, to count as slow: on steps
+of tens of milliseconds a busy host's jitter makes one replica 1.5-1.8x "slower" by 10-30 ms for many steps, which
+costs the others at most that per step. A straggler worth naming (a thermal-throttled GPU, a bad host) is slower by
+a share of a real step, far more."""
 MAX_SECONDS = 86_400.0
 """A reported time above this (or negative, or not finite) is malformed."""
 
@@ -103,7 +109,7 @@ def assess(histories: Mapping[str, Sequence[Pace]], factor: float, confirm: int)
             continue
         run = 0
         for p in reversed(history):
-            if p.compute_s < factor * base:
+            if p.compute_s < factor * base or p.compute_s - base < MIN_EXCESS_S:
                 break
             run += 1
         mine = history[-1]
