@@ -12,8 +12,8 @@ function of those histories — names a replica a straggler when its reported co
 the others' (the median of their latest reports) and at least ``MIN_EXCESS_S`` longer in each of its last
 ``confirm`` reports, and the others do wait on it (their median wait is at least ``WAIT_SHARE`` of its excess). A
 flag that does not hold for ``confirm`` reports in a row is no flag: one noisy window raises nothing. What the
-lighthouse does with a straggler is its policy (today ``report``: the status, the page and ``fthsdp status`` name
-it with its evidence).
+lighthouse does with a straggler is its policy: ``report`` (the status, the page and ``fthsdp status`` name it with
+its evidence) or ``eject`` (``lighthouse.ejection``).
 """
 
 from __future__ import annotations

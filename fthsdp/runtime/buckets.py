@@ -175,9 +175,10 @@ class BucketExchange:
         bucket = self.buckets[k]
         grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in bucket]
         if k == len(self.buckets) - 1:
-            words = digest.pack(self.slot(), self.slots, self.digest if contribute else None)
+            slot = self.slot()
+            words = digest.pack(slot, self.slots, self.digest if contribute else None)
             grads.append(torch.tensor(words, dtype=torch.float32, device=self.device))
-            grads.append(slot_mask(self.slot(), self.slots, contribute, self.device))
+            grads.append(slot_mask(slot, self.slots, contribute, self.device))
         tag = None if step is None else BucketTag(step, k).encode(len(self.buckets))
         # On CUDA the lane reads the shards after this event, on the stream FSDP2 produced them on (the hook's).
         handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False, new_epoch_ok=k == 0,
@@ -193,9 +194,9 @@ class BucketExchange:
         (``redo=False``): the caller votes on it with the replica's other ranks and redoes it with them."""
         grads = [torch.zeros_like(local_tensor(p)) for p in self.buckets[0]]
         if len(self.buckets) == 1:
-            grads.append(torch.tensor(digest.pack(self.slot(), self.slots, None), dtype=torch.float32,
-                                      device=self.device))
-            grads.append(slot_mask(self.slot(), self.slots, False, self.device))
+            slot = self.slot()
+            grads.append(torch.tensor(digest.pack(slot, self.slots, None), dtype=torch.float32, device=self.device))
+            grads.append(slot_mask(slot, self.slots, False, self.device))
         return self.engine.allreduce(grads, contribute=False, op="sum", tag=BucketTag(step, 0).encode(len(self)),
                                      redo=False)
 
