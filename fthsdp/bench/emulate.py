@@ -213,26 +213,34 @@ class Emulator:
         """Wait until every live emulated replica holds an epoch matching ``predicate``."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        # Replicas share their epoch views (memoized by content), so the predicate runs once per distinct view;
-        # the poll period grows with N so that polling does not load the emulator (delivery times are recorded
-        # as each epoch arrives, not here).
-        period = max(0.01, len(self.replicas) / 200_000)
-        while loop.time() < end:
-            verdicts: dict[int, bool] = {}
-            ok = True
-            for r in self.alive():
-                e = r.epoch
-                if e is None:
-                    ok = False
-                    break
-                v = verdicts.get(id(e))
-                if v is None:
-                    v = verdicts[id(e)] = predicate(e)
-                if not v:
-                    ok = False
-                    break
-            if ok:
+        # Replicas share their epoch views (memoized by content), so the predicate runs once per distinct view (the
+        # view is kept with its verdict, so that its id is not reused). A poll resumes at the first replica that did
+        # not match at the previous one, and a full pass confirms at the end: polling costs O(N) per epoch, not per
+        # poll, so that it does not load the emulator, which reads the epochs (delivery times are recorded as each
+        # epoch arrives, not here). The poll period grows with N.
+        verdicts: dict[int, tuple[EpochView, bool]] = {}
+
+        def holds(r: EmulatedReplica) -> bool:
+            e = r.epoch
+            if r.stop.is_set():
                 return True
+            if e is None:
+                return False
+            seen = verdicts.get(id(e))
+            if seen is None:
+                seen = verdicts[id(e)] = (e, predicate(e))
+            return seen[1]
+
+        period = max(0.01, len(self.replicas) / 200_000)
+        first = 0
+        while loop.time() < end:
+            replicas = self.replicas
+            while first < len(replicas) and holds(replicas[first]):
+                first += 1
+            if first >= len(replicas):
+                if all(holds(r) for r in self.replicas):
+                    return True
+                first = 0
             await asyncio.sleep(period)  # polling a condition with a deadline
         return False
 
