@@ -44,6 +44,10 @@ class LighthouseConfig:
     """The gRPC address other lighthouses name as the leader's (HA); default: the bind host and bound port."""
     election_ttl_s: int = 5
     """HA on an etcd store: the leader's lease; a dead leader is replaced within about this long."""
+    probe_timeout_s: float = 1.0
+    """A member whose session closed from its end gets one TCP connection to its catch-up endpoint, given this
+    long: refused, it is dead at once (its process is gone; ``lighthouse.server.probe``). 0: never probe (a
+    network where the lighthouse cannot reach the replicas' catch-up ports, or rejects with a reset)."""
     failover_grace_s: float | None = None
     """A lighthouse that takes over gives restored members this long on top of the heartbeat timeout to find
     it (clients back off and rotate addresses); None: one heartbeat timeout."""

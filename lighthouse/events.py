@@ -27,6 +27,9 @@ class DeathCause(StrEnum):
     DISCONNECTED = "disconnected"
     """A failure report, confirmed at once: the suspect's own connection to the lighthouse had closed (its
     process died), so its silence need not be waited for."""
+    GONE = "gone"
+    """Its session closed from its end and its own catch-up endpoint then refused a connection: its process is gone
+    (``lighthouse.probe``), so neither a report nor its silence need be waited for."""
     REPORTED = "reported"
     """Reported earlier in the epoch, then silent for ``confirm_age_s`` (confirmed at a later tick)."""
     HUNG = "hung"
@@ -172,6 +175,9 @@ def phrase(event: MembershipEvent) -> str:
         case Died(cause=DeathCause.DISCONNECTED):
             return (f"replica {event.replica_id} dead ({event.report}, confirmed: its connection closed "
                     f"{event.disconnected_s:.2f}s before; blamed by {','.join(event.reporters)})")
+        case Died(cause=DeathCause.GONE):
+            return (f"replica {event.replica_id} dead (its session closed and its endpoint refused a connection; "
+                    f"last heartbeat {event.silent_s:.2f}s before)")
         case Died(cause=DeathCause.REPORTED):
             return (f"replica {event.replica_id} dead (reported by {','.join(event.reporters)}, no heartbeat for "
                     f"{event.silent_s:.2f}s)")

@@ -4,7 +4,7 @@ them, so the decision reads no clock."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lighthouse.ejection import Eject as Eject
 from lighthouse.model import NO_SLOT, Endpoints
@@ -77,6 +77,10 @@ class Tick:
     disconnected: frozenset[str] = frozenset()
     """Reported suspects whose connection to the lighthouse has just closed from their end (their process died):
     confirmed dead at once, as a report that found the connection closed is."""
+    gone: Mapping[str, str] = field(default_factory=dict)
+    """Members (id -> incarnation) whose session closed from their end and whose own catch-up endpoint then refused
+    a connection: their process is gone, so they are dead with no report (``lighthouse.probe``). An entry whose
+    incarnation is no longer the member's changes nothing."""
 
 
 Event = Register | Ready | Leave | Report | Tick | Eject

@@ -316,12 +316,14 @@ def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
     if ev.due is None:
         candidates: Iterable[str] = state.members
     else:
-        candidates = sorted({*ev.due, *state.suspicions, *state.syncing_ids} & state.members.keys())
+        candidates = sorted({*ev.due, *state.suspicions, *state.syncing_ids, *ev.gone} & state.members.keys())
     for rid in candidates:
         m = state.members[rid]
         age = ev.now - ev.last_seen.get(rid, m.registered_at)
         if age > policy.heartbeat_timeout_s:
             dead[rid] = Died(rid, DeathCause.TIMEOUT, silent_s=age)
+        elif ev.gone.get(rid) == m.incarnation:
+            dead[rid] = Died(rid, DeathCause.GONE, silent_s=age)
         elif rid in state.suspicions and rid in ev.disconnected:
             dead[rid] = Died(rid, DeathCause.DISCONNECTED, silent_s=age,
                              reporters=tuple(sorted(state.suspicions[rid])), report="failure report")

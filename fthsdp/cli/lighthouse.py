@@ -71,7 +71,10 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
         logging.getLogger("fthsdp.lighthouse").warning("store not answering at start: %s", e)
     config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job or ["default"]), policy=policy,
                               rendezvous=not a.no_rendezvous, insecure_tcp_rendezvous=a.insecure_tcp_rendezvous,
-                              security=security, advertise=a.advertise, election_ttl_s=a.election_ttl)
+                              security=security, advertise=a.advertise, election_ttl_s=a.election_ttl,
+                              probe_timeout_s=a.probe_timeout)
+    if config.probe_timeout_s < 0:
+        sys.exit(f"fthsdp lighthouse: --probe-timeout must be >= 0, not {config.probe_timeout_s:g}")
     if config.insecure_tcp_rendezvous and not is_loopback(config.host):
         sys.exit(f"fthsdp lighthouse: --insecure-tcp-rendezvous needs a loopback --bind, not {config.host!r}")
 
@@ -143,6 +146,9 @@ def register(sub: Subparsers) -> None:
                     help="interval advertised to clients (default: min(0.5, timeout/4))")
     lh.add_argument("--confirm-age", type=float, default=0.0,
                     help="a reported peer with no heartbeat for this long is confirmed dead (default 2 intervals)")
+    lh.add_argument("--probe-timeout", type=float, default=1.0,
+                    help="a replica whose session closed gets one connection to its catch-up port, this long: "
+                         "refused, it is dead at once (0: never probe)")
     lh.add_argument("--join-window", type=float, default=0.0,
                     help="bootstrap: after min-replicas registered, wait this long for more")
     lh.add_argument("--expected-replicas", type=int, default=0,

@@ -62,7 +62,7 @@ class Lighthouse:
         self.leadership = Leadership(config, self.store, self.jobs, self.metrics, lambda: self._stopping)
         self.edge = Edge(self.store, self.policy, self.metrics)
         self._service = LighthouseService(self.jobs, self.edge, self.leadership, self.metrics, self.policy,
-                                          lambda: self._stopping)
+                                          lambda: self._stopping, probe_timeout_s=config.probe_timeout_s)
         self._rendezvous = RendezvousService(self.jobs, self.leadership, self.metrics)
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -94,13 +94,16 @@ class Edge:
                 log.log(level, "lighthouse job=%s epoch=%d %s", job.job_id, job.number, out.reason)
         return out
 
-    async def tick(self, job: Job, disconnected: frozenset[str] = frozenset()) -> None:
+    async def tick(self, job: Job, disconnected: frozenset[str] = frozenset(),
+                   gone: dict[str, str] | None = None) -> None:
         """One liveness check of ``job`` (the members due for their timeout, the suspects, ``disconnected``: the
-        suspects whose connection just closed); under the ``eject`` fail-slow policy, at most once per heartbeat
+        suspects whose connection just closed, ``gone``: members whose endpoint refused a connection after their
+        session closed, id -> incarnation); under the ``eject`` fail-slow policy, at most once per heartbeat
         interval, one straggler ejected when that wins (``lighthouse.ejection``)."""
         now = clock()
         due = job.deadlines.due(now, job.last_seen)
-        await self.apply(job, m.Tick(now=now, last_seen=job.last_seen, due=due, disconnected=disconnected))
+        await self.apply(job, m.Tick(now=now, last_seen=job.last_seen, due=due, disconnected=disconnected,
+                                     gone=gone or {}))
         if self.policy.straggler_policy == "eject" and now - job.stragglers_checked >= self.policy.heartbeat_interval_s:
             job.stragglers_checked = now
             await self._eject_slowest(job, now)

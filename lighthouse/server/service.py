@@ -5,7 +5,7 @@ nothing; a follower refuses everything with a redirect to the leader."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeAlias
 
 import grpc
@@ -17,7 +17,7 @@ from lighthouse.ejection import held_out
 from lighthouse.errors import ValidationError
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.proto_codec import ROLE_TO_PB, endpoints_from_pb, role_from_pb
-from lighthouse.server import status
+from lighthouse.server import probe, status
 from lighthouse.server.edge import Edge
 from lighthouse.server.jobs import Job, Waker, clock
 from lighthouse.server.leadership import Leadership
@@ -74,13 +74,14 @@ class LighthouseService:
     """The handlers, over the jobs of one lighthouse."""
 
     def __init__(self, jobs: dict[str, Job], edge: Edge, leadership: Leadership, metrics: LighthouseMetrics,
-                 policy: m.Policy, stopping: Callable[[], bool]) -> None:
+                 policy: m.Policy, stopping: Callable[[], bool], probe_timeout_s: float = 0.0) -> None:
         self.jobs = jobs
         self.edge = edge
         self.leadership = leadership
         self.metrics = metrics
         self.policy = policy
         self._stopping = stopping
+        self.probe_timeout_s = probe_timeout_s
         self._background: set[asyncio.Task[None]] = set()
 
     def handlers(self) -> grpc.GenericRpcHandler[Any, Any]:
@@ -272,10 +273,24 @@ class LighthouseService:
             if closed_by_peer and rid in job.state.suspicions:
                 # A reported suspect whose session closed from its end died: confirm it now (its report may have
                 # come in before its connection's end did).
-                task = asyncio.get_running_loop().create_task(
-                    self.edge.tick(job, disconnected=frozenset((rid,))))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(self.edge.tick(job, disconnected=frozenset((rid,))))
+            elif closed_by_peer and self.probe_timeout_s > 0:
+                self._spawn(self._probe(job, rid, inc))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._background.discard)
+
+    async def _probe(self, job: Job, rid: str, inc: str) -> None:
+        """A member whose session closed from its end: dead at once if its catch-up endpoint refuses a connection
+        (its process is gone) while no session of it has opened again (``lighthouse.server.probe``)."""
+        member = job.state.members.get(rid)
+        if member is None or member.incarnation != inc or not member.endpoints.catchup:
+            return
+        if await probe.refused(member.endpoints.catchup, self.probe_timeout_s) and \
+                job.disconnected_s(rid, clock()) is not None:
+            await self.edge.tick(job, gone={rid: inc})
 
     async def _session_handler(self, requests: Any, context: Context) -> None:
         await self.Session(context)  # reads with context.read(), so that it can write while it waits for one

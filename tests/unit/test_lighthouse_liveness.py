@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
 from lighthouse import membership as m
 from lighthouse.events import DeathCause, Died
 from lighthouse.liveness import Deadlines
+from lighthouse.server import probe
 
 POLICY = m.Policy(min_replicas=1, expected_replicas=3, heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0,
                   confirm_age_s=1.0)
@@ -67,3 +71,27 @@ def test_a_bootstrap_counts_on_instead_of_recounting() -> None:
     assert s.epoch is None and s.known_in_epoch_count() == 499  # carried along, not counted 499 times
     s = m.decide(s, m.Register("r499", "1", 1, m.Endpoints(), 499.0), policy).state
     assert s.epoch is not None and len(s.epoch.members) == 500
+
+
+def test_a_member_whose_endpoint_refused_is_dead_at_once_but_only_its_own_incarnation() -> None:
+    s = _three()
+    seen = {"a": 1.0, "b": 1.0, "c": 1.0}  # heard from 0.1 s ago, nobody reported it
+    out = m.decide(s, m.Tick(now=1.1, last_seen=seen, due=frozenset(), gone={"b": "b1"}), POLICY)
+    assert [(e.replica_id, e.cause) for e in out.events if isinstance(e, Died)] == [("b", DeathCause.GONE)]
+    assert out.state.epoch is not None and out.state.epoch.member("b") is None
+    assert "refused a connection" in out.state.epoch.reason
+    # Another incarnation's probe (b restarted meanwhile), or an id that is no member: nothing happens.
+    assert m.decide(s, m.Tick(now=1.1, last_seen=seen, due=frozenset(), gone={"b": "b0"}), POLICY).state is s
+    assert m.decide(s, m.Tick(now=1.1, last_seen=seen, due=frozenset(), gone={"zz": "z1"}), POLICY).state is s
+
+
+def test_the_probe_says_refused_only_when_the_host_refuses() -> None:
+    assert probe.split("127.0.0.1:80") == ("127.0.0.1", 80) and probe.split("[::1]:9") == ("::1", 9)
+    assert probe.split("") is None and probe.split("host") is None and probe.split("h:0") is None
+    with socket.socket() as closed, socket.socket() as open_:
+        closed.bind(("127.0.0.1", 0))
+        open_.bind(("127.0.0.1", 0))
+        open_.listen()
+        assert asyncio.run(probe.refused(f"127.0.0.1:{closed.getsockname()[1]}", 2.0))
+        assert not asyncio.run(probe.refused(f"127.0.0.1:{open_.getsockname()[1]}", 2.0))
+    assert not asyncio.run(probe.refused("not an address", 2.0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from lighthouse.events import DeathCause, Died
 from lighthouse.server.service import LighthouseService
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
-from tests.helpers.lighthouse import FAST_POLICY, JOB, SLOW_POLICY, ServerThread, register, wait_until
+from tests.helpers.lighthouse import FAST_POLICY, JOB, SLOW_POLICY, ServerThread, heartbeat, register, wait_until
 
 
 class RawSession:
@@ -221,3 +222,58 @@ def test_a_client_handed_a_delta_against_another_epoch_asks_for_the_full_one_and
         assert asked[0] == first.number and 0 in asked
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("listening", [False, True], ids=["endpoint-refuses", "endpoint-answers"])
+def test_a_closed_session_whose_endpoint_refuses_is_dead_at_once_and_one_that_answers_is_not(
+        start_server: Callable[..., ServerThread], channel_to: Callable[[ServerThread], grpc.Channel],
+        listening: bool) -> None:
+    # Nobody reports it and its silence would take 30 s: only the probe of its catch-up endpoint can decide.
+    server = start_server(m.Policy(min_replicas=1, heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0,
+                                   confirm_age_s=10.0, expected_replicas=2))
+    stub = pb_grpc.LighthouseStub(channel_to(server))
+    with socket.socket() as endpoint:
+        endpoint.bind(("127.0.0.1", 0))  # bound, not listening: a connection to it is refused
+        if listening:
+            endpoint.listen()
+            endpoint.settimeout(10)
+        register(stub, "a")
+        b = register(stub, "b", catchup=f"127.0.0.1:{endpoint.getsockname()[1]}")
+        s = RawSession(pb_grpc.LighthouseStub(channel_to(server)))  # b's own connection
+        s.send("b", b.incarnation)
+        s.next()
+        s.call.cancel()  # the connection closes, as when its process dies
+        if listening:
+            probe, _ = endpoint.accept()  # the lighthouse's probe connected: b's process lives
+            probe.close()
+            state = server.state()
+            assert state.epoch is not None and state.epoch.member("b") is not None and "b" in state.members
+            return
+        state = wait_until(lambda: (st := server.state()).epoch.member("b") is None and st, timeout=5,
+                           what="b declared dead by its closed session and refused endpoint")
+    died = [e for e in state.epoch.events if isinstance(e, Died)]
+    assert [(e.replica_id, e.cause) for e in died] == [("b", DeathCause.GONE)]
+    assert "endpoint refused" in state.epoch.reason
+
+
+def test_no_probe_when_it_is_off(start_server: Callable[..., ServerThread],
+                                 channel_to: Callable[[ServerThread], grpc.Channel]) -> None:
+    server = start_server(m.Policy(min_replicas=1, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5,
+                                   confirm_age_s=1.0, expected_replicas=2), probe_timeout_s=0.0)
+    stub = pb_grpc.LighthouseStub(channel_to(server))
+    with socket.socket() as endpoint:
+        endpoint.bind(("127.0.0.1", 0))  # refuses connections
+        a = register(stub, "a")
+        b = register(stub, "b", catchup=f"127.0.0.1:{endpoint.getsockname()[1]}")
+        s = RawSession(pb_grpc.LighthouseStub(channel_to(server)))
+        s.send("b", b.incarnation)
+        s.next()
+        s.call.cancel()
+        # "a" heartbeats; b is not probed, so only its silence (1.5 s) ends it: a timeout, not GONE.
+        deadline = time.monotonic() + 10
+        while (state := server.state()).epoch.member("b") is not None and time.monotonic() < deadline:
+            heartbeat(stub, "a", a.incarnation)
+            time.sleep(0.1)  # the heartbeat period (a pace, not a synchronisation)
+    assert state.epoch.member("b") is None, "b was never declared dead"
+    died = [(e.replica_id, e.cause) for e in state.epoch.events if isinstance(e, Died)]
+    assert died == [("b", DeathCause.TIMEOUT)]

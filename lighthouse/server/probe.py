@@ -1,0 +1,41 @@
+"""Is a replica whose session closed gone? One TCP connection to its own catch-up endpoint tells.
+
+A session that closes from the replica's end is a process that died (its kernel closed the connection) or one that
+only lost its connection to the lighthouse (a network blip, a client moving to another lighthouse). A peer's
+failure report tells the two apart today (``lighthouse.membership``), but it comes only when a peer's exchange
+fails: a whole step after a death at the start of one. The replica's catch-up endpoint is served by the same
+process (its rank 0, which holds the session): a connection to it that is *refused* (the host answered, nothing
+listens) says the process is gone, at once. Anything else (it connects, the host does not answer in time, no
+route) proves nothing, and the death waits for a report or for silence, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+def split(address: str) -> tuple[str, int] | None:
+    """``host:port`` (a bracketed IPv6 host too), or None when it is not one."""
+    host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+async def refused(address: str, timeout_s: float) -> bool:
+    """True only when a TCP connection to ``address`` is refused within ``timeout_s``."""
+    target = split(address)
+    if target is None:
+        return False
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*target), timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
