@@ -25,7 +25,7 @@ import torch
 
 from ftar import ExchangeResult, Handle
 from fthsdp.catchup.client import FetchResult
-from fthsdp.runtime.commit import Commit
+from fthsdp.runtime.commit import Commit, Tally
 from fthsdp.runtime.join import Joiner
 from fthsdp.runtime.metrics import ReplicaMetrics
 from fthsdp.runtime.result import StepResult
@@ -52,7 +52,8 @@ class Replica(Protocol):
     _lr_factor: float
 
     def _exchange_all(self, contribute: bool) -> list[Handle | None]: ...
-    def _settle(self, handles: list[Handle | None], contribute: bool) -> tuple[Commit, list[ExchangeResult]]: ...
+    def _settle(self, handles: list[Handle | None], contribute: bool,
+                redo: Callable[[Tally], list[Handle | None]] | None = None) -> tuple[Commit, list[ExchangeResult]]: ...
     def _commit(self, step: int, results: list[ExchangeResult]) -> tuple[tuple[int, int], ...]: ...
     def _after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None: ...
     def _log(self, level: int, msg: str, *args: object) -> None: ...
@@ -124,8 +125,7 @@ def _load(rep: Replica, shards: ShardState, got: FetchResult) -> int:
 
 def zero_step(rep: Replica, zeros: list[Handle | None]) -> StepResult:
     """The step after catching up contributes ``zeros`` (sent before the last slice of the replay) and trains no
-    batch (its slot's cursor stays): its own gradients would have come late, and the others would have waited.
-    A spare's every step is one too (``fthsdp.runtime.spares.spare_step``)."""
+    batch (its slot's cursor stays): its own gradients would have come late, and the others would have waited."""
     rep._settling, t0 = None, time.perf_counter()
     commit, results = rep._settle(zeros, contribute=False)
     batches = rep._commit(commit.step, results)

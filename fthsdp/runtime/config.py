@@ -105,6 +105,10 @@ class RuntimeConfig:
     spares: int = 0
     """``FTHSDP_SPARES``: spare replica groups configured for the job (indexes ``N .. N + spares - 1``): each
     shadows training without a data slot and takes a dead replica's slot (docs/design.md §7, "Spares")."""
+    spare_early: float = 0.25
+    """``FTHSDP_SPARE_EARLY``: a spare handed a dead replica's slot within this fraction of a step (its median step)
+    from the step's start trains that very step's batch of the slot, beside the others' compute; later it sends
+    zeros and trains the slot from the next step, so that nobody waits for its compute. 0: never; at most 1."""
     backend: str = "gloo"
     """``FTHSDP_BACKEND``: ``gloo`` (CPU) or ``nccl`` (GPU); default by whether CUDA is available."""
     timeout_s: float = 5.0
@@ -207,6 +211,9 @@ class RuntimeConfig:
         digest_every = _int(e, "FTHSDP_DIGEST_EVERY", "10")
         if digest_every < 0:
             raise ConfigError(f"FTHSDP_DIGEST_EVERY={digest_every} must be >= 0")
+        spare_early = _float(e, "FTHSDP_SPARE_EARLY", "0.25")
+        if not 0 <= spare_early <= 1:
+            raise ConfigError(f"FTHSDP_SPARE_EARLY={spare_early:g} must be between 0 and 1")
         return cls(
             lighthouse=_get(e, "FTHSDP_LIGHTHOUSE"),
             replica_index=index,
@@ -216,6 +223,7 @@ class RuntimeConfig:
             world_size=_int(e, "WORLD_SIZE", "1"),
             job_id=e.get("FTHSDP_JOB", "default"),
             spares=spares,
+            spare_early=spare_early,
             backend=backend,
             timeout_s=_float(e, "FTHSDP_TIMEOUT", "5"),
             epoch_wait_s=_float(e, "FTHSDP_EPOCH_WAIT", "60"),

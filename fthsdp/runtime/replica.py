@@ -78,6 +78,7 @@ class Replica:
         self._settling: list[Handle | None] | None = None  # caught up: the next step's zeros, sent (zero_step)
         self.protocol = CommitProtocol()
         self.pace, self._own_compute_s = PaceWindow(), 0.0  # fail-slow evidence; the last step's compute, unslowed
+        self.shadow = spares.Shadow()  # a spare's step clock
         self._lr_factor = 1.0
         self.state = TrainerState()  # param groups and registered objects: they travel with the tensors
         self.check = DigestCheck(cfg.digest_every, lambda: self.slot, self._log,
@@ -156,8 +157,7 @@ class Replica:
                 epoch, getattr(self, "step", 0), *args)
 
     def _on_lost(self, reason: str) -> None:
-        """The lighthouse dropped this incarnation (declared dead, e.g. while hung): fail the exchanges now, so the
-        replica restarts and rejoins instead of waiting ``epoch_wait_s`` for an epoch that will not include it."""
+        """The lighthouse dropped this incarnation (e.g. hung): fail the exchanges now, so it restarts and rejoins."""
         self._log(logging.WARNING, "the lighthouse dropped this replica (%s); restarting to rejoin", reason)
         engine = getattr(self, "engine", None)
         if engine is not None:
@@ -284,14 +284,14 @@ class Replica:
         return result
 
     def _pace(self, attempts: int, step: int, compute_s: float, wait_s: float) -> None:
-        """Fail-slow evidence: a contributing step's compute and exchange wait, to Prometheus; a failure-free one's
-        also to the lighthouse (rank 0, once ``PaceWindow`` is full), with the next heartbeats."""
+        """Fail-slow evidence: a step's compute and wait to Prometheus; a failure-free one's to the lighthouse too."""
         self.metrics.on_pace(compute_s, wait_s)
         if attempts == 1 and (pace := self.pace.add(step, compute_s, wait_s)) is not None and self.rank == 0:
             self.client.set_pace(pace)
 
-    def _settle(self, handles: list[Handle | None], contribute: bool) -> tuple[Commit, list[ExchangeResult]]:
-        """Wait for the step's buckets and vote, redoing the exchange until the commit protocol commits."""
+    def _settle(self, handles: list[Handle | None], contribute: bool,
+                redo: Callable[[Tally], list[Handle | None]] | None = None) -> tuple[Commit, list[ExchangeResult]]:
+        """Wait for the step's buckets and vote, redoing the exchange (``redo``'s, if given) until it commits."""
         _, buckets = self._parts()
         self.protocol.begin()
         while True:
@@ -313,7 +313,7 @@ class Replica:
                       list(decision.epochs), decision.failed)
             # Partners that committed moved on in that epoch's group; if no lane's reports ask past it, ask.
             self.engine.reset(after=tally.newest, reform=tally.reform)
-            handles = self._exchange_all(contribute)
+            handles = redo(tally) if redo is not None else self._exchange_all(contribute)
 
     def _exchange_all(self, contribute: bool) -> list[Handle | None]:
         """Exchange every bucket of the step from the gradients at hand (a redo, or a joiner's zeros). A joiner
@@ -407,14 +407,14 @@ class Replica:
         return replica_hash(self._parts()[0].digest(self.cursors), self.world_size, self.device)
 
     def close(self, leave: bool = True) -> None:
-        """Stop the engine, the catch-up server (transfers in progress get a few seconds to finish) and the
-        lighthouse session (rank 0 leaves the job gracefully). An active replica that leaves at the end of its
-        training first ends the job (``_end_of_job``)."""
+        """Stop the engine, the lighthouse session (rank 0 leaves the job) and then the catch-up server (a closed
+        session whose endpoint refuses connections is a dead replica: ``lighthouse.server.probe``; transfers in
+        progress get a few seconds). An active replica that leaves at the end first ends the job (``_end_of_job``)."""
         if leave and not self.finished and not self.joining and not self._terminated and self._buckets is not None:
             self._end_of_job()
         if getattr(self, "engine", None) is not None:
             self.engine.close()
-        self.server.close(drain_s=10.0)
         self.epochs.close()
         self.client.close(leave="finished" if leave and self.rank == 0 else None)
+        self.server.close(drain_s=10.0)
         self.metrics.close()

@@ -4,26 +4,38 @@ The lighthouse decides which replica trains which data slot and lists it in ever
 A replica's ranks agree on its slot through the commit vote: each rank's ballot carries the slot the newest
 epoch it saw gives the replica, the tally takes the MAX (a live member's slot only goes from none to one), and
 at every commit each rank takes the tally's slot for the next step. So every rank of a replica trains the same
-slot in a step, and a spare handed a dead replica's slot in the epoch of the step's redo contributes from the
-step after the failure.
+slot in a step. A spare handed a dead replica's slot early in a step (``FTHSDP_SPARE_EARLY``: the lighthouse
+learned the death at once, ``lighthouse.server.probe``) trains that slot's batch of this very step, which the dead
+replica never committed; handed it later (the death found by the others' failed exchange), it contributes from the
+next step, so that nobody waits for its compute.
 
 A replica with no slot (``NO_SLOT``) is a spare: its step exchanges zeros (``contribute=False``, not counted in
 the divisor), trains no batch and never calls the closure, then commits like the others, so its state equals
-theirs, bitwise, at every commit. What it costs: its devices, and one more member in every exchange.
+theirs, bitwise, at every commit. What it costs: its devices, one more member in every exchange, and one
+all-reduce of two integers over its own ranks per step (do they train a slot now?).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
+from ftar import Handle
 from fthsdp.runtime import catching_up
+from fthsdp.runtime.buckets import BucketExchange
+from fthsdp.runtime.commit import Tally
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.join import warm_up
 from fthsdp.runtime.result import StepResult
+from fthsdp.runtime.state import ShardState
 from lighthouse.client import LighthouseClient
 from lighthouse.model import NO_SLOT
 
@@ -35,6 +47,10 @@ class Replica(catching_up.Replica, Protocol):
     config: RuntimeConfig
     opt: torch.optim.Optimizer | None
     slot: int
+    shadow: Shadow
+    client: LighthouseClient
+
+    def _parts(self) -> tuple[ShardState, BucketExchange]: ...
 
 
 def seen(client: LighthouseClient) -> int:
@@ -78,8 +94,74 @@ def take(rep: Replica, slot: int) -> None:
     rep.slot = slot
 
 
+@dataclass
+class Shadow:
+    """A spare's clock: when its current step began (its last commit as a spare) and its recent commit intervals."""
+
+    began: float | None = None
+    intervals: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=9))
+
+    def committed(self) -> None:
+        now = time.perf_counter()
+        if self.began is not None:
+            self.intervals.append(now - self.began)
+        self.began = now
+
+    def early(self, fraction: float) -> bool:
+        """This step began at most ``fraction`` of a median step ago (no step measured yet: no)."""
+        return fraction > 0 and self.began is not None and bool(self.intervals) and \
+            time.perf_counter() - self.began <= fraction * statistics.median(self.intervals)
+
+
 def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:
-    """A step without a slot: zeros in every bucket, then the commit as everyone's (``catching_up.zero_step``, a
-    caught-up joiner's zero step); the closure is not called (but once, for a warm-up: ``warm``)."""
+    """A step without a slot: zeros in every bucket, then the commit as everyone's; the closure is not called (but
+    once, for a warm-up: ``warm``). Unless an epoch hands this replica a slot early in the step, before the step's
+    exchange or in its redo (``FTHSDP_SPARE_EARLY``, agreed by every rank): it then trains that slot's batch of this
+    very step (the dead replica's, which nobody committed), beside the others' compute, so the job is back to N
+    contributors in the step the death hit. The lighthouse learns a death that early from the dead replica's
+    refused endpoint (``lighthouse.server.probe``)."""
     warm(rep, closure)
-    return catching_up.zero_step(rep, rep._exchange_all(contribute=False))
+    losses: list[float] = []
+
+    def train(slot: int) -> list[Handle | None]:
+        rep._log(logging.INFO, "data slot %d handed over in this step: training its batch", slot)
+        rep.slot = slot
+        handles, loss = _train(rep, closure)
+        losses.append(loss)
+        return handles
+
+    def redo(tally: Tally) -> list[Handle | None]:
+        if not losses and tally.slot != NO_SLOT and (slot := _handed(rep, tally.slot)) != NO_SLOT:
+            return train(slot)
+        return rep._exchange_all(contribute=bool(losses))
+
+    t0 = time.perf_counter()
+    slot = _handed(rep, seen(rep.client))
+    handles = train(slot) if slot != NO_SLOT else rep._exchange_all(contribute=False)
+    commit, results = rep._settle(handles, contribute=False, redo=redo)
+    batches = rep._commit(commit.step, results)
+    rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
+    rep._after_commit(batches, commit.stop)
+    rep.shadow.committed()
+    return StepResult(commit.step, losses[0] if losses else None, commit.epoch, results[0].contributors, False,
+                      commit.attempts, time.perf_counter() - t0, batches, rep._lr_factor, contributed=bool(losses))
+
+
+def _handed(rep: Replica, slot: int) -> int:
+    """The slot every rank of this spare trains in the current step: the newest one its ranks saw, if every rank
+    finds the step young enough (``Shadow.early``); else ``NO_SLOT``. One MAX all-reduce over the replica's ranks
+    (the early flags ride negated, so a rank that says no wins)."""
+    mine = torch.tensor([slot, -int(rep.shadow.early(rep.config.spare_early))], dtype=torch.int64, device=rep.device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    agreed, all_early = int(mine[0]), -int(mine[1]) == 1
+    return agreed if all_early else NO_SLOT
+
+
+def _train(rep: Replica, closure: Callable[[], torch.Tensor]) -> tuple[list[Handle | None], float]:
+    """Forward and backward of the slot's batch, the buckets going out as FSDP2 produces them (as ``train_step``)."""
+    shards, buckets = rep._parts()
+    shards.opt.zero_grad(set_to_none=True)
+    with buckets.armed(rep.step):
+        loss = closure()
+        loss.backward()  # type: ignore[no-untyped-call]
+    return buckets.launch_rest(rep.step), float(loss.detach().item())

@@ -1,7 +1,11 @@
 """A hot spare end to end (docs/design.md §7, "Spares"; issue 17): 2 replicas x 2 ranks and 1 spare group, a SIGKILL of
-replica 1. The spare takes replica 1's data slot in the epoch that drops it and contributes from the step after
-the failure: the job is back to 2 contributors one step later, every batch of every slot is still trained exactly
-once, and the killed replica comes back as a spare. Every group, the spare's included, ends with one state."""
+replica 1 at the start of a step. The lighthouse learns the death at once (the killed group's session closes and its
+catch-up endpoint refuses a connection) and hands replica 1's data slot to the spare in the epoch that drops it.
+Handed over early in the step, the spare trains that very step's batch of the slot, beside the survivor's compute:
+the job never drops below 2 contributors and no batch is lost. Handed over late (``FTHSDP_SPARE_EARLY=0`` stands in
+for a death found only by the survivors' failed exchange), it sends zeros in that step and trains the slot from the
+next one. Either way every batch of every slot is trained exactly once, the killed replica comes back as a spare,
+and every group, the spare's included, ends with one state."""
 
 from __future__ import annotations
 
@@ -15,30 +19,36 @@ from tests.helpers.cluster_checks import check_all, check_exactly_once, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-STEPS = 150
-"""Paced at 0.15 s a step: over 20 s after the kill, for the killed group's warm standby to register, catch up and
-train as a spare before the end."""
 KILL = 10
 
 
-def test_a_spare_takes_the_dead_replicas_slot_and_the_job_is_back_to_full_one_step_later(
-        tmp_path: pathlib.Path) -> None:
-    config = ClusterConfig(replicas=2, spares=1, ranks=2, steps=STEPS, model="tiny", kills=(Kill(1, KILL),),
-                           restart_delay_s=0.5, timeout_s=240, min_step_s=0.15,
-                           warm_restarts=True)
+@pytest.mark.parametrize("early", [True, False], ids=["handed-over-early", "handed-over-late"])
+def test_a_spare_takes_the_dead_replicas_slot_and_the_job_is_back_to_full_at_once(
+        tmp_path: pathlib.Path, early: bool) -> None:
+    # Early: the forward is padded to 0.3 s, so the hand-over (tens of milliseconds after the kill) comes well inside
+    # the step (FTHSDP_SPARE_EARLY=1: within one step). Late: paced at 0.15 s a step. Both leave over 20 s after the
+    # kill for the killed group's warm standby to register, catch up and train as a spare before the end.
+    steps = 80 if early else 150
+    env = {"FTHSDP_SPARE_EARLY": "1" if early else "0"}
+    config = ClusterConfig(replicas=2, spares=1, ranks=2, steps=steps, model="tiny", kills=(Kill(1, KILL),),
+                           restart_delay_s=0.5, timeout_s=240, warm_restarts=True,
+                           **({"compute_s": 0.3} if early else {"min_step_s": 0.15}),
+                           env={i: dict(env) for i in range(3)})
     report = Cluster(config, tmp_path).run()
-    check_all(tmp_path, report, 3, STEPS)  # all three groups: one final state, invariants, epochs
-    assert check_exactly_once(tmp_path, 3, STEPS) == {0: STEPS, 1: STEPS - 1, 2: 0}  # slot 1 lost one step's batch
+    check_all(tmp_path, report, 3, steps)  # all three groups: one final state, invariants, epochs
+    # Handed over late, slot 1 loses the batch of the step the kill hit; early, nothing is lost.
+    assert check_exactly_once(tmp_path, 3, steps) == {0: steps, 1: steps if early else steps - 1, 2: 0}
 
     spare = [x for x in steps_of(progress(tmp_path, 2)) if x.step is not None]
-    assert [x.step for x in spare] == list(range(STEPS))  # the spare never restarted nor fell behind
+    assert [x.step for x in spare] == list(range(steps))  # the spare never restarted nor fell behind
     before = [x for x in spare if x.step < KILL]
     assert before and not any(x.contributed for x in before)  # a spare trains no batch
     assert all(x.contributors == 2 for x in before)
-    # The step the kill hit commits with one contributor; from the next one on the spare trains slot 1.
+    # Early, the spare trains slot 1 from the step the kill hit; late, that step commits with one contributor and
+    # the spare trains slot 1 from the next one.
     short = [x.step for x in spare if x.contributors < 2]
-    assert short == [KILL], short
-    after = [x for x in spare if x.step > KILL]
+    assert short == ([] if early else [KILL]), short
+    after = [x for x in spare if x.step >= (KILL if early else KILL + 1)]
     assert all(x.contributed and x.contributors == 2 for x in after)
     assert all(x.batches and any(s == 1 for s, _ in x.batches) for x in after)  # slot 1 trained
 

@@ -1,0 +1,34 @@
+"""A spare's step clock (``fthsdp.runtime.spares.Shadow``): whether a slot handed over now is early enough in the
+step for the spare to train that step itself (``FTHSDP_SPARE_EARLY``)."""
+
+from __future__ import annotations
+
+import time
+from unittest import mock
+
+from fthsdp.runtime import spares
+
+
+def _at(t: float) -> mock._patch[mock.MagicMock]:
+    return mock.patch.object(time, "perf_counter", return_value=t)
+
+
+def test_no_step_measured_yet_is_never_early() -> None:
+    s = spares.Shadow()
+    assert not s.early(1.0)
+    with _at(10.0):
+        s.committed()  # the first commit only starts the clock: the time before it was no step of a spare
+        assert not s.early(1.0)
+
+
+def test_early_is_a_fraction_of_the_median_step_since_the_last_commit() -> None:
+    s = spares.Shadow()
+    for t in (10.0, 11.0, 12.0, 15.0):  # steps of 1, 1 and 3 s: median 1 s
+        with _at(t):
+            s.committed()
+    with _at(15.2):
+        assert s.early(0.25) and not s.early(0.1)
+    with _at(15.3):
+        assert not s.early(0.25) and s.early(1.0)
+    with _at(15.0):
+        assert not s.early(0.0)  # 0: never
