@@ -5,6 +5,7 @@ nothing; a follower refuses everything with a redirect to the leader."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeAlias
 
@@ -25,6 +26,7 @@ from lighthouse.stragglers import Pace
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.validate import check_digest, check_epoch, check_id, check_shard_count, check_text
 
+log = logging.getLogger("fthsdp.lighthouse")
 SERVICE = "fthsdp.v1.Lighthouse"
 EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # (missing from grpc's stubs)
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
@@ -288,8 +290,11 @@ class LighthouseService:
         member = job.state.members.get(rid)
         if member is None or member.incarnation != inc or not member.endpoints.catchup:
             return
-        if await probe.refused(member.endpoints.catchup, self.probe_timeout_s) and \
-                job.disconnected_s(rid, clock()) is not None:
+        t0 = clock()
+        refused = await probe.refused(member.endpoints.catchup, self.probe_timeout_s)
+        log.info("lighthouse job=%s epoch=%d replica=%s session closed; its endpoint %s %s in %.3fs", job.job_id,
+                 job.number, rid, member.endpoints.catchup, "refused" if refused else "did not refuse", clock() - t0)
+        if refused and job.disconnected_s(rid, clock()) is not None:
             await self.edge.tick(job, gone={rid: inc})
 
     async def _session_handler(self, requests: Any, context: Context) -> None:
