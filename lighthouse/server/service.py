@@ -286,14 +286,26 @@ class LighthouseService:
 
     async def _probe(self, job: Job, rid: str, inc: str) -> None:
         """A member whose session closed from its end: dead at once if its catch-up endpoint refuses a connection
-        (its process is gone) while no session of it has opened again (``lighthouse.server.probe``)."""
-        member = job.state.members.get(rid)
-        if member is None or member.incarnation != inc or not member.endpoints.catchup:
-            return
+        (its process is gone) while no session of it has opened again (``lighthouse.server.probe``). A dying process
+        frees its memory before its sockets close, its session's first, so a connection accepted right after the
+        session closed is tried again, after 10 ms, then twice as long each time, for ``probe_timeout_s``. A member
+        that left meanwhile (a graceful end leaves before it closes its endpoint) is not probed again."""
         t0 = clock()
-        refused = await probe.refused(member.endpoints.catchup, self.probe_timeout_s)
-        log.info("lighthouse job=%s epoch=%d replica=%s session closed; its endpoint %s %s in %.3fs", job.job_id,
-                 job.number, rid, member.endpoints.catchup, "refused" if refused else "did not refuse", clock() - t0)
+        delay, tries = 0.01, 0
+        while True:
+            member = job.state.members.get(rid)
+            if member is None or member.incarnation != inc or not member.endpoints.catchup or \
+                    job.disconnected_s(rid, clock()) is None:
+                return
+            tries += 1
+            refused = await probe.refused(member.endpoints.catchup, max(0.01, t0 + self.probe_timeout_s - clock()))
+            if refused or clock() + delay > t0 + self.probe_timeout_s:
+                break
+            await asyncio.sleep(delay)  # the pace of the retries, not a synchronisation
+            delay *= 2
+        log.info("lighthouse job=%s epoch=%d replica=%s session closed; its endpoint %s %s (%d tries, %.3fs)",
+                 job.job_id, job.number, rid, member.endpoints.catchup, "refused" if refused else "did not refuse",
+                 tries, clock() - t0)
         if refused and job.disconnected_s(rid, clock()) is not None:
             await self.edge.tick(job, gone={rid: inc})
 
