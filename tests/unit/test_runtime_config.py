@@ -144,7 +144,7 @@ def test_spares_ask_for_no_slot_and_indexes_past_them_are_refused() -> None:
 
 
 def test_how_early_a_spare_trains_a_slot_it_is_handed() -> None:
-    assert RuntimeConfig.from_env(BASE).spare_early == 0.25
+    assert RuntimeConfig.from_env(BASE).spare_early == 0.5
     assert RuntimeConfig.from_env({**BASE, "FTHSDP_SPARE_EARLY": "0"}).spare_early == 0.0
     assert RuntimeConfig.from_env({**BASE, "FTHSDP_SPARE_EARLY": "1"}).spare_early == 1.0
     for bad in ("-0.1", "1.5"):
