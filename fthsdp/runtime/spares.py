@@ -6,8 +6,9 @@ epoch it saw gives the replica, the tally takes the MAX (a live member's slot on
 at every commit each rank takes the tally's slot for the next step. So every rank of a replica trains the same
 slot in a step. A spare handed a dead replica's slot early in a step (``FTHSDP_SPARE_EARLY``: the lighthouse
 learned the death at once, ``lighthouse.server.probe``) trains that slot's batch of this very step, which the dead
-replica never committed; handed it later (the death found by the others' failed exchange), it contributes from the
-next step, so that nobody waits for its compute.
+replica never committed, beside the others' compute (they wait for it at most about that fraction of a step,
+once); handed it later (the death found by the others' failed exchange), it sends zeros in that step and
+contributes from the next one.
 
 A replica with no slot (``NO_SLOT``) is a spare: its step exchanges zeros (``contribute=False``, not counted in
 the divisor), trains no batch and never calls the closure, then commits like the others, so its state equals

@@ -25,10 +25,11 @@ KILL = 10
 @pytest.mark.parametrize("early", [True, False], ids=["handed-over-early", "handed-over-late"])
 def test_a_spare_takes_the_dead_replicas_slot_and_the_job_is_back_to_full_at_once(
         tmp_path: pathlib.Path, early: bool) -> None:
-    # Early: the forward is padded to 0.3 s, so the hand-over (tens of milliseconds after the kill) comes well inside
-    # the step (FTHSDP_SPARE_EARLY=1: within one step). Late: paced at 0.15 s a step. Both leave over 20 s after the
-    # kill for the killed group's warm standby to register, catch up and train as a spare before the end.
-    steps = 80 if early else 150
+    # Early: the forward is padded to 0.3 s, so the hand-over (tens to hundreds of milliseconds after the kill, while
+    # the killed processes free their memory) comes well inside the step (FTHSDP_SPARE_EARLY=1: within one step).
+    # Late: paced at 0.15 s a step. Both leave about 10 s after the kill for the killed group's warm standby to
+    # register, catch up and train as a spare before the end (it took 1.3 s here).
+    steps = 40 if early else 70
     env = {"FTHSDP_SPARE_EARLY": "1" if early else "0"}
     config = ClusterConfig(replicas=2, spares=1, ranks=2, steps=steps, model="tiny", kills=(Kill(1, KILL),),
                            restart_delay_s=0.5, timeout_s=240, warm_restarts=True,
