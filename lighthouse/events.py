@@ -29,7 +29,7 @@ class DeathCause(StrEnum):
     process died), so its silence need not be waited for."""
     GONE = "gone"
     """Its session closed from its end and its own catch-up endpoint then refused a connection: its process is gone
-    (``lighthouse.probe``), so neither a report nor its silence need be waited for."""
+    (``lighthouse.server.probe``), so neither a report nor its silence need be waited for."""
     REPORTED = "reported"
     """Reported earlier in the epoch, then silent for ``confirm_age_s`` (confirmed at a later tick)."""
     HUNG = "hung"

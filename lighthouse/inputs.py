@@ -79,7 +79,7 @@ class Tick:
     confirmed dead at once, as a report that found the connection closed is."""
     gone: Mapping[str, str] = field(default_factory=dict)
     """Members (id -> incarnation) whose session closed from their end and whose own catch-up endpoint then refused
-    a connection: their process is gone, so they are dead with no report (``lighthouse.probe``). An entry whose
+    a connection: their process is gone, so they are dead with no report (``lighthouse.server.probe``). An entry whose
     incarnation is no longer the member's changes nothing."""
 
 

@@ -30,6 +30,8 @@ Rules (docs/design.md §4):
   suspect's last heartbeat is older than ``confirm_age_s`` (at the report, or at a later tick), or at once
   because its own connection closed (``Report.disconnected_s``: its process died). An ``early`` report (before
   the reporter's blame grace ended) only confirms on such evidence and otherwise records nothing.
+  Or, with no report, a member whose session closed from its end and whose catch-up endpoint then refused the
+  lighthouse's connection (``Tick.gone``, for that incarnation only: ``lighthouse.server.probe``).
 - A reported suspect that keeps heartbeating for ``confirm_age_s`` is alive: the epoch is re-formed with the
   same members (a new number), so that every member rebuilds its data plane instead of waiting forever. One
   reported again after ``max_reforms`` consecutive re-forms is hung (heartbeating, not training): dead, if the
