@@ -123,13 +123,16 @@ def _load(rep: Replica, shards: ShardState, got: FetchResult) -> int:
     return got.step
 
 
-def zero_step(rep: Replica, zeros: list[Handle | None]) -> StepResult:
+def zero_step(rep: Replica, zeros: list[Handle | None], redo: Callable[[Tally], list[Handle | None]] | None = None,
+              losses: list[float] | None = None) -> StepResult:
     """The step after catching up contributes ``zeros`` (sent before the last slice of the replay) and trains no
-    batch (its slot's cursor stays): its own gradients would have come late, and the others would have waited."""
+    batch (its slot's cursor stays): its own gradients would have come late, and the others would have waited.
+    A spare's step is one too, but its ``redo`` may train a slot's batch instead, appending its loss to ``losses``
+    (``fthsdp.runtime.spares.spare_step``)."""
     rep._settling, t0 = None, time.perf_counter()
-    commit, results = rep._settle(zeros, contribute=False)
+    commit, results = rep._settle(zeros, contribute=False, redo=redo)
     batches = rep._commit(commit.step, results)
     rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
     rep._after_commit(batches, commit.stop)
-    return StepResult(commit.step, None, commit.epoch, results[0].contributors, False, commit.attempts,
-                      time.perf_counter() - t0, batches, rep._lr_factor, contributed=False)
+    return StepResult(commit.step, losses[0] if losses else None, commit.epoch, results[0].contributors, False,
+                      commit.attempts, time.perf_counter() - t0, batches, rep._lr_factor, contributed=bool(losses))

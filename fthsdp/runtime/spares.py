@@ -136,22 +136,19 @@ def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:
             return train(slot)
         return rep._exchange_all(contribute=bool(losses))
 
-    t0 = time.perf_counter()
     slot = _handed(rep, seen(rep.client))
     handles = train(slot) if slot != NO_SLOT else rep._exchange_all(contribute=False)
-    commit, results = rep._settle(handles, contribute=False, redo=redo)
-    batches = rep._commit(commit.step, results)
-    rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
-    rep._after_commit(batches, commit.stop)
+    result = catching_up.zero_step(rep, handles, redo, losses)
     rep.shadow.committed()
-    return StepResult(commit.step, losses[0] if losses else None, commit.epoch, results[0].contributors, False,
-                      commit.attempts, time.perf_counter() - t0, batches, rep._lr_factor, contributed=bool(losses))
+    return result
 
 
 def _handed(rep: Replica, slot: int) -> int:
     """The slot every rank of this spare trains in the current step: the newest one its ranks saw, if every rank
     finds the step young enough (``Shadow.early``); else ``NO_SLOT``. One MAX all-reduce over the replica's ranks
     (the early flags ride negated, so a rank that says no wins)."""
+    if rep.config.spare_early == 0:  # the same on every rank: no collective needed to agree on never
+        return NO_SLOT
     mine = torch.tensor([slot, -int(rep.shadow.early(rep.config.spare_early))], dtype=torch.int64, device=rep.device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     agreed, all_early = int(mine[0]), -int(mine[1]) == 1
