@@ -1,5 +1,5 @@
-"""Fixtures shared by the unit and integration tests: in-process lighthouses, gRPC stubs to them, one real etcd.
-The helpers they use live in ``tests/helpers``."""
+"""Fixtures shared by the unit and integration tests: in-process lighthouses, gRPC stubs to them, one real etcd,
+and the check that no test leaves a process behind. The helpers they use live in ``tests/helpers``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from lighthouse import membership as m
 from lighthouse.stores.base import Store
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
+from tests.helpers.leaks import no_process_left_behind  # noqa: F401  (autouse: every test)
 from tests.helpers.lighthouse import FAST_POLICY, SLOW_POLICY, TOKEN, ServerThread, make_config
 from tests.helpers.tls_certs import Certs, make_certs, make_etcd_certs
 

@@ -63,12 +63,52 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
     return proc.returncode
 
 
-def kill_group(proc: subprocess.Popen[bytes] | None) -> None:
-    """SIGKILL our own child's process group (started with ``start_new_session``) and reap it."""
-    if proc is not None and proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def descendants(pid: int) -> list[int]:
+    """The live descendants of ``pid``, children first (Linux: read from ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":  # a zombie has already ended
+                children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        nxt = [c for p in frontier for c in children.get(p, [])]
+        found += nxt
+        frontier = nxt
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has)."""
+    with contextlib.suppress(OSError, IndexError):
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+def kill_group(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
+    """SIGKILL our own child (started with ``start_new_session``), its process group and every descendant, then
+    wait until all of them have ended. A torchrun agent starts each worker in a session of its own, so killing
+    the agent's group alone leaves a worker behind that has not yet tied its life to the agent's
+    (``fthsdp.runtime.startup.die_with_parent``)."""
+    if proc is None or proc.poll() is not None:
+        return
+    below = descendants(proc.pid)  # before the kill: once the agent is gone they belong to init
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:  # a session of its own: what it started goes with it
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    end = time.monotonic() + timeout
+    while any(alive(p) for p in below):
+        if time.monotonic() > end:
+            raise TimeoutError(f"processes {[p for p in below if alive(p)]} under {proc.pid} outlived SIGKILL")
+        time.sleep(0.01)  # polling a condition with a deadline
 
 
 def run_to_completion(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, timeout_s: float,
@@ -85,3 +125,15 @@ def run_to_completion(cmd: list[str], env: dict[str, str], log_path: pathlib.Pat
         kill_group(proc)
     if code != 0:
         raise RuntimeError(f"{what} exited with {code} (log: {log_path})")
+
+
+def marked(name: str, value: str) -> list[int]:
+    """The live processes of this user whose environment holds ``name=value``: those a test started carry the
+    test's mark (tests/conftest.py), so one left behind is found whoever started it."""
+    needle = f"{name}={value}".encode() + b"\0"
+    found = []
+    for env in pathlib.Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if (b"\0" + env.read_bytes()).find(b"\0" + needle) >= 0 and int(env.parent.name) != os.getpid():
+                found.append(int(env.parent.name))
+    return [p for p in found if alive(p)]

@@ -1,0 +1,78 @@
+"""``kill_group`` ends the whole tree under our child, as a torchrun agent's is: the agent starts each worker in a
+session of its own, so a kill of the agent's process group alone leaves its workers behind. And a test that leaves
+a process behind fails (tests/helpers/leaks.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from fthsdp.testing.procutil import alive, descendants, kill_group
+from tests.helpers import leaks
+
+# A parent (our child) that starts a grandchild in a new session, prints its PID and waits for a signal, as a
+# torchrun agent does with its workers.
+_AGENT = (
+    "import signal, subprocess, sys\n"
+    "w = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'], start_new_session=True)\n"
+    "print(w.pid, flush=True)\n"
+    "signal.pause()\n"
+)
+
+
+def test_kill_group_ends_a_worker_in_a_session_of_its_own() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _AGENT], stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None
+    worker = int(proc.stdout.readline())
+    try:
+        assert os.getpgid(worker) == worker != proc.pid  # not in the agent's process group
+        assert descendants(proc.pid) == [worker]
+        kill_group(proc)
+        assert proc.returncode == -signal.SIGKILL
+        assert not alive(worker)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+        proc.stdout.close()
+
+
+def test_kill_group_of_an_ended_child_is_a_no_op() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=60)
+    kill_group(proc)
+    kill_group(None)
+    assert proc.returncode == 0
+
+
+def test_alive_is_false_for_a_reaped_process() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert alive(os.getpid())
+    proc.wait(timeout=60)
+    assert not alive(proc.pid)
+
+
+_LEAKY = '''
+import subprocess, sys
+from tests.helpers.leaks import no_process_left_behind  # noqa: F401
+
+def test_leaks():
+    subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True)
+
+def test_cleans_up():
+    p = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+    p.kill()
+    p.wait()
+'''
+
+
+def test_a_process_left_behind_fails_its_test(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(leaks, "GRACE_S", 1.0)
+    pytester.makepyfile(test_inner=_LEAKY)
+    result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:xdist", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, errors=1)  # the leak is an error in test_leaks's teardown
+    result.stdout.fnmatch_lines(["*1 processes the test started outlived it*", "*signal.pause()*"])
