@@ -6,7 +6,9 @@ contributing replica sent (``fthsdp.runtime.digest``).
 
 On a mismatch: a replica in the minority raises ``Diverged`` (it restarts and catches up from the others); the
 majority logs an error naming it and goes on; with no majority (two replicas that differ), every one raises
-``DigestMismatch``: nobody can tell which state is right, so the job stops rather than train on."""
+``DigestMismatch``: nobody can tell which state is right, so the job stops rather than train on. A spare (no
+slot, so no digest sent) digests its state too and holds it against the slots' majority (``check_own``): if it
+differs it raises ``Diverged`` too, so a spare that took a slot later would not train on a corrupt state."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 
 from ftar import ExchangeResult
 from fthsdp.runtime.buckets import BucketExchange, LogFn
-from fthsdp.runtime.digest import decide, due
+from fthsdp.runtime.digest import bits, decide, due, strays
 from fthsdp.runtime.errors import DigestMismatch, Diverged
 from fthsdp.runtime.state import ShardState, replica_hash
 
@@ -69,3 +71,16 @@ class DigestCheck:
         self.log(logging.ERROR, "the state of replica(s) %s differs from the majority's at step %d (digest per "
                  "replica index: %s); they restart and catch up", list(verdict.differ), step, seen)
         return verdict.differ
+
+    def check_own(self, step: int, own: bytes | None, results: Sequence[ExchangeResult]) -> None:
+        """After committing ``step`` as a replica that sent no digest (a spare): raises ``Diverged`` when ``own``,
+        its digest of the state before ``step`` (None: not a checked step), differs from the slots' majority."""
+        if own is None:
+            return
+        verdict = decide(BucketExchange.digests_of(results))
+        if strays(bits(own), verdict):
+            seen = ", ".join(f"{s}: {d:016x}" for s, d in sorted(verdict.digests.items()))
+            msg = (f"this spare's state ({bits(own):016x}) differs from the majority's at step {step} (digest per "
+                   f"replica index: {seen}): restarting to catch up from the others")
+            self.log(logging.ERROR, "%s", msg)
+            raise Diverged(msg, step, ())

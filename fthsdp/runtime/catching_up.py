@@ -14,23 +14,26 @@ exchange.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
 
 from ftar import ExchangeResult, Handle
 from fthsdp.catchup.client import FetchResult
+from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.commit import Commit, Tally
 from fthsdp.runtime.join import Joiner
 from fthsdp.runtime.metrics import ReplicaMetrics
 from fthsdp.runtime.result import StepResult
 from fthsdp.runtime.startup import all_ranks
 from fthsdp.runtime.state import ShardState
+from lighthouse.model import NO_SLOT
 
 SLICE_SHARE = 0.5
 """A replay slice's budget: this share of the others' step."""
@@ -43,6 +46,8 @@ class Replica(Protocol):
 
     joiner: Joiner
     metrics: ReplicaMetrics
+    check: DigestCheck
+    slot: int
     device: torch.device
     step: int
     cursors: torch.Tensor
@@ -59,11 +64,27 @@ class Replica(Protocol):
     def _log(self, level: int, msg: str, *args: object) -> None: ...
 
 
+@contextlib.contextmanager
+def lent_slot(rep: Replica) -> Iterator[None]:
+    """Meanwhile a replica with no data slot (a spare) reads as slot 0's (``slot``, ``cursor``), for a warm-up's
+    forward and backward, whose result is thrown away: the trainer's closure reads its slot's batch, and a spare has
+    none. It consumes no data (no cursor moves without a commit)."""
+    if rep.slot != NO_SLOT:
+        yield
+        return
+    rep.slot = 0
+    try:
+        yield
+    finally:
+        rep.slot = NO_SLOT
+
+
 def catch_up(rep: Replica, closure: Callable[[], torch.Tensor], shards: ShardState) -> StepResult:
     """Catch up (one ``train_step`` call): returns the joined step's result once this replica holds the same state
     as the others, with the next step's zeros in flight (``Replica._settling``)."""
     t_start = time.perf_counter()
-    entered = rep.joiner.enter(shards.opt, closure)
+    with lent_slot(rep):  # a spare group's restart warms up too
+        entered = rep.joiner.enter(shards.opt, closure)
     handles, got, intervals, t_in, replayed, at = rep._exchange_all(contribute=False), None, [], 0.0, 0, -1
     t_last = time.perf_counter()
     while True:
@@ -124,14 +145,15 @@ def _load(rep: Replica, shards: ShardState, got: FetchResult) -> int:
 
 
 def zero_step(rep: Replica, zeros: list[Handle | None], redo: Callable[[Tally], list[Handle | None]] | None = None,
-              losses: list[float] | None = None) -> StepResult:
+              losses: list[float] | None = None, own_digest: bytes | None = None) -> StepResult:
     """The step after catching up contributes ``zeros`` (sent before the last slice of the replay) and trains no
     batch (its slot's cursor stays): its own gradients would have come late, and the others would have waited.
-    A spare's step is one too, but its ``redo`` may train a slot's batch instead, appending its loss to ``losses``
-    (``fthsdp.runtime.spares.spare_step``)."""
+    A spare's step is one too, but its ``redo`` may train a slot's batch instead, appending its loss to ``losses``,
+    and it holds ``own_digest`` against the slots' (``fthsdp.runtime.spares.spare_step``)."""
     rep._settling, t0 = None, time.perf_counter()
     commit, results = rep._settle(zeros, contribute=False, redo=redo)
     batches = rep._commit(commit.step, results)
+    rep.check.check_own(commit.step, own_digest, results)
     rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
     rep._after_commit(batches, commit.stop)
     return StepResult(commit.step, losses[0] if losses else None, commit.epoch, results[0].contributors, False,

@@ -6,7 +6,8 @@ Each contributing replica puts its digest in its own slot's positions of a small
 elsewhere) at the end of the step's last bucket. The exchange sums, then averages, it; only one replica writes
 each position, so the sum is exact, and the average times the contributor count, rounded, gives the words back
 exactly: each word is a 16-bit chunk plus one (at most 65,536, far below float32's 2^24 exact integers), so 0
-means "no digest from this slot". Pure functions: the replica (``fthsdp.runtime.replica``) computes the digest,
+means "no digest from this slot". A spare has no slot, so it sends none: it checks its own digest against the
+slots' majority (``strays``). Pure functions: the replica (``fthsdp.runtime.replica``) computes the digest,
 and acts on the verdict."""
 
 from __future__ import annotations
@@ -72,6 +73,21 @@ class Verdict:
     @property
     def agree(self) -> bool:
         return not self.differ
+
+
+def bits(digest: bytes) -> int:
+    """The 64 bits of ``digest`` the replicas compare, as ``unpack`` gives them back."""
+    return int.from_bytes(digest[:2 * WORDS], "big")
+
+
+def strays(own: int, verdict: Verdict) -> bool:
+    """Whether a replica that sent no digest (a spare: no slot) holds a state other than the one the slots' strict
+    majority holds. With no digest sent, or no majority (the slots stop the job: ``Verdict.majority``), there is
+    nothing to hold it against: no."""
+    if not verdict.digests or not verdict.majority:
+        return False
+    majority = Counter(verdict.digests.values()).most_common(1)[0][0]
+    return own != majority
 
 
 def decide(digests: Mapping[int, int]) -> Verdict:

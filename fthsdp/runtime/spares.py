@@ -12,8 +12,10 @@ contributes from the next one.
 
 A replica with no slot (``NO_SLOT``) is a spare: its step exchanges zeros (``contribute=False``, not counted in
 the divisor), trains no batch and never calls the closure, then commits like the others, so its state equals
-theirs, bitwise, at every commit. What it costs: its devices, one more member in every exchange, and one
-all-reduce of two integers over its own ranks per step (do they train a slot now?).
+theirs, bitwise, at every commit; on the digest check's steps it holds its own digest against the slots'
+(``DigestCheck.check_own``), and restarts if it differs. What it costs: its devices, one more member in every
+exchange, one all-reduce of two integers over its own ranks per step (do they train a slot now?), and its digest
+on the check's steps.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Replica(catching_up.Replica, Protocol):
     slot: int
     shadow: Shadow
     client: LighthouseClient
+    world_size: int
 
     def _parts(self) -> tuple[ShardState, BucketExchange]: ...
 
@@ -74,14 +77,11 @@ def warm(rep: Replica, closure: Callable[[], torch.Tensor]) -> None:
     backward, thrown away, no optimizer step (its state must stay the others'), so that the first step it trains
     a slot in is not a process's slow first one (FSDP2's lazy init, first allocations), which every member would
     wait for. The closure runs as if this replica trained slot 0 (``cursor`` and ``slot`` read as that slot's):
-    like a joiner's warm-up, it must not consume data."""
+    like a joiner's warm-up, it must not consume data (``catching_up.lent_slot``)."""
     if rep.joiner.warmed or not rep.config.join_warmup or rep.opt is None:
         return
-    rep.slot = 0
-    try:
+    with catching_up.lent_slot(rep):
         warm_up(rep.opt, closure, rep._log, optimizer_step=False)
-    finally:
-        rep.slot = NO_SLOT
     rep.joiner.warmed = True
 
 
@@ -122,6 +122,8 @@ def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:
     contributors in the step the death hit. The lighthouse learns a death that early from the dead replica's
     refused endpoint (``lighthouse.server.probe``)."""
     warm(rep, closure)
+    shards, _ = rep._parts()
+    own = rep.check.digest(rep.step, shards, rep.cursors, rep.world_size, rep.device)  # it sends none: no slot
     losses: list[float] = []
 
     def train(slot: int) -> list[Handle | None]:
@@ -138,7 +140,7 @@ def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:
 
     slot = _handed(rep, seen(rep.client))
     handles = train(slot) if slot != NO_SLOT else rep._exchange_all(contribute=False)
-    result = catching_up.zero_step(rep, handles, redo, losses)
+    result = catching_up.zero_step(rep, handles, redo, losses, own)
     rep.shadow.committed()
     return result
 

@@ -1,7 +1,8 @@
 """The whole training state travels and is checked (issue 13), end to end on torchrun groups (Gloo, CPU, the tiny
 model, one rank per replica): a joiner with an LR scheduler ends bitwise equal to the others, and a replica whose
 state is silently corrupted is found by the periodic digest check within K steps, named, and sent back to catch
-up (or, with no majority to tell which state is right, the job stops)."""
+up (or, with no majority to tell which state is right, the job stops); a spare, which sends no digest, finds its
+own corruption the same way."""
 
 from __future__ import annotations
 
@@ -73,3 +74,26 @@ def test_two_replicas_that_differ_stop_the_job(tmp_path: pathlib.Path) -> None:
     for r in (0, 1):
         found = [x for x in progress(tmp_path, r) if x.event == "digest_mismatch"]
         assert [(x.step, x.extra["replicas"]) for x in found] == [(4, [0, 1])], found
+
+
+def test_a_corrupted_spare_finds_itself_and_catches_up(tmp_path: pathlib.Path) -> None:
+    """2 replicas and a spare group; the spare flips a bit of a parameter after committing step 5. It sends no
+    digest (it has no slot), so it holds its own against the slots' at the next check (step 8): it differs, says so
+    and restarts; the replicas see nothing wrong and go on. It catches up as a spare, and all three end equal."""
+    steps, corrupt, every = 100, 5, 4
+    env = {"FTHSDP_DIGEST_EVERY": str(every)}
+    report = Cluster(_config(spares=1, steps=steps, min_step_s=0.25,
+                             env={0: env, 1: env, 2: {**env, "FTHSDP_FAULT_CORRUPT": str(corrupt)}}), tmp_path).run()
+    found = [x for x in progress(tmp_path, 2) if x.event == "digest_mismatch"]
+    assert [(x.step, x.extra["replicas"]) for x in found] == [(8, [])], found
+    assert "this spare's state" in (found[0].error or "")
+    assert not [x for r in (0, 1) for x in progress(tmp_path, r)
+                if x.event == "digest_mismatch" or x.extra.get("diverged")]
+    exits = [e for e in report["events"] if e["event"] == "exit"]
+    assert [(e["replica"], e["killed"]) for e in exits] == [(2, False)], exits  # it asked to rejoin; nobody else left
+    for r in (0, 1):
+        check_survivor(tmp_path, r, steps)
+    rows = [x for x in progress(tmp_path, 2) if x.event == "step"]
+    assert len({x.incarnation for x in rows}) == 2 and any(x.joined for x in rows)
+    assert not any(x.contributed for x in rows)  # a spare, before and after
+    check_converged(report, steps)  # the spare's final state included

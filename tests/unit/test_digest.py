@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from ftar import ExchangeResult
 from fthsdp.runtime import digest
 from fthsdp.runtime.buckets import BucketExchange
-from fthsdp.runtime.digest import Verdict, decide, due, pack, unpack
+from fthsdp.runtime.digest import Verdict, bits, decide, due, pack, strays, unpack
 
 
 def _exchange(contributions: list[list[float]], contributors: int) -> list[float]:
@@ -101,3 +101,20 @@ def test_the_last_bucket_carries_the_digests_before_the_slot_mask() -> None:
     assert BucketExchange.digests_of([result]) == {0: int.from_bytes(_d(0)[:8], "big"),
                                                    2: int.from_bytes(_d(1)[:8], "big")}
     assert BucketExchange.mask_of([result]) == [0.5, 0.0, 0.5]
+
+
+@pytest.mark.parametrize(("own", "digests", "stray"), [
+    (7, {0: 7, 1: 7}, False),
+    (9, {0: 7, 1: 7}, True),
+    (9, {0: 7, 1: 9, 2: 7}, True),  # the slots' majority is 7, whatever slot 1 holds
+    (7, {0: 7, 1: 9, 2: 7}, False),
+    (9, {0: 7, 1: 9}, False),  # no majority: the slots stop the job, the spare cannot tell either
+    (9, {}, False),  # nobody sent one (every slot's replica caught up this step)
+])
+def test_a_spare_holds_its_digest_against_the_slots_majority(own: int, digests: dict[int, int], stray: bool) -> None:
+    assert strays(own, decide(digests)) == stray
+
+
+def test_the_compared_bits_are_the_ones_the_exchange_gives_back() -> None:
+    digest = bytes(range(1, 33))
+    assert unpack(_exchange([pack(0, 1, digest)], 1), 1) == {0: bits(digest)}

@@ -1,10 +1,12 @@
 """A spare's step clock (``fthsdp.runtime.spares.Shadow``): whether a slot handed over now is early enough in the
-step for the spare to train that step itself (``FTHSDP_SPARE_EARLY``)."""
+step for the spare to train that step itself (``FTHSDP_SPARE_EARLY``); and the slot a spare lends itself to warm up."""
 
 from __future__ import annotations
 
 import time
 from unittest import mock
+
+import pytest
 
 from fthsdp.runtime import spares
 
@@ -32,3 +34,18 @@ def test_early_is_a_fraction_of_the_median_step_since_the_last_commit() -> None:
         assert not s.early(0.25) and s.early(1.0)
     with _at(15.0):
         assert not s.early(0.0)  # 0: never
+
+
+def test_a_spare_lends_itself_slot_0_for_a_warm_up_only() -> None:
+    from types import SimpleNamespace
+
+    from fthsdp.runtime.catching_up import lent_slot
+    from lighthouse.model import NO_SLOT
+
+    spare, holder = SimpleNamespace(slot=NO_SLOT), SimpleNamespace(slot=2)
+    with lent_slot(spare), lent_slot(holder):  # type: ignore[arg-type]
+        assert (spare.slot, holder.slot) == (0, 2)
+    assert (spare.slot, holder.slot) == (NO_SLOT, 2)
+    with pytest.raises(ValueError), lent_slot(spare):  # type: ignore[arg-type]
+        raise ValueError("the closure failed")
+    assert spare.slot == NO_SLOT
