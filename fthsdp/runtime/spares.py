@@ -101,9 +101,14 @@ class Shadow:
 
     began: float | None = None
     intervals: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=9))
+    clock: Callable[[], float] | None = None
+    """Seconds (None: ``time.perf_counter``; the simulator's spares run on its clock: ``fthsdp.chaos.sim.trainer``)."""
+
+    def _now(self) -> float:
+        return self.clock() if self.clock is not None else time.perf_counter()
 
     def committed(self) -> None:
-        now = time.perf_counter()
+        now = self._now()
         if self.began is not None:
             self.intervals.append(now - self.began)
         self.began = now
@@ -111,7 +116,7 @@ class Shadow:
     def early(self, fraction: float) -> bool:
         """This step began at most ``fraction`` of a median step ago (no step measured yet: no)."""
         return fraction > 0 and self.began is not None and bool(self.intervals) and \
-            time.perf_counter() - self.began <= fraction * statistics.median(self.intervals)
+            self._now() - self.began <= fraction * statistics.median(self.intervals)
 
 
 def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:

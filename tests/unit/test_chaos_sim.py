@@ -37,7 +37,8 @@ def test_with_a_spare_a_slice_of_seeds_keeps_every_invariant_and_dead_replicas_s
     """``--sim-spares 1``: the lighthouse hands out the data slots (``lighthouse.slots``); the spare group takes a
     dead replica's slot and the replica, back, comes in as a spare. Exactly-once is checked on every commit (no
     slot contributes twice to a step) besides every other invariant. Seed 104: replica 1 is killed mid-exchange;
-    the spare (r2) trains slot 1 from the step after, replica 1's next incarnation trains none."""
+    the spare (r2) is handed its slot late and trains slot 1 from the step after, replica 1's next incarnation
+    trains none. Seed 7: a hand-over early in a step, and the spare trains that very step."""
     out = simulate(0, 60, spares=1, jobs=JOBS)
     assert out["spares"] == 1 and out["violations"] == 0, out["first_failing"]
     r = run_one(104, trace=True, spares=1)
@@ -45,6 +46,11 @@ def test_with_a_spare_a_slice_of_seeds_keeps_every_invariant_and_dead_replicas_s
     handed = [line for line in r["trace"] if "trains slot" in line]
     assert any("r2.1 trains slot 1" in line for line in handed), handed
     assert any("r1.2 trains slot -1" in line for line in handed), handed
+    # Seed 7: the spare (r3) is handed slot 1 early in step 12 and trains that step's batch itself.
+    r = run_one(7, trace=True, spares=1)
+    assert r["violations"] == []
+    assert [line.split(maxsplit=1)[1] for line in r["trace"] if "handed over early" in line] == \
+        ["r3.1 step 12: slot 1 handed over early: training its batch"]
     with pytest.raises(ValueError, match="need the lanes"):
         simulate(0, 1, plane="membership", spares=1)
     assert twice(((3, 2, (0, 1)), (5, 2, (1, 1)))) == [(1, 1)] and twice(((3, 2, (0, 1)),)) == []

@@ -24,6 +24,8 @@ from fthsdp.chaos.sim.lanes import LaneConfig, Request, Result, SimGroup, SimLan
 from fthsdp.chaos.sim.world import World
 from fthsdp.runtime.buckets import failure_of
 from fthsdp.runtime.commit import Commit, CommitProtocol, Exchanged, Failed, Failure, Rejoin, Tally, advance_cursors
+from fthsdp.runtime.config import RuntimeConfig
+from fthsdp.runtime.spares import Shadow
 from lighthouse import membership as m
 from lighthouse.epoch_view import EpochView
 from lighthouse.model import NO_SLOT
@@ -32,6 +34,8 @@ STEP_S = 1.0
 """A step's compute (forward and backward), for a replica that trains a batch."""
 RETRY_S = 0.2
 """How soon a joiner tries its catch-up again when it cannot yet (no step learned, no source)."""
+SPARE_EARLY = RuntimeConfig.spare_early
+"""``FTHSDP_SPARE_EARLY``'s default: a spare handed a slot within this fraction of its median step trains it."""
 
 NOT_SENT = FTARError("not sent")
 """A joiner's later bucket on a lane whose first one failed (``Failure.NOT_SENT``)."""
@@ -102,6 +106,11 @@ class SimTrainer:
         """Per lane, the step it exchanges (a joiner's: None until its first bucket teaches it)."""
         self._outcomes: list[list[Result | FTARError | None]] = []
         self._view: EpochView | None = None
+        self.shadow = Shadow(clock=lambda: self.world.now)
+        """A spare's step clock (``fthsdp.runtime.spares.Shadow``): is a slot handed over now early in the step?"""
+        self.spare_early = SPARE_EARLY
+        self._trains = False
+        """Whether this step trains a batch (a spare handed a slot early trains it from the step it got it)."""
 
     # --- what a lane reaches (``fthsdp.chaos.sim.lanes.Host``) ----------------------------------------------------
 
@@ -153,10 +162,22 @@ class SimTrainer:
     def _begin(self) -> None:
         for p in self.protocols:
             p.begin()
-        if self.joining or self.slot == NO_SLOT:
-            self._launch()  # a joiner's or a spare's zeros: nothing to compute
-        else:
+        self._trains = not self.joining and self.slot != NO_SLOT
+        if not self._trains and not self.joining:  # a spare: handed a slot already, it trains it in this step
+            self._hand_over(self._seen())
+        if self._trains:
             self.world.after(STEP_S, lambda: self.run(self._launch))
+        else:
+            self._launch()  # a joiner's or a spare's zeros: nothing to compute
+
+    def _hand_over(self, slot: int) -> bool:
+        """A spare handed ``slot`` early in its step trains it in this step (``fthsdp.runtime.spares.spare_step``:
+        at the step's start, or in the redo of its exchange); later, it sends zeros and trains it from the next."""
+        if slot == NO_SLOT or not self.assigned or not self.shadow.early(self.spare_early):
+            return False
+        self.world.log(f"{self.inc} step {self.step}: slot {slot} handed over early: training its batch")
+        self.slot, self._trains = slot, True
+        return True
 
     def _launch(self) -> None:
         """Every bucket of the step on every lane (a lane that does not know the step yet: its first bucket,
@@ -233,9 +254,14 @@ class SimTrainer:
         self.world.log(f"{self.inc} step {self.step}: vote failed ({tally}); redo")
         for lane in self.lanes:
             lane.reset(after=tally.newest, reform=tally.reform)  # partners that committed moved on there
-        self._launch()
+        if not self._trains and not self.joining and self._hand_over(tally.slot):
+            self.world.after(STEP_S, lambda: self.run(self._launch))  # the slot's batch: compute first
+        else:
+            self._launch()
 
     def _commit(self, step: int, results: list[list[Result]]) -> None:
+        if not self._trains:
+            self.shadow.committed()  # a spare's step clock: its commits as a spare
         record: Record = tuple((r.value, r.contributors, r.slots) for row in results for r in row)
         self._record(self, step, record)
         self.history[step] = record
