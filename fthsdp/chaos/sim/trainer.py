@@ -108,7 +108,6 @@ class SimTrainer:
         self._view: EpochView | None = None
         self.shadow = Shadow(clock=lambda: self.world.now)
         """A spare's step clock (``fthsdp.runtime.spares.Shadow``): is a slot handed over now early in the step?"""
-        self.spare_early = SPARE_EARLY
         self._trains = False
         """Whether this step trains a batch (a spare handed a slot early trains it from the step it got it)."""
 
@@ -173,7 +172,7 @@ class SimTrainer:
     def _hand_over(self, slot: int) -> bool:
         """A spare handed ``slot`` early in its step trains it in this step (``fthsdp.runtime.spares.spare_step``:
         at the step's start, or in the redo of its exchange); later, it sends zeros and trains it from the next."""
-        if slot == NO_SLOT or not self.assigned or not self.shadow.early(self.spare_early):
+        if slot == NO_SLOT or not self.assigned or not self.shadow.early(SPARE_EARLY):
             return False
         self.world.log(f"{self.inc} step {self.step}: slot {slot} handed over early: training its batch")
         self.slot, self._trains = slot, True
