@@ -64,20 +64,46 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
 
 
 def descendants(pid: int) -> list[int]:
-    """The live descendants of ``pid``, children first (Linux: read from ``/proc``)."""
+    """``pid``'s descendants, from /proc (torchrun's workers run in their own sessions: a ``killpg`` of the agent's
+    group does not reach them)."""
     children: dict[int, list[int]] = {}
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z":  # a zombie has already ended
-                children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found: list[int] = []
-    frontier = [pid]
-    while frontier:
-        nxt = [c for p in frontier for c in children.get(p, [])]
-        found += nxt
-        frontier = nxt
-    return found
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def signal_groups(pgids: list[int], sig: int) -> None:
+    """Send ``sig`` to each process group (one that is gone already is skipped)."""
+    for pgid in pgids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+
+
+def signal_tree(pid: int, sig: int) -> list[int]:
+    """Send ``sig`` to the process group of ``pid`` (a torchrun agent started in its own session) and to the
+    process group of each of its descendants (the workers); returns the groups signalled, agent's first."""
+    pgids = [pid]
+    for c in descendants(pid):
+        try:
+            g = os.getpgid(c)
+        except ProcessLookupError:
+            continue
+        if g not in pgids:
+            pgids.append(g)
+    signal_groups(pgids, sig)
+    return pgids
 
 
 def alive(pid: int) -> bool:
@@ -94,15 +120,8 @@ def kill_group(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> N
     (``fthsdp.runtime.startup.die_with_parent``)."""
     if proc is None or proc.poll() is not None:
         return
-    below = descendants(proc.pid)  # before the kill: once the agent is gone they belong to init
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in below:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if os.getpgid(pid) == pid:  # a session of its own: what it started goes with it
-                os.killpg(pid, signal.SIGKILL)
-            else:
-                os.kill(pid, signal.SIGKILL)
+    below = descendants(proc.pid)  # to wait for: once the agent is gone they belong to init
+    signal_tree(proc.pid, signal.SIGKILL)
     proc.wait()
     end = time.monotonic() + timeout
     while any(alive(p) for p in below):

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from fthsdp.chaos.actions import descendants, signal_tree
 from fthsdp.chaos.config import ChaosConfig
 from fthsdp.chaos.report import summary_text
 from fthsdp.chaos.run import run_chaos, soak
 from fthsdp.chaos.schedule import REPLICA_KINDS, schedule
+from fthsdp.testing.procutil import descendants, signal_tree
 from fthsdp.testing.progress import progress_path, read_progress
 from tests.helpers.cluster_checks import check_only_failed_pays
 
