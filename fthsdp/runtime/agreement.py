@@ -72,15 +72,17 @@ class DigestCheck:
                  "replica index: %s); they restart and catch up", list(verdict.differ), step, seen)
         return verdict.differ
 
-    def check_own(self, step: int, own: bytes | None, results: Sequence[ExchangeResult]) -> None:
+    def check_own(self, step: int, own: tuple[int, bytes | None], results: Sequence[ExchangeResult]) -> None:
         """After committing ``step`` as a replica that sent no digest (a spare): raises ``Diverged`` when ``own``,
-        its digest of the state before ``step`` (None: not a checked step), differs from the slots' majority."""
-        if own is None:
+        (the step it digested the state before, the digest: None when not a checked step) is of ``step`` and
+        differs from the slots' majority."""
+        digested, digest = own
+        if digest is None or digested != step:
             return
         verdict = decide(BucketExchange.digests_of(results))
-        if strays(bits(own), verdict):
+        if strays(bits(digest), verdict):
             seen = ", ".join(f"{s}: {d:016x}" for s, d in sorted(verdict.digests.items()))
-            msg = (f"this spare's state ({bits(own):016x}) differs from the majority's at step {step} (digest per "
+            msg = (f"this spare's state ({bits(digest):016x}) differs from the majority's at step {step} (digest per "
                    f"replica index: {seen}): restarting to catch up from the others")
             self.log(logging.ERROR, "%s", msg)
             raise Diverged(msg, step, ())

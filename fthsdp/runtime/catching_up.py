@@ -145,7 +145,7 @@ def _load(rep: Replica, shards: ShardState, got: FetchResult) -> int:
 
 
 def zero_step(rep: Replica, zeros: list[Handle | None], redo: Callable[[Tally], list[Handle | None]] | None = None,
-              losses: list[float] | None = None, own_digest: bytes | None = None) -> StepResult:
+              losses: list[float] | None = None, own_digest: tuple[int, bytes | None] = (-1, None)) -> StepResult:
     """The step after catching up contributes ``zeros`` (sent before the last slice of the replay) and trains no
     batch (its slot's cursor stays): its own gradients would have come late, and the others would have waited.
     A spare's step is one too, but its ``redo`` may train a slot's batch instead, appending its loss to ``losses``,

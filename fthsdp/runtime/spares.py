@@ -128,7 +128,7 @@ def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:
     refused endpoint (``lighthouse.server.probe``)."""
     warm(rep, closure)
     shards, _ = rep._parts()
-    own = rep.check.digest(rep.step, shards, rep.cursors, rep.world_size, rep.device)  # it sends none: no slot
+    own = rep.step, rep.check.digest(rep.step, shards, rep.cursors, rep.world_size, rep.device)  # sends none
     losses: list[float] = []
 
     def train(slot: int) -> list[Handle | None]:

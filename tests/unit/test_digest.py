@@ -118,3 +118,20 @@ def test_a_spare_holds_its_digest_against_the_slots_majority(own: int, digests: 
 def test_the_compared_bits_are_the_ones_the_exchange_gives_back() -> None:
     digest = bytes(range(1, 33))
     assert unpack(_exchange([pack(0, 1, digest)], 1), 1) == {0: bits(digest)}
+
+
+def test_a_spare_that_differs_raises_diverged_only_for_the_step_it_digested() -> None:
+    from fthsdp.runtime.agreement import DigestCheck
+    from fthsdp.runtime.errors import Diverged
+
+    words = _exchange([pack(0, 2, _d(0)), pack(1, 2, _d(0))], 2)
+    result = ExchangeResult([torch.zeros(2), torch.tensor(words, dtype=torch.float32), torch.ones(2)], 1, 2, 1, 0)
+    logged: list[str] = []
+    check = DigestCheck(10, lambda: -1, lambda level, msg, *args: logged.append(msg % args))
+    check.check_own(10, (10, _d(0)), [result])  # the same state
+    check.check_own(10, (10, None), [result])  # not a checked step
+    check.check_own(10, (9, _d(1)), [result])  # digested before another step: nothing to compare
+    assert logged == []
+    with pytest.raises(Diverged, match="this spare's state .* differs from the majority's at step 10"):
+        check.check_own(10, (10, _d(1)), [result])
+    assert len(logged) == 1
