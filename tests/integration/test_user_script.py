@@ -1,13 +1,15 @@
 """A user's own FSDP2 script made fault-tolerant (issue 19): ``tests/helpers/user/train_plain.py`` is the plain
 trainer (residual MLP, AdamW, ``CosineAnnealingLR``), ``train_fthsdp.py`` the same under fthsdp. The change stays
-small, and ``fthsdp run`` runs the script from outside the repository with its own arguments, through a SIGKILL:
-one final state, and the scheduler's learning rate equal across replicas at every step after the rejoin."""
+small, and ``fthsdp run`` runs the script from outside the repository with its own arguments, through a SIGKILL (and
+with a spare group, which takes the killed replica's slot): one final state, and the scheduler's learning rate equal
+across replicas at every step after the rejoin."""
 
 from __future__ import annotations
 
 import difflib
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -42,7 +44,11 @@ def _lr(path: pathlib.Path) -> dict[int, float]:
     return out
 
 
-def test_fthsdp_run_trains_a_user_script_through_a_kill(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("spares", [0, 1], ids=["no-spare", "a-spare"])
+def test_fthsdp_run_trains_a_user_script_through_a_kill(tmp_path: pathlib.Path, spares: int) -> None:
+    """With a spare group (``--spares 1``), the spare takes the killed replica's data slot (the script reads its
+    batch through ``next_batch`` inside the closure) and the killed replica comes back as a spare: every group
+    ends with one state and the scheduler's learning rate is the same on all."""
     work = tmp_path / "elsewhere"  # outside the repository, as a user's project
     work.mkdir()
     shutil.copy(USER / "train_fthsdp.py", work / "train.py")
@@ -50,24 +56,35 @@ def test_fthsdp_run_trains_a_user_script_through_a_kill(tmp_path: pathlib.Path) 
     out.mkdir()
     steps = 200
     proc = subprocess.run(
-        [sys.executable, "-m", "fthsdp", "run", "--replicas", "2", "--ranks", "2", "--kill", "1@10",
-         "--restart-delay", "0.5", "--timeout", "240", "--workdir", str(tmp_path / "logs"),
+        [sys.executable, "-m", "fthsdp", "run", "--replicas", "2", "--spares", str(spares), "--ranks", "2",
+         "--kill", "1@10", "--restart-delay", "0.5", "--timeout", "240", "--workdir", str(tmp_path / "logs"),
          "--report", str(report_path), "train.py", "--steps", str(steps), "--out", str(out), "--pace", "0.1"],
         cwd=work, env=child_env(), capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["command"] == ["train.py", "--steps", str(steps), "--out", str(out), "--pace", "0.1"]
     finals = report["final"]
-    assert set(finals) == {"0", "1"} and all(f is not None and f["step"] == steps for f in finals.values())
+    groups = {str(g) for g in range(2 + spares)}
+    assert set(finals) == groups and all(f is not None and f["step"] == steps for f in finals.values())
     assert len({f["param_hash"] for f in finals.values()}) == 1, finals
     assert not report["problems"]
-    assert any(e["event"] == "exit" and e["replica"] == 1 and e["killed"] for e in report["events"])
+    exits = [(e["replica"], e["killed"]) for e in report["events"] if e["event"] == "exit"]
+    assert exits == [(1, True)], exits  # only the killed group paid
     assert any(e["event"] == "start" and e["replica"] == 1 and e["incarnation"] == 2 for e in report["events"])
     lr0, lr1 = _lr(out / "lr-0.jsonl"), _lr(out / "lr-1.jsonl")
     assert sorted(lr0) == list(range(steps))
     after = [s for s in lr1 if s > 10]  # the restarted replica's steps, from its catch-up on
     assert len(after) > 20, f"the restarted replica logged {len(after)} steps after the kill"
     assert all(lr1[s] == lr0[s] for s in after), {s: (lr0[s], lr1[s]) for s in after if lr1[s] != lr0[s]}
+    if spares:
+        assert _lr(out / "lr-2.jsonl") == lr0  # the spare stepped the scheduler at every step, before and after
+        # The lighthouse's epochs, as it logs them: "... members=replica-0:active:slot0,... reason=...".
+        epochs = [(m.group(1).split(","), line) for line in (tmp_path / "logs" / "lighthouse.log").read_text()
+                  .splitlines() if (m := re.search(r" members=(\S+) reason=", line))]
+        handed = [members for members, line in epochs if "replica-1 dead" in line]
+        assert handed and "replica-2:active:slot1" in handed[0], handed  # the spare took the dead one's slot
+        back = [members for members, line in epochs if "replica-1 caught up" in line]
+        assert back and "replica-1:active" in back[0], back  # back as a spare: no slot
     assert "replica-1: step" in proc.stdout  # live progress from the lighthouse
     assert "state: agree at step" in proc.stdout and "differ" not in proc.stdout  # the digests, as it sees them
 
