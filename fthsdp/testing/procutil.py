@@ -63,19 +63,33 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
     return proc.returncode
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, ...); None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def state(pid: int) -> str | None:
+    """The process's state letter (``R``, ``S``, ``T`` stopped, ``Z`` ended, not reaped...); None: no such process."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has)."""
+    return state(pid) not in (None, "Z")
+
+
 def descendants(pid: int) -> list[int]:
     """``pid``'s descendants, from /proc (torchrun's workers run in their own sessions: a ``killpg`` of the agent's
     group does not reach them)."""
     children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
+        if d.isdigit() and (fields := _stat(d)):
+            children.setdefault(int(fields[1]), []).append(int(d))
     out, todo = [], [pid]
     while todo:
         for c in children.get(todo.pop(), []):
@@ -91,11 +105,12 @@ def signal_groups(pgids: list[int], sig: int) -> None:
             os.killpg(pgid, sig)
 
 
-def signal_tree(pid: int, sig: int) -> list[int]:
+def signal_tree(pid: int, sig: int, below: list[int] | None = None) -> list[int]:
     """Send ``sig`` to the process group of ``pid`` (a torchrun agent started in its own session) and to the
-    process group of each of its descendants (the workers); returns the groups signalled, agent's first."""
+    process group of each of its descendants (the workers; ``below`` if the caller has them already); returns the
+    groups signalled, agent's first."""
     pgids = [pid]
-    for c in descendants(pid):
+    for c in descendants(pid) if below is None else below:
         try:
             g = os.getpgid(c)
         except ProcessLookupError:
@@ -106,13 +121,6 @@ def signal_tree(pid: int, sig: int) -> list[int]:
     return pgids
 
 
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not ended (a zombie has)."""
-    with contextlib.suppress(OSError, IndexError):
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return False
-
-
 def kill_group(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
     """SIGKILL our own child (started with ``start_new_session``), its process group and every descendant, then
     wait until all of them have ended. A torchrun agent starts each worker in a session of its own, so killing
@@ -121,7 +129,7 @@ def kill_group(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> N
     if proc is None or proc.poll() is not None:
         return
     below = descendants(proc.pid)  # to wait for: once the agent is gone they belong to init
-    signal_tree(proc.pid, signal.SIGKILL)
+    signal_tree(proc.pid, signal.SIGKILL, below)
     proc.wait()
     end = time.monotonic() + timeout
     while any(alive(p) for p in below):
@@ -148,7 +156,7 @@ def run_to_completion(cmd: list[str], env: dict[str, str], log_path: pathlib.Pat
 
 def marked(name: str, value: str) -> list[int]:
     """The live processes of this user whose environment holds ``name=value``: those a test started carry the
-    test's mark (tests/conftest.py), so one left behind is found whoever started it."""
+    test's mark (tests/helpers/leaks.py), so one left behind is found whoever started it."""
     needle = f"{name}={value}".encode() + b"\0"
     found = []
     for env in pathlib.Path("/proc").glob("[0-9]*/environ"):

@@ -19,6 +19,7 @@ GRACE_S = 15.0
 """How long a process a test started may take to go once the test ends."""
 HELPERS = (b"from multiprocessing.resource_tracker import main", b"from multiprocessing.forkserver import main")
 """multiprocessing's own helpers: started once by the test process, they live as long as it does."""
+_marks = itertools.count()
 
 
 def _left(mark: str) -> dict[int, bytes]:
@@ -30,7 +31,6 @@ def _left(mark: str) -> dict[int, bytes]:
             if not any(h in cmd for h in HELPERS):
                 found[pid] = cmd
     return found
-_marks = itertools.count()
 
 
 @pytest.fixture(autouse=True)

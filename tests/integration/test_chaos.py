@@ -20,14 +20,9 @@ from fthsdp.chaos.config import ChaosConfig
 from fthsdp.chaos.report import summary_text
 from fthsdp.chaos.run import run_chaos, soak
 from fthsdp.chaos.schedule import REPLICA_KINDS, schedule
-from fthsdp.testing.procutil import descendants, signal_tree
+from fthsdp.testing.procutil import descendants, signal_tree, state
 from fthsdp.testing.progress import progress_path, read_progress
 from tests.helpers.cluster_checks import check_only_failed_pays
-
-
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _wait(cond: Any, what: str, timeout: float = 10.0) -> None:
@@ -49,9 +44,9 @@ def test_hang_stops_every_process_of_a_group_even_in_their_own_sessions() -> Non
         worker = descendants(agent.pid)[0]
         pgids = signal_tree(agent.pid, signal.SIGSTOP)
         assert pgids == [agent.pid, worker]
-        _wait(lambda: _state(agent.pid) == "T" and _state(worker) == "T", "both stopped")
+        _wait(lambda: state(agent.pid) == "T" and state(worker) == "T", "both stopped")
         signal_tree(agent.pid, signal.SIGCONT)
-        _wait(lambda: _state(agent.pid) != "T" and _state(worker) != "T", "both continued")
+        _wait(lambda: state(agent.pid) != "T" and state(worker) != "T", "both continued")
     finally:
         signal_tree(agent.pid, signal.SIGKILL)
         agent.wait(timeout=10)

@@ -259,8 +259,8 @@ class SimTrainer:
             self._launch()
 
     def _commit(self, step: int, results: list[list[Result]]) -> None:
-        if not self._trains:
-            self.shadow.committed()  # a spare's step clock: its commits as a spare
+        if not self._trains and not self.joining:
+            self.shadow.committed()  # a spare's step clock: its commits as a spare (``spares.spare_step``)
         record: Record = tuple((r.value, r.contributors, r.slots) for row in results for r in row)
         self._record(self, step, record)
         self.history[step] = record
