@@ -64,8 +64,14 @@ class Replica(Protocol):
     def _log(self, level: int, msg: str, *args: object) -> None: ...
 
 
+class Slotted(Protocol):
+    """What ``lent_slot`` uses of a replica: its data slot (``NO_SLOT``: a spare)."""
+
+    slot: int
+
+
 @contextlib.contextmanager
-def lent_slot(rep: Replica) -> Iterator[None]:
+def lent_slot(rep: Slotted) -> Iterator[None]:
     """Meanwhile a replica with no data slot (a spare) reads as slot 0's (``slot``, ``cursor``), for a warm-up's
     forward and backward, whose result is thrown away: the trainer's closure reads its slot's batch, and a spare has
     none. It consumes no data (no cursor moves without a commit)."""

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from fthsdp.runtime.catching_up import lent_slot
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.join import Joiner, warm_up
 from fthsdp.runtime.startup import hold_as_standby
@@ -23,6 +24,7 @@ class Replica(Protocol):
 
     config: RuntimeConfig
     joiner: Joiner
+    slot: int
     standby: bool
     opt: torch.optim.Optimizer | None
     _registered: list[Callable[[], object]]
@@ -39,8 +41,10 @@ def take_place(ft: Replica, closure: Callable[[], torch.Tensor]) -> None:
     assert ft.opt is not None
     if ft.config.join_warmup:
         # No optimizer step: the role is not known yet (an active replica with no checkpoint trains from the state
-        # as built); a joiner's optimizer state comes with its snapshot.
-        warm_up(ft.opt, closure, ft._log, optimizer_step=False)
+        # as built); a joiner's optimizer state comes with its snapshot. A spare group's standby has no slot to
+        # read a batch from: it borrows slot 0's, consuming nothing.
+        with lent_slot(ft):
+            warm_up(ft.opt, closure, ft._log, optimizer_step=False)
         ft.joiner.warmed = True
     ft._log(logging.INFO, "warm standby: waiting for %s", ft.config.standby_gate)
     held = hold_as_standby(ft.config.standby_gate)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fthsdp.runtime import standby
+from lighthouse.model import NO_SLOT
 
 
 @dataclass
@@ -19,6 +20,7 @@ class FakeReplica:
     config: Any
     opt: torch.optim.Optimizer
     joiner: Any = field(default_factory=lambda: type("J", (), {"warmed": False})())
+    slot: int = 0
     standby: bool = True
     calls: list[str] = field(default_factory=list)
     _registered: list[Callable[[], object]] = field(default_factory=list)
@@ -60,3 +62,24 @@ def test_a_standby_warms_up_without_changing_its_state_and_registers_only_once_r
     assert ft.calls == ["register", "role", "start line"] and not ft.standby and ft.joiner.warmed
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "warm-up changed the state"
     assert all(p.grad is None for p in model.parameters()) and not opt.state
+
+
+def test_a_spare_groups_standby_warms_up_on_a_lent_slot(tmp_path: pathlib.Path) -> None:
+    """A spare group has no data slot: its standby's warm-up reads slot 0's batch (``lent_slot``) instead of
+    failing in the trainer's ``cursor``, and is a spare again once released."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    gate = tmp_path / "gate"
+    gate.write_text("go\n")
+    cfg = type("C", (), {"join_warmup": True, "standby_gate": str(gate)})()
+    ft = FakeReplica(cfg, opt, slot=NO_SLOT)
+    seen: list[int] = []
+
+    def closure() -> torch.Tensor:
+        if ft.slot == NO_SLOT:
+            raise RuntimeError("a spare has no batch")  # what the trainer's cursor raises
+        seen.append(ft.slot)
+        return model(torch.ones(3, 4)).sum()
+
+    standby.take_place(ft, closure)
+    assert seen == [0] and ft.slot == NO_SLOT and ft.calls == ["register", "role"] and ft.joiner.warmed
