@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 
 from fthsdp.bench.results import OverheadResult
-from fthsdp.testing.launcher import Cluster, ClusterConfig
+from fthsdp.testing.launcher import Cluster, ClusterConfig, at_lighthouse_defaults
 from fthsdp.testing.procutil import child_env, torchrun
 from fthsdp.testing.progress import progress_path, read_progress, steps_of
 from lighthouse.model import Policy
@@ -42,11 +42,8 @@ def _baseline(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: s
 
 def _fthsdp(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: str, batch: int, warmup: int) -> float:
     work = tmp / f"fthsdp{len(list(tmp.glob('fthsdp*')))}"
-    policy = Policy()
-    Cluster(ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model, batch=batch, timeout_s=1800,
-                          heartbeat_interval_s=policy.heartbeat_interval_s,
-                          heartbeat_timeout_s=policy.heartbeat_timeout_s, confirm_age_s=policy.confirm_age_s),
-            work).run()
+    Cluster(at_lighthouse_defaults(ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model,
+                                                 batch=batch, timeout_s=1800)), work).run()
     return statistics.median(_median_step(progress_path(work, r), warmup) for r in range(replicas))
 
 

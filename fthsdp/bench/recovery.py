@@ -21,6 +21,10 @@ groups killed at the same step measure what a double failure costs the last surv
   median step of plain FSDP2-HSDP on the same shape (no failure; run after fthsdp's, in the same invocation) /
   (replicas x wall time from the first to the last commit). ``effective_training_time`` uses the run's own median
   step, so a slower step would score better; this one cannot (``common_ett``).
+
+The lighthouse runs at its own defaults (``at_lighthouse_defaults``: heartbeats every 0.5 s), as a deployment's does
+and as ``fthsdp bench overhead``'s; a death is confirmed by its closed session and refused endpoint, not by a
+heartbeat timeout, so the interval costs the recovery nothing and the step no CPU for faster heartbeats.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any
 
 from fthsdp.bench.baselines import run_plain
 from fthsdp.bench.results import RecoveryResult
-from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
+from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, at_lighthouse_defaults
 from fthsdp.testing.progress import steps_of
 
 _PIECE = 4 << 20
@@ -189,9 +193,9 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
     with tempfile.TemporaryDirectory(prefix="fthsdp-bench-recovery-") as tmp:
         wd = pathlib.Path(workdir or tmp)
         baseline = _SocketBaseline(kills[0].replica)
-        cluster = Cluster(ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model,
-                                        kills=kills, restart_delay_s=restart_delay_s,
-                                        warm_restarts=warm_restarts, spares=spares), wd,
+        config = ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model, kills=kills,
+                               restart_delay_s=restart_delay_s, warm_restarts=warm_restarts, spares=spares)
+        cluster = Cluster(at_lighthouse_defaults(config), wd,
                           on_tick=baseline)
         report = cluster.run()
         if not baseline.mbps:

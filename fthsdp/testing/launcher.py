@@ -4,12 +4,13 @@ loopback, with failure injection and restarts. ``fthsdp demo`` and the integrati
 A replica group that exits non-zero (killed, or asking to rejoin) is restarted after ``restart_delay_s`` as a
 new incarnation; it registers as joining and catches up. With ``warm_restarts`` each group has a warm standby: a
 torchrun of the group started ahead and held before its registration (``FTHSDP_STANDBY_GATE``); a restart releases
-it instead of starting cold, and a new standby starts once the released one has committed a step. Every wait has a
-deadline (``timeout_s``).
+it instead of starting cold, and a new standby starts once the released one has committed a step, at a low CPU
+priority until it is released (``standby_nice``). Every wait has a deadline (``timeout_s``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -26,8 +27,10 @@ from fthsdp.bench.recovery_metrics import Failure, recovery_metrics
 from fthsdp.testing.faults import PHASES
 from fthsdp.testing.lanes import lanes
 from fthsdp.testing.lighthouse_process import start_lighthouse_process
+from fthsdp.testing.priority import TreePriority
 from fthsdp.testing.procutil import child_env, kill_group, stop_process, torchrun
-from fthsdp.testing.progress import ProgressRow, progress_path, read_progress, steps_of
+from fthsdp.testing.progress import ProgressRow, ProgressTail, progress_path, steps_of
+from lighthouse.model import Policy
 
 log = logging.getLogger("fthsdp.testing.launcher")
 
@@ -89,6 +92,11 @@ class ClusterConfig:
     ``train_step``): a restart releases it, so it costs registration and catch-up, not a cold start. A standby costs
     the group's processes and memory while it waits (no CPU to speak of). A kill armed for a later incarnation goes
     with the standby started for it."""
+    standby_nice: int = 19
+    """The CPU priority (nice, 0-19; 0: the training's) of a standby started while the job trains, the replacement
+    of a released one, until its own release: its cold start must not take the training's CPU on a shared host, as
+    on a cluster, where it has a host of its own (``fthsdp.testing.priority``: the autogroup's nice where the
+    kernel has them). The standbys started with the job build at the training's priority, while the job starts."""
     timeout_s: float = 900.0
     """The whole job's deadline."""
     heartbeat_interval_s: float = 0.1
@@ -167,6 +175,15 @@ class ClusterConfig:
         return env
 
 
+def at_lighthouse_defaults(config: ClusterConfig) -> ClusterConfig:
+    """``config`` with the lighthouse at its own defaults (``lighthouse.model.Policy``: heartbeats every 0.5 s), as
+    a deployment runs it: what the benchmarks measure. ``ClusterConfig``'s defaults (heartbeats every 0.1 s, which
+    cost the replicas and the lighthouse CPU) are a setting for tests."""
+    p = Policy()
+    return dataclasses.replace(config, heartbeat_interval_s=p.heartbeat_interval_s,
+                               heartbeat_timeout_s=p.heartbeat_timeout_s, confirm_age_s=p.confirm_age_s)
+
+
 @dataclass
 class Standby:
     """A group's warm standby: its torchrun, held until ``gate`` exists."""
@@ -175,6 +192,8 @@ class Standby:
     gate: pathlib.Path
     log_path: pathlib.Path
     fault: Kill | None
+    priority: TreePriority | None = None
+    """Its tree's CPU priority while held (``ClusterConfig.standby_nice``); None: the training's."""
 
 
 @dataclass
@@ -195,6 +214,7 @@ class Group:
     standby: Standby | None = None
     """Its warm standby (``ClusterConfig.warm_restarts``)."""
     standbys: int = 0
+    standbys_lost: int = 0
 
 
 class Cluster:
@@ -220,6 +240,9 @@ class Cluster:
         self.streams_opened: dict[str, int] = {}
         """Sessions and watch streams the lighthouse opened during the run, by kind (read before it stops)."""
         self.addr = ""
+        self._tails: dict[int, ProgressTail] = {}
+        self.raising: list[tuple[int, TreePriority]] = []
+        """(group, its released standby's tree) not yet back at the training's priority (``_raise_released``)."""
 
     def event(self, kind: str, **kv: Any) -> None:
         """Record an event of the run (its report's ``events``)."""
@@ -243,13 +266,16 @@ class Cluster:
         """The group's next incarnation: its standby released if it has a live one, else a cold start."""
         sb, g.standby = g.standby, None
         if sb is not None and sb.proc.poll() is None:
+            if sb.priority is not None:  # back to the training's priority first: it must not start starved
+                sb.priority.want(0)
+                self.raising.append((g.index, sb.priority))
+                self._raise_released()
             sb.gate.write_text("go\n")
             g.proc, g.fault, g.log_path = sb.proc, sb.fault, sb.log_path
         else:
             if sb is not None:
-                self.event("standby_lost", replica=g.index, code=sb.proc.returncode)
-                if sb.fault is not None:
-                    g.pending_faults.insert(0, sb.fault)
+                g.standby = sb
+                self._standby_lost(g)
             g.fault = g.pending_faults.pop(0) if g.pending_faults else None
             g.proc = self._spawn(g, g.fault, g.log_path)
         g.incarnations += 1
@@ -260,21 +286,64 @@ class Cluster:
 
     def _ensure_standby(self, g: Group) -> None:
         """With warm restarts, start a standby for a group that has none, once its incarnation is past the start
-        (its first one; a released standby once it committed a step, so the new one does not slow its catch-up)."""
-        if not self.config.warm_restarts or g.finished or g.standby is not None or g.restart_at is not None:
+        (its first one; a released standby once it committed a step, so the new one does not slow its catch-up).
+        A standby that died while held is replaced (at most ``max_restarts`` times: then ``ReplicaFailed``)."""
+        if not self.config.warm_restarts or g.finished or g.restart_at is not None:
             return
+        if g.standby is not None:
+            if g.standby.proc.poll() is None:
+                return
+            self._standby_lost(g)
         if g.incarnations > 1 and not any(x.event == "step" and x.t >= g.started_at for x in self.progress(g)):
             return
         g.standbys += 1
         fault = g.pending_faults.pop(0) if g.pending_faults else None
         gate = self.workdir / f"replica{g.index}.standby{g.standbys}.gate"
         log_path = self.workdir / f"replica{g.index}.standby{g.standbys}.log"
-        g.standby = Standby(self._spawn(g, fault, log_path, gate), gate, log_path, fault)
-        self.event("standby", replica=g.index, standby=g.standbys)
+        proc = self._spawn(g, fault, log_path, gate)
+        low = (g.incarnations > 1 or g.standbys > 1) and self.config.standby_nice > 0  # started while the job trains
+        g.standby = Standby(proc, gate, log_path, fault,
+                            TreePriority(proc.pid, self.config.standby_nice) if low else None)
+        if g.standby.priority is not None:
+            g.standby.priority.apply()  # the agent now; its workers, in sessions of their own, as they appear
+        self.event("standby", replica=g.index, standby=g.standbys, nice=self.config.standby_nice if low else 0)
+
+    def _standby_lost(self, g: Group) -> None:
+        """Group ``g``'s held standby exited: forget it (a kill armed for it goes back to the group)."""
+        sb, g.standby = g.standby, None
+        assert sb is not None
+        g.standbys_lost += 1
+        self.event("standby_lost", replica=g.index, code=sb.proc.returncode)
+        log.warning("replica group %d: its warm standby exited with %s while held (log: %s)", g.index,
+                    sb.proc.returncode, sb.log_path)
+        if sb.fault is not None:
+            g.pending_faults.insert(0, sb.fault)
+        if g.standbys_lost > self.config.max_restarts:
+            raise ReplicaFailed(f"replica group {g.index}: {g.standbys_lost} warm standbys exited while held "
+                                f"(last exit status {sb.proc.returncode}); see {sb.log_path}")
+
+    def _lower_standbys(self) -> None:
+        """Give each held standby's processes, as they appear, its priority (``standby_nice``)."""
+        for g in self.groups:
+            if g.standby is not None and g.standby.priority is not None and g.standby.proc.poll() is None:
+                g.standby.priority.apply()
+
+    def _raise_released(self) -> None:
+        """Bring released standbys back to the training's priority (retried each period while rate-limited)."""
+        left = []
+        for index, tree in self.raising:
+            if tree.apply():
+                self.event("standby_raised", replica=index)
+            else:
+                left.append((index, tree))
+        self.raising = left
 
     def progress(self, g: Group) -> list[ProgressRow]:
-        """Group ``g``'s progress rows so far."""
-        return read_progress(g.progress)
+        """Group ``g``'s progress rows so far (read as the file grows: the supervisor looks often)."""
+        tail = self._tails.get(g.index)
+        if tail is None:
+            tail = self._tails[g.index] = ProgressTail(g.progress)
+        return tail.rows()
 
     def status(self) -> dict[str, Any]:
         """The lighthouse's ``/status``; ``ValueError`` with an external lighthouse whose HTTP address is unknown."""
@@ -330,6 +399,9 @@ class Cluster:
                     next_standby_check = time.monotonic() + 0.5
                     for g in self.groups:
                         self._ensure_standby(g)
+                    self._lower_standbys()
+                if self.raising:
+                    self._raise_released()
                 if self.on_tick is not None:
                     self.on_tick(self)
                 time.sleep(0.02)  # supervision period

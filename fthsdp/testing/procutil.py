@@ -78,6 +78,12 @@ def state(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
+def session(pid: int) -> int:
+    """The id of the session ``pid`` is in (-1: no such process)."""
+    fields = _stat(pid)
+    return int(fields[3]) if fields else -1
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` is a process that has not ended (a zombie has)."""
     return state(pid) not in (None, "Z")

@@ -93,6 +93,34 @@ def read_progress(path: pathlib.Path) -> list[ProgressRow]:
     return [x for x in rows if x is not None]
 
 
+class ProgressTail:
+    """A progress file read as it grows (rows are only appended): each ``rows`` call parses only the complete
+    lines written since the last one, so a supervisor that looks every period does not parse the whole file each
+    time (it would take the CPU the replicas train on)."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._rows: list[ProgressRow] = []
+
+    def rows(self) -> list[ProgressRow]:
+        """Every row so far (a copy), as ``read_progress`` would return them."""
+        try:
+            with open(self.path, "rb") as f:
+                if f.seek(0, 2) < self._offset:  # replaced by a shorter file: start over
+                    self._offset, self._rows = 0, []
+                f.seek(self._offset)
+                new = f.read()
+        except FileNotFoundError:
+            return list(self._rows)
+        end = new.rfind(b"\n") + 1  # a torn last line waits for its end
+        for line in new[:end].decode().splitlines():
+            if line.endswith("}") and (row := parse_line(line)) is not None:
+                self._rows.append(row)
+        self._offset += end
+        return list(self._rows)
+
+
 def progress_path(workdir: pathlib.Path, replica: int) -> pathlib.Path:
     """Where the launcher has replica ``replica`` write its rows."""
     return workdir / f"replica{replica}.progress.jsonl"

@@ -59,3 +59,5 @@ def test_a_spare_takes_the_dead_replicas_slot_and_the_job_is_back_to_full_at_onc
     assert not any(x.contributed for x in back)
     exits = [e for e in report["events"] if e["event"] == "exit"]
     assert {e["replica"] for e in exits} == {1} and exits[0]["killed"], exits
+    lost = [e for e in report["events"] if e["event"] == "standby_lost"]
+    assert not lost, lost  # every group's standby, the spare's too, was held until released or the end

@@ -41,3 +41,17 @@ def test_the_top_level_key_is_this_runs_own_or_the_tables() -> None:
     assert own["ett_common_step"] == 0.85 and own["fthsdp"]["common_step_s"] == 0.9
     vs = {"table": [{"system": "fthsdp", "ett_common_step": 0.8}, {"system": "torchft", "ett_common_step": 0.7}]}
     assert RecoveryReport(_result(), vs).to_json()["ett_common_step"] == 0.8
+
+
+def test_the_benchmarks_run_the_lighthouse_at_its_own_defaults() -> None:
+    """What a deployment runs (0.5 s heartbeats), not the test launcher's faster ones; the rest as given."""
+    from fthsdp.testing.launcher import ClusterConfig, at_lighthouse_defaults
+    from lighthouse.model import Policy
+
+    given = ClusterConfig(replicas=4, spares=1)
+    c = at_lighthouse_defaults(given)
+    p = Policy()
+    assert (c.heartbeat_interval_s, c.heartbeat_timeout_s, c.confirm_age_s) == \
+        (p.heartbeat_interval_s, p.heartbeat_timeout_s, p.confirm_age_s) != \
+        (given.heartbeat_interval_s, given.heartbeat_timeout_s, given.confirm_age_s)
+    assert (c.replicas, c.spares) == (4, 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from fthsdp.testing.progress import ProgressRow, parse_line, progress_path, read_progress, steps_of
+from fthsdp.testing.progress import ProgressRow, ProgressTail, parse_line, progress_path, read_progress, steps_of
 
 
 def test_a_written_row_reads_back_the_same() -> None:
@@ -29,3 +29,20 @@ def test_reading_skips_torn_and_foreign_lines_and_keeps_extra_keys(tmp_path: pat
     assert [x.event for x in rows] == ["start", "checkpoint", "step"]
     assert rows[1].extra == {"save_s": 0.25} and rows[1].to_json()["save_s"] == 0.25
     assert steps_of(rows) == [ProgressRow("step", 3.0, step=5, loss=1.5)]
+
+
+def test_a_tail_reads_what_was_appended_since_and_waits_for_a_torn_line_to_end(tmp_path: pathlib.Path) -> None:
+    path = progress_path(tmp_path, 0)
+    tail = ProgressTail(path)
+    assert tail.rows() == []  # not written yet
+    a, b, c = (ProgressRow("step", float(i), step=i) for i in range(3))
+    path.write_text(a.line() + "not json}\n")
+    assert tail.rows() == [a] == read_progress(path)
+    with open(path, "a") as f:
+        f.write(b.line()[:10])  # half a line: not a row yet
+        f.flush()
+        assert tail.rows() == [a]
+        f.write(b.line()[10:] + c.line())
+    assert tail.rows() == [a, b, c] == read_progress(path)
+    path.write_text(c.line())  # a new, shorter file: read from its start
+    assert tail.rows() == [c]

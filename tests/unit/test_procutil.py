@@ -9,9 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import pytest
 
+from fthsdp.testing import priority
 from fthsdp.testing.procutil import alive, descendants, kill_group
 from tests.helpers import leaks
 
@@ -76,3 +79,29 @@ def test_a_process_left_behind_fails_its_test(pytester: pytest.Pytester, monkeyp
     result = pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:xdist", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, errors=1)  # the leak is an error in test_leaks's teardown
     result.stdout.fnmatch_lines(["*1 processes the test started outlived it*", "*signal.pause()*"])
+
+
+def test_a_tree_is_lowered_and_raised_again_down_to_a_worker_in_a_session_of_its_own() -> None:
+    """A warm standby's torchrun is built at a low priority and raised to the training's when released
+    (``ClusterConfig.standby_nice``): the agent and its workers, each in a session (an autogroup) of its own."""
+    proc = subprocess.Popen([sys.executable, "-c", _AGENT], stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None
+    worker = int(proc.stdout.readline())
+    try:
+        tree = priority.TreePriority(proc.pid, 19)
+        assert_eventually(tree.apply, "the tree lowered")  # an unprivileged caller is rate-limited: again
+        expected = 19 if priority.supported() else 0  # without a way back, a launcher leaves it alone
+        assert [priority.nice(p) for p in (proc.pid, worker)] == [expected, expected]
+        tree.want(0)
+        assert_eventually(tree.apply, "the tree raised")
+        assert [priority.nice(p) for p in (proc.pid, worker)] == [0, 0]
+    finally:
+        kill_group(proc)
+        proc.stdout.close()
+
+
+def assert_eventually(done: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < end, f"{what}: not within {timeout}s"
+        time.sleep(0.02)  # polling a condition with a deadline

@@ -1,0 +1,95 @@
+"""CPU priority of a process tree we started (a warm standby's torchrun): lowered while it is built and held,
+raised again when it is released (docs/design.md §7, "Warm restarts").
+
+Linux with autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) shares the CPU between sessions first, and
+torchrun starts each worker in a session of its own, so a process's own nice value does not reach the training
+processes it competes with: the session's autogroup nice (``/proc/<pid>/autogroup``) does. Without autogroups
+each thread's nice value does (``setpriority``), and only a privileged process may raise it again: an unprivileged
+launcher on such a host leaves the priority alone (``supported``). The kernel lets an unprivileged process change
+an autogroup's nice at most every 100 ms (``EAGAIN``): ``TreePriority.apply`` is called again until it is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+
+from fthsdp.testing.procutil import alive, descendants, session
+
+AUTOGROUP_SWITCH = "/proc/sys/kernel/sched_autogroup_enabled"
+
+
+def autogroups() -> bool:
+    """Whether the kernel schedules by autogroup (one per session)."""
+    try:
+        with open(AUTOGROUP_SWITCH) as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+def supported() -> bool:
+    """Whether a lowered priority can be raised again by this process (autogroups, or a privileged caller)."""
+    return autogroups() or os.geteuid() == 0
+
+
+def nice(pid: int) -> int:
+    """Process ``pid``'s CPU priority as ``set_nice`` gives it (its autogroup's, else its main thread's)."""
+    if autogroups():
+        with open(f"/proc/{pid}/autogroup") as f:  # "/autogroup-123 nice 19"
+            return int(f.read().split()[-1])
+    return os.getpriority(os.PRIO_PROCESS, pid)
+
+
+def set_nice(pid: int, nice: int) -> bool:
+    """Give process ``pid`` CPU priority ``nice`` (its autogroup's, else each of its threads'); False: try again
+    later (rate-limited, or the process is not started far enough to have its session yet). A process that is gone
+    counts as done."""
+    if not alive(pid):
+        return True
+    try:
+        if autogroups():
+            with open(f"/proc/{pid}/autogroup", "w") as f:
+                f.write(str(nice))
+        else:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    except FileNotFoundError:
+        return True  # ended meanwhile
+    except OSError as e:
+        if e.errno == errno.EAGAIN:
+            return False
+        raise
+    return True
+
+
+class TreePriority:
+    """The wanted priority of a process tree (``root`` and its descendants, as they appear): ``apply`` brings each
+    process to it, ``want`` changes it. Cheap once every process is at the wanted value and no new one appeared."""
+
+    def __init__(self, root: int, nice: int) -> None:
+        self.root = root
+        self.nice = nice
+        self.applied: dict[tuple[int, int], int] = {}
+        """(pid, its session) -> the nice value given to it (a process that started a session since is new)."""
+
+    def want(self, nice: int) -> None:
+        """From now on the tree should run at ``nice``."""
+        self.nice = nice
+
+    def apply(self) -> bool:
+        """Give the wanted value to every process of the tree that lacks it; True when none is left to do."""
+        if not supported():
+            return True
+        ok = True
+        for pid in [self.root, *descendants(self.root)]:
+            key = (pid, session(pid))
+            if self.applied.get(key) == self.nice:
+                continue
+            if set_nice(pid, self.nice):
+                self.applied[key] = self.nice
+            else:
+                ok = False
+        return ok
