@@ -39,7 +39,8 @@ from fthsdp.bench.sim import SimConfig, simulate  # noqa: E402
 
 KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
          "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json", "recovery-cold.json",
-         "recovery-warm.json", "catchup.json", "recovery-spares.json", "recovery-vs-hsdp.json")
+         "recovery-warm.json", "catchup.json", "recovery-spares.json", "recovery-spares-warm.json",
+         "recovery-vs-hsdp.json")
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -505,22 +506,25 @@ def section_recovery_double(doc: dict[str, Any] | None) -> list[str]:
 
 
 def section_warm_restarts(cold: dict[str, Any] | None, warm: dict[str, Any] | None,
-                          notes: dict[str, Any] | None, spares: dict[str, Any] | None = None) -> list[str]:
+                          notes: dict[str, Any] | None, spares: dict[str, Any] | None = None,
+                          spares_warm: dict[str, Any] | None = None) -> list[str]:
     """A cold restart against a warm standby's release and a hot spare, invocations minutes apart
-    (``--warm-restarts``, ``--spares 1``)."""
+    (``--warm-restarts``, ``--spares 1``, both)."""
     runs: list[tuple[str, dict[str, Any]]] = []
-    for name, doc in (("cold start", cold), ("warm standby", warm), ("hot spare (+1 group), cold restart", spares)):
+    for name, doc in (("cold start", cold), ("warm standby", warm), ("hot spare (+1 group), cold restart", spares),
+                      ("hot spare (+1 group), warm standby", spares_warm)):
         if isinstance(f := (doc or {}).get("fthsdp"), dict):
             runs.append((name, f))
     if not runs:
         return []
     out = ["## Warm restarts and spares", "",
-           "`fthsdp bench recovery --json`, `fthsdp bench recovery --warm-restarts --json` and `fthsdp bench "
-           "recovery --spares 1 --json` (data: `docs/bench-data/recovery-cold.json`, `recovery-warm.json`, "
-           "`recovery-spares.json`): the reference model, 3 groups x 2 ranks (and one spare group of 2 ranks in "
-           "the last row), SIGKILL of group 1 at step 20, restarted 2 s later, from a cold torchrun or by releasing "
-           "its warm standby (docs/design.md §7, \"Warm restarts\" and \"Spares\"). With a spare, \"all replicas "
-           "contributing\" is every data slot again: the spare trains the killed group's.", "",
+           "`fthsdp bench recovery --json`, `fthsdp bench recovery --warm-restarts --json`, `fthsdp bench "
+           "recovery --spares 1 --json` and `fthsdp bench recovery --spares 1 --warm-restarts --json` (data: "
+           "`docs/bench-data/recovery-cold.json`, `recovery-warm.json`, `recovery-spares.json`, "
+           "`recovery-spares-warm.json`): the reference model, 3 groups x 2 ranks (and one spare group of 2 ranks "
+           "in the last two rows), SIGKILL of group 1 at step 20, restarted 2 s later, from a cold torchrun or by "
+           "releasing its warm standby (docs/design.md §7, \"Warm restarts\" and \"Spares\"). With a spare, "
+           "\"all replicas contributing\" is every data slot again: the spare trains the killed group's.", "",
            "| restart | kill -> restarted replica's first joined step (s) | kill -> all replicas contributing (s) | "
            "start (release) -> active (s) | registration -> active (s) | survivors' stall (s) | steady step (s) | "
            "effective training time | on plain's step | final states equal |",
@@ -625,7 +629,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += section_recovery_hsdp(load(data, "recovery-hsdp.json"))
     lines += section_recovery_double(load(data, "recovery-double.json"))
     lines += section_warm_restarts(load(data, "recovery-cold.json"), load(data, "recovery-warm.json"), notes,
-                                   load(data, "recovery-spares.json"))
+                                   load(data, "recovery-spares.json"), load(data, "recovery-spares-warm.json"))
     lines += section_catchup(load(data, "catchup.json"), notes)
     lines += section_lighthouse(load(data, "lighthouse.json"), load(data, "saturation.json"), notes, img)
     lines += section_sim(rec, base, img)
@@ -639,6 +643,8 @@ def main(argv: list[str] | None = None) -> None:
               ".venv/bin/fthsdp bench recovery --json > out/bench/recovery-cold.json",
               ".venv/bin/fthsdp bench recovery --warm-restarts --json > out/bench/recovery-warm.json",
               ".venv/bin/fthsdp bench recovery --spares 1 --json > out/bench/recovery-spares.json",
+              ".venv/bin/fthsdp bench recovery --spares 1 --warm-restarts --json "
+              "> out/bench/recovery-spares-warm.json",
               ".venv/bin/fthsdp bench lighthouse --replicas 1000 5000 10000 --vs torchft --json "
               "> out/bench/lighthouse.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",

@@ -18,7 +18,8 @@ groups killed at the same step measure what a double failure costs the last surv
   socket copy of the same bytes between two processes, measured in the same run while the job trains
   (target >= 0.5);
 - ``ett_common_step``: the effective training time on one common step: distinct replica-steps trained x the
-  median step of plain FSDP2-HSDP on the same shape (no failure; run after fthsdp's, in the same invocation) /
+  median step of plain FSDP2-HSDP on the same shape (no failure; the mean of a run just before fthsdp's and one
+  just after, in the same invocation: the host's speed drifts over minutes, as ``--vs torchft`` does it) /
   (replicas x wall time from the first to the last commit). ``effective_training_time`` uses the run's own median
   step, so a slower step would score better; this one cannot (``common_ett``).
 
@@ -192,6 +193,11 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
         raise ValueError(f"--kill: {len(kills)} kills leave no survivor among {replicas} replica groups")
     with tempfile.TemporaryDirectory(prefix="fthsdp-bench-recovery-") as tmp:
         wd = pathlib.Path(workdir or tmp)
+
+        def plain(name: str) -> float:
+            return float(run_plain(wd / name, steps=steps, replicas=replicas, ranks=ranks, model=model)["step_s"])
+
+        plain_runs = [plain("plain")] if common_step else []
         baseline = _SocketBaseline(kills[0].replica)
         config = ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model, kills=kills,
                                restart_delay_s=restart_delay_s, warm_restarts=warm_restarts, spares=spares)
@@ -202,10 +208,12 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
             raise RuntimeError("the restarted replica never caught up: no recovery to measure")
         spec = ",".join(f"{k.replica}@{k.step}:{k.phase}" for k in kills)
         figures = measure(cluster, report, baseline.mbps)
-        common = run_plain(wd / "plain", steps=steps, replicas=replicas, ranks=ranks, model=model)["step_s"] \
-            if common_step else None
+        if common_step:
+            plain_runs.append(plain("plain-after"))
+        common = round(statistics.mean(plain_runs), 4) if plain_runs else None
         return RecoveryResult(replicas=replicas, ranks_per_replica=ranks, steps=steps, model=model, kill=spec,
                               restart_delay_s=restart_delay_s, warm_restarts=warm_restarts, **figures,
                               common_step_s=common,
                               ett_common_step=common_ett(figures["replica_steps_trained"], figures["wall_s"],
-                                                         replicas, common), spares=spares)
+                                                         replicas, common), spares=spares,
+                              common_step_runs_s=plain_runs or None)

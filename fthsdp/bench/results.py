@@ -227,6 +227,8 @@ class RecoveryResult(_AsJson):
     """``fthsdp.bench.recovery.common_ett``: the effective training time on the common step."""
     spares: int = 0
     """Spare replica groups besides ``replicas`` (``ClusterConfig.spares``): a spare takes the killed group's slot."""
+    common_step_runs_s: list[float] | None = None
+    """The plain runs ``common_step_s`` is the mean of: one just before fthsdp's run, one just after."""
 
 
 @dataclass(frozen=True)

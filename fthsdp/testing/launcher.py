@@ -226,6 +226,8 @@ class Cluster:
         for k in config.kills:
             if k.replica not in indices:
                 raise ValueError(f"kill of replica {k.replica}: this launcher runs replica groups {list(indices)}")
+        if not 0 <= config.standby_nice <= 19:
+            raise ValueError(f"standby_nice {config.standby_nice}: a nice value from 0 (the training's) to 19")
         self.config = config
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)

@@ -55,3 +55,17 @@ def test_the_benchmarks_run_the_lighthouse_at_its_own_defaults() -> None:
         (p.heartbeat_interval_s, p.heartbeat_timeout_s, p.confirm_age_s) != \
         (given.heartbeat_interval_s, given.heartbeat_timeout_s, given.confirm_age_s)
     assert (c.replicas, c.spares) == (4, 1)
+
+
+def test_the_restart_table_has_a_row_per_invocation_given() -> None:
+    from fthsdp.bench.docs import section_warm_restarts
+
+    def doc(rejoin: float) -> dict[str, object]:
+        return {"fthsdp": {"rejoin_s": rejoin, "back_to_full_s": 1.0, "final_equal": True}}
+
+    lines = section_warm_restarts(doc(20.0), doc(4.5), None, doc(30.0), doc(4.0))
+    rows = [x for x in lines if x.startswith("| ") and x[2:5] in ("col", "war", "hot")]
+    assert [r.split(" | ")[0][2:] for r in rows] == [
+        "cold start", "warm standby", "hot spare (+1 group), cold restart", "hot spare (+1 group), warm standby"]
+    assert [r.split(" | ")[1] for r in rows] == ["20.00", "4.50", "30.00", "4.00"]
+    assert len(section_warm_restarts(doc(20.0), None, None)) > 0 and section_warm_restarts(None, None, None) == []

@@ -207,6 +207,9 @@ def test_run_one_hosts_groups_needs_the_jobs_lighthouse_and_valid_groups(tmp_pat
         ClusterConfig(replicas=4, groups=(1,)).indices()
     with pytest.raises(ValueError, match=r"kill of replica 0: this launcher runs replica groups \[1\]"):
         Cluster(ClusterConfig(replicas=2, lighthouse="h:1", groups=(1,), kills=(Kill(0, 5),)), tmp_path)
+    for nice in (-1, 20):
+        with pytest.raises(ValueError, match=f"standby_nice {nice}: a nice value from 0"):
+            Cluster(ClusterConfig(standby_nice=nice), tmp_path)
     cluster = Cluster(ClusterConfig(replicas=3, lighthouse="h:1", groups=(2,)), tmp_path)
     assert [g.index for g in cluster.groups] == [2]
     cluster.start_lighthouse()  # an external one: only addressed, nothing started
