@@ -19,12 +19,11 @@ import torch.distributed as dist
 from fthsdp.runtime import checkpoint
 from fthsdp.runtime.epoch_relay import GroupEpochs
 from fthsdp.runtime.errors import JobFinished, NoStateToResume
+from fthsdp.runtime.filewait import wait_until_exists
 from lighthouse import membership as m
 
 ADDR_BYTES = 256
 """Longest catch-up address (``host:port``) a rank may have."""
-GATE_POLL_S = 0.05
-"""How often a warm standby looks for its gate file (its release costs up to this much)."""
 
 
 class Role(enum.IntEnum):
@@ -76,10 +75,9 @@ def hold_as_standby(gate: str) -> float:
     """A warm standby (``FTHSDP_STANDBY_GATE``): wait, unregistered, until the launcher creates ``gate``; returns the
     seconds held. Every rank waits for the file itself (no collective: a standby may wait longer than any process
     group timeout). No deadline: a standby ends with its torchrun agent, which the launcher stops when the job
-    ends (``die_with_parent``)."""
+    ends (``die_with_parent``). The wait sleeps until the file's folder changes (``filewait``), not polling."""
     t0 = time.monotonic()
-    while not os.path.exists(gate):
-        time.sleep(GATE_POLL_S)  # the launcher's signal is a file; polling it costs a stat every GATE_POLL_S
+    wait_until_exists(gate)
     return time.monotonic() - t0
 
 
