@@ -201,8 +201,7 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
         baseline = _SocketBaseline(kills[0].replica)
         config = ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model, kills=kills,
                                restart_delay_s=restart_delay_s, warm_restarts=warm_restarts, spares=spares)
-        cluster = Cluster(at_lighthouse_defaults(config), wd,
-                          on_tick=baseline)
+        cluster = Cluster(at_lighthouse_defaults(config), wd, on_tick=baseline)
         report = cluster.run()
         if not baseline.mbps:
             raise RuntimeError("the restarted replica never caught up: no recovery to measure")

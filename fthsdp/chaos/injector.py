@@ -22,7 +22,7 @@ from fthsdp.chaos.cluster import ChaosCluster
 from fthsdp.chaos.schedule import Fault
 from fthsdp.testing.launcher import Cluster
 from fthsdp.testing.procutil import signal_groups, signal_tree
-from fthsdp.testing.progress import ProgressRow, parse_line
+from fthsdp.testing.progress import ProgressRow, ProgressTail
 
 log = logging.getLogger("fthsdp.chaos")
 
@@ -90,7 +90,7 @@ class Injector:
         self._stopped: set[int] = set()
         self._obs_t = 0.0
         self._progress: dict[int, list[ProgressRow]] = {}
-        self._offsets: dict[int, int] = {}
+        self._tails: dict[int, ProgressTail] = {}
         self._starts: dict[int, list[ProgressRow]] = {}
         self.stuck: list[dict[str, Any]] = []
 
@@ -118,20 +118,13 @@ class Injector:
         self._healthy = bool(leaders) and self._whole(c, leaders[0])
 
     def _rows(self, replica: int, path: pathlib.Path) -> list[ProgressRow]:
-        """The replica's progress lines, read incrementally (whole lines only); its start lines kept apart."""
+        """The replica's recent progress lines, read incrementally (whole lines only); its start lines kept
+        apart."""
         rows = self._progress.setdefault(replica, [])
-        try:
-            with open(path, "rb") as f:
-                f.seek(self._offsets.get(replica, 0))
-                data = f.read()
-        except FileNotFoundError:
-            return rows
-        end = data.rfind(b"\n") + 1
-        self._offsets[replica] = self._offsets.get(replica, 0) + end
-        for line in data[:end].splitlines():
-            x = parse_line(line)
-            if x is None:
-                continue
+        tail = self._tails.get(replica)
+        if tail is None:
+            tail = self._tails[replica] = ProgressTail(path)
+        for x in tail.new():
             rows.append(x)
             if x.event == "start":
                 self._starts.setdefault(replica, []).append(x)

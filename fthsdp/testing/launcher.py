@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fthsdp.bench.recovery_metrics import Failure, recovery_metrics
+from fthsdp.testing import priority
 from fthsdp.testing.faults import PHASES
 from fthsdp.testing.lanes import lanes
 from fthsdp.testing.lighthouse_process import start_lighthouse_process
@@ -215,6 +216,7 @@ class Group:
     """Its warm standby (``ClusterConfig.warm_restarts``)."""
     standbys: int = 0
     standbys_lost: int = 0
+    """Its standbys that exited while held (at most ``max_restarts``)."""
 
 
 class Cluster:
@@ -243,7 +245,7 @@ class Cluster:
         """Sessions and watch streams the lighthouse opened during the run, by kind (read before it stops)."""
         self.addr = ""
         self._tails: dict[int, ProgressTail] = {}
-        self.raising: list[tuple[int, TreePriority]] = []
+        self._raising: list[tuple[int, TreePriority]] = []
         """(group, its released standby's tree) not yet back at the training's priority (``_raise_released``)."""
 
     def event(self, kind: str, **kv: Any) -> None:
@@ -269,9 +271,7 @@ class Cluster:
         sb, g.standby = g.standby, None
         if sb is not None and sb.proc.poll() is None:
             if sb.priority is not None:  # back to the training's priority first: it must not start starved
-                sb.priority.want(0)
-                self.raising.append((g.index, sb.priority))
-                self._raise_released()
+                self._raise(g.index, sb.priority)
             sb.gate.write_text("go\n")
             g.proc, g.fault, g.log_path = sb.proc, sb.fault, sb.log_path
         else:
@@ -303,12 +303,13 @@ class Cluster:
         gate = self.workdir / f"replica{g.index}.standby{g.standbys}.gate"
         log_path = self.workdir / f"replica{g.index}.standby{g.standbys}.log"
         proc = self._spawn(g, fault, log_path, gate)
-        low = (g.incarnations > 1 or g.standbys > 1) and self.config.standby_nice > 0  # started while the job trains
+        # Started while the job trains: lowered, where it can be raised again at its release.
+        low = (g.incarnations > 1 or g.standbys > 1) and self.config.standby_nice > 0 and priority.supported()
         g.standby = Standby(proc, gate, log_path, fault,
                             TreePriority(proc.pid, self.config.standby_nice) if low else None)
         if g.standby.priority is not None:
             g.standby.priority.apply()  # the agent now; its workers, in sessions of their own, as they appear
-        self.event("standby", replica=g.index, standby=g.standbys, nice=self.config.standby_nice if low else 0)
+        self.event("standby", replica=g.index, standby=g.standbys, nice=priority.nice(proc.pid) if low else 0)
 
     def _standby_lost(self, g: Group) -> None:
         """Group ``g``'s held standby exited: forget it (a kill armed for it goes back to the group)."""
@@ -330,15 +331,30 @@ class Cluster:
             if g.standby is not None and g.standby.priority is not None and g.standby.proc.poll() is None:
                 g.standby.priority.apply()
 
+    def _raise(self, index: int, tree: TreePriority, wait_s: float = 1.0) -> None:
+        """Bring group ``index``'s standby back to the training's priority before it is released: waits up to
+        ``wait_s`` while the kernel rate-limits the change (an unprivileged launcher: one change per 100 ms), then
+        leaves the rest to ``_raise_released``."""
+        tree.want(0)
+        end = time.monotonic() + wait_s
+        while not tree.apply():
+            if time.monotonic() > end:
+                log.warning("replica group %d: its standby is released before all its processes are back at the "
+                            "training's CPU priority (rate-limited; retried)", index)
+                self._raising.append((index, tree))
+                return
+            time.sleep(0.02)  # the kernel's rate limit: a condition polled with a deadline
+        self.event("standby_raised", replica=index)
+
     def _raise_released(self) -> None:
         """Bring released standbys back to the training's priority (retried each period while rate-limited)."""
         left = []
-        for index, tree in self.raising:
+        for index, tree in self._raising:
             if tree.apply():
                 self.event("standby_raised", replica=index)
             else:
                 left.append((index, tree))
-        self.raising = left
+        self._raising = left
 
     def progress(self, g: Group) -> list[ProgressRow]:
         """Group ``g``'s progress rows so far (read as the file grows: the supervisor looks often)."""
@@ -402,7 +418,7 @@ class Cluster:
                     for g in self.groups:
                         self._ensure_standby(g)
                     self._lower_standbys()
-                if self.raising:
+                if self._raising:
                     self._raise_released()
                 if self.on_tick is not None:
                     self.on_tick(self)

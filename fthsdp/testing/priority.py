@@ -3,21 +3,27 @@ raised again when it is released (docs/design.md §7, "Warm restarts").
 
 Linux with autogroups (``/proc/sys/kernel/sched_autogroup_enabled``) shares the CPU between sessions first, and
 torchrun starts each worker in a session of its own, so a process's own nice value does not reach the training
-processes it competes with: the session's autogroup nice (``/proc/<pid>/autogroup``) does. Without autogroups
-each thread's nice value does (``setpriority``), and only a privileged process may raise it again: an unprivileged
-launcher on such a host leaves the priority alone (``supported``). The kernel lets an unprivileged process change
-an autogroup's nice at most every 100 ms (``EAGAIN``): ``TreePriority.apply`` is called again until it is done.
+processes it competes with: the session's autogroup nice (``/proc/<pid>/autogroup``) does. (Autogroups only
+matter to tasks in the root CPU cgroup: under a cgroup CPU controller, a container's say, the write succeeds and
+changes nothing.) Without autogroups each thread's nice value does (``setpriority``), and raising it again needs
+``CAP_SYS_NICE``: a launcher without it leaves the priority alone (``supported``). The kernel lets an unprivileged
+process change an autogroup's nice at most every 100 ms (``EAGAIN``): ``TreePriority.apply`` is called again until
+it is done.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 
 from fthsdp.testing.procutil import alive, descendants, session
 
+log = logging.getLogger("fthsdp.testing.priority")
+
 AUTOGROUP_SWITCH = "/proc/sys/kernel/sched_autogroup_enabled"
+CAP_SYS_NICE = 23
 
 
 def autogroups() -> bool:
@@ -29,9 +35,19 @@ def autogroups() -> bool:
         return False
 
 
+def _can_raise_nice() -> bool:
+    """Whether this process has ``CAP_SYS_NICE`` (root in a container often lacks it)."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line.split()[1] for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caps, 16) >> CAP_SYS_NICE & 1)
+
+
 def supported() -> bool:
-    """Whether a lowered priority can be raised again by this process (autogroups, or a privileged caller)."""
-    return autogroups() or os.geteuid() == 0
+    """Whether a lowered priority can be raised again by this process (autogroups, or ``CAP_SYS_NICE``)."""
+    return autogroups() or _can_raise_nice()
 
 
 def nice(pid: int) -> int:
@@ -42,25 +58,30 @@ def nice(pid: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, pid)
 
 
-def set_nice(pid: int, nice: int) -> bool:
-    """Give process ``pid`` CPU priority ``nice`` (its autogroup's, else each of its threads'); False: try again
-    later (rate-limited, or the process is not started far enough to have its session yet). A process that is gone
-    counts as done."""
+def set_nice(pid: int, value: int) -> bool:
+    """Give process ``pid`` CPU priority ``value`` (its autogroup's, else each of its threads'); False: try again
+    later (rate-limited). A process that is gone counts as done; so does one this process may not change
+    (``EPERM``: logged, its priority stays)."""
     if not alive(pid):
         return True
     try:
         if autogroups():
             with open(f"/proc/{pid}/autogroup", "w") as f:
-                f.write(str(nice))
+                f.write(str(value))
         else:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(ProcessLookupError):
-                    os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-    except FileNotFoundError:
+                    os.setpriority(os.PRIO_PROCESS, int(tid), value)
+    except (FileNotFoundError, ProcessLookupError):
         return True  # ended meanwhile
     except OSError as e:
         if e.errno == errno.EAGAIN:
             return False
+        if e.errno == errno.ESRCH:
+            return True  # ended meanwhile
+        if e.errno in (errno.EPERM, errno.EACCES):
+            log.warning("cannot set the CPU priority of process %d to %d: %s", pid, value, e)
+            return True
         raise
     return True
 
@@ -69,15 +90,15 @@ class TreePriority:
     """The wanted priority of a process tree (``root`` and its descendants, as they appear): ``apply`` brings each
     process to it, ``want`` changes it. Cheap once every process is at the wanted value and no new one appeared."""
 
-    def __init__(self, root: int, nice: int) -> None:
+    def __init__(self, root: int, value: int) -> None:
         self.root = root
-        self.nice = nice
+        self.value = value
         self.applied: dict[tuple[int, int], int] = {}
         """(pid, its session) -> the nice value given to it (a process that started a session since is new)."""
 
-    def want(self, nice: int) -> None:
-        """From now on the tree should run at ``nice``."""
-        self.nice = nice
+    def want(self, value: int) -> None:
+        """From now on the tree should run at ``value``."""
+        self.value = value
 
     def apply(self) -> bool:
         """Give the wanted value to every process of the tree that lacks it; True when none is left to do."""
@@ -86,10 +107,10 @@ class TreePriority:
         ok = True
         for pid in [self.root, *descendants(self.root)]:
             key = (pid, session(pid))
-            if self.applied.get(key) == self.nice:
+            if self.applied.get(key) == self.value:
                 continue
-            if set_nice(pid, self.nice):
-                self.applied[key] = self.nice
+            if set_nice(pid, self.value):
+                self.applied[key] = self.value
             else:
                 ok = False
         return ok

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,30 +95,37 @@ def read_progress(path: pathlib.Path) -> list[ProgressRow]:
 
 
 class ProgressTail:
-    """A progress file read as it grows (rows are only appended): each ``rows`` call parses only the complete
-    lines written since the last one, so a supervisor that looks every period does not parse the whole file each
-    time (it would take the CPU the replicas train on)."""
+    """A progress file read as it grows (rows are only appended): each call parses only the complete lines
+    written since the last one, so a supervisor that looks every period does not parse the whole file each time
+    (it would take the CPU the replicas train on). A file replaced by another (a new inode, or a shorter one) is
+    read from its start."""
 
     def __init__(self, path: pathlib.Path) -> None:
         self.path = path
         self._offset = 0
+        self._inode = -1
         self._rows: list[ProgressRow] = []
+
+    def new(self) -> list[ProgressRow]:
+        """The rows written since the last call (a torn last line waits for its end; a foreign one is skipped)."""
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self._inode or st.st_size < self._offset:
+                    self._inode, self._offset, self._rows = st.st_ino, 0, []
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        fresh = [x for line in data[:end].splitlines() if line.endswith(b"}") and (x := parse_line(line)) is not None]
+        self._rows += fresh
+        return fresh
 
     def rows(self) -> list[ProgressRow]:
         """Every row so far (a copy), as ``read_progress`` would return them."""
-        try:
-            with open(self.path, "rb") as f:
-                if f.seek(0, 2) < self._offset:  # replaced by a shorter file: start over
-                    self._offset, self._rows = 0, []
-                f.seek(self._offset)
-                new = f.read()
-        except FileNotFoundError:
-            return list(self._rows)
-        end = new.rfind(b"\n") + 1  # a torn last line waits for its end
-        for line in new[:end].decode().splitlines():
-            if line.endswith("}") and (row := parse_line(line)) is not None:
-                self._rows.append(row)
-        self._offset += end
+        self.new()
         return list(self._rows)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from fthsdp.testing import priority
 from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
 from tests.helpers.cluster_checks import check_converged, check_exactly_once, check_rejoined, check_survivor
 
@@ -72,11 +73,13 @@ def test_warm_standbys_replace_a_killed_group_twice(tmp_path: pathlib.Path) -> N
     starts = [e for e in report["events"] if e["event"] == "start" and e["replica"] == 1]
     assert [e["warm"] for e in starts] == [False, True, True], starts
     assert [e["fault"] for e in starts] == ["5:forward", "120:forward", ""], starts
-    # The first standby was built with the job; the others while it trained, at a low priority, raised on release.
+    # The first standby was built with the job; the others while it trained, at a low priority (measured), raised
+    # before their release (where this host lets a launcher raise it again: else never lowered).
+    low = priority.supported()
     standbys = [e["nice"] for e in report["events"] if e["event"] == "standby" and e["replica"] == 1]
-    assert standbys == [0, 19, 19], standbys
+    assert standbys == ([0, 19, 19] if low else [0, 0, 0]), standbys
     raised = [e for e in report["events"] if e["event"] == "standby_raised"]
-    assert [e["replica"] for e in raised] == [1], raised
+    assert [e["replica"] for e in raised] == ([1] if low else []), raised
     exits = [e for e in report["events"] if e["event"] == "exit" and e["replica"] == 1]
     assert len(exits) == 2 and all(e["killed"] for e in exits), exits
     released = [p for p in tmp_path.glob("replica1.standby*.log") if "released after" in p.read_text()]

@@ -226,3 +226,24 @@ def test_demo_kill_all_is_its_own_scenario() -> None:
     assert kills("--kill-all", "17") == [(0, 17), (1, 17), (2, 17)]  # not also replica 1 at step 20
     assert kills("--kill", "2@5", "--kill-all", "17") == [(2, 5), (0, 17), (1, 17), (2, 17)]
     assert kills("--no-kill") == []
+
+
+def test_a_standby_lost_while_held_is_forgotten_its_kill_kept_and_too_many_fail_the_job(
+        tmp_path: pathlib.Path) -> None:
+    from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, ReplicaFailed, Standby
+
+    class Exited:
+        pid, returncode = 0, 1
+
+        def poll(self) -> int:
+            return 1
+
+    cluster = Cluster(ClusterConfig(replicas=1, warm_restarts=True, max_restarts=1), tmp_path)
+    g = cluster.groups[0]
+    g.standby = Standby(Exited(), tmp_path / "gate", tmp_path / "standby.log", Kill(0, 5))  # type: ignore[arg-type]
+    cluster._standby_lost(g)
+    assert g.standby is None and g.pending_faults == [Kill(0, 5)]  # armed again for the next incarnation
+    assert [(e["event"], e["replica"], e["code"]) for e in cluster.events] == [("standby_lost", 0, 1)]
+    g.standby = Standby(Exited(), tmp_path / "gate", tmp_path / "standby.log", None)  # type: ignore[arg-type]
+    with pytest.raises(ReplicaFailed, match="2 warm standbys exited while held"):
+        cluster._standby_lost(g)

@@ -20,7 +20,7 @@ def _held(path: pathlib.Path) -> tuple[threading.Thread, threading.Event]:
         filewait.wait_until_exists(str(path))
         done.set()
 
-    t = threading.Thread(target=wait)
+    t = threading.Thread(target=wait, daemon=True)  # a wait that never returns must not hang the run
     t.start()
     return t, done
 
@@ -47,6 +47,17 @@ def test_a_file_there_already_releases_at_once(tmp_path: pathlib.Path) -> None:
     filewait.wait_until_exists(str(gate))
 
 
+def test_a_folder_that_does_not_exist_yet_falls_back_to_polling(tmp_path: pathlib.Path) -> None:
+    assert filewait._inotify(str(tmp_path / "later")) is None
+    gate = tmp_path / "later" / "gate"
+    t, done = _held(gate)
+    assert not done.wait(0.2)
+    gate.parent.mkdir()
+    gate.write_text("go\n")
+    assert done.wait(10)
+    t.join(10)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify is Linux's; elsewhere the wait polls")
 def test_with_inotify_the_wait_looks_rarely(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Held for a second, a polling wait would look 20 times; this one looks about twice (its safety recheck)."""
@@ -58,7 +69,9 @@ def test_with_inotify_the_wait_looks_rarely(tmp_path: pathlib.Path, monkeypatch:
         return real(p)
 
     monkeypatch.setattr(filewait.os.path, "exists", counting)
-    assert filewait._inotify(str(tmp_path)) is not None
+    fd = filewait._inotify(str(tmp_path))
+    assert fd is not None, "no inotify here"
+    os.close(fd)
     gate = tmp_path / "gate"
     t, done = _held(gate)
     assert not done.wait(1.0)

@@ -46,3 +46,15 @@ def test_a_tail_reads_what_was_appended_since_and_waits_for_a_torn_line_to_end(t
     assert tail.rows() == [a, b, c] == read_progress(path)
     path.write_text(c.line())  # a new, shorter file: read from its start
     assert tail.rows() == [c]
+
+
+def test_a_tail_skips_bytes_that_are_not_text_and_rereads_a_replaced_file(tmp_path: pathlib.Path) -> None:
+    path = progress_path(tmp_path, 0)
+    tail = ProgressTail(path)
+    a, b = ProgressRow("step", 1.0, step=1, error="café"), ProgressRow("step", 2.0, step=2)
+    path.write_bytes(a.line().encode() + b'{"event": "st\xff\xfe}\n' + b.line().encode())
+    assert tail.rows() == [a, b]  # a torn, undecodable line between them is skipped, not fatal
+    replaced = tmp_path / "new"
+    replaced.write_text(b.line() + a.line())  # as long as before or longer, but another file
+    replaced.replace(path)
+    assert tail.rows() == [b, a]

@@ -5,6 +5,7 @@ a process behind fails (tests/helpers/leaks.py)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
@@ -105,3 +106,21 @@ def assert_eventually(done: Callable[[], bool], what: str, timeout: float = 10.0
     while not done():
         assert time.monotonic() < end, f"{what}: not within {timeout}s"
         time.sleep(0.02)  # polling a condition with a deadline
+
+
+@pytest.mark.parametrize(("err", "done"), [(errno.EAGAIN, False), (errno.ESRCH, True), (errno.EPERM, True)])
+def test_setting_a_priority_retries_when_rate_limited_and_gives_up_on_the_rest(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, err: int, done: bool) -> None:
+    """The kernel rate-limits an unprivileged caller (EAGAIN: again later); a process gone meanwhile (ESRCH) is
+    done; one we may not change (EPERM) is logged and left, never a crash of the launcher."""
+    def refused(*_: object, **__: object) -> None:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(priority, "autogroups", lambda: True)
+    monkeypatch.setattr(priority, "open", refused, raising=False)
+    assert priority.set_nice(os.getpid(), 19) is done
+    assert ("cannot set the CPU priority" in caplog.text) is (err == errno.EPERM)
+    monkeypatch.setattr(priority, "open", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "io")),
+                        raising=False)
+    with pytest.raises(OSError, match="io"):
+        priority.set_nice(os.getpid(), 19)
