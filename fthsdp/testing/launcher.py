@@ -276,8 +276,7 @@ class Cluster:
             g.proc, g.fault, g.log_path = sb.proc, sb.fault, sb.log_path
         else:
             if sb is not None:
-                g.standby = sb
-                self._standby_lost(g)
+                self._standby_lost(g, sb)
             g.fault = g.pending_faults.pop(0) if g.pending_faults else None
             g.proc = self._spawn(g, g.fault, g.log_path)
         g.incarnations += 1
@@ -295,7 +294,8 @@ class Cluster:
         if g.standby is not None:
             if g.standby.proc.poll() is None:
                 return
-            self._standby_lost(g)
+            self._standby_lost(g, g.standby)
+            g.standby = None
         if g.incarnations > 1 and not any(x.event == "step" and x.t >= g.started_at for x in self.progress(g)):
             return
         g.standbys += 1
@@ -311,10 +311,8 @@ class Cluster:
             g.standby.priority.apply()  # the agent now; its workers, in sessions of their own, as they appear
         self.event("standby", replica=g.index, standby=g.standbys, nice=priority.nice(proc.pid) if low else 0)
 
-    def _standby_lost(self, g: Group) -> None:
-        """Group ``g``'s held standby exited: forget it (a kill armed for it goes back to the group)."""
-        sb, g.standby = g.standby, None
-        assert sb is not None
+    def _standby_lost(self, g: Group, sb: Standby) -> None:
+        """Group ``g``'s held standby ``sb`` exited: a kill armed for it goes back to the group."""
         g.standbys_lost += 1
         self.event("standby_lost", replica=g.index, code=sb.proc.returncode)
         log.warning("replica group %d: its warm standby exited with %s while held (log: %s)", g.index,

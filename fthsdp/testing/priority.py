@@ -77,8 +77,6 @@ def set_nice(pid: int, value: int) -> bool:
     except OSError as e:
         if e.errno == errno.EAGAIN:
             return False
-        if e.errno == errno.ESRCH:
-            return True  # ended meanwhile
         if e.errno in (errno.EPERM, errno.EACCES):
             log.warning("cannot set the CPU priority of process %d to %d: %s", pid, value, e)
             return True

@@ -84,14 +84,17 @@ def parse_line(line: str | bytes) -> ProgressRow | None:
     return ProgressRow.from_json(obj) if isinstance(obj, dict) and "event" in obj and "t" in obj else None
 
 
+def _rows_of(data: bytes) -> list[ProgressRow]:
+    """The rows of a file's bytes: lines that parse as rows (a torn, foreign or undecodable one is skipped)."""
+    return [x for line in data.splitlines() if line.endswith(b"}") and (x := parse_line(line)) is not None]
+
+
 def read_progress(path: pathlib.Path) -> list[ProgressRow]:
     """A progress file's rows (none when it does not exist yet); a torn last line is skipped."""
     try:
-        text = path.read_text()
+        return _rows_of(path.read_bytes())
     except FileNotFoundError:
         return []
-    rows = (parse_line(line) for line in text.splitlines() if line.endswith("}"))
-    return [x for x in rows if x is not None]
 
 
 class ProgressTail:
@@ -119,7 +122,7 @@ class ProgressTail:
             return []
         end = data.rfind(b"\n") + 1
         self._offset += end
-        fresh = [x for line in data[:end].splitlines() if line.endswith(b"}") and (x := parse_line(line)) is not None]
+        fresh = _rows_of(data[:end])
         self._rows += fresh
         return fresh
 

@@ -241,9 +241,16 @@ def test_a_standby_lost_while_held_is_forgotten_its_kill_kept_and_too_many_fail_
     cluster = Cluster(ClusterConfig(replicas=1, warm_restarts=True, max_restarts=1), tmp_path)
     g = cluster.groups[0]
     g.standby = Standby(Exited(), tmp_path / "gate", tmp_path / "standby.log", Kill(0, 5))  # type: ignore[arg-type]
-    cluster._standby_lost(g)
-    assert g.standby is None and g.pending_faults == [Kill(0, 5)]  # armed again for the next incarnation
+    g.restart_at = 0.0  # restarting: no new standby is started by the check below
+    cluster._ensure_standby(g)
+    assert g.standby is not None  # a restart takes care of it
+    g.restart_at = None
+    g.finished = True
+    cluster._ensure_standby(g)
+    assert g.standby is not None and not cluster.events  # nothing to replace in a finished group
+    g.finished = False
+    cluster._standby_lost(g, g.standby)
+    assert g.pending_faults == [Kill(0, 5)]  # armed again for the next incarnation
     assert [(e["event"], e["replica"], e["code"]) for e in cluster.events] == [("standby_lost", 0, 1)]
-    g.standby = Standby(Exited(), tmp_path / "gate", tmp_path / "standby.log", None)  # type: ignore[arg-type]
     with pytest.raises(ReplicaFailed, match="2 warm standbys exited while held"):
-        cluster._standby_lost(g)
+        cluster._standby_lost(g, Standby(Exited(), tmp_path / "gate", tmp_path / "standby.log", None))  # type: ignore[arg-type]
