@@ -22,9 +22,9 @@ from fthsdp.runtime.errors import (
 )
 from fthsdp.runtime.replica import Replica
 from fthsdp.runtime.result import StepResult
-from fthsdp.runtime.session import training
+from fthsdp.runtime.session import init, training
 from fthsdp.runtime.trainer_state import UnencodableState
 
 __all__ = ["EXIT_REJOIN", "DigestMismatch", "Diverged", "JobFinished", "NoStateToResume", "RejoinRequired", "Replica",
            "SlotConflict", "SlotSampler", "StateMismatch", "StepResult", "Terminated", "UnencodableState",
-           "batch_index", "next_batch", "training"]
+           "batch_index", "init", "next_batch", "training"]

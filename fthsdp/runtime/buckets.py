@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ftar import ExchangeResult, Excluded, FTARError, Handle, Interrupted, LaneEngine, Misaligned, devices
-from fthsdp.runtime import digest
+from fthsdp.runtime import digest, grad_scale
 from fthsdp.runtime.commit import CommitProtocol, Exchanged, Failed, Failure
 from fthsdp.runtime.errors import RejoinRequired
 from fthsdp.runtime.state import local_tensor
@@ -57,9 +57,10 @@ class BucketTag:
 
     @classmethod
     def label(cls, tag: int, buckets: int) -> str:
-        """How a log line names wire tag ``tag``: by the training step and bucket it stands for."""
+        """How a log line names wire tag ``tag`` of a ``BucketExchange`` (``buckets``: its ``width``): by the training
+        step and bucket it stands for (index 0 of a step is the post exchange of the step before)."""
         t = cls.decode(tag, buckets)
-        return f"step={t.step} bucket={t.bucket}"
+        return f"step={t.step - 1} post" if t.bucket == 0 else f"step={t.step} bucket={t.bucket - 1}"
 
 
 def grads_untouched(opt: torch.optim.Optimizer) -> bool:
@@ -127,6 +128,14 @@ class BucketExchange:
                  engine: LaneEngine, *, slot: Callable[[], int], slots: int, device: torch.device,
                  wait_s: float) -> None:
         self.buckets = plan_buckets(params, blocks)
+        self.width = len(self.buckets) + 1
+        """Wire tags per step: index 0, the post exchange of the step before (``launch_post``), then the buckets."""
+        self.posts = False
+        """The trainer's own loop: every step's exchange ends with a post exchange (``launch_post``), and a lane's
+        first exchange in an epoch is always one (a joiner's first exchange is shaped like it)."""
+        self.posted: int | None = None
+        """The step whose post exchange this lane launched last."""
+        self._last_post: tuple[int, float | None, float | None] = (-2, None, None)
         self.engine = engine
         self.slot = slot
         """The replica's data slot in the step being exchanged (``Replica.slot``; ``NO_SLOT``: a spare's)."""
@@ -139,34 +148,73 @@ class BucketExchange:
         self._launched = 0
         self._armed: int | None = None
         """The step whose buckets the hook launches (None: the hook does nothing)."""
+        self._at_first: Callable[[], None] | None = None
+        self._at_end: Callable[[], None] | None = None
+        """``arm``'s callbacks: before the step's first bucket goes out, and once backward has ended."""
         self.digest: bytes | None = None
         """This replica's state digest for the step being exchanged (None: not a checked step)."""
         self.alias = False
         """``install`` makes the results the gradients, without a copy (set when ``grads_untouched``)."""
-        engine.tag_label = functools.partial(BucketTag.label, buckets=len(self.buckets))  # its logs: step, bucket
+        engine.tag_label = functools.partial(BucketTag.label, buckets=self.width)  # its logs: step, bucket
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
 
     def __len__(self) -> int:
         return len(self.buckets)
 
+    def tag(self, step: int, bucket: int) -> int:
+        """The wire tag of ``bucket`` of ``step``."""
+        return BucketTag(step, bucket + 1).encode(self.width)
+
+    def post_tag(self, step: int) -> int:
+        """The wire tag of ``step``'s post exchange: after its buckets, before the next step's."""
+        return BucketTag(step + 1, 0).encode(self.width)
+
+    def sequence(self, step: int) -> int:
+        """The lowest wire tag of ``step``'s exchanges (a commit's ``forget_before``: a partner may still need the
+        post exchange of the step before)."""
+        return BucketTag(step, 0).encode(self.width)
+
     @contextmanager
     def armed(self, step: int) -> Iterator[None]:
         """While inside, gradient shards that FSDP2 finishes go out as buckets of ``step``."""
+        self.arm(step)
+        try:
+            yield
+        finally:
+            self.disarm()
+
+    def arm(self, step: int, at_first: Callable[[], None] | None = None,
+            at_end: Callable[[], None] | None = None) -> None:
+        """From now on gradient shards that FSDP2 finishes go out as buckets of ``step`` (until ``disarm``).
+        ``at_first`` runs before the first bucket goes out; ``at_end`` once the backward pass that produced it has
+        ended (an autograd final callback: after FSDP2's own, which finishes every reduce-scatter), still inside
+        ``backward()``, so the trainer's code after it sees what ``at_end`` did."""
         self._pending = [None] * len(self.buckets)
         self._filled = [0] * len(self.buckets)
         self._launched = 0
         self._armed = step
-        try:
-            yield
-        finally:
-            self._armed = None
+        self._at_first, self._at_end = at_first, at_end
+
+    def disarm(self) -> None:
+        self._armed, self._at_first, self._at_end = None, None, None
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """FSDP2 finished this parameter's gradient shard: launch every bucket that is now complete, in order."""
         if self._armed is None:
             return
-        self._filled[self._bucket_of[id(p)]] += 1
+        k = self._bucket_of[id(p)]
+        if k < self._launched:
+            raise RuntimeError(
+                f"step {self._armed}: a second backward produced gradients after this step's exchange began. With "
+                "gradient accumulation, call model.set_requires_gradient_sync(False) (FSDP2) before every micro-batch "
+                "but the last: the exchange runs once, on the last micro-batch's backward")
+        if self._launched == 0 and not any(self._filled):
+            if self._at_first is not None:
+                self._at_first()
+            if self._at_end is not None:
+                torch.autograd.Variable._execution_engine.queue_callback(self._at_end)
+        self._filled[k] += 1
         while self._launched < len(self.buckets) and \
                 self._filled[self._launched] == len(self.buckets[self._launched]):
             self._launch(self._launched, self._armed, True)
@@ -179,10 +227,10 @@ class BucketExchange:
             words = digest.pack(slot, self.slots, self.digest if contribute else None)
             grads.append(torch.tensor(words, dtype=torch.float32, device=self.device))
             grads.append(slot_mask(slot, self.slots, contribute, self.device))
-        tag = None if step is None else BucketTag(step, k).encode(len(self.buckets))
+        tag = None if step is None else self.tag(step, k)
         # On CUDA the lane reads the shards after this event, on the stream FSDP2 produced them on (the hook's).
-        handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False, new_epoch_ok=k == 0,
-                                       ready=devices.record(self.device))
+        handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False,
+                                       new_epoch_ok=k == 0 and not self.posts, ready=devices.record(self.device))
         self._pending[k] = handle
         self._launched = k + 1
         return handle
@@ -192,13 +240,46 @@ class BucketExchange:
         nowhere (``op="sum"``). It completes once every member of the epoch asks for that bucket, i.e. has committed
         every step before; a member behind is served meanwhile (FTAR's step reconciliation). Not redone by FTAR
         (``redo=False``): the caller votes on it with the replica's other ranks and redoes it with them."""
+        if self.posts:  # shaped like a post exchange: a joiner's first exchange may meet it
+            return self.engine.allreduce([torch.zeros(grad_scale.WORDS + 1, device=self.device)], contribute=False,
+                                         op="sum", tag=self.tag(step, 0), redo=False)
         grads = [torch.zeros_like(local_tensor(p)) for p in self.buckets[0]]
         if len(self.buckets) == 1:
             slot = self.slot()
             grads.append(torch.tensor(digest.pack(slot, self.slots, None), dtype=torch.float32, device=self.device))
             grads.append(slot_mask(slot, self.slots, False, self.device))
-        return self.engine.allreduce(grads, contribute=False, op="sum", tag=BucketTag(step, 0).encode(len(self)),
+        return self.engine.allreduce(grads, contribute=False, op="sum", tag=self.tag(step, 0),
                                      redo=False)
+
+    def launch_post(self, step: int | None, factor: float | None, loss: float | None) -> Handle:
+        """Step ``step``'s post exchange (the trainer's own loop, ``fthsdp.runtime.loop``), after the trainer's code
+        between ``backward()`` and ``step()`` ran: the factor it scaled the averaged gradients by
+        (``grad_scale.pack``; None: a zero contributor, which learns it here) and this rank's loss, averaged over the
+        contributing replicas. The next step's exchange begins with it, and so does every epoch's first exchange on
+        this lane (``new_epoch_ok``); FTAR redoes it itself on a failure (``redo``) and serves it to a partner that
+        lost it. ``step`` None: a joiner's first exchange, which learns the step from its tag."""
+        words = [*grad_scale.pack(factor), 0.0 if loss is None else loss]
+        if step is not None:
+            self.posted, self._last_post = step, (step, factor, loss)
+        return self.engine.allreduce([torch.tensor(words, dtype=torch.float32, device=self.device)],
+                                     contribute=factor is not None, tag=None if step is None else self.post_tag(step))
+
+    @staticmethod
+    def post_of(result: ExchangeResult) -> tuple[float, float]:
+        """(the factor, the contributors' mean loss) of a post exchange's result (1.0 and NaN with no contributor)."""
+        if result.contributors == 0:
+            return 1.0, float("nan")
+        words = [float(x) for x in result.tensors[0].detach().cpu().tolist()]
+        return grad_scale.unpack(words[:grad_scale.WORDS]), words[grad_scale.WORDS]
+
+    def grads(self) -> list[torch.Tensor]:
+        """This rank's gradient shards now, in bucket order (zeros for a parameter without one)."""
+        return [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
+                for bucket in self.buckets for p in bucket]
+
+    def averaged(self, results: Sequence[ExchangeResult]) -> list[torch.Tensor]:
+        """A step's averaged gradient shards from its results, in ``grads`` order (the digests and mask left out)."""
+        return [g for bucket, res in zip(self.buckets, results, strict=True) for g in res.tensors[:len(bucket)]]
 
     def launch_rest(self, step: int) -> list[Handle | None]:
         """After backward: launch the buckets the hook did not (parameters that got no gradient: zeros)."""
@@ -206,20 +287,36 @@ class BucketExchange:
             self._launch(self._launched, step, True)
         return list(self._pending)
 
-    def exchange_all(self, step: int | None, contribute: bool) -> tuple[list[Handle | None], int | None]:
+    def exchange_all(self, step: int | None, contribute: bool,
+                     redo: bool = False) -> tuple[list[Handle | None], int | None]:
         """Exchange every bucket in order from the gradients at hand (a redo, or a joiner's zeros). A joiner that
-        does not know the step yet (``step`` None) learns it from its first bucket; the others then carry it.
-        Returns (the handles, None where a bucket was not launched; the step learned, if it was)."""
+        does not know the step yet (``step`` None) learns it from its first exchange; the others then carry it.
+        With ``posts`` the step's exchange begins with the post exchange of the step before where this lane has not
+        launched it yet, and always in a ``redo`` (it is what a lane exchanges first in a newer epoch). Returns (the
+        handles, None where a bucket was not launched; the step learned, if it was)."""
         self._pending = [None] * len(self.buckets)
         self._launched = 0
-        first = self._launch(0, step, contribute)
         learned = None
-        if step is None:
+        if self.posts and (step is None or redo or self.posted != step - 1):
+            last, factor, loss = self._last_post
+            first = self.launch_post(None if step is None else step - 1, *((factor, loss) if step is not None
+                                                                             and last == step - 1 else (None, None)))
+            if step is None:
+                try:
+                    t = BucketTag.decode(first.wait(self.wait_s).tag, self.width)
+                except FTARError:
+                    return list(self._pending), None  # collecting the handles reports it
+                if t.bucket != 0:  # not a post exchange: nobody else is at a step's start; try again
+                    return list(self._pending), None
+                step = learned = t.step
+                self.posted, self._last_post = step - 1, (step - 1, None, None)
+        elif step is None:
+            first = self._launch(0, step, contribute)
             try:
-                step = learned = BucketTag.decode(first.wait(self.wait_s).tag, len(self.buckets)).step
+                step = learned = BucketTag.decode(first.wait(self.wait_s).tag, self.width).step
             except FTARError:
                 return list(self._pending), None  # collecting the handles reports it
-        for k in range(1, len(self.buckets)):
+        for k in range(self._launched, len(self.buckets)):
             self._launch(k, step, contribute)
         return list(self._pending), learned
 
@@ -251,7 +348,7 @@ class BucketExchange:
 
     def step_of(self, result: ExchangeResult) -> int:
         """The step an exchanged bucket belongs to."""
-        return BucketTag.decode(result.tag, len(self.buckets)).step
+        return BucketTag.decode(result.tag, self.width).step
 
     def install(self, results: Sequence[ExchangeResult]) -> None:
         """Make a step's averaged gradients (every bucket's result) the parameters' ``.grad``. Only once the vote

@@ -56,7 +56,7 @@ class Replica(Protocol):
     _settling: list[Handle | None] | None
     _lr_factor: float
 
-    def _exchange_all(self, contribute: bool) -> list[Handle | None]: ...
+    def _exchange_all(self, contribute: bool, redo: bool = False) -> list[Handle | None]: ...
     def _settle(self, handles: list[Handle | None], contribute: bool,
                 redo: Callable[[Tally], list[Handle | None]] | None = None) -> tuple[Commit, list[ExchangeResult]]: ...
     def _commit(self, step: int, results: list[ExchangeResult]) -> tuple[tuple[int, int], ...]: ...
@@ -85,8 +85,9 @@ def lent_slot(rep: Slotted) -> Iterator[None]:
         rep.slot = NO_SLOT
 
 
-def catch_up(rep: Replica, closure: Callable[[], torch.Tensor], shards: ShardState) -> StepResult:
-    """Catch up (one ``train_step`` call): returns the joined step's result once this replica holds the same state
+def catch_up(rep: Replica, closure: Callable[[], torch.Tensor] | None, shards: ShardState) -> StepResult:
+    """Catch up (one ``train_step`` call, or in the trainer's loop one ``zero_grad``, whose warm-up was the loop's
+    iteration before: ``closure`` None): returns the joined step's result once this replica holds the same state
     as the others, with the next step's zeros in flight (``Replica._settling``)."""
     t_start = time.perf_counter()
     with lent_slot(rep):  # a spare group's restart warms up too

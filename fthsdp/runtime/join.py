@@ -65,6 +65,8 @@ class Joiner:
         """Rank 0 told the lighthouse this replica is ready to enter the data plane."""
         self.warmed = False
         """It warmed up already (a warm standby, before its release: ``fthsdp.runtime.standby``)."""
+        self.probe_s = 0.0
+        """The trainer's own loop: what its warm-up iteration took, the probe step's time while held out."""
         self.kept: dict[int, list[ExchangeResult]] = {}
         self.fetch: Fetch | None = None
         self.target = -1
@@ -74,11 +76,12 @@ class Joiner:
         self.member_unix = 0.0
         """When this replica first exchanged a step (the others' groups include it from there)."""
 
-    def enter(self, opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor]) -> float:
+    def enter(self, opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None) -> float:
         """Start a catch-up: warm up, then (rank 0) enter the data plane: the others wait for this replica from
-        then on. Returns when it was ready to enter (Unix time)."""
+        then on. Returns when it was ready to enter (Unix time). ``closure`` None: the trainer's own loop, which
+        warmed up in an iteration of its own (a probe then reuses the warm-up's time)."""
         self.kept, self.fetch, self.target, self.fetches, self.attempts, self.member_unix = {}, None, -1, 0, 0, 0.0
-        if self.config.join_warmup and not self.announced and not self.warmed:
+        if self.config.join_warmup and not self.announced and not self.warmed and closure is not None:
             warm_up(opt, closure, self.log)
             self.warmed = True  # a spare, once caught up, does not warm up again (``fthsdp.runtime.spares``)
         entered = time.time()
@@ -87,7 +90,7 @@ class Joiner:
             self.announced = True
         return entered
 
-    def _enter_data_plane(self, opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor]) -> None:
+    def _enter_data_plane(self, opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None) -> None:
         """Every rank: rank 0 asks to enter (``_announce``). While the lighthouse holds this replica out (it was
         ejected as slow: ``HeldOut``), every rank runs a probe step now and then, and rank 0 asks again with its
         time: a slow replica waits, alive and visible in the status, until it is healthy or the job ends (then its
@@ -98,7 +101,7 @@ class Joiner:
             if not any_rank(bool(held), self.device):
                 return
             time.sleep(max(5.0, 10 * probe_s))  # probe pacing: at most a tenth of its time probing
-            took = probe(opt, closure)
+            took = probe(opt, closure) if closure is not None else self.probe_s
             probe_s = took + self.faults.slow_down(self.faults.slow_from, took)  # FTHSDP_FAULT_SLOW: a slow host
             if self.rank == 0:
                 self.log(logging.WARNING, "%s; probe step took %.3fs", held, probe_s)

@@ -30,20 +30,29 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ftar import EpochFeed, ExchangeResult, FTARConfig, Handle, LaneEngine, LighthouseMembership
+from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneEngine, LighthouseMembership
 from fthsdp.catchup.server import CatchupServer
-from fthsdp.runtime import catching_up, checkpoint, ending, spares, standby
+from fthsdp.runtime import checkpoint, ending, grad_scale, spares
 from fthsdp.runtime.agreement import DigestCheck
-from fthsdp.runtime.buckets import BucketExchange, BucketTag, grads_untouched
-from fthsdp.runtime.commit import Commit, CommitProtocol, Rejoin, Tally, advance_cursors, contributing_slots
+from fthsdp.runtime.buckets import BucketExchange, failure_of, grads_untouched
+from fthsdp.runtime.commit import (
+    MAX_ATTEMPTS,
+    Commit,
+    CommitProtocol,
+    Rejoin,
+    Tally,
+    advance_cursors,
+    contributing_slots,
+)
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.epoch_relay import GroupEpochs
 from fthsdp.runtime.errors import JobFinished, NoStateToResume, RejoinRequired, Terminated
+from fthsdp.runtime.iteration import Steps
 from fthsdp.runtime.join import Joiner
+from fthsdp.runtime.loop import LoopOptimizer, absorb_step, fsdp_units
 from fthsdp.runtime.lr import lr_factor
 from fthsdp.runtime.metrics import ReplicaMetrics
 from fthsdp.runtime.pace import PaceWindow
-from fthsdp.runtime.result import StepResult
 from fthsdp.runtime.startup import Role, agree_incarnation, die_with_parent, gather_addresses, register, start_from
 from fthsdp.runtime.state import ShardState, replica_hash
 from fthsdp.runtime.trainer_state import Scheduler, Stateful, TrainerState
@@ -53,8 +62,7 @@ from lighthouse.client import LighthouseClient
 
 log = logging.getLogger("fthsdp.runtime")
 
-
-class Replica:
+class Replica(Steps):
     """One rank's handle on fault-tolerant HSDP. Create it after torchrun has set the environment."""
 
     def __init__(self, config: RuntimeConfig | None = None) -> None:
@@ -118,6 +126,8 @@ class Replica:
         self._buckets: BucketExchange | None = None
         self._shards: ShardState | None = None
         self._terminated, self._learned = False, -1  # stopped by SIGTERM; a joiner: the step it learned (-1: not yet)
+        self._scales: dict[int, float] = {}  # a zero contributor's: per step, the factor the trainers scaled it by
+        self._init_steps()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self._log(logging.INFO, "replica up as %s (incarnation %s, catch-up server %s)",
@@ -193,20 +203,35 @@ class Replica:
             raise RuntimeError(f"register_state({name!r}) after optimizer(): register every object before it")
         self.state.register(name, obj, on_commit)
 
-    def optimizer(self, opt: torch.optim.Optimizer, scheduler: Scheduler | None = None) -> torch.optim.Optimizer:
+    def optimizer(self, opt: torch.optim.Optimizer, scheduler: Scheduler | None = None,
+                  model: nn.Module | None = None) -> LoopOptimizer:
         """Register the optimizer whose ``step`` the commit protocol runs (over the sharded parameters), and its LR
-        ``scheduler`` if any: the runtime calls ``scheduler.step()`` after every committed optimizer step (do not
-        call it yourself), so that a joiner's replay follows it. A replica resuming a job whose replicas all died
-        loads the newest checkpoint here."""
+        ``scheduler`` if any: the runtime steps it once after every committed optimizer step, a joiner's replayed
+        ones included (the trainer's own ``scheduler.step()`` calls are absorbed: ``loop.absorb_step``). ``model``:
+        a model the trainer sharded itself with ``fully_shard`` (any mesh over this replica's ranks), if
+        ``shard`` was not called; one bucket per FSDP2 unit. A replica resuming a job whose replicas all died loads
+        the newest checkpoint here. Returns ``opt`` wrapped (``loop.LoopOptimizer``): its ``zero_grad`` begins a
+        step and its ``step`` commits it, for a trainer that keeps its own loop; ``train_step`` works too."""
+        if model is not None:
+            if self.model is not None:
+                raise RuntimeError("optimizer(model=...) after shard(model): the model is registered already")
+            self._adopt(model)
         if self.model is None:
-            raise RuntimeError("call shard(model) first")
+            raise RuntimeError("call shard(model) first, or pass the model you sharded: optimizer(opt, model=model)")
         if scheduler is not None:
-            self.state.register("scheduler", scheduler, on_commit=scheduler.step)
+            self.state.register("scheduler", scheduler, on_commit=absorb_step(scheduler))
         self.opt = opt
         self._shards = ShardState(self._sharded, opt, self.device, self.state)
         self._parts()[1].alias = grads_untouched(opt)  # the step's results become .grad, without a copy
         self._take_role()
-        return opt
+        return LoopOptimizer(opt, self)
+
+    def _adopt(self, model: nn.Module) -> None:
+        """Take a model the trainer sharded with FSDP2 (``loop.fsdp_units``): one bucket per unit."""
+        params, blocks = fsdp_units(model)
+        self.model, self._sharded = model, params
+        self._buckets = BucketExchange(params, blocks, self.engine, slot=lambda: self.slot,
+                                       slots=self.config.num_replicas, device=self.device, wait_s=self._wait_s)
 
     def _take_role(self) -> None:
         """Once registered, with the optimizer: load the checkpoint the role needs, and serve snapshots if active."""
@@ -235,54 +260,6 @@ class Replica:
 
     # --- the step -----------------------------------------------------------------------------------------------
 
-    def train_step(self, closure: Callable[[], torch.Tensor]) -> StepResult:
-        """Run one step: ``closure()`` returns the loss (the runtime calls ``backward``). Returns once the step is
-        committed. A joining replica calls ``closure`` once to warm up (the result is thrown away: see
-        ``fthsdp.runtime.join.warm_up``), then catches up (it exchanges zeros while fetching the state) and
-        returns once it holds the same state as the others, with ``joined=True``."""
-        shards, buckets = self._parts()
-        if self.standby:
-            standby.take_place(self, closure)  # warm up, wait to be released, register: then as any replica
-        if self.finished:
-            raise JobFinished(f"job {self.config.job_id!r} finished at step {self.step}: nothing left to train",
-                              self.step)
-        if self.joining:
-            return catching_up.catch_up(self, closure, shards)  # zeros while fetching, then load, replay, active
-        if self._settling is not None:
-            return catching_up.zero_step(self, self._settling)  # caught up: these zeros were sent already
-        if self.slot == m.NO_SLOT:
-            return spares.spare_step(self, closure)  # no data slot: zeros, no closure (but a warm-up)
-        buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
-        self.faults.at(self.step, Phase.FORWARD)
-        shards.opt.zero_grad(set_to_none=True)
-        t_compute = time.perf_counter()
-        with buckets.armed(self.step):  # buckets go to FTAR as FSDP2 produces their gradient shards
-            loss = closure()
-            slowed = self.faults.slow_down(self.step, self._own_compute_s)  # FTHSDP_FAULT_SLOW
-            self.faults.at(self.step, Phase.BACKWARD)
-            t0 = time.perf_counter()
-            loss.backward()  # type: ignore[no-untyped-call]
-        loss_value = float(loss.detach().item())
-        handles = buckets.launch_rest(self.step)  # parameters that got no gradient
-        t_computed = time.perf_counter()
-        commit, results = self._settle(handles, contribute=True)
-        exchange_s = time.perf_counter() - t0
-        self._own_compute_s = t_computed - t_compute - slowed
-        self._pace(commit.attempts, commit.step, t_computed - t_compute, time.perf_counter() - t_computed)
-        batches = self._commit(commit.step, results)
-        diverged = self.check.check(commit.step, results)
-        contributors = results[0].contributors
-        result = StepResult(commit.step, loss_value, commit.epoch, contributors, False, commit.attempts,
-                            exchange_s, batches, self._lr_factor, diverged=diverged)
-        self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
-        self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
-                               stall_s=exchange_s if commit.attempts > 1 else 0.0)
-        self._after_commit(batches, commit.stop)
-        if self.rank == 0 and self.config.step_log:
-            self._log(logging.INFO, "step %d committed: loss %.4f, %d contributor(s), %d attempt(s), exchange "
-                      "%.3fs", commit.step, loss_value, contributors, commit.attempts, exchange_s)
-        return result
-
     def _pace(self, attempts: int, step: int, compute_s: float, wait_s: float) -> None:
         """Fail-slow evidence: a step's compute and wait to Prometheus; a failure-free one's to the lighthouse too."""
         self.metrics.on_pace(compute_s, wait_s)
@@ -304,7 +281,9 @@ class Replica:
             if isinstance(decision, Commit):
                 spares.take(self, tally.slot)  # the slot the newest epoch gives this replica, from the next step
                 # Hold this step's results until the next commit: a partner that lost one of them is served it.
-                self.engine.forget_before(BucketTag(decision.step, 0).encode(len(buckets)))
+                self.engine.forget_before(buckets.sequence(decision.step))
+                if self._loop and not contribute:  # the trainers' change to the step's gradients, to apply too
+                    self._scales[decision.step] = self._post(decision.step, None, None)[0]
                 return decision, results
             if isinstance(decision, Rejoin):
                 raise RejoinRequired(f"step {self.step}: {decision.reason}")
@@ -313,14 +292,14 @@ class Replica:
                       list(decision.epochs), decision.failed)
             # Partners that committed moved on in that epoch's group; if no lane's reports ask past it, ask.
             self.engine.reset(after=tally.newest, reform=tally.reform)
-            handles = redo(tally) if redo is not None else self._exchange_all(contribute)
+            handles = redo(tally) if redo is not None else self._exchange_all(contribute, redo=True)
 
-    def _exchange_all(self, contribute: bool) -> list[Handle | None]:
-        """Exchange every bucket of the step from the gradients at hand (a redo, or a joiner's zeros). A joiner
-        that has not learned the step yet learns it from its first bucket."""
+    def _exchange_all(self, contribute: bool, redo: bool = False) -> list[Handle | None]:
+        """Exchange every bucket of the step from the gradients at hand (a ``redo``, or a joiner's zeros). A joiner
+        that has not learned the step yet learns it from its first exchange."""
         _, buckets = self._parts()
         step = self.step if not self.joining or self._learned >= 0 else None
-        handles, learned = buckets.exchange_all(step, contribute)
+        handles, learned = buckets.exchange_all(step, contribute, redo=redo)
         if learned is not None:
             self._learned = self.step = learned
         return handles
@@ -338,14 +317,18 @@ class Replica:
         dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
         return Tally.decode(ctrl.tolist())
 
-    def _commit(self, step: int, results: list[ExchangeResult]) -> tuple[tuple[int, int], ...]:
-        """Apply a step's averaged gradients: the optimizer step with the degraded-mode learning rate, the data
-        cursors of the slots that contributed, ``self.step = step + 1``. Replaying a kept step runs this too, so a
-        joiner's state follows the same arithmetic as the others'. Returns the batches the step trained."""
+    def _commit(self, step: int, results: list[ExchangeResult], installed: bool = False) -> tuple[tuple[int, int], ...]:
+        """Apply a step's averaged gradients (bound already with ``installed``, and changed by the trainer's loop
+        maybe; else bound here and scaled as the trainers did, ``grad_scale``): the optimizer step with the
+        degraded-mode learning rate, the data cursors of the slots that contributed, ``self.step = step + 1``.
+        Replaying a kept step runs this too, so a joiner's state follows the same arithmetic as the others'.
+        Returns the batches the step trained."""
         shards, buckets = self._parts()
         contributors = results[-1].contributors
         slots = contributing_slots(buckets.mask_of(results), contributors, self.step)
-        buckets.install(results)
+        if not installed:
+            buckets.install(results)
+            grad_scale.apply(buckets.grads(), self._scales.pop(step, 1.0))
         factor = lr_factor(self.config.lr_rule, contributors, self.config.num_replicas)
         if factor != self._lr_factor and not self.joining:
             self._log(logging.WARNING, "learning rate x%.4f (%s rule: %d of %d replicas contribute)", factor,
@@ -398,6 +381,20 @@ class Replica:
         ending.barrier(buckets, self.engine, self.step, self._vote, self._wait_s, self._log)
         if self.config.checkpoint_dir:
             self._checkpoint()
+
+    def _post(self, step: int, factor: float | None, loss: float | None) -> tuple[float, float]:
+        """The step's post exchange on this rank's lane (``BucketExchange.launch_post``), with its own bounded
+        retries: returns (the factor the contributors scaled the step's gradients by, their mean loss)."""
+        _, buckets = self._parts()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                return buckets.post_of(buckets.launch_post(step, factor, loss).wait(self._wait_s))
+            except FTARError as e:
+                if failure_of(e).needs_rejoin:
+                    raise RejoinRequired(f"step {step}'s post exchange: {e}") from e
+                self._log(logging.WARNING, "step %d: post exchange failed (attempt %d): %s", step, attempt, e)
+                self.engine.reset()
+        raise RejoinRequired(f"step {step}'s post exchange failed {MAX_ATTEMPTS} times")
 
     # --- state --------------------------------------------------------------------------------------------------
 

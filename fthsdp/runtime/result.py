@@ -12,7 +12,9 @@ class StepResult:
     step: int
     """The step that was committed."""
     loss: float | None
-    """This rank's loss, or None for a joining replica (it trained nothing: it caught up)."""
+    """``train_step``: this rank's loss, or None for a joining replica (it trained nothing: it caught up). The
+    trainer's own loop: this rank's loss noted with ``note_loss``, averaged over the step's contributing replicas
+    (None when none was noted, or for a step this replica trained no batch in)."""
     epoch: int
     contributors: int
     joined: bool
@@ -30,3 +32,6 @@ class StepResult:
     """False when this replica sent zeros and trained no batch of its own: the joined step, and the one after it."""
     diverged: tuple[int, ...] = ()
     """The replicas (indexes) whose state digest differed from the majority's at this step (they restart)."""
+    lr: list[float] | None = None
+    """The learning rate each param group was stepped with: the scheduler's times ``lr_factor`` (the trainer's own
+    loop; None from ``train_step``)."""

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 from fthsdp.runtime.config import ConfigError, RuntimeConfig
@@ -55,10 +56,9 @@ def _progress(**kv: Any) -> None:
             f.write(ProgressRow.from_json({**kv, "t": time.time()}).line())
 
 
-@contextmanager
-def training(config: RuntimeConfig | None = None) -> Iterator[Replica]:
-    """The replica of this training process (``Replica(config)``), closed at the end of the block; the rejoin
-    and end-of-job exits handled (see the module's doc)."""
+def _start(config: RuntimeConfig | None) -> Replica:
+    """``Replica(config)`` with the start-up exits: back after the job finished (exit 0), or a ``fatal`` line for
+    an error a restart would meet again."""
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         ft = Replica(config)
@@ -70,24 +70,73 @@ def training(config: RuntimeConfig | None = None) -> Iterator[Replica]:
     except FATAL_AT_START as e:
         _progress(event="fatal", error=f"{type(e).__name__}: {e}")
         raise
-    common = {"replica": ft.config.replica_index, "incarnation": ft.incarnation, "mode": "fthsdp"}
-    if ft.rank == 0:  # a warm standby once released (in its first train_step)
-        ft.when_registered(lambda: _progress(event="start", step=ft.step, joining=ft.joining, **common))
-    try:
-        yield ft
-    except JobFinished as e:
+    if ft.rank == 0:  # a warm standby once released (in its first step)
+        ft.when_registered(lambda: _progress(event="start", step=ft.step, joining=ft.joining, **_common(ft)))
+    return ft
+
+
+def _common(ft: Replica) -> dict[str, Any]:
+    return {"replica": ft.config.replica_index, "incarnation": ft.incarnation, "mode": "fthsdp"}
+
+
+def _exit_for(ft: Replica, e: BaseException) -> int | None:
+    """The exit status an error ends this process with (None: it propagates), after what it needs done."""
+    if isinstance(e, JobFinished):
         log.warning("fthsdp replica=%s rank=%d: %s", ft.config.replica_id, ft.rank, e)
         ft.close(leave=False)
-        sys.exit(0)
-    except RejoinRequired as e:
+        return 0
+    if isinstance(e, RejoinRequired):
         log.error("fthsdp replica=%s rank=%d step=%d: %s; exiting to rejoin (status %d)", ft.config.replica_id,
                   ft.rank, ft.step, e, EXIT_REJOIN)
-        sys.exit(EXIT_REJOIN)
-    except FATAL as e:
-        _progress(event="fatal", error=f"{type(e).__name__}: {e}", **common)
-        raise
+        return EXIT_REJOIN
+    if isinstance(e, FATAL):
+        _progress(event="fatal", error=f"{type(e).__name__}: {e}", **_common(ft))
+    return None
+
+
+def _end(ft: Replica) -> None:
+    """The loop's end: the final state hash for a launcher (a collective: every rank), then close the replica."""
     if os.environ.get("FTHSDP_PROGRESS"):
-        digest = ft.state_hash()  # a collective: every rank
+        digest = ft.state_hash()
         if ft.rank == 0:
-            _progress(event="final", step=ft.step, param_hash=digest, **common)
+            _progress(event="final", step=ft.step, param_hash=digest, **_common(ft))
     ft.close()
+
+
+def init(config: RuntimeConfig | None = None) -> Replica:
+    """The replica of this training process, for a trainer that keeps its own loop with no block around it:
+    ``training()``'s exits become the process's. An uncaught ``RejoinRequired`` ends the process with status
+    ``EXIT_REJOIN`` (the launcher restarts the group, which catches up) and ``JobFinished`` with 0 (a
+    ``sys.excepthook``); the loop over ``ft.steps(total)`` closes the replica when it ends (the job's end with the
+    others, the final checkpoint, the final line for a launcher)."""
+    ft = _start(config)
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        status = _exit_for(ft, value)
+        if status is None:
+            previous(kind, value, tb)
+            return
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)  # the process's end: its sockets close, which the lighthouse takes as this replica's death
+
+    sys.excepthook = excepthook
+    ft.on_steps_end = lambda: _end(ft)
+    return ft
+
+
+@contextmanager
+def training(config: RuntimeConfig | None = None) -> Iterator[Replica]:
+    """The replica of this training process (``Replica(config)``), closed at the end of the block; the rejoin
+    and end-of-job exits handled (see the module's doc)."""
+    ft = _start(config)
+    try:
+        yield ft
+    except (JobFinished, RejoinRequired, *FATAL) as e:
+        status = _exit_for(ft, e)
+        if status is None:
+            raise
+        sys.exit(status)
+    _end(ft)

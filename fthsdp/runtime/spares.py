@@ -119,14 +119,19 @@ class Shadow:
             self._now() - self.began <= fraction * statistics.median(self.intervals)
 
 
-def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:
+def spare_step(rep: Replica, closure: Callable[[], torch.Tensor] | None) -> StepResult | None:
     """A step without a slot: zeros in every bucket, then the commit as everyone's; the closure is not called (but
     once, for a warm-up: ``warm``). Unless an epoch hands this replica a slot early in the step, before the step's
     exchange or in its redo (``FTHSDP_SPARE_EARLY``, agreed by every rank): it then trains that slot's batch of this
     very step (the dead replica's, which nobody committed), beside the others' compute, so the job is back to N
     contributors in the step the death hit. The lighthouse learns a death that early from the dead replica's
-    refused endpoint (``lighthouse.server.probe``)."""
-    warm(rep, closure)
+    refused endpoint (``lighthouse.server.probe``).
+
+    In the trainer's own loop (``closure`` None, ``Replica.begin``) the trainer computes the batch: a slot handed
+    before the step's exchange is taken and None returned (the loop trains it); one handed later is trained
+    from the next step on."""
+    if closure is not None:
+        warm(rep, closure)
     shards, _ = rep._parts()
     own = rep.step, rep.check.digest(rep.step, shards, rep.cursors, rep.world_size, rep.device)  # sends none
     losses: list[float] = []
@@ -134,17 +139,23 @@ def spare_step(rep: Replica, closure: Callable[[], torch.Tensor]) -> StepResult:
     def train(slot: int) -> list[Handle | None]:
         rep._log(logging.INFO, "data slot %d handed over in this step: training its batch", slot)
         rep.slot = slot
+        assert closure is not None
         handles, loss = _train(rep, closure)
         losses.append(loss)
         return handles
 
     def redo(tally: Tally) -> list[Handle | None]:
-        if not losses and tally.slot != NO_SLOT and (slot := _handed(rep, tally.slot)) != NO_SLOT:
+        if closure is not None and not losses and tally.slot != NO_SLOT and \
+                (slot := _handed(rep, tally.slot)) != NO_SLOT:
             return train(slot)
-        return rep._exchange_all(contribute=bool(losses))
+        return rep._exchange_all(contribute=bool(losses), redo=True)
 
     slot = _handed(rep, seen(rep.client))
-    handles = train(slot) if slot != NO_SLOT else rep._exchange_all(contribute=False)
+    if slot != NO_SLOT and closure is None:
+        rep._log(logging.INFO, "data slot %d handed over before this step's exchange: the loop trains its batch", slot)
+        rep.slot = slot
+        return None
+    handles = train(slot) if slot != NO_SLOT and closure is not None else rep._exchange_all(contribute=False)
     result = catching_up.zero_step(rep, handles, redo, losses, own)
     rep.shadow.committed()
     return result

@@ -36,8 +36,7 @@ class Replica(Protocol):
 
 def take_place(ft: Replica, closure: Callable[[], torch.Tensor]) -> None:
     """A standby's first ``train_step``, up to where any replica's first step starts: warm up (with
-    ``FTHSDP_JOIN_WARMUP``), wait for the gate, register, take the role (``Replica._take_role``), then run what
-    waited for the registration (``Replica.when_registered``)."""
+    ``FTHSDP_JOIN_WARMUP``), then ``release``."""
     assert ft.opt is not None
     if ft.config.join_warmup:
         # No optimizer step: the role is not known yet (an active replica with no checkpoint trains from the state
@@ -46,6 +45,13 @@ def take_place(ft: Replica, closure: Callable[[], torch.Tensor]) -> None:
         with lent_slot(ft):
             warm_up(ft.opt, closure, ft._log, optimizer_step=False)
         ft.joiner.warmed = True
+    release(ft)
+
+
+def release(ft: Replica) -> None:
+    """Wait for the gate, register, take the role (``Replica._take_role``), then run what waited for the
+    registration (``Replica.when_registered``). The trainer's own loop warms up before, in an iteration of its own
+    (``Replica.begin``)."""
     ft._log(logging.INFO, "warm standby: waiting for %s", ft.config.standby_gate)
     held = hold_as_standby(ft.config.standby_gate)
     ft.standby = False

@@ -77,7 +77,7 @@ class FakeEngine:
         if self.fail_first and len(self.calls) == 1:
             future.set_exception(Interrupted("peer died", self.epoch))
         else:
-            tag = kw["tag"] if kw["tag"] is not None else self.learn * 3
+            tag = kw["tag"] if kw["tag"] is not None else self.learn * 4 + 1  # bucket 0 of step ``learn`` (width 4)
             future.set_result(ExchangeResult([t.clone() for t in tensors], self.epoch, 1, 1, tag))
         return Handle(future)
 
@@ -109,7 +109,8 @@ def test_backward_hands_buckets_to_ftar_in_order_tagged_with_the_step() -> None:
     with buckets.armed(step=4):
         model(torch.ones(1, 2)).backward()
     # The two blocks were complete during backward; the root waits for its unused parameter.
-    assert [BucketTag.decode(c["tag"], 3) for c in engine.calls] == [BucketTag(4, 0), BucketTag(4, 1)]
+    assert [c["tag"] for c in engine.calls] == [buckets.tag(4, 0), buckets.tag(4, 1)]
+    assert buckets.width == 4 and buckets.tag(4, 0) == 17  # index 0 of a step: the post exchange of the step before
     assert [c["new_epoch_ok"] for c in engine.calls] == [True, False]
     assert all(c["contribute"] and c["redo"] is False for c in engine.calls)
     handles = buckets.launch_rest(4)
@@ -148,7 +149,7 @@ def test_a_joiner_learns_the_step_from_its_first_bucket() -> None:
     buckets = exchange(model, engine)
     handles, learned = buckets.exchange_all(None, contribute=False)
     assert learned == 11
-    assert [c["tag"] for c in engine.calls] == [None, BucketTag(11, 1).encode(3), BucketTag(11, 2).encode(3)]
+    assert [c["tag"] for c in engine.calls] == [None, buckets.tag(11, 1), buckets.tag(11, 2)]
     assert not any(c["contribute"] for c in engine.calls)
     assert torch.equal(engine.calls[-1]["tensors"][-1], torch.zeros(3))  # a zero contributor's mask is empty
     assert all(h is not None for h in handles)
@@ -262,5 +263,6 @@ def test_the_engines_logs_name_the_step_and_bucket_not_the_wire_tag() -> None:
     model, engine = Model(), FakeEngine()
     buckets = exchange(model, engine)
     assert len(buckets) == 3
-    assert engine.tag_label(27) == "step=9 bucket=0"
-    assert engine.tag_label(BucketTag(4, 2).encode(3)) == "step=4 bucket=2"
+    assert engine.tag_label(37) == "step=9 bucket=0"
+    assert engine.tag_label(buckets.tag(4, 2)) == "step=4 bucket=2"
+    assert engine.tag_label(buckets.post_tag(4)) == "step=4 post"

@@ -1,0 +1,367 @@
+"""The two ways a trainer drives a replica's steps, both on the replica's step core (``fthsdp.runtime.replica``:
+settle, vote, commit, after-commit):
+
+- **its own loop** (the way documented first, ``fthsdp.runtime.loop``): ``optimizer.zero_grad()`` begins a step
+  (``begin``: a joiner catches up there, a spare shadows the others there, a warm standby is released there),
+  ``backward()`` exchanges the gradient shards as FSDP2 produces them and, at its end, settles and votes and binds
+  the step's averaged gradients as ``.grad`` (a copy the trainer may clip); ``optimizer.step()`` commits
+  (``finish``). Each iteration is an ``Iteration``.
+- ``train_step(closure)``: the runtime runs forward and backward itself, one committed step per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import Dataset
+
+from ftar import ExchangeResult
+from fthsdp.runtime import catching_up, grad_scale, spares, standby
+from fthsdp.runtime.commit import Commit
+from fthsdp.runtime.errors import JobFinished
+from fthsdp.runtime.loop import SlotLoader
+from fthsdp.runtime.result import StepResult
+from fthsdp.testing.faults import Phase
+from lighthouse import membership as m
+
+if TYPE_CHECKING:
+    from ftar import Handle
+    from fthsdp.runtime.agreement import DigestCheck
+    from fthsdp.runtime.buckets import BucketExchange
+    from fthsdp.runtime.commit import Tally
+    from fthsdp.runtime.config import RuntimeConfig
+    from fthsdp.runtime.join import Joiner
+    from fthsdp.runtime.metrics import ReplicaMetrics
+    from fthsdp.runtime.state import ShardState
+    from fthsdp.testing.faults import FaultInjector
+
+RESULTS_KEPT = 10_000
+"""Step results ``pop_results`` holds at most (the oldest go first)."""
+
+
+@dataclass
+class Iteration:
+    """One iteration of the trainer's own loop, from ``zero_grad()`` (``Replica.begin``) to ``step()``
+    (``Replica.finish``)."""
+
+    step: int
+    trains: bool
+    """It trains a batch of the replica's slot (else a warm-up, or a last one past the job's steps: no exchange)."""
+    t0: float
+    lent: bool = False
+    """A spare's warm-up reads slot 0's batch (``catching_up.lent_slot``), consuming nothing."""
+    optimizer_step: bool = False
+    """A joiner's warm-up steps the optimizer (its state is overwritten by the snapshot); a standby's does not."""
+    t_backward: float = 0.0
+    t_computed: float = 0.0
+    slowed: float = 0.0
+    settled: tuple[Commit, list[ExchangeResult]] | None = None
+    """The step's exchange, voted and committed to, its averaged gradients bound as ``.grad`` (end of backward)."""
+    error: BaseException | None = None
+    """What the end of backward raised (raised again by ``finish``)."""
+    losses: list[float] = field(default_factory=list)
+
+
+class Steps:
+    """The replica's step drivers (a base of ``Replica``, whose step core they use: declared here)."""
+
+    _iter: Iteration | None
+    _results: deque[StepResult]
+    if TYPE_CHECKING:
+        config: RuntimeConfig
+        rank: int
+        world_size: int
+        device: torch.device
+        step: int
+        slot: int
+        cursors: torch.Tensor
+        joining: bool
+        standby: bool
+        finished: bool
+        joiner: Joiner
+        check: DigestCheck
+        faults: FaultInjector
+        metrics: ReplicaMetrics
+        _settling: list[Handle | None] | None
+        _lr_factor: float
+        _own_compute_s: float
+
+        def _parts(self) -> tuple[ShardState, BucketExchange]: ...
+        def _settle(self, handles: list[Handle | None], contribute: bool,
+                    redo: Callable[[Tally], list[Handle | None]] | None = None
+                    ) -> tuple[Commit, list[ExchangeResult]]: ...
+        def _post(self, step: int, factor: float | None, loss: float | None) -> tuple[float, float]: ...
+        def _commit(self, step: int, results: list[ExchangeResult],
+                    installed: bool = False) -> tuple[tuple[int, int], ...]: ...
+        def _after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None: ...
+        def _pace(self, attempts: int, step: int, compute_s: float, wait_s: float) -> None: ...
+        def _log(self, level: int, msg: str, *args: object) -> None: ...
+
+        @property
+        def _rep(self) -> Any: ...  # the Replica (each callee's Protocol of it)
+    else:
+        @property
+        def _rep(self) -> Steps:
+            return self
+
+    def _init_steps(self) -> None:
+        self._loop = False  # the trainer drives the steps (``begin``/``finish``), not ``train_step``
+        self._iter = None
+        self.iteration = 0
+        """How many iterations of the trainer's loop began (``begin``): a data loader's clock."""
+        self._total: int | None = None  # the job's steps, from ``steps``
+        self.on_steps_end: Callable[[], None] | None = None
+        """Run when the loop over ``steps`` ends (``fthsdp.runtime.init``: the job's end and ``close``)."""
+        self._results = deque(maxlen=RESULTS_KEPT)
+
+    def train_step(self, closure: Callable[[], torch.Tensor]) -> StepResult:
+        """Run one step: ``closure()`` returns the loss (the runtime calls ``backward``). Returns once the step is
+        committed. A joining replica calls ``closure`` once to warm up (the result is thrown away: see
+        ``fthsdp.runtime.join.warm_up``), then catches up (it exchanges zeros while fetching the state) and
+        returns once it holds the same state as the others, with ``joined=True``."""
+        shards, buckets = self._parts()
+        if self.standby:
+            standby.take_place(self._rep, closure)  # warm up, wait to be released, register: then as any replica
+        if self.finished:
+            raise JobFinished(f"job {self.config.job_id!r} finished at step {self.step}: nothing left to train",
+                              self.step)
+        if self.joining:
+            return catching_up.catch_up(self._rep, closure, shards)  # zeros while fetching, then load, replay, active
+        if self._settling is not None:
+            return catching_up.zero_step(self._rep, self._settling)  # caught up: these zeros were sent already
+        if self.slot == m.NO_SLOT:
+            spared = spares.spare_step(self._rep, closure)  # no data slot: zeros, no closure (but a warm-up)
+            assert spared is not None  # with a closure a spare trains a slot handed over itself
+            return spared
+        buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
+        self.faults.at(self.step, Phase.FORWARD)
+        shards.opt.zero_grad(set_to_none=True)
+        t_compute = time.perf_counter()
+        with buckets.armed(self.step):  # buckets go to FTAR as FSDP2 produces their gradient shards
+            loss = closure()
+            slowed = self.faults.slow_down(self.step, self._own_compute_s)  # FTHSDP_FAULT_SLOW
+            self.faults.at(self.step, Phase.BACKWARD)
+            t0 = time.perf_counter()
+            loss.backward()  # type: ignore[no-untyped-call]
+        loss_value = float(loss.detach().item())
+        handles = buckets.launch_rest(self.step)  # parameters that got no gradient
+        t_computed = time.perf_counter()
+        commit, results = self._settle(handles, contribute=True)
+        exchange_s = time.perf_counter() - t0
+        self._own_compute_s = t_computed - t_compute - slowed
+        self._pace(commit.attempts, commit.step, t_computed - t_compute, time.perf_counter() - t_computed)
+        batches = self._commit(commit.step, results)
+        diverged = self.check.check(commit.step, results)
+        contributors = results[0].contributors
+        result = StepResult(commit.step, loss_value, commit.epoch, contributors, False, commit.attempts,
+                            exchange_s, batches, self._lr_factor, diverged=diverged)
+        self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
+        self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
+                               stall_s=exchange_s if commit.attempts > 1 else 0.0)
+        self._after_commit(batches, commit.stop)
+        if self.rank == 0 and self.config.step_log:
+            self._log(logging.INFO, "step %d committed: loss %.4f, %d contributor(s), %d attempt(s), exchange "
+                      "%.3fs", commit.step, loss_value, contributors, commit.attempts, exchange_s)
+        return result
+
+    # --- the trainer's own loop (``fthsdp.runtime.loop``) ------------------------------------------------------
+
+    def steps(self, total: int) -> Iterator[int]:
+        """``for step in ft.steps(total):`` the index of the step the next iteration trains, until ``total`` steps
+        are committed (a failure costs iterations that commit nothing: a loop over ``range(total)`` would end
+        short)."""
+        if total < 0:
+            raise ValueError(f"total steps must be >= 0, got {total}")
+        self._total = total
+        while self.step < total:
+            yield self.step
+        if self.on_steps_end is not None:
+            self.on_steps_end()
+
+    def begin(self) -> bool:
+        """``zero_grad()`` of the optimizer ``optimizer`` returned: begin the next iteration of the trainer's loop.
+
+        First runs what this replica's role needs that trains no batch, each a committed step of its own (see
+        ``pop_results``): a warm standby's release and registration, a joiner's catch-up (zeros exchanged while it
+        fetches, then load and replay) and the zero step after it, a spare's zero steps until it is handed a slot.
+        Returns True when this iteration trains a batch of the replica's slot: its gradient shards are exchanged
+        during ``backward()`` as FSDP2 produces them, and ``backward()`` returns with the step's averaged
+        gradients as ``.grad``. False for an iteration that exchanges nothing: a warm-up (a process's slow first
+        step, before it is a member; its batch is not consumed) or one past the job's last step."""
+        shards, buckets = self._parts()
+        self._loop, buckets.alias = True, False  # the trainer may change .grad: never the bytes FTAR keeps
+        buckets.posts = True
+        if (it := self._iter) is not None:
+            if it.settled is not None or it.t_backward:
+                raise RuntimeError(f"zero_grad() at step {it.step} after its backward: call optimizer.step() after "
+                                   "the last backward of every iteration (the others commit that step)")
+            shards.opt.zero_grad(set_to_none=True)
+            return it.trains
+        self.iteration += 1
+        while True:
+            if self._total is not None and self.step >= self._total:
+                return self._idle(lent=False, optimizer_step=False)
+            if self.standby:
+                if self.config.join_warmup and not self.joiner.warmed:
+                    return self._idle(lent=self.slot == m.NO_SLOT, optimizer_step=False)
+                standby.release(self._rep)
+                continue
+            if self.finished:
+                raise JobFinished(f"job {self.config.job_id!r} finished at step {self.step}: nothing left to train",
+                                  self.step)
+            if self.joining:
+                if self.config.join_warmup and not self.joiner.warmed and not self.joiner.announced:
+                    return self._idle(lent=self.slot == m.NO_SLOT, optimizer_step=True)
+                self._results.append(catching_up.catch_up(self._rep, None, shards))
+                continue
+            if self._settling is not None:
+                self._results.append(catching_up.zero_step(self._rep, self._settling))
+                continue
+            if self.slot == m.NO_SLOT:
+                if self.config.join_warmup and not self.joiner.warmed:
+                    return self._idle(lent=True, optimizer_step=False)
+                spared = spares.spare_step(self._rep, None)
+                if spared is not None:
+                    self._results.append(spared)
+                    continue
+            if buckets.posted != self.step - 1:  # a lane's sequence begins with the post of the step before (the
+                self._post(self.step - 1, 1.0, None)  # job's first, or one resumed: no change to replay)
+            buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
+            self.faults.at(self.step, Phase.FORWARD)
+            shards.opt.zero_grad(set_to_none=True)
+            self._iter = Iteration(self.step, trains=True, t0=time.perf_counter())
+            buckets.arm(self.step, at_first=self._backward_begins, at_end=self._backward_ends)
+            return True
+
+    def _idle(self, lent: bool, optimizer_step: bool) -> bool:
+        """An iteration that exchanges nothing (``begin``): a warm-up, or one past the last step."""
+        self._parts()[0].opt.zero_grad(set_to_none=True)
+        if lent:
+            self.slot = 0
+        self._iter = Iteration(self.step, trains=False, t0=time.perf_counter(), lent=lent,
+                               optimizer_step=optimizer_step)
+        return False
+
+    def _backward_begins(self) -> None:
+        """The step's first gradient shard is out of FSDP2 (the FSDP2 hook): fault hooks, and the compute clock."""
+        it = self._iter
+        assert it is not None
+        it.slowed = self.faults.slow_down(it.step, self._own_compute_s)  # FTHSDP_FAULT_SLOW
+        self.faults.at(it.step, Phase.BACKWARD)
+        it.t_backward = time.perf_counter()
+
+    def _backward_ends(self) -> None:
+        """The backward pass ended (an autograd final callback, still inside ``backward()``): launch the buckets
+        that got no gradient, settle the exchange (redoing it under a new epoch if a peer died), vote with the
+        replica's other ranks and bind the averaged gradients as ``.grad``, a copy the trainer may change. What
+        goes wrong is raised by ``finish``, outside autograd."""
+        it = self._iter
+        if it is None or it.settled is not None or it.error is not None:
+            return
+        _, buckets = self._parts()
+        try:
+            handles = buckets.launch_rest(it.step)
+            buckets.disarm()
+            it.t_computed = time.perf_counter()
+            it.t_backward = it.t_backward or it.t_computed
+            it.settled = self._settle(handles, contribute=True)
+            buckets.install(it.settled[1])
+        except BaseException as e:  # noqa: BLE001 - handed to finish(), which raises it outside autograd
+            it.error = e
+
+    def note_loss(self, loss: torch.Tensor | float) -> None:
+        """Add ``loss`` (a micro-batch's, as scaled for accumulation) to this rank's loss of the step: ``step()``'s
+        result carries it averaged over the step's contributing replicas (``StepResult.loss``)."""
+        if self._iter is not None and self._iter.trains:
+            self._iter.losses.append(float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss))
+
+    def finish(self) -> StepResult | None:
+        """``step()`` of the optimizer ``optimizer`` returned: end the iteration. For one that trained a batch:
+        find the factor the trainer scaled the averaged gradients by (``grad_scale``; clipping), tell the others
+        in the step's post exchange (a joiner or a spare applies it too), run the optimizer step with the
+        degraded-mode learning rate, step the scheduler, advance the data cursors. Returns the committed step's
+        result (also in ``pop_results``); None for an iteration that trained nothing (a warm-up)."""
+        it = self._iter
+        if it is None:
+            raise RuntimeError("optimizer.step() without optimizer.zero_grad() first: zero_grad() begins a step")
+        shards, buckets = self._parts()
+        try:
+            if not it.trains:
+                if it.optimizer_step:
+                    shards.opt.step()
+                shards.opt.zero_grad(set_to_none=True)
+                if self.joining or self.standby or it.lent:
+                    self.joiner.warmed, self.joiner.probe_s = True, time.perf_counter() - it.t0
+                    self._log(logging.INFO, "warm-up iteration took %.3fs", self.joiner.probe_s)
+                return None
+            if it.settled is None and it.error is None:
+                self._backward_ends()  # no gradient reached FSDP2's hooks in this iteration
+            if it.error is not None:
+                raise it.error
+            assert it.settled is not None
+            commit, results = it.settled
+            factor = grad_scale.scale_of(buckets.averaged(results), buckets.grads())
+            loss = sum(it.losses) if it.losses else None
+            agreed, mean_loss = self._post(commit.step, factor, loss)
+            if agreed != factor:
+                raise grad_scale.UnreplayableGradients(
+                    f"step {commit.step}: this replica scaled the averaged gradients by {factor}, the others by "
+                    f"{agreed}: every replica's trainer must run the same code on them")
+            return self._committed(it, commit, results, mean_loss if loss is not None else None)
+        finally:
+            if it.lent:
+                self.slot = m.NO_SLOT
+            self._iter = None
+            buckets.disarm()
+
+    def _committed(self, it: Iteration, commit: Commit, results: list[ExchangeResult],
+                   loss: float | None) -> StepResult:
+        """The commit of a step the trainer's loop trained: the optimizer step (its gradients are bound already),
+        then what every commit does."""
+        t_end = time.perf_counter()
+        exchange_s = t_end - it.t_backward
+        self._own_compute_s = it.t_computed - it.t0 - it.slowed
+        self._pace(commit.attempts, commit.step, it.t_computed - it.t0, t_end - it.t_computed)
+        batches = self._commit(commit.step, results, installed=True)
+        diverged = self.check.check(commit.step, results)
+        contributors = results[0].contributors
+        result = StepResult(commit.step, loss, commit.epoch, contributors, False, commit.attempts, exchange_s, batches,
+                            self._lr_factor, diverged=diverged, lr=self.applied_lr)
+        self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
+        self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
+                               stall_s=exchange_s if commit.attempts > 1 else 0.0)
+        self._results.append(result)
+        self._after_commit(batches, commit.stop)
+        if self.rank == 0 and self.config.step_log:
+            self._log(logging.INFO, "step %d committed: loss %s, %d contributor(s), %d attempt(s), lr %s, exchange "
+                      "%.3fs", commit.step, "-" if loss is None else f"{loss:.4f}", contributors, commit.attempts,
+                      [f"{x:.3g}" for x in self.applied_lr], exchange_s)
+        return result
+
+    @property
+    def applied_lr(self) -> list[float]:
+        """The learning rate of each param group as the last optimizer step applied it: the scheduler's value times
+        the degraded-mode factor (``lr_factor``: fewer replicas contributed)."""
+        return [float(g["lr"]) * self._lr_factor for g in self._parts()[0].opt.param_groups]
+
+    def pop_results(self) -> list[StepResult]:
+        """Every step committed since the last call, oldest first: the trained ones (also returned by ``step()``)
+        and those ``begin`` committed without a batch (a catch-up, a zero step, a spare's steps)."""
+        out = list(self._results)
+        self._results.clear()
+        return out
+
+    def dataloader(self, dataset: Dataset[Any], batch_size: int, *, micro_batches: int = 1, seed: int = 0,
+                   shuffle: bool = True, **loader_kwargs: Any) -> SlotLoader:
+        """A ``torch.utils.data.DataLoader`` over ``dataset`` (map-style) that yields this rank's next batches of
+        the replica's data slot, ``micro_batches`` per step, by the slot's cursor: every batch is trained exactly
+        once across failures, and the position follows a catch-up or a resume (``loop.SlotLoader``). Other
+        keyword arguments go to the ``DataLoader`` (``num_workers``, ``collate_fn``, ``pin_memory``, ...)."""
+        return SlotLoader(self._rep, dataset, batch_size, micro_batches=micro_batches, seed=seed, shuffle=shuffle,
+                          **loader_kwargs)

@@ -1,0 +1,284 @@
+"""The trainer keeps its loop (fthsdp/runtime/loop.py, grad_scale.py, the buckets' end-of-backward callback and post
+exchange): what the runtime keeps and sends cannot be changed by the trainer's in-place edits of ``.grad``; a
+uniform scaling (clipping) is found bitwise and re-applied bitwise, anything else is refused; the scheduler's
+own ``step()`` calls are absorbed while its state stays saveable; the loader follows the slot and cursor.
+In-process: a one-rank Gloo group over a HashStore, a recording stand-in for the lane engine."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ftar import ExchangeResult, Handle
+from fthsdp.runtime import grad_scale
+from fthsdp.runtime.buckets import BucketExchange
+from fthsdp.runtime.data import SlotSampler
+from fthsdp.runtime.loop import LoopOptimizer, SlotLoader, absorb_step, fsdp_units, indices_of
+from fthsdp.runtime.state import local_tensor
+from fthsdp.runtime.trainer_state import TrainerState
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Engine:
+    """Records every allreduce and answers at once with a copy of the inputs (one contributor's average); keeps
+    every result it returned, as FTAR holds them to serve a lagging partner."""
+
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    held: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def allreduce(self, tensors: Sequence[torch.Tensor], **kw: Any) -> Handle:
+        self.calls.append({"tensors": [t.clone() for t in tensors], **kw})
+        out = [t.clone() for t in tensors]
+        self.held.append(out)
+        future: Future[ExchangeResult] = Future()
+        future.set_result(ExchangeResult(out, 1, 1, 1, kw["tag"] if kw["tag"] is not None else 0))
+        return Handle(future)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x).sum()
+
+
+@pytest.fixture
+def sharded() -> Iterator[Model]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process, no network
+    try:
+        torch.manual_seed(0)
+        model = Model()
+        mesh = init_device_mesh("cpu", (1,))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        yield model
+    finally:
+        dist.destroy_process_group()
+
+
+# --- what the runtime keeps and sends ------------------------------------------------------------------------
+
+
+def test_an_in_place_edit_of_grad_after_backward_changes_nothing_the_runtime_keeps_or_sends(sharded: Model) -> None:
+    """The trainer's loop: the end of backward settles the exchange and binds the averaged gradients as ``.grad``.
+    Clipping them in place (as ``clip_grad_norm_`` does) leaves the results FTAR holds for a lagging partner, and
+    what was sent, untouched; the scale is found bitwise."""
+    engine = Engine()
+    params, blocks = fsdp_units(sharded)
+    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
+                             wait_s=5.0)
+    buckets.posts, buckets.alias = True, False  # as Replica.begin sets them
+    settled: list[list[ExchangeResult]] = []
+
+    def at_end() -> None:
+        settled.append([h.wait() for h in buckets.launch_rest(0) if h is not None])
+        buckets.install(settled[-1])
+
+    buckets.arm(0, at_end=at_end)
+    sharded(torch.ones(2, 4)).backward()
+    buckets.disarm()
+    assert len(settled) == 1  # the callback ran once, inside backward()
+    sent = [[t.clone() for t in c["tensors"]] for c in engine.calls]
+    held = [[t.clone() for t in ts] for ts in engine.held]
+    before = [g.clone() for g in buckets.grads()]
+    assert all(torch.equal(a, b) for a, b in zip(before, buckets.averaged(settled[0]), strict=True))
+
+    norm = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1e-3)  # in place, on the bound gradients
+    assert float(norm) > 1e-3  # it did clip
+    after = buckets.grads()
+    assert not all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(torch.equal(a, b) for c, s in zip(engine.calls, sent, strict=True) for a, b in zip(c["tensors"], s,
+                                                                                                  strict=True))
+    assert all(torch.equal(a, b) for ts, hs in zip(engine.held, held, strict=True) for a, b in zip(ts, hs,
+                                                                                                  strict=True))
+    factor = grad_scale.scale_of(buckets.averaged(settled[0]), after)
+    replayed = [g.clone() for g in buckets.averaged(settled[0])]
+    grad_scale.apply(replayed, factor)  # what a joiner's replay or a spare does: the same bytes
+    assert all(torch.equal(a, b) for a, b in zip(replayed, after, strict=True))
+
+
+def test_with_aliasing_the_same_edit_would_have_changed_the_held_results(sharded: Model) -> None:
+    """The hazard the copy closes (``train_step``'s aliasing, for an optimizer known to leave ``.grad`` alone)."""
+    engine = Engine()
+    params, blocks = fsdp_units(sharded)
+    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
+                             wait_s=5.0)
+    buckets.alias = True
+    with buckets.armed(0):
+        sharded(torch.ones(2, 4)).backward()
+    results = [h.wait() for h in buckets.launch_rest(0) if h is not None]
+    held = [t.clone() for t in buckets.averaged(results)]
+    buckets.install(results)
+    torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1e-3)
+    assert not all(torch.equal(a, b) for a, b in zip(held, buckets.averaged(results), strict=True))
+
+
+def test_a_second_backward_after_the_exchange_began_is_a_clear_error(sharded: Model) -> None:
+    engine = Engine()
+    params, blocks = fsdp_units(sharded)
+    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
+                             wait_s=5.0)
+    buckets.arm(3)
+    sharded(torch.ones(2, 4)).backward()
+    with pytest.raises(RuntimeError, match="set_requires_gradient_sync"):
+        sharded(torch.ones(2, 4)).backward()
+
+
+def test_accumulation_without_sync_exchanges_once_on_the_last_micro_batch(sharded: Model) -> None:
+    engine = Engine()
+    params, blocks = fsdp_units(sharded)
+    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
+                             wait_s=5.0)
+    ends: list[int] = []
+    buckets.arm(0, at_end=lambda: ends.append(len(engine.calls)))
+    sharded.set_requires_gradient_sync(False)  # type: ignore[operator]
+    sharded(torch.ones(2, 4)).backward()
+    assert engine.calls == [] and ends == []
+    sharded.set_requires_gradient_sync(True)  # type: ignore[operator]
+    sharded(torch.ones(2, 4)).backward()
+    assert ends == [3]  # every bucket went out during the last backward, before the callback
+
+
+def test_fsdp_units_are_the_buckets_of_a_model_the_trainer_sharded(sharded: Model) -> None:
+    params, blocks = fsdp_units(sharded)
+    assert len(params) == 6 and [len(b) for b in blocks] == [2, 2]  # the head's are the root's
+    with pytest.raises(TypeError, match="fully_shard"):
+        fsdp_units(nn.Linear(2, 2))
+
+
+# --- the scale -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("coef", [1.0, 0.5, 0.123456789, 3e-5, 0.9999999])
+def test_a_uniform_scaling_is_found_bitwise(coef: float) -> None:
+    torch.manual_seed(1)
+    before = [torch.randn(50), torch.randn(3, 7), torch.zeros(0)]
+    c = torch.tensor(coef, dtype=torch.float32)
+    after = [b * c for b in before]
+    found = grad_scale.scale_of(before, after)
+    again = [b.clone() for b in before]
+    grad_scale.apply(again, found)
+    assert all(torch.equal(a, b) for a, b in zip(again, after, strict=True))
+    assert grad_scale.unpack(grad_scale.pack(found)) == found
+
+
+def test_other_changes_are_refused() -> None:
+    before = [torch.tensor([1.0, -2.0, 3.0])]
+    with pytest.raises(grad_scale.UnreplayableGradients, match="uniform scaling"):
+        grad_scale.scale_of(before, [torch.tensor([1.0, -2.0, 2.5])])  # clipped by value
+    with pytest.raises(grad_scale.UnreplayableGradients):
+        grad_scale.scale_of(before + [torch.ones(2)], [before[0] * 0.5, torch.ones(2) * 0.25])  # two factors
+
+
+def test_the_packed_factor_survives_an_average_and_a_mixed_one_is_refused() -> None:
+    f = 0.3141592
+    words = grad_scale.pack(f)
+    n = 3
+    assert grad_scale.unpack([w * n / n for w in words]) == pytest.approx(f, rel=1e-7)
+    assert grad_scale.unpack(grad_scale.pack(None)) == 1.0
+    mixed = [(a + b) / 2 for a, b in zip(grad_scale.pack(0.5), grad_scale.pack(0.25), strict=True)]
+    with pytest.raises(grad_scale.UnreplayableGradients, match="differently"):
+        grad_scale.unpack(mixed)
+
+
+# --- the scheduler and the optimizer ---------------------------------------------------------------------------
+
+
+def test_the_trainers_scheduler_step_is_absorbed_and_its_state_still_saves() -> None:
+    opt = torch.optim.AdamW([nn.Parameter(torch.ones(2))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    real = absorb_step(sched)
+    sched.step()  # the trainer's call: nothing
+    assert sched.get_last_lr() == [1.0] and sched.last_epoch == 0
+    real()  # the runtime's, at a commit
+    assert sched.get_last_lr() == [0.5] and isinstance(sched, torch.optim.lr_scheduler.LambdaLR)
+    state = TrainerState()
+    state.register("scheduler", sched, on_commit=real)
+    state.encode(opt)  # JSON-able: the absorbing class added nothing to the object's __dict__
+
+
+def test_the_wrapped_optimizer_shares_the_groups_and_drives_the_loop() -> None:
+    calls: list[str] = []
+
+    class Loop:
+        def begin(self) -> bool:
+            calls.append("begin")
+            return True
+
+        def finish(self) -> None:
+            calls.append("finish")
+
+    inner = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    opt = LoopOptimizer(inner, Loop())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1)  # a scheduler built on the wrapper
+    assert math.isclose(inner.param_groups[0]["lr"], 0.01) and opt.param_groups is inner.param_groups
+    opt.zero_grad()
+    opt.step()
+    sched.step()
+    assert calls == ["begin", "finish"]
+    with pytest.raises(TypeError, match="closure"):
+        opt.step(lambda: 0.0)
+    with pytest.raises(RuntimeError, match="param group"):
+        opt.add_param_group({"params": []})
+
+
+# --- the loader ------------------------------------------------------------------------------------------------
+
+
+class Position:
+    """A stand-in for the replica: slot, cursor and the loop's iteration, set by the test."""
+
+    def __init__(self) -> None:
+        self.slot, self.rank, self.world_size, self.iteration, self.cursor, self.slots = 1, 1, 2, 0, 0, 3
+
+
+class Items(torch.utils.data.Dataset[int]):
+    def __len__(self) -> int:
+        return 50
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def test_the_loader_yields_the_slots_batches_by_cursor_and_restarts_where_the_cursor_is() -> None:
+    ft = Position()
+    loader = SlotLoader(ft, Items(), 4, micro_batches=2, seed=7)  # type: ignore[arg-type]
+    sampler = SlotSampler(50, 4, seed=7)
+
+    def want(slot: int, cursor: int, micro: int) -> list[int]:
+        return list(indices_of(sampler, slot, cursor, 1, micro, slots=3, ranks=2, micro_batches=2))
+
+    def take() -> list[int]:
+        return [int(x) for x in next(loader)]
+
+    ft.iteration = 1
+    assert [take(), take()] == [want(1, 0, 0), want(1, 0, 1)]
+    with pytest.raises(RuntimeError, match="micro_batches"):
+        take()
+    ft.iteration, ft.cursor = 2, 1  # committed: the next step's batches come as prefetched
+    assert [take(), take()] == [want(1, 1, 0), want(1, 1, 1)] and loader.restarts == 0
+    ft.iteration = 3  # step 1 did not commit (cursor stays): the same batches again
+    assert [take(), take()] == [want(1, 1, 0), want(1, 1, 1)] and loader.restarts == 1
+    ft.iteration, ft.cursor, ft.slot = 4, 5, 2  # a catch-up moved the cursor, a spare took slot 2
+    assert take() == want(2, 5, 0) and loader.restarts == 2
+    with pytest.raises(ValueError, match="sampler"):
+        SlotLoader(ft, Items(), 4, sampler=None)  # type: ignore[arg-type]
