@@ -242,6 +242,7 @@ class Steps:
     def _idle(self, lent: bool, optimizer_step: bool) -> bool:
         """An iteration that exchanges nothing (``begin``): a warm-up, or one past the last step."""
         self._parts()[0].opt.zero_grad(set_to_none=True)
+        lent = lent or self.slot == m.NO_SLOT  # a spare's loop reads slot 0's batch, consuming nothing
         if lent:
             self.slot = 0
         self._iter = Iteration(self.step, trains=False, t0=time.perf_counter(), lent=lent,

@@ -101,11 +101,13 @@ def absorb_step(scheduler: Any) -> Callable[[], None]:
     cls = type(scheduler)
     real = cls.step.__get__(scheduler, cls)
 
+    told: list[bool] = []  # not on the object: its __dict__ is its state, digested and compared across replicas
+
     def absorbed(self: Any, *args: object, **kwargs: object) -> None:
-        if not getattr(self, "_fthsdp_told", False):
+        if not told:
             log.info("fthsdp: the runtime steps the LR scheduler at every committed step; the trainer's "
                      "scheduler.step() calls do nothing")
-            object.__setattr__(self, "_fthsdp_told", True)
+            told.append(True)
 
     scheduler.__class__ = type(cls.__name__, (cls,), {"step": absorbed, "__module__": cls.__module__})
     return real  # type: ignore[no-any-return]

@@ -127,6 +127,8 @@ class Replica(Steps):
         self._shards: ShardState | None = None
         self._terminated, self._learned = False, -1  # stopped by SIGTERM; a joiner: the step it learned (-1: not yet)
         self._scales: dict[int, float] = {}  # a zero contributor's: per step, the factor the trainers scaled it by
+        self.on_active: Callable[[], None] | None = None
+        """Run once, at this incarnation's first commit as an active replica (``fthsdp.runtime.session``)."""
         self._init_steps()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -347,8 +349,12 @@ class Replica(Steps):
 
     def _after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None:
         """Commit-boundary duties: lighthouse step, snapshot for joiners, checkpoints, and stopping if the vote
-        carried a SIGTERM."""
+        carried a SIGTERM; the first one as an active replica runs ``on_active`` (a launcher's cue)."""
         self.client.set_step(self.step)
+        on_active = self.on_active
+        if on_active is not None and not self.joining:
+            self.on_active = None
+            on_active()
         self._parts()[0].mark(self.cursors)  # what a snapshot of the coming step takes at its boundary
         self.server.at_commit(self.step, active=True)
         cfg = self.config

@@ -72,6 +72,8 @@ def _start(config: RuntimeConfig | None) -> Replica:
         raise
     if ft.rank == 0:  # a warm standby once released (in its first step)
         ft.when_registered(lambda: _progress(event="start", step=ft.step, joining=ft.joining, **_common(ft)))
+        # The launcher starts a group's next warm standby once its incarnation committed a step as active.
+        ft.on_active = lambda: _progress(event="active", step=ft.step, **_common(ft))
     return ft
 
 

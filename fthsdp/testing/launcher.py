@@ -273,6 +273,9 @@ class Cluster:
             if sb.priority is not None:  # back to the training's priority first: it must not start starved
                 self._raise(g.index, sb.priority)
             sb.gate.write_text("go\n")
+            with open(g.log_path, "a") as main_log:  # where the group's output goes on, for whoever reads this one
+                main_log.write(f"fthsdp launcher: replica group {g.index} incarnation {g.incarnations + 1} is a "
+                               f"released warm standby: its output continues in {sb.log_path}\n")
             g.proc, g.fault, g.log_path = sb.proc, sb.fault, sb.log_path
         else:
             if sb is not None:
@@ -296,7 +299,8 @@ class Cluster:
                 return
             self._standby_lost(g, g.standby)
             g.standby = None
-        if g.incarnations > 1 and not any(x.event == "step" and x.t >= g.started_at for x in self.progress(g)):
+        if g.incarnations > 1 and not any(x.event in ("step", "active") and x.t >= g.started_at
+                                          for x in self.progress(g)):
             return
         g.standbys += 1
         fault = g.pending_faults.pop(0) if g.pending_faults else None

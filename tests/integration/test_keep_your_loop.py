@@ -129,3 +129,36 @@ def test_a_real_trainer_through_a_kill(tmp_path: pathlib.Path) -> None:
     assert max(got[(1, 0)]) > 20, "the killed replica's slot trained nothing after its catch-up"
     assert got[(0, 0)] == list(range(steps))  # the survivors' slots trained every step
     assert "differ" not in stdout
+
+
+def test_a_real_trainer_with_a_spare_through_a_kill(tmp_path: pathlib.Path) -> None:
+    """The spare (group 3) takes the killed replica's data slot; the killed replica comes back as a spare. The
+    spare trained no batch of its own before, and the slot's batches go on from its cursor, none twice."""
+    steps = 120
+    report, out, stdout = run(tmp_path, ["--spares", "1", "--kill", "1@10"], steps, pace=0.1)
+    check_one_state(report, steps, SLOTS + 1)
+    exits = [(e["replica"], e["killed"]) for e in report["events"] if e["event"] == "exit"]
+    assert exits == [(1, True)], exits
+    lighthouse = (tmp_path / "logs" / "lighthouse.log").read_text()
+    handed = [line for line in lighthouse.splitlines() if "replica-1 dead" in line and " members=" in line]
+    assert handed and "replica-3:active:slot1" in handed[0], handed  # the spare took the dead one's slot
+    got = check_exactly_once(out, steps, SLOTS + 1, kills=1)
+    assert max(got[(1, 0)]) >= steps - 2, "slot 1 stopped training after the kill"  # the spare trained it on
+    assert "differ" not in stdout
+
+
+def test_a_real_trainer_with_warm_standbys_replaced_twice(tmp_path: pathlib.Path) -> None:
+    """Group 1 is killed twice; each time its warm standby takes over, and a new standby is started for the next
+    time (the runtime tells the launcher when the released one trained a step: an ``active`` progress row)."""
+    steps = 200
+    report, out, stdout = run(tmp_path, ["--warm-restarts", "--kill", "1@10", "--kill", "1@100"], steps, pace=0.1)
+    check_one_state(report, steps, SLOTS)
+    exits = [(e["replica"], e["killed"]) for e in report["events"] if e["event"] == "exit"]
+    assert exits == [(1, True), (1, True)], exits
+    starts = [(e["incarnation"], e["warm"]) for e in report["events"] if e["event"] == "start" and e["replica"] == 1]
+    assert starts == [(1, False), (2, True), (3, True)], starts
+    standbys = [e for e in report["events"] if e["event"] == "standby" and e["replica"] == 1]
+    assert len(standbys) == 3, standbys  # one with the job, a replacement after each use
+    assert "released warm standby" in (tmp_path / "logs" / "replica1.log").read_text()  # points to where it went
+    check_exactly_once(out, steps, SLOTS, kills=2)
+    assert "differ" not in stdout

@@ -206,8 +206,10 @@ def test_the_packed_factor_survives_an_average_and_a_mixed_one_is_refused() -> N
 def test_the_trainers_scheduler_step_is_absorbed_and_its_state_still_saves() -> None:
     opt = torch.optim.AdamW([nn.Parameter(torch.ones(2))], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    saved = sched.state_dict()
     real = absorb_step(sched)
     sched.step()  # the trainer's call: nothing
+    assert sched.state_dict() == saved  # nor a trace in its state (digested: it must be the same on every replica)
     assert sched.get_last_lr() == [1.0] and sched.last_epoch == 0
     real()  # the runtime's, at a commit
     assert sched.get_last_lr() == [0.5] and isinstance(sched, torch.optim.lr_scheduler.LambdaLR)
