@@ -5,13 +5,13 @@ them through ``read_progress``.
 Events (``event``): ``start`` (an incarnation registered: ``joining``, ``resumed_from``, ``step``), ``step`` (one
 committed step: ``step``, ``loss`` — None on a joiner's zero-gradient step —, ``epoch``, ``contributors``,
 ``joined``, ``contributed`` (only when false), ``attempts``, ``step_s``, ``exchange_s``, ``batches`` as [slot, batch
-index] pairs, ``lr_factor``, ``catchup``), ``active`` (the runtime's ``training()``/``init()``: the incarnation's first commit as an active replica,
-``step``), ``final`` (``step`` and ``param_hash``; the plain and restart baselines
-write ``local_param_hash``), ``terminated`` (stopped by SIGTERM: ``step``, ``checkpoint``), ``job_finished`` (back
-after the job completed at ``step``, with no final checkpoint to take: no final state), ``fatal`` (``error``). The
-whole-job restart baseline adds ``restored``, ``kill`` and ``checkpoint``. Every row has ``t`` (``time.time()``)
-and, from rank 0 of a replica, ``replica``, ``incarnation`` and ``mode``. Keys this row does not name are kept in
-``extra``.
+index] pairs, ``lr_factor``, ``catchup``), ``active`` (the runtime's ``training()``/``init()``: the incarnation's
+first commit as an active replica, ``step``), ``final`` (``step`` and ``param_hash``; the plain and restart
+baselines write ``local_param_hash``), ``terminated`` (stopped by SIGTERM: ``step``, ``checkpoint``),
+``job_finished`` (back after the job completed at ``step``, with no final checkpoint to take: no final state),
+``fatal`` (``error``). The whole-job restart baseline adds ``restored``, ``kill`` and ``checkpoint``. Every row has
+``t`` (``time.time()``) and, from rank 0 of a replica, ``replica``, ``incarnation`` and ``mode``. Keys this row does
+not name are kept in ``extra``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from fthsdp.runtime import grad_scale
 from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.data import SlotSampler
 from fthsdp.runtime.loop import LoopOptimizer, SlotLoader, absorb_step, fsdp_units, indices_of
-from fthsdp.runtime.state import local_tensor
 from fthsdp.runtime.trainer_state import TrainerState
 
 CPU = torch.device("cpu")
