@@ -112,6 +112,26 @@ def cmd_run(a: argparse.Namespace) -> None:
     done = next(iter(final.values()))
     print(f"fthsdp run: every replica group run here ended at step {done['step'] if done else '?'} with one state "
           f"({done['param_hash'][:16] if done else '?'}...)", flush=True)
+    for line in summary(final):
+        print(f"fthsdp run: {line}", flush=True)
+
+
+def summary(final: dict[str, dict[str, Any] | None]) -> list[str]:
+    """What the end of a run says besides the state: the batches each data slot trained (from the job's data
+    cursors, when the script reports them: ``fthsdp.runtime.training()``/``init()`` do), and the groups that came
+    back after the job had ended (they hold the final state and trained nothing after their restart)."""
+    lines = []
+    cursors = next((f["cursors"] for f in final.values() if f and "cursors" in f), None)
+    steps = next((f["step"] for f in final.values() if f), 0)
+    if cursors is not None:
+        short = [f"slot {i}: {c} of {steps}" for i, c in enumerate(cursors) if c < steps]
+        lines.append(f"batches trained per data slot: {cursors} (steps: {steps})"
+                     + (f"; short: {', '.join(short)}" if short else ""))
+    late = sorted(int(g) for g, f in final.items() if f and f.get("late"))
+    if late:
+        lines.append(f"replica group(s) {late} came back after the job had ended: they took the final checkpoint "
+                     "and trained nothing after their restart")
+    return lines
 
 
 def register(sub: Subparsers) -> None:

@@ -27,6 +27,7 @@ from fthsdp.examples.data import batch
 from fthsdp.examples.gpt import GPTConfig
 from fthsdp.examples.hsdp import local_param_hash, plain_hsdp, seeded_gpt
 from fthsdp.runtime.config import SCHEDULERS, TrainerSettings
+from fthsdp.runtime.result import StepResult
 from fthsdp.testing.progress import ProgressRow
 
 
@@ -44,6 +45,9 @@ def _args(argv: list[str] | None, settings: TrainerSettings) -> argparse.Namespa
     p.add_argument("--scheduler", default=settings.scheduler, choices=SCHEDULERS,
                    help="LR scheduler: cosine (CosineAnnealingLR over --steps), lambda (LambdaLR, x0.97 per step), "
                    "none (default: FTHSDP_SCHEDULER)")
+    p.add_argument("--api", default="loop", choices=("loop", "closure"),
+                   help="fthsdp: the trainer's own loop (zero_grad/backward/step on ft.optimizer's result; default) or "
+                   "ft.train_step(closure)")
     p.add_argument("--min-step-s", type=float, default=0.0,
                    help="pace steps that train a batch to take at least this long (stands in for more compute in "
                    "tests; a joiner's zero steps compute nothing and are not paced)")
@@ -132,27 +136,46 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         raise
     model = seeded_gpt(cfg, a.seed)
     ft.shard(model, blocks=model.blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-    ft.optimizer(opt, scheduler=_scheduler(a.scheduler, opt, a.steps))  # the runtime steps it at every commit
+    inner = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    opt = ft.optimizer(inner, scheduler=_scheduler(a.scheduler, inner, a.steps))  # stepped by the runtime per commit
     slot, rank = ft.config.replica_index, ft.rank
     progress = Progress(a.progress, rank == 0, replica=slot, incarnation=ft.incarnation, mode="fthsdp")
     # Once registered: at once, or for a warm standby once released (in its first train_step).
     ft.when_registered(lambda: progress.write(event="start", joining=ft.joining, resumed_from=ft.resumed_from,
                                               step=ft.step))
     per_rank = a.batch // ft.world_size
+
+    def forward() -> torch.Tensor:
+        # Data by the slot's cursor, not by step: a batch is trained once, even across failures. The slot is the one
+        # the lighthouse gives this replica now (a spare's is taken over from a dead replica).
+        return _computed(a.compute_s, lambda: model.loss(
+            batch(a.seed, ft.cursor, ft.slot, rank, per_rank, cfg.seq_len, cfg.vocab).to(ft.device)))
+
+    def write(r: StepResult, loss: float | None, step_s: float) -> None:
+        progress.write(event="step", step=r.step, loss=loss, epoch=r.epoch, contributors=r.contributors,
+                       joined=r.joined, attempts=r.attempts, step_s=step_s, exchange_s=r.exchange_s,
+                       batches=r.batches, lr_factor=r.lr_factor, catchup=r.catchup,
+                       **({"diverged": list(r.diverged)} if r.diverged else {}),
+                       **({} if r.contributed else {"contributed": False}))
+
     try:
-        while ft.step < a.steps:
+        if a.api == "closure":  # train_step: the runtime runs forward and backward
+            while ft.step < a.steps:
+                t0 = time.perf_counter()
+                r = ft.train_step(forward)
+                write(r, r.loss, time.perf_counter() - t0)
+                if r.contributed:  # the pause stands in for compute: a zero step (no batch) would have none
+                    _pace(a.min_step_s, t0)
+        for _ in ft.steps(a.steps):  # the trainer's own loop (zero_grad begins a step, step commits)
             t0 = time.perf_counter()
-            # Data by the slot's cursor, not by step: a batch is trained once, even across failures. The slot is
-            # the one the lighthouse gives this replica now (a spare's is taken over from a dead replica).
-            r = ft.train_step(lambda: _computed(a.compute_s, lambda: model.loss(
-                batch(a.seed, ft.cursor, ft.slot, rank, per_rank, cfg.seq_len, cfg.vocab).to(ft.device))))
-            progress.write(event="step", step=r.step, loss=r.loss, epoch=r.epoch, contributors=r.contributors,
-                           joined=r.joined, attempts=r.attempts, step_s=time.perf_counter() - t0,
-                           exchange_s=r.exchange_s, batches=r.batches, lr_factor=r.lr_factor, catchup=r.catchup,
-                           **({"diverged": list(r.diverged)} if r.diverged else {}),
-                           **({} if r.contributed else {"contributed": False}))
-            if r.contributed:  # the pause stands in for compute: a zero step (no batch) would have none
+            opt.zero_grad()  # a joiner catches up here, a spare shadows the others: their steps in pop_results
+            loss = forward()
+            loss.backward()  # the exchange runs as FSDP2 produces each gradient shard
+            trained = opt.step()  # commits (None: a warm-up, which trained nothing)
+            for r in ft.pop_results():
+                write(r, float(loss.item()) if r is trained else None,
+                      time.perf_counter() - t0 if r is trained else r.exchange_s)
+            if trained is not None:  # the pause stands in for compute: a zero step (no batch) would have none
                 _pace(a.min_step_s, t0)
         progress.write(event="final", step=ft.step, param_hash=ft.state_hash())
     except DigestMismatch as e:  # loud, whether this replica rejoins (in the minority) or the job must stop

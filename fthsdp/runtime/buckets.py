@@ -256,13 +256,17 @@ class BucketExchange:
         between ``backward()`` and ``step()`` ran: the factor it scaled the averaged gradients by
         (``grad_scale.pack``; None: a zero contributor, which learns it here) and this rank's loss, averaged over the
         contributing replicas. The next step's exchange begins with it, and so does every epoch's first exchange on
-        this lane (``new_epoch_ok``); FTAR redoes it itself on a failure (``redo``) and serves it to a partner that
-        lost it. ``step`` None: a joiner's first exchange, which learns the step from its tag."""
+        this lane (``new_epoch_ok``). Never redone by FTAR itself (``redo=False``): a failure fails the exchanges
+        queued after it too, until the caller resets the lane and starts again (a redo of its own could still be
+        pending when the vote's redo sends the same tag again, and pair with a partner's next exchange). FTAR serves
+        it to a partner that lost it. ``step`` None: a joiner's first exchange, which learns the step from its
+        tag."""
         words = [*grad_scale.pack(factor), 0.0 if loss is None else loss]
         if step is not None:
             self.posted, self._last_post = step, (step, factor, loss)
         return self.engine.allreduce([torch.tensor(words, dtype=torch.float32, device=self.device)],
-                                     contribute=factor is not None, tag=None if step is None else self.post_tag(step))
+                                     contribute=factor is not None, tag=None if step is None else self.post_tag(step),
+                                     redo=False)
 
     @staticmethod
     def post_of(result: ExchangeResult) -> tuple[float, float]:

@@ -21,17 +21,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset
 
-from ftar import ExchangeResult
+from ftar import ExchangeResult, FTARError
 from fthsdp.runtime import catching_up, grad_scale, spares, standby
-from fthsdp.runtime.commit import Commit
-from fthsdp.runtime.errors import JobFinished
+from fthsdp.runtime.buckets import failure_of
+from fthsdp.runtime.commit import MAX_ATTEMPTS, Commit
+from fthsdp.runtime.errors import JobFinished, RejoinRequired
 from fthsdp.runtime.loop import SlotLoader
 from fthsdp.runtime.result import StepResult
 from fthsdp.testing.faults import Phase
 from lighthouse import membership as m
 
 if TYPE_CHECKING:
-    from ftar import Handle
+    from ftar import Handle, LaneEngine
     from fthsdp.runtime.agreement import DigestCheck
     from fthsdp.runtime.buckets import BucketExchange
     from fthsdp.runtime.commit import Tally
@@ -96,7 +97,10 @@ class Steps:
         def _settle(self, handles: list[Handle | None], contribute: bool,
                     redo: Callable[[Tally], list[Handle | None]] | None = None
                     ) -> tuple[Commit, list[ExchangeResult]]: ...
-        def _post(self, step: int, factor: float | None, loss: float | None) -> tuple[float, float]: ...
+        engine: LaneEngine
+
+        @property
+        def _wait_s(self) -> float: ...
         def _commit(self, step: int, results: list[ExchangeResult],
                     installed: bool = False) -> tuple[tuple[int, int], ...]: ...
         def _after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None: ...
@@ -344,6 +348,20 @@ class Steps:
                       "%.3fs", commit.step, "-" if loss is None else f"{loss:.4f}", contributors, commit.attempts,
                       [f"{x:.3g}" for x in self.applied_lr], exchange_s)
         return result
+
+    def _post(self, step: int, factor: float | None, loss: float | None) -> tuple[float, float]:
+        """The step's post exchange on this rank's lane (``BucketExchange.launch_post``), with its own bounded
+        retries: returns (the factor the contributors scaled the step's gradients by, their mean loss)."""
+        _, buckets = self._parts()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                return buckets.post_of(buckets.launch_post(step, factor, loss).wait(self._wait_s))
+            except FTARError as e:
+                if failure_of(e).needs_rejoin:
+                    raise RejoinRequired(f"step {step}'s post exchange: {e}") from e
+                self._log(logging.WARNING, "step %d: post exchange failed (attempt %d): %s", step, attempt, e)
+                self.engine.reset()
+        raise RejoinRequired(f"step {step}'s post exchange failed {MAX_ATTEMPTS} times")
 
     @property
     def applied_lr(self) -> list[float]:

@@ -13,10 +13,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
+import os
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -141,6 +145,31 @@ def worker_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+WATCH_S = 1.0
+"""How often a loader worker looks whether its training process is still there (``watch_trainer``)."""
+
+
+def watch_trainer(trainer: int, then: Callable[[int], object] | None, worker_id: int) -> None:
+    """A loader worker's ``worker_init_fn``: end the worker once the training process ``trainer`` is gone. A worker
+    started from the fork server is the server's child, so DataLoader's own check (its parent's pid) never sees
+    the trainer die (a SIGKILL), and the worker, and the server it keeps alive, would outlive it. Then the
+    trainer's own ``worker_init_fn``, if any."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(WATCH_S)  # a liveness poll, not synchronisation
+            try:
+                os.kill(trainer, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:
+                pass  # alive, another user's: not ours to judge
+
+    threading.Thread(target=watch, name="fthsdp-watch-trainer", daemon=True).start()
+    if then is not None:
+        then(worker_id)
+
+
 class Position(Protocol):
     """What the loader reads of the replica: its slot and cursor now, and the loop's iteration."""
 
@@ -199,6 +228,8 @@ class SlotLoader:
             loader_kwargs.setdefault("persistent_workers", True)  # the workers outlive a restart of the position
             if "multiprocessing_context" not in loader_kwargs:
                 loader_kwargs["multiprocessing_context"] = worker_context()
+                loader_kwargs["worker_init_fn"] = functools.partial(
+                    watch_trainer, os.getpid(), loader_kwargs.get("worker_init_fn"))
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, **loader_kwargs)
         self._it: Iterator[Any] | None = None
         self._next: tuple[int, int, int] | None = None  # (slot, cursor, micro) the iterator yields next

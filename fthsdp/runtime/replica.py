@@ -30,13 +30,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneEngine, LighthouseMembership
+from ftar import EpochFeed, ExchangeResult, FTARConfig, Handle, LaneEngine, LighthouseMembership
 from fthsdp.catchup.server import CatchupServer
 from fthsdp.runtime import checkpoint, ending, grad_scale, spares
 from fthsdp.runtime.agreement import DigestCheck
-from fthsdp.runtime.buckets import BucketExchange, failure_of, grads_untouched
+from fthsdp.runtime.buckets import BucketExchange, grads_untouched
 from fthsdp.runtime.commit import (
-    MAX_ATTEMPTS,
     Commit,
     CommitProtocol,
     Rejoin,
@@ -331,6 +330,8 @@ class Replica(Steps):
         if not installed:
             buckets.install(results)
             grad_scale.apply(buckets.grads(), self._scales.pop(step, 1.0))
+        for old in [s for s in self._scales if s < step]:  # settled before a snapshot that made them moot
+            del self._scales[old]
         factor = lr_factor(self.config.lr_rule, contributors, self.config.num_replicas)
         if factor != self._lr_factor and not self.joining:
             self._log(logging.WARNING, "learning rate x%.4f (%s rule: %d of %d replicas contribute)", factor,
@@ -387,20 +388,6 @@ class Replica(Steps):
         ending.barrier(buckets, self.engine, self.step, self._vote, self._wait_s, self._log)
         if self.config.checkpoint_dir:
             self._checkpoint()
-
-    def _post(self, step: int, factor: float | None, loss: float | None) -> tuple[float, float]:
-        """The step's post exchange on this rank's lane (``BucketExchange.launch_post``), with its own bounded
-        retries: returns (the factor the contributors scaled the step's gradients by, their mean loss)."""
-        _, buckets = self._parts()
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            try:
-                return buckets.post_of(buckets.launch_post(step, factor, loss).wait(self._wait_s))
-            except FTARError as e:
-                if failure_of(e).needs_rejoin:
-                    raise RejoinRequired(f"step {step}'s post exchange: {e}") from e
-                self._log(logging.WARNING, "step %d: post exchange failed (attempt %d): %s", step, attempt, e)
-                self.engine.reset()
-        raise RejoinRequired(f"step {step}'s post exchange failed {MAX_ATTEMPTS} times")
 
     # --- state --------------------------------------------------------------------------------------------------
 

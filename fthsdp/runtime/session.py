@@ -100,8 +100,9 @@ def _end(ft: Replica) -> None:
     """The loop's end: the final state hash for a launcher (a collective: every rank), then close the replica."""
     if os.environ.get("FTHSDP_PROGRESS"):
         digest = ft.state_hash()
-        if ft.rank == 0:
-            _progress(event="final", step=ft.step, param_hash=digest, **_common(ft))
+        if ft.rank == 0:  # with the data cursors (batches trained per slot), and whether it came back too late
+            _progress(event="final", step=ft.step, param_hash=digest, cursors=ft.cursors.tolist(),
+                      **({"late": True} if ft.finished else {}), **_common(ft))
     ft.close()
 
 

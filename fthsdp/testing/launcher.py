@@ -522,7 +522,9 @@ def _final(rows: list[ProgressRow]) -> ProgressRow | None:
 
 def finals(cluster: Cluster) -> dict[str, dict[str, Any] | None]:
     """Per group (by index), its final ``step`` and ``param_hash``, or None when it wrote no final state."""
-    return {str(g.index): ({"step": f.step, "param_hash": f.param_hash} if (f := _final(cluster.progress(g))) else None)
+    return {str(g.index): ({"step": f.step, "param_hash": f.param_hash,
+                            **{k: f.extra[k] for k in ("cursors", "late") if k in f.extra}}
+                           if (f := _final(cluster.progress(g))) else None)
             for g in cluster.groups}
 
 

@@ -84,6 +84,12 @@ def session(pid: int) -> int:
     return int(fields[3]) if fields else -1
 
 
+def parent(pid: int) -> int:
+    """The parent of ``pid`` (-1: no such process)."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields else -1
+
+
 def alive(pid: int) -> bool:
     """Whether ``pid`` is a process that has not ended (a zombie has)."""
     return state(pid) not in (None, "Z")

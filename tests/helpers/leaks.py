@@ -12,23 +12,25 @@ from collections.abc import Iterator
 
 import pytest
 
-from fthsdp.testing.procutil import marked
+from fthsdp.testing.procutil import marked, parent
 
 LEAK_MARK = "FTHSDP_TEST_MARK"
 GRACE_S = 15.0
 """How long a process a test started may take to go once the test ends."""
 HELPERS = (b"from multiprocessing.resource_tracker import main", b"from multiprocessing.forkserver import main")
-"""multiprocessing's own helpers: started once by the test process, they live as long as it does."""
+"""multiprocessing's own helpers: started once by the test process, they live as long as it does. Only the test
+process's own are exempt: a fork server a trainer started, or a worker it forked, must end with the trainer."""
 _marks = itertools.count()
 
 
 def _left(mark: str) -> dict[int, bytes]:
-    """The processes carrying ``mark`` that are not multiprocessing's helpers, with their command lines."""
+    """The processes carrying ``mark`` that are not the test process's multiprocessing helpers, with their command
+    lines."""
     found = {}
     for pid in marked(LEAK_MARK, mark):
         with contextlib.suppress(OSError):
             cmd = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            if not any(h in cmd for h in HELPERS):
+            if not (any(h in cmd for h in HELPERS) and parent(pid) == os.getpid()):
                 found[pid] = cmd
     return found
 
