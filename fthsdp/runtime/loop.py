@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from fthsdp.runtime.data import SlotSampler, batch_index
+from fthsdp.runtime.data import ReplicaLike, SlotSampler, batch_index
 from fthsdp.runtime.result import StepResult
 
 log = logging.getLogger("fthsdp.runtime")
@@ -170,19 +170,11 @@ def watch_trainer(trainer: int, then: Callable[[int], object] | None, worker_id:
         then(worker_id)
 
 
-class Position(Protocol):
-    """What the loader reads of the replica: its slot and cursor now, and the loop's iteration."""
+class Position(ReplicaLike, Protocol):
+    """What the loader reads of the replica: its slot and cursor now (``data.ReplicaLike``), and the loop's
+    iteration."""
 
-    slot: int
-    rank: int
-    world_size: int
     iteration: int
-
-    @property
-    def cursor(self) -> int: ...
-
-    @property
-    def slots(self) -> int: ...
 
 
 class CursorSampler(Sampler[list[int]]):

@@ -7,8 +7,6 @@ up and trains again."""
 
 from __future__ import annotations
 
-import ast
-import difflib
 import json
 import pathlib
 import shutil
@@ -21,28 +19,12 @@ import pytest
 from fthsdp.runtime.data import SlotSampler
 from fthsdp.runtime.loop import indices_of
 from fthsdp.testing.procutil import child_env
+from tests.helpers.diffs import changed_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 
 USER = pathlib.Path(__file__).resolve().parent.parent / "helpers" / "user"
 SLOTS, RANKS, ACCUM, BATCH, ITEMS = 3, 2, 2, 4, 4096  # as loop_fthsdp.py and the runs below have them
-
-
-def code_lines(text: str) -> list[str]:
-    """The script's lines without its module docstring (what a diff of the code shows)."""
-    doc = ast.get_docstring(ast.parse(text), clean=False)
-    lines = text.splitlines()
-    if doc is not None:
-        end = ast.parse(text).body[0].end_lineno or 0
-        lines = lines[end:]
-    return lines
-
-
-def changed_lines(before: str, after: str) -> int:
-    """Lines of ``after``'s code that are new or altered (what the user writes), blank lines aside."""
-    a, b = code_lines(before), code_lines(after)
-    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
-    return sum(1 for tag, _, _, j1, j2 in ops if tag in ("insert", "replace") for line in b[j1:j2] if line.strip())
 
 
 def test_the_change_to_a_real_trainer_is_at_most_ten_lines() -> None:

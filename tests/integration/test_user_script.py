@@ -6,7 +6,6 @@ across replicas at every step after the rejoin."""
 
 from __future__ import annotations
 
-import difflib
 import json
 import pathlib
 import re
@@ -17,17 +16,11 @@ import sys
 import pytest
 
 from fthsdp.testing.procutil import child_env
+from tests.helpers.diffs import changed_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 USER = pathlib.Path(__file__).resolve().parent.parent / "helpers" / "user"
-
-
-def changed_lines(before: str, after: str) -> int:
-    """Lines of ``after`` that are new or altered (what the user writes), blank lines aside."""
-    a, b = before.splitlines(), after.splitlines()
-    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
-    return sum(1 for tag, _, _, j1, j2 in ops if tag in ("insert", "replace") for line in b[j1:j2] if line.strip())
 
 
 def test_the_fthsdp_version_of_a_plain_script_changes_few_lines() -> None:
