@@ -166,17 +166,17 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
                 write(r, r.loss, time.perf_counter() - t0)
                 if r.contributed:  # the pause stands in for compute: a zero step (no batch) would have none
                     _pace(a.min_step_s, t0)
+        # The steps committed inside zero_grad (a joiner's catch-up, a spare's zero steps) are logged as they commit.
+        ft.on_result = lambda r: None if r.contributed else write(r, None, r.exchange_s)
         for _ in ft.steps(a.steps):  # the trainer's own loop (zero_grad begins a step, step commits)
             t0 = time.perf_counter()
-            opt.zero_grad()  # a joiner catches up here, a spare shadows the others: their steps in pop_results
+            opt.zero_grad()  # a joiner catches up here, a spare shadows the others
             loss = forward()
             loss.backward()  # the exchange runs as FSDP2 produces each gradient shard
             trained = opt.step()  # commits (None: a warm-up, which trained nothing)
-            for r in ft.pop_results():
-                write(r, float(loss.item()) if r is trained else None,
-                      time.perf_counter() - t0 if r is trained else r.exchange_s)
-            if trained is not None:  # the pause stands in for compute: a zero step (no batch) would have none
-                _pace(a.min_step_s, t0)
+            if trained is not None:
+                write(trained, float(loss.item()), time.perf_counter() - t0)
+                _pace(a.min_step_s, t0)  # the pause stands in for compute: a zero step (no batch) would have none
         progress.write(event="final", step=ft.step, param_hash=ft.state_hash())
     except DigestMismatch as e:  # loud, whether this replica rejoins (in the minority) or the job must stop
         progress.write(event="digest_mismatch", step=e.step, replicas=list(e.replicas), error=str(e))

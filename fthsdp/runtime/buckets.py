@@ -235,21 +235,24 @@ class BucketExchange:
         self._launched = k + 1
         return handle
 
-    def barrier(self, step: int) -> Handle:
+    def barrier(self, step: int, again: bool = False) -> Handle:
         """The end of the job: an exchange of zeros shaped like ``step``'s first bucket, tagged with it and counted
         nowhere (``op="sum"``). It completes once every member of the epoch asks for that bucket, i.e. has committed
-        every step before; a member behind is served meanwhile (FTAR's step reconciliation). Not redone by FTAR
-        (``redo=False``): the caller votes on it with the replica's other ranks and redoes it with them."""
-        if self.posts:  # shaped like a post exchange: a joiner's first exchange may meet it
-            return self.engine.allreduce([torch.zeros(grad_scale.WORDS + 1, device=self.device)], contribute=False,
-                                         op="sum", tag=self.tag(step, 0), redo=False)
+        every step before; a member behind is served meanwhile (FTAR's step reconciliation), and a joiner's zeros
+        of that bucket pair with it. Not redone by FTAR (``redo=False``): the caller votes on it with the replica's
+        other ranks and redoes it with them (``again``). With ``posts`` it stays in the group of the step before's
+        post exchange (``new_epoch_ok=False``) and a redo sends that post exchange again first: a lane's first
+        exchange in an epoch is a post exchange (a joiner's first, shaped like one, met this barrier's zeros in a
+        new epoch, and Gloo aborted every member on the size mismatch)."""
+        if self.posts and again:
+            self.launch_post(step - 1, *self.post_again(step - 1))
         grads = [torch.zeros_like(local_tensor(p)) for p in self.buckets[0]]
         if len(self.buckets) == 1:
             slot = self.slot()
             grads.append(torch.tensor(digest.pack(slot, self.slots, None), dtype=torch.float32, device=self.device))
             grads.append(slot_mask(slot, self.slots, False, self.device))
-        return self.engine.allreduce(grads, contribute=False, op="sum", tag=self.tag(step, 0),
-                                     redo=False)
+        return self.engine.allreduce(grads, contribute=False, op="sum", tag=self.tag(step, 0), redo=False,
+                                     new_epoch_ok=not self.posts)
 
     def launch_post(self, step: int | None, factor: float | None, loss: float | None) -> Handle:
         """Step ``step``'s post exchange (the trainer's own loop, ``fthsdp.runtime.loop``), after the trainer's code
@@ -267,6 +270,12 @@ class BucketExchange:
         return self.engine.allreduce([torch.tensor(words, dtype=torch.float32, device=self.device)],
                                      contribute=factor is not None, tag=None if step is None else self.post_tag(step),
                                      redo=False)
+
+    def post_again(self, step: int) -> tuple[float | None, float | None]:
+        """What this lane sends in ``step``'s post exchange sent again (a redo in a newer epoch): what it sent the
+        first time, or, never sent (the job's first step, a resume), factor 1 (no change to replay)."""
+        last, factor, loss = self._last_post
+        return (factor, loss) if last == step else (1.0, None)
 
     @staticmethod
     def post_of(result: ExchangeResult) -> tuple[float, float]:
@@ -302,9 +311,8 @@ class BucketExchange:
         self._launched = 0
         learned = None
         if self.posts and (step is None or redo or self.posted != step - 1):
-            last, factor, loss = self._last_post
-            first = self.launch_post(None if step is None else step - 1, *((factor, loss) if step is not None
-                                                                             and last == step - 1 else (None, None)))
+            first = self.launch_post(None, None, None) if step is None else \
+                self.launch_post(step - 1, *self.post_again(step - 1))
             if step is None:
                 try:
                     t = BucketTag.decode(first.wait(self.wait_s).tag, self.width)

@@ -29,9 +29,10 @@ def barrier(buckets: BucketExchange, engine: LaneEngine, step: int, vote: Callab
     every member confirmed the last step (else the replica leaves anyway: its state is final either way)."""
     protocol = CommitProtocol(max_attempts=END_ATTEMPTS)
     protocol.begin()
+    again = False
     while True:
         try:
-            r = buckets.barrier(step).wait(wait_s)
+            r = buckets.barrier(step, again).wait(wait_s)
             protocol.lane(Exchanged(r.epoch, step))
         except (FTARError, TimeoutError) as e:
             protocol.lane(Failed(failure_of(e) if isinstance(e, FTARError) else Failure.ERROR))
@@ -45,3 +46,4 @@ def barrier(buckets: BucketExchange, engine: LaneEngine, step: int, vote: Callab
                 decision.reason)
             return False
         engine.reset(after=tally.newest, reform=tally.reform)  # the vote put that epoch behind every lane
+        again = True

@@ -123,6 +123,9 @@ class Steps:
         self.on_steps_end: Callable[[], None] | None = None
         """Run when the loop over ``steps`` ends (``fthsdp.runtime.init``: the job's end and ``close``)."""
         self._results = deque(maxlen=RESULTS_KEPT)
+        self.on_result: Callable[[StepResult], None] | None = None
+        """Called with every step's result as it commits (in the loop: those committed inside ``zero_grad`` too, a
+        spare's, which may stay there for many steps, and a joiner's): a trainer's progress log."""
 
     def train_step(self, closure: Callable[[], torch.Tensor]) -> StepResult:
         """Run one step: ``closure()`` returns the loss (the runtime calls ``backward``). Returns once the step is
@@ -222,20 +225,20 @@ class Steps:
             if self.joining:
                 if self.config.join_warmup and not self.joiner.warmed and not self.joiner.announced:
                     return self._idle(lent=self.slot == m.NO_SLOT, optimizer_step=True)
-                self._results.append(catching_up.catch_up(self._rep, None, shards))
+                self._done(catching_up.catch_up(self._rep, None, shards))
                 continue
             if self._settling is not None:
-                self._results.append(catching_up.zero_step(self._rep, self._settling))
+                self._done(catching_up.zero_step(self._rep, self._settling))
                 continue
             if self.slot == m.NO_SLOT:
                 if self.config.join_warmup and not self.joiner.warmed:
                     return self._idle(lent=True, optimizer_step=False)
                 spared = spares.spare_step(self._rep, None)
                 if spared is not None:
-                    self._results.append(spared)
+                    self._done(spared)
                     continue
-            if buckets.posted != self.step - 1:  # a lane's sequence begins with the post of the step before (the
-                self._post(self.step - 1, 1.0, None)  # job's first, or one resumed: no change to replay)
+            if buckets.posted != self.step - 1:  # a lane's sequence begins with the post of the step before: the
+                self._post(self.step - 1, *buckets.post_again(self.step - 1))  # job's first, a resume, a redo
             buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
             self.faults.at(self.step, Phase.FORWARD)
             shards.opt.zero_grad(set_to_none=True)
@@ -341,7 +344,7 @@ class Steps:
         self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
         self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
                                stall_s=exchange_s if commit.attempts > 1 else 0.0)
-        self._results.append(result)
+        self._done(result)
         self._after_commit(batches, commit.stop)
         if self.rank == 0 and self.config.step_log:
             self._log(logging.INFO, "step %d committed: loss %s, %d contributor(s), %d attempt(s), lr %s, exchange "
@@ -368,6 +371,12 @@ class Steps:
         """The learning rate of each param group as the last optimizer step applied it: the scheduler's value times
         the degraded-mode factor (``lr_factor``: fewer replicas contributed)."""
         return [float(g["lr"]) * self._lr_factor for g in self._parts()[0].opt.param_groups]
+
+    def _done(self, result: StepResult) -> None:
+        """A step committed: keep its result for ``pop_results`` and hand it to ``on_result``."""
+        self._results.append(result)
+        if self.on_result is not None:
+            self.on_result(result)
 
     def pop_results(self) -> list[StepResult]:
         """Every step committed since the last call, oldest first: the trained ones (also returned by ``step()``)

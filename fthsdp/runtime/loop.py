@@ -19,7 +19,6 @@ import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -29,6 +28,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ftar.devices import start_thread
 from fthsdp.runtime.data import ReplicaLike, SlotSampler, batch_index
 from fthsdp.runtime.result import StepResult
 
@@ -165,7 +165,7 @@ def watch_trainer(trainer: int, then: Callable[[int], object] | None, worker_id:
             except PermissionError:
                 pass  # alive, another user's: not ours to judge
 
-    threading.Thread(target=watch, name="fthsdp-watch-trainer", daemon=True).start()
+    start_thread(watch, name="fthsdp-watch-trainer", device=None)
     if then is not None:
         then(worker_id)
 

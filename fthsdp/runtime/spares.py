@@ -128,8 +128,8 @@ def spare_step(rep: Replica, closure: Callable[[], torch.Tensor] | None) -> Step
     refused endpoint (``lighthouse.server.probe``).
 
     In the trainer's own loop (``closure`` None, ``Replica.begin``) the trainer computes the batch: a slot handed
-    before the step's exchange is taken and None returned (the loop trains it); one handed later is trained
-    from the next step on."""
+    before the step's exchange or in its redo is taken and None returned (the loop trains it, its exchange the
+    redo)."""
     if closure is not None:
         warm(rep, closure)
     shards, _ = rep._parts()
@@ -145,8 +145,9 @@ def spare_step(rep: Replica, closure: Callable[[], torch.Tensor] | None) -> Step
         return handles
 
     def redo(tally: Tally) -> list[Handle | None]:
-        if closure is not None and not losses and tally.slot != NO_SLOT and \
-                (slot := _handed(rep, tally.slot)) != NO_SLOT:
+        if not losses and tally.slot != NO_SLOT and (slot := _handed(rep, tally.slot)) != NO_SLOT:
+            if closure is None:
+                raise HandedOver(slot)
             return train(slot)
         return rep._exchange_all(contribute=bool(losses), redo=True)
 
@@ -156,9 +157,23 @@ def spare_step(rep: Replica, closure: Callable[[], torch.Tensor] | None) -> Step
         rep.slot = slot
         return None
     handles = train(slot) if slot != NO_SLOT and closure is not None else rep._exchange_all(contribute=False)
-    result = catching_up.zero_step(rep, handles, redo, losses, own)
+    try:
+        result = catching_up.zero_step(rep, handles, redo, losses, own)
+    except HandedOver as h:  # the loop trains this step: its exchange is the redo (the lane was reset for it)
+        rep._log(logging.INFO, "data slot %d handed over in this step's redo: the loop trains its batch", h.slot)
+        rep.slot = h.slot
+        rep._parts()[1].posted = None  # the redo begins with the step before's post exchange, in the new epoch
+        return None
     rep.shadow.committed()
     return result
+
+
+class HandedOver(Exception):  # noqa: N818 - a signal, not an error
+    """A spare in the trainer's own loop was handed a slot in a step's redo: the loop trains that very step."""
+
+    def __init__(self, slot: int) -> None:
+        super().__init__(f"handed slot {slot}")
+        self.slot = slot
 
 
 def _handed(rep: Replica, slot: int) -> int:

@@ -254,3 +254,16 @@ def test_a_standby_lost_while_held_is_forgotten_its_kill_kept_and_too_many_fail_
     assert [(e["event"], e["replica"], e["code"]) for e in cluster.events] == [("standby_lost", 0, 1)]
     with pytest.raises(ReplicaFailed, match="2 warm standbys exited while held"):
         cluster._standby_lost(g, Standby(Exited(), tmp_path / "gate", tmp_path / "standby.log", None))  # type: ignore[arg-type]
+
+
+def test_run_summary_gives_each_slots_batches_and_names_groups_back_after_the_end() -> None:
+    from fthsdp.cli.run import summary
+
+    final: dict[str, dict[str, Any] | None] = {
+        "0": {"step": 160, "param_hash": "ab", "cursors": [160, 73, 160]},
+        "1": {"step": 160, "param_hash": "ab", "cursors": [160, 73, 160], "late": True},
+        "2": {"step": 160, "param_hash": "ab", "cursors": [160, 73, 160]}}
+    lines = summary(final)
+    assert lines[0] == "batches trained per data slot: [160, 73, 160] (steps: 160); short: slot 1: 73 of 160"
+    assert "replica group(s) [1] came back after the job had ended" in lines[1]
+    assert summary({"0": {"step": 5, "param_hash": "ab"}}) == []  # a script that reports no cursors: nothing to say

@@ -28,7 +28,7 @@ class Lane:
         self.outcomes = outcomes
         self.resets: list[int] = []
 
-    def barrier(self, step: int) -> Done:
+    def barrier(self, step: int, again: bool = False) -> Done:
         return Done(self.outcomes.pop(0))
 
     def reset(self, after: int = 0, reform: bool = False) -> None:

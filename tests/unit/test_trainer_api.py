@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import torch
 
 from fthsdp.runtime import session
 from fthsdp.runtime.data import SlotSampler, batch_index, next_batch
@@ -37,6 +38,8 @@ class FakeReplica:
     step: int = 7
     incarnation: str = "abc"
     joining: bool = False
+    finished: bool = False
+    cursors: Any = field(default_factory=lambda: torch.tensor([7, 7, 7]))
     closed: list[bool] = field(default_factory=list)
 
     def close(self, leave: bool = True) -> None:
