@@ -283,3 +283,38 @@ def test_the_loader_yields_the_slots_batches_by_cursor_and_restarts_where_the_cu
     assert take() == want(2, 5, 0) and loader.restarts == 2
     with pytest.raises(ValueError, match="sampler"):
         SlotLoader(ft, Items(), 4, sampler=None)  # type: ignore[arg-type]
+
+
+class Checkpointed(Model):
+    """``Model`` with activation checkpointing in every block (recomputed during backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for b in self.blocks:
+            x = x + checkpoint(b, x, use_reentrant=False)
+        return self.head(x).sum()
+
+
+def test_activation_checkpointing_still_exchanges_every_bucket_once_at_the_end_of_backward() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = Checkpointed()
+        mesh = init_device_mesh("cpu", (1,))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        engine = Engine()
+        params, blocks = fsdp_units(model)
+        buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1,  # type: ignore[arg-type]
+                                 device=CPU, wait_s=5.0)
+        ends: list[int] = []
+        buckets.arm(0, at_end=lambda: ends.append(len(engine.calls)))
+        model(torch.ones(2, 4)).backward()
+        assert ends == [3] and [c["tag"] for c in engine.calls] == [buckets.tag(0, k) for k in range(3)]
+    finally:
+        dist.destroy_process_group()
