@@ -106,3 +106,15 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     p = tmp_path_factory.mktemp("token") / "token"
     p.write_text(TOKEN + "\n")
     return str(p)
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A one-rank Gloo process group in this process (over a HashStore: no network), for FSDP2 in a unit test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -212,17 +212,6 @@ def test_results_become_the_gradients_without_a_copy_only_with_an_optimizer_that
     assert all(p.grad is not None and p.grad.data_ptr() != by_param[id(p)].data_ptr() for p in model.parameters())
 
 
-@pytest.fixture
-def one_rank_group() -> Any:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process, no network
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_fsdp2_gradients_are_bound_and_step_like_copied_ones(one_rank_group: Any) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -7,14 +7,13 @@ In-process: a one-rank Gloo group over a HashStore, a recording stand-in for the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ftar import ExchangeResult, Handle
@@ -56,22 +55,30 @@ class Model(nn.Module):
         return self.head(x).sum()
 
 
-@pytest.fixture
-def sharded() -> Iterator[Model]:
+def exchange_of(model: Model) -> tuple[Engine, BucketExchange]:
+    """A recording engine and the bucket exchange of ``model``'s FSDP2 units over it."""
+    engine = Engine()
+    params, blocks = fsdp_units(model)
+    return engine, BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
+                                  wait_s=5.0)
+
+
+def shard(model: Model) -> Model:
+    """``model`` with each block and the root sharded by FSDP2 over the one-rank group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # in-process, no network
-    try:
-        torch.manual_seed(0)
-        model = Model()
-        mesh = init_device_mesh("cpu", (1,))
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        yield model
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+@pytest.fixture
+def sharded(one_rank_group: None) -> Model:
+    torch.manual_seed(0)
+    return shard(Model())
 
 
 # --- what the runtime keeps and sends ------------------------------------------------------------------------
@@ -81,10 +88,7 @@ def test_an_in_place_edit_of_grad_after_backward_changes_nothing_the_runtime_kee
     """The trainer's loop: the end of backward settles the exchange and binds the averaged gradients as ``.grad``.
     Clipping them in place (as ``clip_grad_norm_`` does) leaves the results FTAR holds for a lagging partner, and
     what was sent, untouched; the scale is found bitwise."""
-    engine = Engine()
-    params, blocks = fsdp_units(sharded)
-    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
-                             wait_s=5.0)
+    engine, buckets = exchange_of(sharded)
     buckets.posts, buckets.alias = True, False  # as Replica.begin sets them
     settled: list[list[ExchangeResult]] = []
 
@@ -117,10 +121,7 @@ def test_an_in_place_edit_of_grad_after_backward_changes_nothing_the_runtime_kee
 
 def test_with_aliasing_the_same_edit_would_have_changed_the_held_results(sharded: Model) -> None:
     """The hazard the copy closes (``train_step``'s aliasing, for an optimizer known to leave ``.grad`` alone)."""
-    engine = Engine()
-    params, blocks = fsdp_units(sharded)
-    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
-                             wait_s=5.0)
+    engine, buckets = exchange_of(sharded)
     buckets.alias = True
     with buckets.armed(0):
         sharded(torch.ones(2, 4)).backward()
@@ -132,10 +133,7 @@ def test_with_aliasing_the_same_edit_would_have_changed_the_held_results(sharded
 
 
 def test_a_second_backward_after_the_exchange_began_is_a_clear_error(sharded: Model) -> None:
-    engine = Engine()
-    params, blocks = fsdp_units(sharded)
-    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
-                             wait_s=5.0)
+    engine, buckets = exchange_of(sharded)
     buckets.arm(3)
     sharded(torch.ones(2, 4)).backward()
     with pytest.raises(RuntimeError, match="set_requires_gradient_sync"):
@@ -143,10 +141,7 @@ def test_a_second_backward_after_the_exchange_began_is_a_clear_error(sharded: Mo
 
 
 def test_accumulation_without_sync_exchanges_once_on_the_last_micro_batch(sharded: Model) -> None:
-    engine = Engine()
-    params, blocks = fsdp_units(sharded)
-    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
-                             wait_s=5.0)
+    engine, buckets = exchange_of(sharded)
     ends: list[int] = []
     buckets.arm(0, at_end=lambda: ends.append(len(engine.calls)))
     sharded.set_requires_gradient_sync(False)  # type: ignore[operator]
@@ -296,25 +291,11 @@ class Checkpointed(Model):
         return self.head(x).sum()
 
 
-def test_activation_checkpointing_still_exchanges_every_bucket_once_at_the_end_of_backward() -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        model = Checkpointed()
-        mesh = init_device_mesh("cpu", (1,))
-        for b in model.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        engine = Engine()
-        params, blocks = fsdp_units(model)
-        buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1,  # type: ignore[arg-type]
-                                 device=CPU, wait_s=5.0)
-        ends: list[int] = []
-        buckets.arm(0, at_end=lambda: ends.append(len(engine.calls)))
-        model(torch.ones(2, 4)).backward()
-        assert ends == [3] and [c["tag"] for c in engine.calls] == [buckets.tag(0, k) for k in range(3)]
-    finally:
-        dist.destroy_process_group()
+def test_activation_checkpointing_still_exchanges_every_bucket_once_at_backwards_end(one_rank_group: None) -> None:
+    torch.manual_seed(0)
+    model = shard(Checkpointed())
+    engine, buckets = exchange_of(model)
+    ends: list[int] = []
+    buckets.arm(0, at_end=lambda: ends.append(len(engine.calls)))
+    model(torch.ones(2, 4)).backward()
+    assert ends == [3] and [c["tag"] for c in engine.calls] == [buckets.tag(0, k) for k in range(3)]
