@@ -16,7 +16,7 @@ Failures (``KINDS``):
 
 A fault is armed only once the previous one is over (every replica active again in the current epoch, every
 lighthouse answering) and the job has reached the fault's step: a schedule never kills the last replica by
-accident. Kills at a phase go through ``FTHSDP_FAULT_FILE`` (``fthsdp.testing.faults``): the runner writes
+accident. Kills at a phase go through ``FTHSDP_FAULT_FILE`` (``fthsdp.runtime.faults``): the runner writes
 ``STEP:PHASE`` into the replica's fault file when it arms the fault; rank 0 of the group SIGKILLs its torchrun when
 it gets there.
 

@@ -4,7 +4,7 @@ arguments always giving the same list.
 Kinds (``KINDS``): ``kill`` (SIGKILL of a replica group at a phase of a step, or while it serves a catch-up snapshot
 to a joiner, ``serve``, or while it fetches one, ``fetch``), ``hang`` (SIGSTOP of a whole group, SIGCONT a few
 seconds later), ``double`` (two groups SIGKILLed at the same step), and with HA ``lighthouse`` (SIGKILL of the leading
-lighthouse) and ``etcd`` (SIGKILL of one etcd member). The phases are the fault hook's (``fthsdp.testing.faults``).
+lighthouse) and ``etcd`` (SIGKILL of one etcd member). The phases are the fault hook's (``fthsdp.runtime.faults``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from fthsdp.testing.faults import PHASES, STEP_PHASES
+from fthsdp.runtime.faults import PHASES, STEP_PHASES
 
 KILL_PHASES = PHASES
 """A kill's phase: a step's, or catch-up's (serving a snapshot, fetching one)."""

@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from fthsdp.testing.faults import FaultSettings, parse_slow
+from fthsdp.runtime.faults import FaultSettings, parse_slow
 from lighthouse.config import security_from_env
 from lighthouse.security import ClientSecurity
 
@@ -68,7 +68,7 @@ def _metrics_port(e: dict[str, str], local_rank: int | None) -> int | None:
 
 
 def _faults(e: dict[str, str]) -> FaultSettings:
-    """The fault hooks' settings (``fthsdp.testing.faults``: tests and demos only)."""
+    """The fault hooks' settings (``fthsdp.runtime.faults``: tests and demos only)."""
     slow, corrupt = "FTHSDP_FAULT_SLOW_SERVE_S", "FTHSDP_FAULT_CORRUPT_CHUNKS"
     if e.get("FTHSDP_FAULT_SLOW"):
         try:
@@ -160,7 +160,7 @@ class RuntimeConfig:
     """TLS and the token for the lighthouse (``lighthouse.config.security_from_env``: the ``FTHSDP_TLS_*``
     variables and the token file)."""
     faults: FaultSettings = field(default_factory=FaultSettings)
-    """Fault injection for tests and demos (``fthsdp.testing.faults``, its variables documented there)."""
+    """Fault injection for tests and demos (``fthsdp.runtime.faults``, its variables documented there)."""
 
     @property
     def asked_slot(self) -> int:

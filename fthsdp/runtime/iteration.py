@@ -26,9 +26,9 @@ from fthsdp.runtime import catching_up, grad_scale, spares, standby
 from fthsdp.runtime.buckets import failure_of
 from fthsdp.runtime.commit import MAX_ATTEMPTS, Commit
 from fthsdp.runtime.errors import JobFinished, RejoinRequired
+from fthsdp.runtime.faults import Phase
 from fthsdp.runtime.loop import SlotLoader
 from fthsdp.runtime.result import StepResult
-from fthsdp.testing.faults import Phase
 from lighthouse import membership as m
 
 if TYPE_CHECKING:
@@ -37,10 +37,10 @@ if TYPE_CHECKING:
     from fthsdp.runtime.buckets import BucketExchange
     from fthsdp.runtime.commit import Tally
     from fthsdp.runtime.config import RuntimeConfig
+    from fthsdp.runtime.faults import FaultInjector
     from fthsdp.runtime.join import Joiner
     from fthsdp.runtime.metrics import ReplicaMetrics
     from fthsdp.runtime.state import ShardState
-    from fthsdp.testing.faults import FaultInjector
 
 RESULTS_KEPT = 10_000
 """Step results ``pop_results`` holds at most (the oldest go first)."""

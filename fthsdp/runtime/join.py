@@ -27,9 +27,9 @@ from fthsdp.catchup.wire import FetchFailed
 from fthsdp.runtime.buckets import LogFn
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.errors import DigestMismatch, RejoinRequired
+from fthsdp.runtime.faults import FaultInjector, Phase
 from fthsdp.runtime.startup import all_ranks, any_rank
 from fthsdp.runtime.state import DIGEST
-from fthsdp.testing.faults import FaultInjector, Phase
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
 from lighthouse.errors import Busy, FencedOut, HeldOut

@@ -46,6 +46,7 @@ from fthsdp.runtime.commit import (
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.epoch_relay import GroupEpochs
 from fthsdp.runtime.errors import JobFinished, NoStateToResume, RejoinRequired, Terminated
+from fthsdp.runtime.faults import FaultInjector, Phase
 from fthsdp.runtime.iteration import Steps
 from fthsdp.runtime.join import Joiner
 from fthsdp.runtime.loop import LoopOptimizer, absorb_step, fsdp_units
@@ -55,7 +56,6 @@ from fthsdp.runtime.pace import PaceWindow
 from fthsdp.runtime.startup import Role, agree_incarnation, die_with_parent, gather_addresses, register, start_from
 from fthsdp.runtime.state import ShardState, replica_hash
 from fthsdp.runtime.trainer_state import Scheduler, Stateful, TrainerState
-from fthsdp.testing.faults import FaultInjector, Phase
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fthsdp.bench.recovery_metrics import Failure, recovery_metrics
+from fthsdp.runtime.faults import PHASES
 from fthsdp.testing import priority
-from fthsdp.testing.faults import PHASES
 from fthsdp.testing.lanes import lanes
 from fthsdp.testing.lighthouse_process import start_lighthouse_process
 from fthsdp.testing.priority import TreePriority

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from fthsdp.testing.faults import STEP_PHASES
+from fthsdp.runtime.faults import STEP_PHASES
 from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
 from tests.helpers.cluster_checks import check_all, check_converged, check_only_failed_pays
 

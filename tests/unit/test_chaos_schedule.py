@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fthsdp.chaos.schedule import HA_KINDS, KILL_PHASES, KINDS, REPLICA_KINDS, STEP_PHASES, Fault, schedule
-from fthsdp.testing.faults import PHASES
+from fthsdp.runtime.faults import PHASES
 
 
 def test_schedule_is_deterministic_for_a_seed() -> None:

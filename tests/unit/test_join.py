@@ -12,8 +12,8 @@ import torch
 
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.errors import RejoinRequired
+from fthsdp.runtime.faults import FaultInjector
 from fthsdp.runtime.join import Joiner
-from fthsdp.testing.faults import FaultInjector
 from lighthouse.errors import FencedOut, HeldOut
 
 

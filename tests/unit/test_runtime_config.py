@@ -1,13 +1,13 @@
 """The training process's settings (fthsdp/runtime/config.py), read from the environment in one place, and what
-they configure: the fault hooks (fthsdp/testing/faults.py) and the joiner's choice of sources."""
+they configure: the fault hooks (fthsdp/runtime/faults.py) and the joiner's choice of sources."""
 
 from __future__ import annotations
 
 import pytest
 
 from fthsdp.runtime.config import ConfigError, RuntimeConfig, TrainerSettings
+from fthsdp.runtime.faults import CATCHUP_PHASES, PHASES, STEP_PHASES, FaultInjector, FaultSettings, Phase
 from fthsdp.runtime.join import fetch_sources
-from fthsdp.testing.faults import CATCHUP_PHASES, PHASES, STEP_PHASES, FaultInjector, FaultSettings, Phase
 from lighthouse import membership as m
 
 BASE = {"FTHSDP_LIGHTHOUSE": "127.0.0.1:1", "FTHSDP_REPLICA_INDEX": "1", "FTHSDP_NUM_REPLICAS": "3",

@@ -136,7 +136,7 @@ class FaultInjector:
             except ValueError:  # written by the runner atomically; a bad one arms nothing
                 fault = None
             self._file.update(key=key, fault=fault)
-        return self._file.get("fault")  # type: ignore[no-any-return]
+        return self._file.get("fault")
 
     def at(self, step: int, phase: Phase) -> None:
         fault = self._from_file() if self.path else None
