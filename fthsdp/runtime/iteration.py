@@ -115,7 +115,6 @@ class Steps:
             return self
 
     def _init_steps(self) -> None:
-        self._loop = False  # the trainer drives the steps (``begin``/``finish``), not ``train_step``
         self._iter = None
         self.iteration = 0
         """How many iterations of the trainer's loop began (``begin``): a data loader's clock."""
@@ -202,8 +201,9 @@ class Steps:
         gradients as ``.grad``. False for an iteration that exchanges nothing: a warm-up (a process's slow first
         step, before it is a member; its batch is not consumed) or one past the job's last step."""
         shards, buckets = self._parts()
-        self._loop, buckets.alias = True, False  # the trainer may change .grad: never the bytes FTAR keeps
-        buckets.posts = True
+        # The trainer's own loop: it may change .grad (never the bytes FTAR keeps), and every step ends with a post
+        # exchange (``BucketExchange.posts``, which the step core reads too).
+        buckets.alias, buckets.posts = False, True
         if (it := self._iter) is not None:
             if it.settled is not None or it.t_backward:
                 raise RuntimeError(f"zero_grad() at step {it.step} after its backward: call optimizer.step() after "
@@ -213,10 +213,10 @@ class Steps:
         self.iteration += 1
         while True:
             if self._total is not None and self.step >= self._total:
-                return self._idle(lent=False, optimizer_step=False)
+                return self._idle(optimizer_step=False)
             if self.standby:
                 if self.config.join_warmup and not self.joiner.warmed:
-                    return self._idle(lent=self.slot == m.NO_SLOT, optimizer_step=False)
+                    return self._idle(optimizer_step=False)
                 standby.release(self._rep)
                 continue
             if self.finished:
@@ -224,7 +224,7 @@ class Steps:
                                   self.step)
             if self.joining:
                 if self.config.join_warmup and not self.joiner.warmed and not self.joiner.announced:
-                    return self._idle(lent=self.slot == m.NO_SLOT, optimizer_step=True)
+                    return self._idle(optimizer_step=True)
                 self._done(catching_up.catch_up(self._rep, None, shards))
                 continue
             if self._settling is not None:
@@ -232,7 +232,7 @@ class Steps:
                 continue
             if self.slot == m.NO_SLOT:
                 if self.config.join_warmup and not self.joiner.warmed:
-                    return self._idle(lent=True, optimizer_step=False)
+                    return self._idle(optimizer_step=False)
                 spared = spares.spare_step(self._rep, None)
                 if spared is not None:
                     self._done(spared)
@@ -246,10 +246,10 @@ class Steps:
             buckets.arm(self.step, at_first=self._backward_begins, at_end=self._backward_ends)
             return True
 
-    def _idle(self, lent: bool, optimizer_step: bool) -> bool:
+    def _idle(self, optimizer_step: bool) -> bool:
         """An iteration that exchanges nothing (``begin``): a warm-up, or one past the last step."""
         self._parts()[0].opt.zero_grad(set_to_none=True)
-        lent = lent or self.slot == m.NO_SLOT  # a spare's loop reads slot 0's batch, consuming nothing
+        lent = self.slot == m.NO_SLOT  # a spare's loop reads slot 0's batch, consuming nothing
         if lent:
             self.slot = 0
         self._iter = Iteration(self.step, trains=False, t0=time.perf_counter(), lent=lent,

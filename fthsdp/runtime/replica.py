@@ -283,7 +283,7 @@ class Replica(Steps):
                 spares.take(self, tally.slot)  # the slot the newest epoch gives this replica, from the next step
                 # Hold this step's results until the next commit: a partner that lost one of them is served it.
                 self.engine.forget_before(buckets.sequence(decision.step))
-                if self._loop and not contribute:  # the trainers' change to the step's gradients, to apply too
+                if buckets.posts and not contribute:  # the trainers' change to the step's gradients, to apply too
                     self._scales[decision.step] = self._post(decision.step, None, None)[0]
                 return decision, results
             if isinstance(decision, Rejoin):
