@@ -30,7 +30,7 @@ demo: setup
 test-fast: setup
 	$(PY) -m pytest -q -n $(UNIT_JOBS) tests/unit
 
-# ruff (style, imports, bug patterns) and mypy (strict on fthsdp.runtime, fthsdp.catchup, ftar, lighthouse).
+# ruff (style, imports, bug patterns) and mypy (strict on fthsdp.runtime, fthsdp.catchup, fthsdp.launch, ftar, lighthouse).
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy

@@ -16,7 +16,7 @@
 #     ranks of a group are on S different GPUs, and so are the R ranks of a lane (2 x 2 on two GPUs: '0,1;1,0');
 #   - "single-gpu" otherwise (one GPU): the smoke, 1 group x 1 rank on NCCL (CUDA compute, NCCL process groups,
 #     FTAR with one member), no kill.
-# Kill phases (fthsdp/testing/faults.py): forward, backward, exchange, exchange-late, vote, optimizer.
+# Kill phases (fthsdp/runtime/faults.py): forward, backward, exchange, exchange-late, vote, optimizer.
 # --min-step-s paces every step (default 0.75 s), so that the survivors are still training when the killed group
 # is back (its restart and catch-up take 10-20 s): the rejoin is part of what is checked.
 # Options: --replicas R [2] --ranks S [2] --steps N [60] --model M [reference] --kill G@STEP[:PHASE]

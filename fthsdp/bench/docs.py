@@ -144,7 +144,7 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
             "time = distinct replica-steps trained x median step / (replicas x wall time from first to last "
             "commit); on plain's step = the same with plain FSDP2-HSDP's steady step in place of the system's own, "
             "so that a slower step cannot score better (\"–\": data measured before that column existed). "
-            "`fthsdp/bench/recovery_metrics.py` computes all of them for every system.", ""]
+            "`fthsdp/launch/recovery_metrics.py` computes all of them for every system.", ""]
     _plot_recovery(table, fthsdp_real, img / "bench-recovery.png")
     out += ["![recovery](img/bench-recovery.png)", ""]
     return out

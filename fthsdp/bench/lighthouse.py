@@ -25,8 +25,8 @@ from typing import Any
 
 from fthsdp.bench.emulate import Emulator, collector_paused
 from fthsdp.bench.results import LighthouseResult, LighthouseRun
-from fthsdp.testing.lighthouse_process import start_lighthouse_process
-from fthsdp.testing.procutil import stop_process
+from fthsdp.launch.lighthouse_process import start_lighthouse_process
+from fthsdp.launch.procutil import stop_process
 
 log = logging.getLogger("fthsdp.bench")
 

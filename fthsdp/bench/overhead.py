@@ -15,9 +15,10 @@ import subprocess
 import tempfile
 
 from fthsdp.bench.results import OverheadResult
-from fthsdp.testing.launcher import Cluster, ClusterConfig, at_lighthouse_defaults
-from fthsdp.testing.procutil import child_env, torchrun
-from fthsdp.testing.progress import progress_path, read_progress, steps_of
+from fthsdp.launch.cluster import Cluster
+from fthsdp.launch.config import ClusterConfig, at_lighthouse_defaults
+from fthsdp.launch.procutil import child_env, torchrun
+from fthsdp.launch.progress import progress_path, read_progress, steps_of
 from lighthouse.model import Policy
 
 

@@ -5,7 +5,7 @@ groups killed at the same step measure what a double failure costs the last surv
 ``restart_delay_s`` later. From the replicas' progress lines (the joiner figures are the first killed group's):
 
 - ``survivor_stall_s``: the survivors' longest gap between two commits after the failure, less their median
-  step (detection, the new epoch and the redo; ``fthsdp/bench/recovery_metrics.py``);
+  step (detection, the new epoch and the redo; ``fthsdp/launch/recovery_metrics.py``);
 - ``catchup_step_ratio``: the survivors' median step while the restarted replica catches up (their steps that
   overlap its first exchange as a member to active) over their median step while it was down (the same replicas
   training, before it entered; the steady step before the kill when no step fits in between, as with a warm
@@ -41,8 +41,9 @@ from typing import Any
 
 from fthsdp.bench.baselines import run_plain
 from fthsdp.bench.results import RecoveryResult
-from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, at_lighthouse_defaults
-from fthsdp.testing.progress import steps_of
+from fthsdp.launch.cluster import Cluster
+from fthsdp.launch.config import ClusterConfig, Kill, at_lighthouse_defaults
+from fthsdp.launch.progress import steps_of
 
 _PIECE = 4 << 20
 

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fthsdp.bench.results import StragglerResult
-from fthsdp.testing.launcher import Cluster, ClusterConfig
-from fthsdp.testing.progress import ProgressRow, progress_path, read_progress, steps_of
+from fthsdp.launch.cluster import Cluster
+from fthsdp.launch.config import ClusterConfig
+from fthsdp.launch.progress import ProgressRow, progress_path, read_progress, steps_of
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Chaos runs: a local cluster (``fthsdp.testing.launcher``) under a seeded schedule of failures, then every
+"""Chaos runs: a local cluster (``fthsdp.launch.cluster``) under a seeded schedule of failures, then every
 invariant of docs/design.md §8 checked over what it left behind (``fthsdp.testing.invariants``).
 
 Failures (``KINDS``):

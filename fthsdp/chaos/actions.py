@@ -1,6 +1,6 @@
 """The fault actions of a chaos run that signal processes: killing a lighthouse. Stopping, continuing or killing a
 whole replica group (a torchrun agent and its workers, which torchrun starts in sessions of their own) is
-``fthsdp.testing.procutil.signal_tree``, which the launcher's teardown uses too."""
+``fthsdp.launch.procutil.signal_tree``, which the launcher's teardown uses too."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The local cluster under chaos: a ``Cluster`` (``fthsdp.testing.launcher``) whose replica groups each read a fault
+"""The local cluster under chaos: a ``Cluster`` (``fthsdp.launch.cluster``) whose replica groups each read a fault
 file (``FTHSDP_FAULT_FILE``, armed while they run), and, with HA, several lighthouses on a loopback etcd."""
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fthsdp.launch.cluster import Cluster, streams_opened
+from fthsdp.launch.config import ClusterConfig
+from fthsdp.launch.lighthouse_process import start_lighthouse_process
+from fthsdp.launch.procutil import stop_process, write_atomic
 from fthsdp.testing.etcd import EtcdCluster
-from fthsdp.testing.launcher import Cluster, ClusterConfig, streams_opened
-from fthsdp.testing.lighthouse_process import start_lighthouse_process
-from fthsdp.testing.procutil import stop_process, write_atomic
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fthsdp.chaos.schedule import HA_KINDS, REPLICA_KINDS
-from fthsdp.testing.launcher import ClusterConfig
+from fthsdp.launch.config import ClusterConfig
 
 
 @dataclass(frozen=True)

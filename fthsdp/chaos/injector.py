@@ -5,7 +5,7 @@ it until the cluster is whole again, and records what was injected.
 
 Kills at a phase go through the replicas' fault files (``ChaosCluster.arm``): rank 0 of the group SIGKILLs its
 torchrun when it gets there; hangs, lighthouse and etcd kills are the runner's own actions
-(``fthsdp.testing.procutil.signal_tree`` for a whole group, ``fthsdp.chaos.actions``)."""
+(``fthsdp.launch.procutil.signal_tree`` for a whole group, ``fthsdp.chaos.actions``)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from typing import Any
 from fthsdp.chaos.actions import kill_process
 from fthsdp.chaos.cluster import ChaosCluster
 from fthsdp.chaos.schedule import Fault
-from fthsdp.testing.launcher import Cluster
-from fthsdp.testing.procutil import signal_groups, signal_tree
-from fthsdp.testing.progress import ProgressRow, ProgressTail
+from fthsdp.launch.cluster import Cluster
+from fthsdp.launch.procutil import signal_groups, signal_tree
+from fthsdp.launch.progress import ProgressRow, ProgressTail
 
 log = logging.getLogger("fthsdp.chaos")
 

@@ -20,9 +20,9 @@ from fthsdp.chaos.config import ChaosConfig
 from fthsdp.chaos.injector import Injector
 from fthsdp.chaos.report import fail_slow_violations, kind_key
 from fthsdp.chaos.schedule import Fault, schedule
+from fthsdp.launch.config import ReplicaFailed
 from fthsdp.testing import invariants
 from fthsdp.testing.etcd import EtcdCluster
-from fthsdp.testing.launcher import ReplicaFailed
 
 
 def run_chaos(cfg: ChaosConfig, workdir: pathlib.Path, faults: list[Fault] | None = None) -> dict[str, Any]:

@@ -45,7 +45,7 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
     # Side by side with torchft: its reference workload (docs/design.md §12) is 1 rank per replica group, so ours is
     # too; --ranks 2 runs every system on the HSDP shape (torchft with FSDP2 inside each group).
     ranks = a.ranks if a.ranks is not None else (1 if a.vs else 2)
-    from fthsdp.testing.launcher import Kill
+    from fthsdp.launch.config import Kill
 
     kills = tuple(Kill.parse(k) for k in a.kill or ())
     if a.vs and kills:

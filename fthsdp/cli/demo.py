@@ -13,8 +13,8 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
-from fthsdp.testing.invariants import converged
-from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, ReplicaFailed
+from fthsdp.launch.cluster import Cluster, converged
+from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
@@ -95,7 +95,7 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
 
 def failures(report: dict[str, Any]) -> list[str]:
     """Why a finished demo run failed, empty when it did not: every replica must end at the last step with one
-    final state hash (``invariants.converged``: hashes that differ, or a replica with no final state)."""
+    final state hash (``fthsdp.launch.cluster.converged``: hashes that differ, or a replica with no final state)."""
     return converged(report, int(report["steps"]))
 
 
@@ -106,7 +106,7 @@ def exit_code(report: dict[str, Any]) -> int:
 
 
 LANE_COLOURS = {"training": "#2e7d32", "joining": "#f9a825", "starting": "#b0bec5", "down": "#c62828"}
-"""The timeline's colours per state (``fthsdp.testing.lanes``); the page's for active, joining and failure."""
+"""The timeline's colours per state (``fthsdp.launch.lanes``); the page's for active, joining and failure."""
 
 
 def smoothed(values: list[float], window: int = 5) -> list[float]:

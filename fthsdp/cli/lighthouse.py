@@ -30,7 +30,7 @@ def confirm_age_risk(confirm_age_s: float, heartbeat_interval_s: float) -> str:
 
 
 def cmd_lighthouse(a: argparse.Namespace) -> None:
-    from fthsdp.testing.procutil import write_atomic
+    from fthsdp.launch.procutil import write_atomic
     from lighthouse.config import LighthouseConfig, etcd_tls_from_env
     from lighthouse.errors import StoreAccessDenied, StoreUnavailable
     from lighthouse.membership import Policy

@@ -20,7 +20,8 @@ import time
 import urllib.error
 from typing import TYPE_CHECKING, Any
 
-from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, ReplicaFailed, epoch_events, finals
+from fthsdp.launch.cluster import Cluster, epoch_events, finals
+from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers

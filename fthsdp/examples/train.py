@@ -26,9 +26,9 @@ import torch.distributed as dist
 from fthsdp.examples.data import batch
 from fthsdp.examples.gpt import GPTConfig
 from fthsdp.examples.hsdp import local_param_hash, plain_hsdp, seeded_gpt
+from fthsdp.launch.progress import ProgressRow
 from fthsdp.runtime.config import SCHEDULERS, TrainerSettings
 from fthsdp.runtime.result import StepResult
-from fthsdp.testing.progress import ProgressRow
 
 
 def _args(argv: list[str] | None, settings: TrainerSettings) -> argparse.Namespace:

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
+from fthsdp.launch.progress import ProgressRow
 from fthsdp.runtime.config import ConfigError, RuntimeConfig
 from fthsdp.runtime.errors import (
     EXIT_REJOIN,
@@ -35,7 +36,6 @@ from fthsdp.runtime.errors import (
     StateMismatch,
 )
 from fthsdp.runtime.replica import Replica
-from fthsdp.testing.progress import ProgressRow
 
 log = logging.getLogger("fthsdp.runtime")
 

@@ -1,3 +1,3 @@
-"""What tests and benchmarks share: the local launcher (``launcher``), process and port helpers (``procutil``,
-``ports``), a lighthouse child process (``lighthouse_process``), real etcd on loopback (``etcd``), fault hooks
-(``faults``), the typed progress rows (``progress``) and the invariant checks over a run (``invariants``). Harness."""
+"""The test harness that tests, chaos runs and benchmarks share on top of the launcher (``fthsdp.launch``): ports
+(``ports``), real etcd on loopback (``etcd``), the invariant checks over a run (``invariants``) and the NCCL
+check's report (``nccl_report``). Nothing in the product imports it."""

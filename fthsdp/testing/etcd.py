@@ -19,8 +19,8 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from fthsdp.launch.procutil import stop_process
 from fthsdp.testing.ports import free_port
-from fthsdp.testing.procutil import stop_process
 
 ETCD_BINARY_CANDIDATES = ("etcd", "/usr/bin/etcd")
 START_DEADLINE_S = 30.0

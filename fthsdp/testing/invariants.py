@@ -1,5 +1,5 @@
 """The invariants of a run (docs/design.md §8), checked after the fact over what a local cluster leaves behind: the
-replicas' progress rows (``fthsdp.testing.progress``) and the launcher's report.
+replicas' progress rows (``fthsdp.launch.progress``) and the launcher's report.
 
 Every check is a pure function over rows and the report dict and returns a list of violations (human-readable
 strings; empty when the invariant holds) instead of asserting, so that the chaos runner can collect them all and
@@ -7,7 +7,8 @@ the tests can assert on them (``tests/helpers/cluster_checks.py``).
 
 Checked here:
 
-- converged: every replica finished at the last step with the same state hash (§8.1, at the end of the run);
+- converged (``fthsdp.launch.cluster.converged``, which ``fthsdp demo`` runs too): every replica finished at the last
+  step with the same state hash (§8.1, at the end of the run);
 - survivor: a replica that never died committed every step once, in order, with a finite loss (§8.3);
 - exactly-once: in the surviving lineage every step 0..N-1 was committed, every row of one step names the same
   batches, and each slot's batches are 0, 1, 2, ... with no gap or repeat (§8.3, §8.4);
@@ -28,7 +29,8 @@ from collections.abc import Collection
 from itertools import pairwise
 from typing import Any
 
-from fthsdp.testing.progress import ProgressRow, progress_path, read_progress, steps_of
+from fthsdp.launch.cluster import converged
+from fthsdp.launch.progress import ProgressRow, progress_path, read_progress, steps_of
 
 Rows = dict[int, list[ProgressRow]]
 """Replica index -> its progress rows, in file order."""
@@ -39,17 +41,6 @@ def load_run(workdir: pathlib.Path, replicas: int) -> Rows:
 
 
 # --- §8.1: bitwise-equal state ---------------------------------------------------------------------------------
-
-def converged(report: dict[str, Any], steps: int) -> list[str]:
-    """Every replica's final line is at ``steps`` and all hold the same state hash."""
-    finals = report["final"]
-    out = [f"replica {r} did not finish at step {steps}: {f}" for r, f in sorted(finals.items())
-           if f is None or f["step"] != steps]
-    hashes = {f["param_hash"] for f in finals.values() if f is not None}
-    if len(hashes) > 1:
-        out.append(f"replicas diverged (state hashes differ): {finals}")
-    return out
-
 
 # --- §8.3: survivors and committed steps ------------------------------------------------------------------------
 

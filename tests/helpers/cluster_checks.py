@@ -6,8 +6,8 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from fthsdp.launch.progress import ProgressRow, progress_path, read_progress
 from fthsdp.testing import invariants as inv
-from fthsdp.testing.progress import ProgressRow, progress_path, read_progress
 
 
 def progress(tmp: pathlib.Path, replica: int) -> list[ProgressRow]:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fthsdp.testing.procutil import marked, parent
+from fthsdp.launch.procutil import marked, parent
 
 LEAK_MARK = "FTHSDP_TEST_MARK"
 GRACE_S = 15.0

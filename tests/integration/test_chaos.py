@@ -20,8 +20,8 @@ from fthsdp.chaos.config import ChaosConfig
 from fthsdp.chaos.report import summary_text
 from fthsdp.chaos.run import run_chaos, soak
 from fthsdp.chaos.schedule import REPLICA_KINDS, schedule
-from fthsdp.testing.procutil import descendants, signal_tree, state
-from fthsdp.testing.progress import progress_path, read_progress
+from fthsdp.launch.procutil import descendants, signal_tree, state
+from fthsdp.launch.progress import progress_path, read_progress
 from tests.helpers.cluster_checks import check_only_failed_pays
 
 
@@ -109,7 +109,8 @@ def test_ha_leader_lighthouse_killed_training_goes_on(tmp_path: pathlib.Path) ->
 def test_replica_back_after_the_job_finished_ends_cleanly(tmp_path: pathlib.Path) -> None:
     """Replica 1 is killed 5 steps before the end and comes back 6 s later, when replica 0 has finished and left:
     the job is complete, so replica 1 trains nothing, takes replica 0's final checkpoint and ends with its state."""
-    from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
+    from fthsdp.launch.cluster import Cluster
+    from fthsdp.launch.config import ClusterConfig, Kill
 
     steps = 30
     config = ClusterConfig(replicas=2, ranks=1, steps=steps, model="tiny", kills=(Kill(1, steps - 5, "forward"),),

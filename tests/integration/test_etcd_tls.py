@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from fthsdp.testing.lighthouse_process import start_lighthouse_process
-from fthsdp.testing.procutil import stop_process
+from fthsdp.launch.lighthouse_process import start_lighthouse_process
+from fthsdp.launch.procutil import stop_process
 from lighthouse.errors import StoreAccessDenied, StoreUnavailable
 from lighthouse.stores.etcd_tls import EtcdTLS
 from lighthouse.stores.factory import open_store

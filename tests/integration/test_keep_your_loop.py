@@ -16,9 +16,10 @@ from collections import Counter, defaultdict
 
 import pytest
 
+from fthsdp.launch import priority
+from fthsdp.launch.procutil import child_env
 from fthsdp.runtime.data import SlotSampler
 from fthsdp.runtime.loop import indices_of
-from fthsdp.testing.procutil import child_env
 from tests.helpers.diffs import changed_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
@@ -131,7 +132,8 @@ def test_a_real_trainer_with_a_spare_through_a_kill(tmp_path: pathlib.Path) -> N
 
 def test_a_real_trainer_with_warm_standbys_replaced_twice(tmp_path: pathlib.Path) -> None:
     """Group 1 is killed twice; each time its warm standby takes over, and a new standby is started for the next
-    time (the runtime tells the launcher when the released one trained a step: an ``active`` progress row)."""
+    time (the runtime tells the launcher when the released one trained a step: an ``active`` progress row), at a low
+    CPU priority until its release."""
     steps = 200
     report, out, stdout = run(tmp_path, ["--warm-restarts", "--kill", "1@10", "--kill", "1@100"], steps, pace=0.1)
     check_one_state(report, steps, SLOTS)
@@ -141,6 +143,15 @@ def test_a_real_trainer_with_warm_standbys_replaced_twice(tmp_path: pathlib.Path
     assert starts == [(1, False), (2, True), (3, True)], starts
     standbys = [e for e in report["events"] if e["event"] == "standby" and e["replica"] == 1]
     assert len(standbys) == 3, standbys  # one with the job, a replacement after each use
-    assert "released warm standby" in (tmp_path / "logs" / "replica1.log").read_text()  # points to where it went
+    # The first standby was built with the job; the others while it trained, at a low priority (measured), raised
+    # before their release (where this host lets a launcher raise it again: else never lowered).
+    low = priority.supported()
+    assert [e["nice"] for e in standbys] == ([0, 19, 19] if low else [0, 0, 0]), standbys
+    raised = [e for e in report["events"] if e["event"] == "standby_raised"]
+    assert [e["replica"] for e in raised] == ([1] if low else []), raised
+    logs = tmp_path / "logs"
+    released = [line for line in (logs / "replica1.log").read_text().splitlines() if "released warm standby" in line]
+    assert len(released) == 2, released  # each points to where the group's output went on
+    assert all((logs / line.rsplit(" ", 1)[-1]).is_file() for line in released), released
     check_exactly_once(out, steps, SLOTS, kills=2)
     assert "differ" not in stdout

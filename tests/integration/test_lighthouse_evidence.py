@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fthsdp.testing.procutil import stop_process
+from fthsdp.launch.procutil import stop_process
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
 from lighthouse.events import DeathCause, Died

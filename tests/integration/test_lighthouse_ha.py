@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import pytest
 
-from fthsdp.testing.lighthouse_process import start_lighthouse_process
-from fthsdp.testing.procutil import stop_process
+from fthsdp.launch.lighthouse_process import start_lighthouse_process
+from fthsdp.launch.procutil import stop_process
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
 from lighthouse.security import LEADER_METADATA

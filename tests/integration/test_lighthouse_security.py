@@ -40,7 +40,7 @@ def test_cli_emulate_with_mtls_and_token_from_the_environment(start_server: Call
                                                              certs: Certs, token_file: str) -> None:
     import os
 
-    from fthsdp.testing.procutil import stop_process
+    from fthsdp.launch.procutil import stop_process
     from tests.helpers.lighthouse import wait_until
 
     s = start_server(SLOW_POLICY, security=ServerSecurity(certs.server_cert, certs.server_key, certs.ca, TOKEN))
@@ -66,8 +66,8 @@ def test_cli_lighthouse_refuses_unusable_security_options(tmp_path: pathlib.Path
 
 
 def test_cli_lighthouse_process_with_mtls_and_token(tmp_path: pathlib.Path, certs: Certs, token_file: str) -> None:
-    from fthsdp.testing.lighthouse_process import start_lighthouse_process
-    from fthsdp.testing.procutil import stop_process
+    from fthsdp.launch.lighthouse_process import start_lighthouse_process
+    from fthsdp.launch.procutil import stop_process
 
     proc, grpc_addr, http_addr = start_lighthouse_process(
         ["--no-rendezvous", "--tls-cert", certs.server_cert, "--tls-key", certs.server_key,

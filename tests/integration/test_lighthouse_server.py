@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from fthsdp.testing.procutil import stop_process, wait_for_file
+from fthsdp.launch.procutil import stop_process, wait_for_file
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from tests.helpers.lighthouse import JOB, heartbeat, register, status

@@ -9,8 +9,9 @@ import pathlib
 
 import pytest
 
+from fthsdp.launch.cluster import Cluster
+from fthsdp.launch.config import ClusterConfig, Kill
 from fthsdp.runtime.faults import STEP_PHASES
-from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
 from tests.helpers.cluster_checks import check_all, check_converged, check_only_failed_pays
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -13,8 +13,9 @@ import pathlib
 
 import pytest
 
-from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
-from fthsdp.testing.progress import steps_of
+from fthsdp.launch.cluster import Cluster
+from fthsdp.launch.config import ClusterConfig, Kill
+from fthsdp.launch.progress import steps_of
 from tests.helpers.cluster_checks import check_all, check_exactly_once, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from fthsdp.testing.launcher import Cluster, ClusterConfig
+from fthsdp.launch.cluster import Cluster
+from fthsdp.launch.config import ClusterConfig
 from tests.helpers.cluster_checks import check_converged, check_survivor, progress
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

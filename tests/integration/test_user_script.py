@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from fthsdp.testing.procutil import child_env
+from fthsdp.launch.procutil import child_env
 from tests.helpers.diffs import changed_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -86,8 +86,8 @@ def test_fthsdp_run_one_group_per_host_against_a_shared_lighthouse(tmp_path: pat
     """The multi-host shape on loopback: a lighthouse started on its own, and one ``fthsdp run --group I`` per
     replica group (as each host would run), group 1 SIGKILLed: each launcher restarts only its own group, both end
     with the same final state, and group 0 never exits."""
-    from fthsdp.testing.lighthouse_process import start_lighthouse_process
-    from fthsdp.testing.procutil import stop_process
+    from fthsdp.launch.lighthouse_process import start_lighthouse_process
+    from fthsdp.launch.procutil import stop_process
 
     work = tmp_path / "elsewhere"
     work.mkdir()

@@ -45,7 +45,7 @@ def test_the_top_level_key_is_this_runs_own_or_the_tables() -> None:
 
 def test_the_benchmarks_run_the_lighthouse_at_its_own_defaults() -> None:
     """What a deployment runs (0.5 s heartbeats), not the test launcher's faster ones; the rest as given."""
-    from fthsdp.testing.launcher import ClusterConfig, at_lighthouse_defaults
+    from fthsdp.launch.config import ClusterConfig, at_lighthouse_defaults
     from lighthouse.model import Policy
 
     given = ClusterConfig(replicas=4, spares=1)

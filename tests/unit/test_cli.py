@@ -184,7 +184,8 @@ def test_run_refuses_a_missing_script_and_judges_final_states(tmp_path: pathlib.
 
 
 def test_run_one_hosts_groups_needs_the_jobs_lighthouse_and_valid_groups(tmp_path: pathlib.Path) -> None:
-    from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill
+    from fthsdp.launch.cluster import Cluster
+    from fthsdp.launch.config import ClusterConfig, Kill
 
     script = tmp_path / "train.py"
     script.write_text("")
@@ -230,7 +231,8 @@ def test_demo_kill_all_is_its_own_scenario() -> None:
 
 def test_a_standby_lost_while_held_is_forgotten_its_kill_kept_and_too_many_fail_the_job(
         tmp_path: pathlib.Path) -> None:
-    from fthsdp.testing.launcher import Cluster, ClusterConfig, Kill, ReplicaFailed, Standby
+    from fthsdp.launch.cluster import Cluster, Standby
+    from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed
 
     class Exited:
         pid, returncode = 0, 1

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fthsdp.launch.progress import ProgressRow
 from fthsdp.testing import invariants as inv
-from fthsdp.testing.progress import ProgressRow
 
 
 def _run_rows(steps: int, replicas: int = 2) -> inv.Rows:

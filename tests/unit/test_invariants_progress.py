@@ -1,4 +1,4 @@
-"""Progress rows (``fthsdp.testing.progress``): what the trainer writes reads back as the same typed row, torn and
+"""Progress rows (``fthsdp.launch.progress``): what the trainer writes reads back as the same typed row, torn and
 foreign lines are skipped, keys the row does not name are kept."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from fthsdp.testing.progress import ProgressRow, ProgressTail, parse_line, progress_path, read_progress, steps_of
+from fthsdp.launch.progress import ProgressRow, ProgressTail, parse_line, progress_path, read_progress, steps_of
 
 
 def test_a_written_row_reads_back_the_same() -> None:

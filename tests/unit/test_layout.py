@@ -10,7 +10,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("fthsdp", "ftar", "lighthouse")
-PRODUCT = ("fthsdp/runtime", "fthsdp/catchup", "ftar", "lighthouse")
+PRODUCT = ("fthsdp/runtime", "fthsdp/catchup", "fthsdp/launch", "ftar", "lighthouse")
+HARNESS = ("fthsdp.testing", "fthsdp.bench", "fthsdp.chaos")
+"""The test harness and the tools built on it: the product (``PRODUCT``, the examples) never imports them."""
 GENERATED = "lighthouse/v1"
 MAX_LINES = 420
 """~400 lines, with a little slack for a docstring."""
@@ -59,6 +61,22 @@ def test_lighthouse_and_ftar_never_import_fthsdp() -> None:
     wrong = sorted(f"{a} -> {b}" for a, deps in _graph().items() if a.split(".")[0] in ("lighthouse", "ftar")
                    for b in deps if b.split(".")[0] == "fthsdp")
     assert not wrong, "imports that run back up into fthsdp:\n" + "\n".join(wrong)
+
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_the_product_never_imports_the_harness() -> None:
+    product = tuple(f.replace("/", ".") for f in PRODUCT) + ("fthsdp.examples",)
+    wrong = sorted(f"{a} -> {b}" for a, deps in _graph().items() if _in(a, product) for b in deps if _in(b, HARNESS))
+    assert not wrong, "product modules importing the test harness or the benchmarks:\n" + "\n".join(wrong)
+
+
+def test_the_harness_never_imports_the_benchmarks() -> None:
+    wrong = sorted(f"{a} -> {b}" for a, deps in _graph().items() if _in(a, ("fthsdp.testing",))
+                   for b in deps if _in(b, ("fthsdp.bench", "fthsdp.chaos")))
+    assert not wrong, "\n".join(wrong)
 
 
 def test_lighthouse_never_imports_ftar() -> None:

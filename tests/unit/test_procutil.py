@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from fthsdp.testing import priority
-from fthsdp.testing.procutil import alive, descendants, kill_group
+from fthsdp.launch import priority
+from fthsdp.launch.procutil import alive, descendants, kill_group
 from tests.helpers import leaks
 
 # A parent (our child) that starts a grandchild in a new session, prints its PID and waits for a signal, as a

@@ -1,11 +1,11 @@
-"""fthsdp.bench.recovery_metrics on synthetic progress rows (no processes)."""
+"""fthsdp.launch.recovery_metrics on synthetic progress rows (no processes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from fthsdp.bench.recovery_metrics import Failure, median_step, recovery_metrics, whole_job_restart_metrics
-from fthsdp.testing.progress import ProgressRow
+from fthsdp.launch.progress import ProgressRow
+from fthsdp.launch.recovery_metrics import Failure, median_step, recovery_metrics, whole_job_restart_metrics
 
 
 def rows(times: list[float], first_step: int = 0, incarnation: int = 1,

@@ -1,4 +1,4 @@
-"""The demo's timeline: each replica's states over a run (``fthsdp.testing.lanes``, pure) and the PNG that draws
+"""The demo's timeline: each replica's states over a run (``fthsdp.launch.lanes``, pure) and the PNG that draws
 them as one lane per replica (``fthsdp.cli.demo.plot_timeline``)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pathlib
 
 from fthsdp.cli.demo import LANE_COLOURS, plot_timeline, smoothed
-from fthsdp.testing.lanes import lanes
-from fthsdp.testing.progress import ProgressRow
+from fthsdp.launch.lanes import lanes
+from fthsdp.launch.progress import ProgressRow
 
 
 def step(t: float, n: int, inc: str, **kw: object) -> ProgressRow:

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
+from fthsdp.launch.progress import read_progress
 from fthsdp.runtime import session
 from fthsdp.runtime.data import SlotSampler, batch_index, next_batch
 from fthsdp.runtime.errors import EXIT_REJOIN, Diverged, JobFinished, RejoinRequired, SlotConflict
-from fthsdp.testing.progress import read_progress
 
 
 def test_every_rank_of_every_slot_gets_its_own_batch_at_every_cursor() -> None:

@@ -1,7 +1,7 @@
 """Baselines of ``fthsdp bench recovery --vs torchft``, each run on the reference workload (docs/design.md §12) with the
 same failure schedule: torchft (its Manager, lighthouse and process groups), a whole-job restart (torchrun
 elastic + checkpoint reload), and plain FSDP2-HSDP without failures (the steady-step baseline). Each returns a
-dict with ``step_s``, ``stall_s``, ``rejoin_s`` and ``ett`` (see ``fthsdp.bench.recovery_metrics``)."""
+dict with ``step_s``, ``stall_s``, ``rejoin_s`` and ``ett`` (see ``fthsdp.launch.recovery_metrics``)."""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ import statistics
 import time
 from typing import Any
 
-from fthsdp.bench.recovery_metrics import WARMUP_STEPS, recovery_metrics
-from fthsdp.testing.procutil import child_env, run_to_completion, torchrun
-from fthsdp.testing.progress import read_progress
+from fthsdp.launch.procutil import child_env, run_to_completion, torchrun
+from fthsdp.launch.progress import read_progress
+from fthsdp.launch.recovery_metrics import WARMUP_STEPS, recovery_metrics
 
 
 def run_plain(workdir: pathlib.Path | str, steps: int = 60, seed: int = 0, replicas: int = 3, ranks: int = 1,

@@ -20,9 +20,9 @@ import shutil
 import time
 from typing import Any
 
-from fthsdp.bench.recovery_metrics import WARMUP_STEPS, Failure, recovery_metrics, whole_job_restart_metrics
-from fthsdp.testing.procutil import child_env, run_to_completion, torchrun
-from fthsdp.testing.progress import progress_path, read_progress, steps_of
+from fthsdp.launch.procutil import child_env, run_to_completion, torchrun
+from fthsdp.launch.progress import progress_path, read_progress, steps_of
+from fthsdp.launch.recovery_metrics import WARMUP_STEPS, Failure, recovery_metrics, whole_job_restart_metrics
 
 
 def run_restart(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 20, seed: int = 0,

@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     from fthsdp.examples.data import batch
     from fthsdp.examples.gpt import GPTConfig
     from fthsdp.examples.hsdp import local_param_hash, plain_hsdp
-    from fthsdp.testing.procutil import write_atomic
-    from fthsdp.testing.progress import ProgressRow, progress_path
+    from fthsdp.launch.procutil import write_atomic
+    from fthsdp.launch.progress import ProgressRow, progress_path
 
     cfg = GPTConfig.named(a.model)
     job = plain_hsdp(cfg, a.seed, a.hsdp_replicas)

@@ -30,8 +30,8 @@ from datetime import timedelta
 from typing import Any
 
 from fthsdp.bench.baselines.torchft_run import _lighthouse_binary
+from fthsdp.launch.procutil import stop_process
 from fthsdp.testing.ports import free_port, wait_port
-from fthsdp.testing.procutil import stop_process
 
 log = logging.getLogger("fthsdp.bench")
 

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fthsdp.bench.recovery_metrics import WARMUP_STEPS, Failure, recovery_metrics
+from fthsdp.launch.procutil import child_env, kill_group, torchrun
+from fthsdp.launch.progress import read_progress, steps_of
+from fthsdp.launch.recovery_metrics import WARMUP_STEPS, Failure, recovery_metrics
 from fthsdp.testing.ports import free_port, wait_port
-from fthsdp.testing.procutil import child_env, kill_group, torchrun
-from fthsdp.testing.progress import read_progress, steps_of
 
 JOIN_TIMEOUT_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fthsdp.testing.progress import ProgressRow
+from fthsdp.launch.progress import ProgressRow
 
 STATES = ("starting", "joining", "training", "down")
 

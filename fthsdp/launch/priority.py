@@ -18,9 +18,9 @@ import errno
 import logging
 import os
 
-from fthsdp.testing.procutil import alive, descendants, session
+from fthsdp.launch.procutil import alive, descendants, session
 
-log = logging.getLogger("fthsdp.testing.priority")
+log = logging.getLogger("fthsdp.launch.priority")
 
 AUTOGROUP_SWITCH = "/proc/sys/kernel/sched_autogroup_enabled"
 CAP_SYS_NICE = 23

@@ -6,7 +6,7 @@ import pathlib
 import subprocess
 import sys
 
-from fthsdp.testing.procutil import wait_for_file
+from fthsdp.launch.procutil import wait_for_file
 
 
 def start_lighthouse_process(args: list[str], workdir: pathlib.Path) -> tuple[subprocess.Popen[bytes], str, str]:

@@ -1,7 +1,7 @@
 """Recovery metrics from progress rows: the numbers of ``fthsdp demo``'s report and of ``fthsdp bench recovery``
 (fthsdp, torchft and the whole-job restart baseline are all measured with these functions).
 
-Inputs, per replica index: its ``step`` progress rows (``fthsdp.testing.progress.ProgressRow``: ``step``, ``t``
+Inputs, per replica index: its ``step`` progress rows (``fthsdp.launch.progress.ProgressRow``: ``step``, ``t``
 in ``time.time()`` seconds, ``incarnation``, ``joined``; one per committed step), and the failures (``Failure``: the
 time the launcher saw the replica group exit, or the time it killed it).
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from fthsdp.testing.progress import ProgressRow
+from fthsdp.launch.progress import ProgressRow
 
 WARMUP_STEPS = 5
 """Steps the benchmarks exclude from the steady-state medians (the reference workload's definition)."""

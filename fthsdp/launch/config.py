@@ -1,0 +1,161 @@
+"""The settings of a local job (``ClusterConfig``) and of its faults (``Kill``): what ``fthsdp run``, ``fthsdp demo``,
+the benchmarks and the tests hand the launcher (``fthsdp.launch.cluster``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from dataclasses import dataclass, field
+
+from fthsdp.launch.procutil import child_env
+from fthsdp.runtime.faults import PHASES
+from lighthouse.model import Policy
+
+
+class ReplicaFailed(RuntimeError):
+    """A replica group cannot go on: it reported a fatal error, or failed more than ``max_restarts`` times."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """SIGKILL of replica group ``replica`` when its rank 0 reaches ``phase`` of ``step``."""
+
+    replica: int
+    step: int
+    phase: str = "forward"
+
+    @classmethod
+    def parse(cls, spec: str) -> Kill:
+        """``REPLICA@STEP[:PHASE]``."""
+        try:
+            replica, rest = spec.split("@", 1)
+            step, _, phase = rest.partition(":")
+            kill = cls(int(replica), int(step), phase or "forward")
+        except ValueError:
+            raise ValueError(f"--kill {spec!r}: expected REPLICA@STEP[:PHASE]") from None
+        if kill.phase not in PHASES:
+            raise ValueError(f"--kill {spec!r}: phase must be one of {PHASES}")
+        return kill
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The settings of one local job: the trainer's, the lighthouse's and the replicas' (``replica_env`` turns them
+    into each replica group's environment, the one place the launcher writes ``FTHSDP_*``)."""
+
+    replicas: int = 3
+    """Replica groups that train a data slot each (one torchrun each; ``FTHSDP_NUM_REPLICAS``)."""
+    spares: int = 0
+    """Spare replica groups besides them (indexes ``replicas ..``; ``FTHSDP_SPARES``): each shadows training with no
+    data slot and takes over a dead group's slot in the next epoch (docs/design.md §7, "Spares"). A spare costs a
+    group's devices and one more member in each exchange."""
+    ranks: int = 2
+    """Ranks per replica group (FSDP2 shards)."""
+    steps: int = 60
+    """Steps the job trains (``fthsdp.examples.train --steps``)."""
+    model: str = "reference"
+    """``reference`` (the benchmark workload) or ``tiny``."""
+    batch: int = 8
+    """Sequences per replica per step."""
+    lr: float = 3e-4
+    seed: int = 0
+    """The model's initial weights and the data."""
+    kills: tuple[Kill, ...] = ()
+    """SIGKILLs injected through ``FTHSDP_FAULT``, one per incarnation of their group, in step order."""
+    restart_delay_s: float = 2.0
+    """A group that exited non-zero is restarted this long after."""
+    warm_restarts: bool = False
+    """Keep a warm standby of each group (the trainer's set-up and a warm-up done, held unregistered at its first
+    ``train_step``): a restart releases it, so it costs registration and catch-up, not a cold start. A standby costs
+    the group's processes and memory while it waits (no CPU to speak of). A kill armed for a later incarnation goes
+    with the standby started for it."""
+    standby_nice: int = 19
+    """The CPU priority (nice, 0-19; 0: the training's) of a standby started while the job trains, the replacement
+    of a released one, until its own release: its cold start must not take the training's CPU on a shared host, as
+    on a cluster, where it has a host of its own (``fthsdp.launch.priority``: the autogroup's nice where the
+    kernel has them). The standbys started with the job build at the training's priority, while the job starts."""
+    timeout_s: float = 900.0
+    """The whole job's deadline."""
+    heartbeat_interval_s: float = 0.1
+    """The lighthouse's ``--heartbeat-interval``."""
+    heartbeat_timeout_s: float = 5.0
+    """The lighthouse's ``--heartbeat-timeout``."""
+    confirm_age_s: float = 0.5
+    """The lighthouse's ``--confirm-age``."""
+    collective_timeout_s: float = 5.0
+    """The replicas' ``FTHSDP_TIMEOUT``."""
+    max_restarts: int = 10
+    """Restarts of one replica group before the job is given up."""
+    straggler_policy: str = "report"
+    """The lighthouse's ``--straggler-policy`` (fail-slow: ``report`` or ``eject``)."""
+    min_step_s: float = 0.0
+    """Pace the trainer's steps that train a batch to at least this long (tests: keeps runs long enough for a
+    rejoin; it stands in for compute, so a joiner's zero steps are not paced)."""
+    compute_s: float = 0.0
+    """Pad each training forward of the example trainer to at least this long (``--compute-s``): a steady stand-in
+    compute, for the fail-slow detector (the tiny model's own compute jitters by more than a straggler's factor)."""
+    checkpoint_every: int = 0
+    """Durable checkpoint every K steps (0: only on SIGTERM, if a directory is set)."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go (default with ``checkpoint_every``: ``<workdir>/checkpoints``); a job started with a
+    checkpoint there resumes from it."""
+    final_checkpoint: bool = True
+    """Give the replicas a checkpoint directory (``checkpoint_dir`` or ``<workdir>/checkpoints``) even without
+    periodic checkpoints: each writes its final state there at the end of the job, and a replica that comes back
+    after the job finished takes it (without one it stops with no final state)."""
+    env: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Extra environment per replica group (tests: fault switches)."""
+    lighthouse: str = ""
+    """An external lighthouse's gRPC ``host:port[,host:port...]`` (the replicas' ``FTHSDP_LIGHTHOUSE``); empty:
+    start one on loopback for this job."""
+    lighthouse_http: str = ""
+    """The external lighthouse's HTTP ``host:port`` (its ``/status``: live progress and the epoch history); empty:
+    run without them."""
+    groups: tuple[int, ...] = ()
+    """The replica groups this launcher runs, of ``replicas`` (one host's share of a job whose other groups run
+    elsewhere against the same ``lighthouse``); empty: all of them."""
+    command: tuple[str, ...] = ()
+    """A user's script and its arguments, run as they are by each group's torchrun from the current directory
+    (``fthsdp run``); empty: the example trainer with this config's ``steps``, ``model``, ``batch``... ."""
+
+    def indices(self) -> tuple[int, ...]:
+        """The replica groups this launcher runs; ``ValueError`` when ``groups`` is malformed or needs an external
+        lighthouse it lacks."""
+        total = self.replicas + self.spares
+        if not self.groups:
+            return tuple(range(total))
+        bad = [i for i in self.groups if not 0 <= i < total]
+        if bad or len(set(self.groups)) != len(self.groups):
+            raise ValueError(f"groups {list(self.groups)}: each must be one of 0..{total - 1}, once")
+        if not self.lighthouse:
+            raise ValueError("running only some replica groups needs the job's lighthouse (the others use it)")
+        return tuple(sorted(self.groups))
+
+    def replica_env(self, index: int, lighthouse: str, progress: pathlib.Path, workdir: pathlib.Path,
+                    fault: Kill | None) -> dict[str, str]:
+        """The environment of replica group ``index``'s torchrun: this process's, less a stray ``FTHSDP_FAULT``,
+        plus the replica's settings, ``env[index]`` and the fault armed in this incarnation."""
+        env = child_env(FTHSDP_LIGHTHOUSE=lighthouse, FTHSDP_REPLICA_INDEX=str(index),
+                        FTHSDP_NUM_REPLICAS=str(self.replicas), FTHSDP_SPARES=str(self.spares),
+                        FTHSDP_PROGRESS=str(progress),
+                        FTHSDP_TIMEOUT=str(self.collective_timeout_s))
+        # torchrun never restarts a group here (the launcher does, as a new incarnation), so the workers keep
+        # sharing the agent's rendezvous store: a second store would bind a port that can be taken meanwhile.
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        if self.checkpoint_every or self.checkpoint_dir or self.final_checkpoint:
+            env.update(FTHSDP_CHECKPOINT_DIR=self.checkpoint_dir or str(workdir / "checkpoints"),
+                       FTHSDP_CHECKPOINT_EVERY=str(self.checkpoint_every))
+        env.update(self.env.get(index, {}))
+        env.pop("FTHSDP_FAULT", None)
+        if fault is not None:
+            env["FTHSDP_FAULT"] = f"{fault.step}:{fault.phase}"
+        return env
+
+
+def at_lighthouse_defaults(config: ClusterConfig) -> ClusterConfig:
+    """``config`` with the lighthouse at its own defaults (``lighthouse.model.Policy``: heartbeats every 0.5 s), as
+    a deployment runs it: what the benchmarks measure. ``ClusterConfig``'s defaults (heartbeats every 0.1 s, which
+    cost the replicas and the lighthouse CPU) are a setting for tests."""
+    p = Policy()
+    return dataclasses.replace(config, heartbeat_interval_s=p.heartbeat_interval_s,
+                               heartbeat_timeout_s=p.heartbeat_timeout_s, confirm_age_s=p.confirm_age_s)
