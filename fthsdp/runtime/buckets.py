@@ -135,6 +135,10 @@ class BucketExchange:
         first exchange in an epoch is always one (a joiner's first exchange is shaped like it)."""
         self.posted: int | None = None
         """The step whose post exchange this lane launched last."""
+        self.unchecked: tuple[int, float, Handle] | None = None
+        """The post exchange this lane sent last as a contributor, not read yet: (its step, the factor sent, its
+        handle). An active replica does not wait for it before its optimizer step; the step core reads it once the
+        lane has exchanged something after it (``Steps._agree``)."""
         self._last_post: tuple[int, float | None, float | None] = (-2, None, None)
         self.engine = engine
         self.slot = slot
@@ -265,11 +269,14 @@ class BucketExchange:
         it to a partner that lost it. ``step`` None: a joiner's first exchange, which learns the step from its
         tag."""
         words = [*grad_scale.pack(factor), 0.0 if loss is None else loss]
+        handle = self.engine.allreduce([torch.tensor(words, dtype=torch.float32, device=self.device)],
+                                       contribute=factor is not None,
+                                       tag=None if step is None else self.post_tag(step), redo=False)
         if step is not None:
             self.posted, self._last_post = step, (step, factor, loss)
-        return self.engine.allreduce([torch.tensor(words, dtype=torch.float32, device=self.device)],
-                                     contribute=factor is not None, tag=None if step is None else self.post_tag(step),
-                                     redo=False)
+            if factor is not None:
+                self.unchecked = (step, factor, handle)
+        return handle
 
     def post_again(self, step: int) -> tuple[float | None, float | None]:
         """What this lane sends in ``step``'s post exchange sent again (a redo in a newer epoch): what it sent the

@@ -279,6 +279,7 @@ class Steps:
             it.t_computed = time.perf_counter()
             it.t_backward = it.t_backward or it.t_computed
             it.settled = self._settle(handles, contribute=True)
+            self._agree()  # the post exchange of the step before came back before this step's buckets
             buckets.install(it.settled[1])
         except BaseException as e:  # noqa: BLE001 - handed to finish(), which raises it outside autograd
             it.error = e
@@ -315,13 +316,12 @@ class Steps:
             assert it.settled is not None
             commit, results = it.settled
             factor = grad_scale.scale_of(buckets.averaged(results), buckets.grads())
-            loss = sum(it.losses) if it.losses else None
-            agreed, mean_loss = self._post(commit.step, factor, loss)
-            if agreed != factor:
-                raise grad_scale.UnreplayableGradients(
-                    f"step {commit.step}: this replica scaled the averaged gradients by {factor}, the others by "
-                    f"{agreed}: every replica's trainer must run the same code on them")
-            return self._committed(it, commit, results, mean_loss if loss is not None else None)
+            if not it.losses:  # nobody waits for the post exchange here: the next step's settle reads it
+                buckets.launch_post(commit.step, factor, None)
+                return self._committed(it, commit, results, None)
+            agreed, mean_loss = self._post(commit.step, factor, sum(it.losses))  # the mean loss: wait for it
+            _check_factor(commit.step, factor, agreed)
+            return self._committed(it, commit, results, mean_loss)
         finally:
             if it.lent:
                 self.slot = m.NO_SLOT
@@ -352,13 +352,31 @@ class Steps:
                       [f"{x:.3g}" for x in self.applied_lr], exchange_s)
         return result
 
+    def _agree(self) -> None:
+        """Read the post exchange this lane sent last as a contributor and did not wait for (``finish``; the
+        lane's exchanges after it are done, so it is too): raise ``UnreplayableGradients`` when the others scaled
+        that step's gradients by another factor. One lost with its epoch is not read: the vote's redo sent it again,
+        and that one is read next time."""
+        _, buckets = self._parts()
+        if (sent := buckets.unchecked) is None:
+            return
+        buckets.unchecked = None
+        step, factor, handle = sent
+        try:
+            agreed, _ = buckets.post_of(handle.wait(self._wait_s))
+        except FTARError:
+            return
+        _check_factor(step, factor, agreed)
+
     def _post(self, step: int, factor: float | None, loss: float | None) -> tuple[float, float]:
-        """The step's post exchange on this rank's lane (``BucketExchange.launch_post``), with its own bounded
-        retries: returns (the factor the contributors scaled the step's gradients by, their mean loss)."""
+        """The step's post exchange on this rank's lane (``BucketExchange.launch_post``), waited for, with its own
+        bounded retries: returns (the factor the contributors scaled the step's gradients by, their mean loss)."""
         _, buckets = self._parts()
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                return buckets.post_of(buckets.launch_post(step, factor, loss).wait(self._wait_s))
+                handle = buckets.launch_post(step, factor, loss)
+                buckets.unchecked = None  # read here
+                return buckets.post_of(handle.wait(self._wait_s))
             except FTARError as e:
                 if failure_of(e).needs_rejoin:
                     raise RejoinRequired(f"step {step}'s post exchange: {e}") from e
@@ -393,3 +411,12 @@ class Steps:
         keyword arguments go to the ``DataLoader`` (``num_workers``, ``collate_fn``, ``pin_memory``, ...)."""
         return SlotLoader(self._rep, dataset, batch_size, micro_batches=micro_batches, seed=seed, shuffle=shuffle,
                           **loader_kwargs)
+
+
+def _check_factor(step: int, factor: float, agreed: float) -> None:
+    """``UnreplayableGradients`` unless the contributors scaled step ``step``'s gradients by this replica's
+    ``factor`` (their post exchange's ``agreed``)."""
+    if agreed != factor:
+        raise grad_scale.UnreplayableGradients(
+            f"step {step}: this replica scaled the averaged gradients by {factor}, the others by {agreed}: every "
+            "replica's trainer must run the same code on them")

@@ -385,7 +385,9 @@ class Replica(Steps):
         it), then leave "finished" (the lighthouse then tells late comers the job is over). The barrier goes
         through the replica-local vote like a step's exchange (``fthsdp.runtime.ending``)."""
         _, buckets = self._parts()
-        ending.barrier(buckets, self.engine, self.step, self._vote, self._wait_s, self._log)
+        if ending.barrier(buckets, self.engine, self.step, self._vote, self._wait_s, self._log):
+            self._agree()  # the last step's post exchange came back before the barrier
+        buckets.unchecked = None
         if self.config.checkpoint_dir:
             self._checkpoint()
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from ftar import ExchangeResult, Handle
-from fthsdp.runtime import grad_scale
+from ftar import ExchangeResult, Handle, Interrupted
+from fthsdp.runtime import grad_scale, iteration
 from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.data import SlotSampler
 from fthsdp.runtime.loop import LoopOptimizer, SlotLoader, absorb_step, fsdp_units, indices_of
@@ -192,6 +192,72 @@ def test_the_packed_factor_survives_an_average_and_a_mixed_one_is_refused() -> N
     mixed = [(a + b) / 2 for a, b in zip(grad_scale.pack(0.5), grad_scale.pack(0.25), strict=True)]
     with pytest.raises(grad_scale.UnreplayableGradients, match="differently"):
         grad_scale.unpack(mixed)
+
+
+@dataclass
+class Answering(Engine):
+    """The others' side of a post exchange: answers it with ``words`` (their average), or fails it with ``lost``."""
+
+    words: list[float] = field(default_factory=list)
+    lost: bool = False
+
+    def allreduce(self, tensors: Sequence[torch.Tensor], **kw: Any) -> Handle:
+        future: Future[ExchangeResult] = Future()
+        if self.lost:
+            future.set_exception(Interrupted("lost with its epoch", 2))
+        else:
+            future.set_result(ExchangeResult([torch.tensor(self.words)], 3, 3, 1, kw["tag"]))
+        self.calls.append({"tensors": [t.clone() for t in tensors], **kw})
+        return Handle(future)
+
+
+class Steps(iteration.Steps):
+    """The step drivers over one lane's buckets alone (``_agree`` needs nothing else)."""
+
+    def __init__(self, buckets: BucketExchange) -> None:
+        self.buckets = buckets
+
+    def _parts(self) -> Any:
+        return None, self.buckets
+
+    @property
+    def _wait_s(self) -> float:
+        return 1.0
+
+
+@pytest.mark.parametrize("others", [0.5, 0.25])
+def test_a_post_exchange_nobody_waited_for_is_read_after_the_next_exchange(sharded: Model, others: float) -> None:
+    """An active replica sends its factor in the step's post exchange and steps its optimizer without waiting; the
+    step core reads it once the lane has exchanged something after it: another factor is a clear error there."""
+    engine = Answering(words=[*grad_scale.pack(others), 2.0])
+    params, blocks = fsdp_units(sharded)
+    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
+                             wait_s=5.0)
+    buckets.posts = True
+    buckets.launch_post(7, 0.5, None)
+    assert buckets.unchecked is not None and buckets.unchecked[:2] == (7, 0.5)
+    steps = Steps(buckets)
+    if others == 0.5:
+        steps._agree()
+    else:
+        with pytest.raises(grad_scale.UnreplayableGradients, match="step 7: this replica scaled .* by 0.5, the others "
+                           "by 0.25"):
+            steps._agree()
+    assert buckets.unchecked is None  # read once
+    steps._agree()  # nothing left to read
+
+
+def test_a_post_exchange_lost_with_its_epoch_is_not_read(sharded: Model) -> None:
+    """The vote's redo sends it again (and that one is read): the lost one raises nothing."""
+    engine = Answering(lost=True)
+    params, blocks = fsdp_units(sharded)
+    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
+                             wait_s=5.0)
+    buckets.launch_post(7, 0.5, None)
+    Steps(buckets)._agree()
+    assert buckets.unchecked is None
+    buckets.launch_post(8, None, None)  # a zero contributor's: it waits for it itself
+    assert buckets.unchecked is None
 
 
 # --- the scheduler and the optimizer ---------------------------------------------------------------------------
