@@ -39,6 +39,9 @@ class DeathCause(StrEnum):
     """A joiner that did not turn active within ``join_deadline_s`` of entering the data plane."""
     SLOW = "slow"
     """A straggler ejected under the ``eject`` fail-slow policy (``lighthouse.ejection``): the others waited on it."""
+    BLAMER = "blamer"
+    """Alone, it blamed every other member of the epoch through ``max_reforms`` re-forms while nobody blamed it:
+    the fault is its own, not all the others' (``lighthouse.escalation``)."""
     JOB_FINISHED = "job_finished"
     """The job finished (``State.finished_step``) and no active member is left: a member still joining has
     nothing left to join, so it is dropped at once instead of waiting for an epoch that can never form."""
@@ -68,6 +71,8 @@ class Died:
     """SLOW: the others' median wait per step on it."""
     disconnected_s: float = 0.0
     """DISCONNECTED: seconds since its watch stream closed."""
+    blamed: tuple[str, ...] = ()
+    """BLAMER: the members it blamed."""
     kind: ClassVar[str] = "failure"
 
 
@@ -156,7 +161,15 @@ class Unattributed:
     evicted: tuple[str, ...] = ()
 
 
-MembershipEvent = MemberEvent | Reformed | GuardHeld | Unattributed
+@dataclass(frozen=True)
+class Kept:
+    """Bounded escalation: the blame singled out these suspects, but evicting them would break the min-replicas
+    guard, so they stay (the epoch is re-formed once more)."""
+
+    suspects: tuple[str, ...]
+
+
+MembershipEvent = MemberEvent | Reformed | GuardHeld | Unattributed | Kept
 
 
 def replica_kinds(events: tuple[MembershipEvent, ...]) -> list[tuple[str, str]]:
@@ -187,6 +200,9 @@ def phrase(event: MembershipEvent) -> str:
         case Died(cause=DeathCause.SLOW):
             return (f"replica {event.replica_id} ejected (slow: {event.slowdown:.2f}x the others' compute since step "
                     f"{event.step}; they waited {event.waited_s:.3f}s per step on it)")
+        case Died(cause=DeathCause.BLAMER):
+            return (f"replica {event.replica_id} evicted (alone, it blamed every other member ("
+                    f"{','.join(event.blamed)}) in {event.reported_epochs} consecutive epochs, nobody blaming it)")
         case Died(cause=DeathCause.JOB_FINISHED):
             return f"replica {event.replica_id} dropped (the job finished at step {event.step})"
         case Died():
@@ -214,6 +230,9 @@ def phrase(event: MembershipEvent) -> str:
         case Unattributed():
             return (f"blame not attributable among {', '.join(event.suspects)} (they blame each other): only "
                     f"{', '.join(event.evicted)} evicted")
+        case Kept():
+            return (f"{', '.join(event.suspects)} singled out by the blame in consecutive epochs: none evicted "
+                    "(it would break the min-replicas guard)")
         case GuardHeld():
             return (f"min-replicas guard: {event.live} live data-plane member(s), {event.required} required, "
                     "with at least one active; epoch unchanged")

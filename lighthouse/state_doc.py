@@ -10,6 +10,7 @@ from lighthouse.events import (
     Died,
     Finished,
     GuardHeld,
+    Kept,
     Left,
     MembershipEvent,
     ReadyToJoin,
@@ -31,7 +32,7 @@ huge; the live state keeps them all, and the stored reason text names the rest).
 _EVENT_TYPES: dict[str, type[MembershipEvent]] = {
     "died": Died, "restarted": Restarted, "registered": Registered, "ready_to_join": ReadyToJoin,
     "turned_active": TurnedActive, "left": Left, "reformed": Reformed, "guard_held": GuardHeld,
-    "unattributed": Unattributed, "finished": Finished,
+    "unattributed": Unattributed, "finished": Finished, "kept": Kept,
 }
 _EVENT_NAMES = {cls: name for name, cls in _EVENT_TYPES.items()}
 

@@ -286,7 +286,8 @@ class Steps:
 
     def note_loss(self, loss: torch.Tensor | float) -> None:
         """Add ``loss`` (a micro-batch's, as scaled for accumulation) to this rank's loss of the step: ``step()``'s
-        result carries it averaged over the step's contributing replicas (``StepResult.loss``)."""
+        result carries it averaged over the step's contributing replicas (``StepResult.loss``). That costs a wait at
+        ``step()`` for the step's post exchange, which otherwise runs off the step's path."""
         if self._iter is not None and self._iter.trains:
             self._iter.losses.append(float(loss.detach().item()) if isinstance(loss, torch.Tensor) else float(loss))
 

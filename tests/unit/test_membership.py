@@ -951,6 +951,54 @@ def test_two_hung_replicas_blamed_by_every_unblamed_member_both_go() -> None:
     assert out.state.epoch is not None and out.state.epoch.replica_ids() == ("a", "b")
 
 
+def test_one_member_blaming_everyone_is_itself_evicted_never_the_others() -> None:
+    """Issue 41: with 5 replicas and ``min_replicas`` 2, one member's reports blaming all the others (nobody
+    blaming it, no step advancing) got the four declared hung, leaving the blamer alone. Now the lone blamer is
+    the suspect, and nobody is ever left with fewer than ``min_replicas`` members."""
+    policy = dataclasses.replace(P, max_reforms=2, min_replicas=2)
+    state = boot(["a", "b", "c", "d", "e"], policy)
+    died: list[Died] = []
+    for round_ in range(8):
+        live = state.epoch.replica_ids()  # type: ignore[union-attr]
+        if "a" not in live:
+            break
+        out = blame_round(state, {"a": [x for x in live if x != "a"]}, 10.0 + 10 * round_, policy)
+        state = out.state
+        assert state.epoch is not None and len(state.epoch.members) >= policy.min_replicas
+        died += [e for e in out.events if isinstance(e, Died)]
+    assert [(e.replica_id, e.cause, e.blamed) for e in died] == [("a", DeathCause.BLAMER, ("b", "c", "d", "e"))]
+    assert state.epoch is not None and state.epoch.replica_ids() == ("b", "c", "d", "e")
+    assert "replica a evicted (alone, it blamed every other member (b,c,d,e)" in state.epoch.reason
+
+
+def test_the_min_replicas_guard_binds_every_verdict() -> None:
+    """Singled out by every witness, or a lone blamer: none of them is evicted when that would leave fewer than
+    ``min_replicas`` members; the epoch is re-formed instead, and says why."""
+    for blame, members in (({"a": ["c"], "b": ["c"]}, ["a", "b", "c"]),
+                           ({"a": ["b", "c"]}, ["a", "b", "c"])):
+        policy = dataclasses.replace(P, max_reforms=1, min_replicas=3)
+        state = boot(members, policy)
+        for round_ in range(5):
+            out = blame_round(state, blame, 10.0 + 10 * round_, policy)
+            state = out.state
+            assert not [e for e in out.events if isinstance(e, Died)], out.reason
+            assert state.epoch is not None and state.epoch.replica_ids() == tuple(members)
+        assert "none evicted (it would break the min-replicas guard)" in state.epoch.reason
+
+
+def test_one_witness_never_convicts_more_than_one_suspect() -> None:
+    """A lone witness blaming two of three others is not enough to evict both (the evidence is one member's
+    word): at most one goes, as for blame nobody can attribute."""
+    policy = dataclasses.replace(P, max_reforms=1)
+    state = boot(["a", "b", "c", "d"], policy)
+    blame = {"a": ["c", "d"]}
+    state = blame_round(state, blame, 10.0, policy).state
+    out = blame_round(state, blame, 20.0, policy)
+    dead = [e.replica_id for e in out.events if isinstance(e, Died)]
+    assert len(dead) == 1 and dead[0] in ("c", "d"), out.reason
+    assert "not attributable" in out.reason
+
+
 # --- end of job -----------------------------------------------------------------------------------------------
 
 
