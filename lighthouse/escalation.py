@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lighthouse.events import Kept, Unattributed
+from lighthouse.events import DeathCause, Died, Kept, Unattributed
 from lighthouse.model import ACTIVE, JOINING, Policy, State
 
 
@@ -84,3 +84,13 @@ def hung_verdict(state: State, alive: Sequence[str], policy: Policy) -> Verdict:
     if _guarded(state, (pick,), policy):
         return Verdict((pick,), Unattributed(tied, (pick,)))
     return Verdict((), Unattributed(tied))
+
+
+def deaths(state: State, verdict: Verdict, alive: Sequence[str]) -> tuple[Died, ...]:
+    """The ``Died`` events of ``verdict``'s hung members (``alive``: the suspects it was given)."""
+    if verdict.blamer:
+        epochs = max(state.reforms.get(rid, 0) for rid in alive) + 1
+        return tuple(Died(rid, DeathCause.BLAMER, reported_epochs=epochs, blamed=tuple(sorted(blamed_by(state, rid))))
+                     for rid in verdict.hung)
+    return tuple(Died(rid, DeathCause.HUNG, reported_epochs=state.reforms[rid] + 1,
+                      reporters=tuple(sorted(state.suspicions.get(rid, ())))) for rid in verdict.hung)

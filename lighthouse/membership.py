@@ -57,7 +57,7 @@ from typing import Any
 
 from lighthouse import slots
 from lighthouse.ejection import eject
-from lighthouse.escalation import blamed_by, hung_verdict
+from lighthouse.escalation import deaths, hung_verdict
 from lighthouse.events import (
     DeathCause,
     Died,
@@ -342,17 +342,8 @@ def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
         if alive and state.epoch is not None:
             verdict = hung_verdict(state, alive, policy)
             note: tuple[MembershipEvent, ...] = (verdict.note,) if verdict.note else ()
-            if verdict.blamer:
-                epochs = max(state.reforms.get(rid, 0) for rid in alive) + 1
-                hung_events: tuple[Died, ...] = tuple(
-                    Died(rid, DeathCause.BLAMER, reported_epochs=epochs, blamed=tuple(sorted(blamed_by(state, rid))))
-                    for rid in verdict.hung)
-            else:
-                hung_events = tuple(Died(rid, DeathCause.HUNG, reported_epochs=state.reforms[rid] + 1,
-                                         reporters=tuple(sorted(state.suspicions.get(rid, ()))))
-                                    for rid in verdict.hung)
             if verdict.hung:
-                return _reconcile(drop(state, verdict.hung), note + hung_events, ev.now, policy)
+                return _reconcile(drop(state, verdict.hung), note + deaths(state, verdict, alive), ev.now, policy)
             reforms = {rid: state.reforms.get(rid, 0) + 1 for rid in alive}
             out = _reconcile(dataclasses.replace(state, reforms=reforms), (Reformed(tuple(alive)), *note), ev.now,
                              policy, force=True)

@@ -69,6 +69,15 @@ def scale_of(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> f
         "Clipping by value, per-parameter changes or noise would make the replicas' states differ.")
 
 
+def check_agreed(step: int, factor: float, agreed: float) -> None:
+    """``UnreplayableGradients`` unless the contributors scaled step ``step``'s gradients by this replica's
+    ``factor`` (``agreed``: what their post exchange says)."""
+    if agreed != factor:
+        raise UnreplayableGradients(
+            f"step {step}: this replica scaled the averaged gradients by {factor}, the others by {agreed}: every "
+            "replica's trainer must run the same code on them")
+
+
 def apply(grads: Sequence[torch.Tensor], factor: float) -> None:
     """Scale ``grads`` in place by ``factor`` as the trainer's code did (a no-op for 1.0)."""
     if factor != 1.0 and grads:

@@ -321,7 +321,7 @@ class Steps:
                 buckets.launch_post(commit.step, factor, None)
                 return self._committed(it, commit, results, None)
             agreed, mean_loss = self._post(commit.step, factor, sum(it.losses))  # the mean loss: wait for it
-            _check_factor(commit.step, factor, agreed)
+            grad_scale.check_agreed(commit.step, factor, agreed)
             return self._committed(it, commit, results, mean_loss)
         finally:
             if it.lent:
@@ -367,7 +367,7 @@ class Steps:
             agreed, _ = buckets.post_of(handle.wait(self._wait_s))
         except FTARError:
             return
-        _check_factor(step, factor, agreed)
+        grad_scale.check_agreed(step, factor, agreed)
 
     def _post(self, step: int, factor: float | None, loss: float | None) -> tuple[float, float]:
         """The step's post exchange on this rank's lane (``BucketExchange.launch_post``), waited for, with its own
@@ -412,12 +412,3 @@ class Steps:
         keyword arguments go to the ``DataLoader`` (``num_workers``, ``collate_fn``, ``pin_memory``, ...)."""
         return SlotLoader(self._rep, dataset, batch_size, micro_batches=micro_batches, seed=seed, shuffle=shuffle,
                           **loader_kwargs)
-
-
-def _check_factor(step: int, factor: float, agreed: float) -> None:
-    """``UnreplayableGradients`` unless the contributors scaled step ``step``'s gradients by this replica's
-    ``factor`` (their post exchange's ``agreed``)."""
-    if agreed != factor:
-        raise grad_scale.UnreplayableGradients(
-            f"step {step}: this replica scaled the averaged gradients by {factor}, the others by {agreed}: every "
-            "replica's trainer must run the same code on them")

@@ -55,9 +55,10 @@ class Model(nn.Module):
         return self.head(x).sum()
 
 
-def exchange_of(model: Model) -> tuple[Engine, BucketExchange]:
-    """A recording engine and the bucket exchange of ``model``'s FSDP2 units over it."""
-    engine = Engine()
+def exchange_of(model: Model, engine: Engine | None = None) -> tuple[Engine, BucketExchange]:
+    """A recording engine (``engine``, or a new ``Engine``) and the bucket exchange of ``model``'s FSDP2 units over
+    it."""
+    engine = engine or Engine()
     params, blocks = fsdp_units(model)
     return engine, BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
                                   wait_s=5.0)
@@ -229,10 +230,7 @@ class Steps(iteration.Steps):
 def test_a_post_exchange_nobody_waited_for_is_read_after_the_next_exchange(sharded: Model, others: float) -> None:
     """An active replica sends its factor in the step's post exchange and steps its optimizer without waiting; the
     step core reads it once the lane has exchanged something after it: another factor is a clear error there."""
-    engine = Answering(words=[*grad_scale.pack(others), 2.0])
-    params, blocks = fsdp_units(sharded)
-    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
-                             wait_s=5.0)
+    _, buckets = exchange_of(sharded, Answering(words=[*grad_scale.pack(others), 2.0]))
     buckets.posts = True
     buckets.launch_post(7, 0.5, None)
     assert buckets.unchecked is not None and buckets.unchecked[:2] == (7, 0.5)
@@ -249,10 +247,7 @@ def test_a_post_exchange_nobody_waited_for_is_read_after_the_next_exchange(shard
 
 def test_a_post_exchange_lost_with_its_epoch_is_not_read(sharded: Model) -> None:
     """The vote's redo sends it again (and that one is read): the lost one raises nothing."""
-    engine = Answering(lost=True)
-    params, blocks = fsdp_units(sharded)
-    buckets = BucketExchange(params, blocks, engine, slot=lambda: 0, slots=1, device=CPU,  # type: ignore[arg-type]
-                             wait_s=5.0)
+    _, buckets = exchange_of(sharded, Answering(lost=True))
     buckets.launch_post(7, 0.5, None)
     Steps(buckets)._agree()
     assert buckets.unchecked is None
