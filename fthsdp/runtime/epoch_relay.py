@@ -4,7 +4,8 @@ torchrun already runs for the group (``MASTER_ADDR``/``MASTER_PORT``). So the li
 replica group whatever its ranks, and no rank opens a port of its own for this.
 
 Keys, under ``fthsdp/epochs/<replica>/<incarnation>/``: ``<k>`` is the k-th epoch rank 0 relayed (a serialized
-``Epoch``; empty: rank 0 closed, followers stop), ``n`` the newest k. A follower waits for the key after the last
+``Epoch``; empty: rank 0 closed, followers stop; ``LOST`` and a reason: the lighthouse dropped this incarnation,
+followers tell their replica and stop), ``n`` the newest k. A follower waits for the key after the last
 one it took (the store wakes it when rank 0 writes it), then takes the newest: every epoch is whole, so one it
 skipped matters no more than one the lighthouse itself did not push. Rank 0 deletes keys ``KEEP`` behind.
 """
@@ -35,6 +36,9 @@ FOLLOW_WAIT_S = 3600.0
 """How long one wait of a follower lasts before it waits again (the store logs each expiry): epochs may be hours
 apart, and rank 0 wakes followers when it closes."""
 CONNECT_TIMEOUT_S = 60.0
+LOST = b"\x00lost "
+"""What a relayed key starts with when the lighthouse dropped this incarnation (a serialized epoch never does: its
+first field's tag is not 0), followed by the lighthouse's reason."""
 
 
 def group_store(prefix: str) -> dist.Store:
@@ -55,8 +59,12 @@ class GroupEpochs:
     Their ``client`` still makes unary calls (a failure report), which hold no stream."""
 
     def __init__(self, client: LighthouseClient, feed: EpochFeed, rank: int, world_size: int,
-                 store: Callable[[str], dist.Store] = group_store) -> None:
+                 store: Callable[[str], dist.Store] = group_store,
+                 on_lost: Callable[[str], None] | None = None) -> None:
         self.client, self.feed, self.rank = client, feed, rank
+        self.on_lost = on_lost
+        """A follower's: called when rank 0 relays that the lighthouse dropped this incarnation (``lost``)."""
+        self._lost: str | None = None
         prefix = f"fthsdp/epochs/{client.replica_id}/{client.incarnation}/"
         self._connect: Callable[[], dist.Store] = functools.partial(store, prefix)
         self._store = self._connect() if world_size > 1 else None
@@ -85,21 +93,29 @@ class GroupEpochs:
             self._latest = epoch
             self._cond.notify()
 
+    def lost(self, reason: str) -> None:
+        """Rank 0: the lighthouse dropped this incarnation (``LighthouseClient``'s ``on_lost``). Tell the followers,
+        whose exchanges would otherwise wait for epochs that never come (a joiner back as the job ends)."""
+        with self._cond:
+            self._lost = reason
+            self._cond.notify()
+
     def _relay(self) -> None:
         assert self._store is not None
         k, sent = 0, 0
 
         def due() -> bool:
-            return self._closed or (self._latest is not None and self._latest.number > sent)
+            return self._closed or self._lost is not None or (self._latest is not None and self._latest.number > sent)
 
         while True:
             with self._cond:
                 self._cond.wait_for(due)
-                epoch, closed = self._latest, self._closed
+                epoch, closed, lost = self._latest, self._closed, self._lost
             try:
                 k += 1
-                if closed:
-                    self._store.set(str(k), b"")  # type: ignore[arg-type]  # rank 0 is done
+                if closed or lost is not None:  # rank 0 is done, or this incarnation is
+                    self._store.set(str(k), b"" if lost is None else LOST + lost.encode())  # type: ignore[arg-type]
+                    self._store.set("n", str(k))
                     return
                 assert epoch is not None
                 sent = epoch.number
@@ -131,6 +147,10 @@ class GroupEpochs:
                 return
             if not raw:
                 return  # rank 0 closed
+            if raw.startswith(LOST):
+                if self.on_lost is not None:
+                    self.on_lost(raw[len(LOST):].decode(errors="replace"))
+                return
             self.client.deliver(epoch_from_bytes(raw))
             self._next = newest + 1
 

@@ -104,7 +104,8 @@ class Replica(Steps):
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,
                                        endpoints=m.Endpoints(catchup=self.server.address),
                                        security=cfg.security, on_lost=self._on_lost, slot=self.slot, slots=self.slots)
-        self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size)  # one session per group
+        # One session per group: rank 0 relays its epochs, and that the lighthouse dropped this incarnation.
+        self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size, on_lost=self._on_lost)
         self.standby = bool(cfg.standby_gate)
         """A warm standby not released yet: unregistered until its first ``train_step`` (``fthsdp.runtime.standby``)."""
         self._registered: list[Callable[[], object]] = []
@@ -168,8 +169,11 @@ class Replica(Steps):
                 epoch, getattr(self, "step", 0), *args)
 
     def _on_lost(self, reason: str) -> None:
-        """The lighthouse dropped this incarnation (e.g. hung): fail the exchanges now, so it restarts and rejoins."""
+        """The lighthouse dropped this incarnation (e.g. hung; rank 0 learns it, the others from rank 0's relay):
+        fail the exchanges now, so that every rank restarts and rejoins."""
         self._log(logging.WARNING, "the lighthouse dropped this replica (%s); restarting to rejoin", reason)
+        if self.rank == 0 and (epochs := getattr(self, "epochs", None)) is not None:
+            epochs.lost(reason)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.exclude(f"dropped by the lighthouse: {reason}")

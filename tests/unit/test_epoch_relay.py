@@ -108,6 +108,30 @@ def test_rank_zero_relays_every_epoch_to_a_follower(master: dist.TCPStore) -> No
             x.close()
 
 
+def test_a_dropped_incarnation_reaches_every_follower(master: dist.TCPStore) -> None:
+    """Rank 0 learns from the lighthouse that this incarnation is over (a joiner back as the job ends); its
+    followers learn it from the relay, or their exchanges would wait for epochs that never come (seen: rank 1's lane
+    reported a peer every second for minutes after rank 0 was dropped)."""
+    feed = EpochFeed()
+    relay = GroupEpochs(_Leader(feed), feed, 0, 2, store=_store(master))  # type: ignore[arg-type]
+    lost: list[str] = []
+    follower, client = _follower(master)
+    follower.on_lost = lost.append
+    try:
+        follower.start(5.0)
+        relay.start(5.0)
+        assert client.wait_epoch(0, timeout=10) == _epoch(1)
+        relay.lost("the job finished at step 120")
+        assert follower._thread is not None
+        follower._thread.join(timeout=10)
+        assert not follower._thread.is_alive(), "the follower still waits for epochs"
+        assert lost == ["the job finished at step 120"]
+        assert client.epoch == _epoch(1)  # the marker is no epoch
+    finally:
+        for x in (relay, follower, client):
+            x.close()
+
+
 def test_a_follower_behind_takes_the_newest(master: dist.TCPStore) -> None:
     feed = EpochFeed()
     relay = GroupEpochs(_Leader(feed), feed, 0, 2, store=_store(master))  # type: ignore[arg-type]
