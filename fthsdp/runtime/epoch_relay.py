@@ -95,7 +95,10 @@ class GroupEpochs:
 
     def lost(self, reason: str) -> None:
         """Rank 0: the lighthouse dropped this incarnation (``LighthouseClient``'s ``on_lost``). Tell the followers,
-        whose exchanges would otherwise wait for epochs that never come (a joiner back as the job ends)."""
+        whose exchanges would otherwise wait for epochs that never come (a joiner back as the job ends). A no-op on
+        a follower and in a one-rank group: nobody to tell."""
+        if self.rank != 0 or self._store is None:
+            return
         with self._cond:
             self._lost = reason
             self._cond.notify()

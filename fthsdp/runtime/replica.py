@@ -172,8 +172,7 @@ class Replica(Steps):
         """The lighthouse dropped this incarnation (e.g. hung; rank 0 learns it, the others from rank 0's relay):
         fail the exchanges now, so that every rank restarts and rejoins."""
         self._log(logging.WARNING, "the lighthouse dropped this replica (%s); restarting to rejoin", reason)
-        if self.rank == 0 and (epochs := getattr(self, "epochs", None)) is not None:
-            epochs.lost(reason)
+        self.epochs.lost(reason)  # the client calls this once started: after the relay exists
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.exclude(f"dropped by the lighthouse: {reason}")
