@@ -46,17 +46,26 @@ class Membership(Protocol):
 
 
 class EpochFeed:
-    """Fans pushed epochs out to listeners; plug ``publish`` into ``LighthouseClient(on_epoch=...)``."""
+    """Fans pushed epochs out to listeners; plug ``publish`` into ``LighthouseClient(on_epoch=...)``. It keeps the
+    newest one published (``current``): a process's one place to read its epoch."""
 
     def __init__(self) -> None:
         self._listeners: list[Callable[[EpochView], None]] = []
         self._lock = threading.Lock()
+        self._latest: EpochView | None = None
 
     def publish(self, epoch: EpochView) -> None:
         with self._lock:
+            if self._latest is None or epoch.number > self._latest.number:
+                self._latest = epoch
             listeners = list(self._listeners)
         for fn in listeners:
             fn(epoch)
+
+    def current(self) -> EpochView | None:
+        """The newest epoch published, or ``None`` before the first; never blocks."""
+        with self._lock:
+            return self._latest
 
     def add_listener(self, fn: Callable[[EpochView], None]) -> Callable[[], None]:
         with self._lock:

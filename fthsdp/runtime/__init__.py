@@ -1,6 +1,9 @@
 """The trainer-facing runtime: FSDP2 inside the replica, FTAR across replicas, and the commit protocol.
 
-``Replica`` (``replica``) is the front object; beside it: ``buckets`` (the bucket plan, the FSDP2 hook, the bucket
+``Replica`` (``replica``) is the front object, on one step core (``core``: the context built whole; settle, vote,
+commit, after-commit) and a role that takes each step and names the next (``roles``: standby, joining, caught up,
+spare, active, finished; their steps in ``standby``, ``catching_up`` and ``spares``), driven by the trainer's loop or
+``train_step`` (``iteration``, ``loop``); beside it: ``buckets`` (the bucket plan, the FSDP2 hook, the bucket
 tag), ``commit`` (the commit protocol, a pure state machine), ``join`` (catching up), ``state`` (the state layout,
 snapshot and hash), ``trainer_state`` (param groups and registered objects, as JSON), ``digest`` (the periodic
 digest's packing and verdict, pure) and ``agreement`` (driving it), ``startup`` (taking a place in the job),

@@ -24,13 +24,12 @@ from typing import Protocol
 
 import torch
 
-from ftar import ExchangeResult, Handle
+from ftar import Handle
 from fthsdp.catchup.client import FetchResult
-from fthsdp.runtime.agreement import DigestCheck
-from fthsdp.runtime.commit import Commit, Tally
-from fthsdp.runtime.join import Joiner
-from fthsdp.runtime.metrics import ReplicaMetrics
+from fthsdp.runtime.commit import Tally
+from fthsdp.runtime.core import StepCore
 from fthsdp.runtime.result import StepResult
+from fthsdp.runtime.standing import Standing
 from fthsdp.runtime.startup import all_ranks
 from fthsdp.runtime.state import ShardState
 from lighthouse.model import NO_SLOT
@@ -39,29 +38,6 @@ SLICE_SHARE = 0.5
 """A replay slice's budget: this share of the others' step."""
 MIN_SLICE = 2
 """Kept steps a slice replays at least (while any are left)."""
-
-
-class Replica(Protocol):
-    """What a joiner's steps use of ``fthsdp.runtime.replica.Replica`` (which imports this module)."""
-
-    joiner: Joiner
-    metrics: ReplicaMetrics
-    check: DigestCheck
-    slot: int
-    device: torch.device
-    step: int
-    cursors: torch.Tensor
-    joining: bool
-    _learned: int
-    _settling: list[Handle | None] | None
-    _lr_factor: float
-
-    def _exchange_all(self, contribute: bool, redo: bool = False) -> list[Handle | None]: ...
-    def _settle(self, handles: list[Handle | None], contribute: bool,
-                redo: Callable[[Tally], list[Handle | None]] | None = None) -> tuple[Commit, list[ExchangeResult]]: ...
-    def _commit(self, step: int, results: list[ExchangeResult]) -> tuple[tuple[int, int], ...]: ...
-    def _after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None: ...
-    def _log(self, level: int, msg: str, *args: object) -> None: ...
 
 
 class Slotted(Protocol):
@@ -85,24 +61,26 @@ def lent_slot(rep: Slotted) -> Iterator[None]:
         rep.slot = NO_SLOT
 
 
-def catch_up(rep: Replica, closure: Callable[[], torch.Tensor] | None, shards: ShardState) -> StepResult:
+def catch_up(rep: StepCore, closure: Callable[[], torch.Tensor] | None) -> tuple[StepResult, list[Handle | None]]:
     """Catch up (one ``train_step`` call, or in the trainer's loop one ``zero_grad``, whose warm-up was the loop's
     iteration before: ``closure`` None): returns the joined step's result once this replica holds the same state
-    as the others, with the next step's zeros in flight (``Replica._settling``)."""
+    as the others (a member from then on: the commit boundary's duties are a member's), and the next step's zeros,
+    in flight (``roles.CaughtUp``)."""
     t_start = time.perf_counter()
+    shards, _ = rep.parts()
     with lent_slot(rep):  # a spare group's restart warms up too
         entered = rep.joiner.enter(shards.opt, closure)
-    handles, got, intervals, t_in, replayed, at = rep._exchange_all(contribute=False), None, [], 0.0, 0, -1
+    handles, got, intervals, t_in, replayed, at = rep.exchange_all(contribute=False), None, [], 0.0, 0, -1
     t_last = time.perf_counter()
     while True:
         t0 = time.perf_counter()
-        commit, results = rep._settle(handles, contribute=False)
-        rep.step, rep._learned = commit.step + 1, commit.step
+        commit, results = rep.settle(handles, contribute=False)
+        rep.step, rep.learned = commit.step + 1, commit.step
         if got is None:
             intervals.append(time.perf_counter() - t_last)
             got = rep.joiner.exchanged(commit.step, results, commit.attempts)
             if got is None:
-                handles, t_last = rep._exchange_all(contribute=False), time.perf_counter()
+                handles, t_last = rep.exchange_all(contribute=False), time.perf_counter()
                 # The snapshot often comes in while this step's exchange waits for the others' compute: load it
                 # then, and the exchange's results are replayed on top once it settles.
                 got = rep.joiner.early(functools.partial(_all_done, handles))
@@ -113,36 +91,37 @@ def catch_up(rep: Replica, closure: Callable[[], torch.Tensor] | None, shards: S
             t_in = time.perf_counter()
         else:
             rep.joiner.keep(commit.step, results, commit.attempts)
-        handles = rep._exchange_all(contribute=False)  # the next step's zeros first: the others need not wait
+        handles = rep.exchange_all(contribute=False)  # the next step's zeros first: the others need not wait
         exchanging = rep.step
         first = at < 0
         if first:  # the first slice: load the snapshot and check it
             at = _load(rep, shards, got)
         rep.step = at
         budget = SLICE_SHARE * statistics.median(intervals[-5:])
-        replayed += rep.joiner.replay_slice(commit.step, rep._commit, budget, 0 if first else MIN_SLICE)
+        replayed += rep.joiner.replay_slice(commit.step, rep.commit, budget, 0 if first else MIN_SLICE)
         at, rep.step = rep.step, exchanging  # the state is at step ``at``; the exchanges go on at ``exchanging``
         if all_ranks(at == commit.step + 1, rep.device):  # every rank holds the state after the last exchange
             break
-    t_applied, rep.joining, rep._settling = time.perf_counter(), False, handles
+    t_applied = time.perf_counter()
+    rep.standing = Standing.MEMBER  # what the commit boundary does, it does as a member
     rep.metrics.on_joining(False)
     rep.metrics.on_catchup(got.bytes, time.perf_counter() - t_start)
     rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, rep.joiner.attempts)
-    rep._after_commit((), commit.stop)
+    rep.after_commit((), commit.stop)
     rep.joiner.turn_active()
     catchup = rep.joiner.report(got, replayed, t_start, t_in, t_applied, entered)
-    rep._log(logging.INFO, "caught up at step %d: snapshot of step %d (%.1f MB in %.3fs from %s), %d step(s) "
+    rep.log(logging.INFO, "caught up at step %d: snapshot of step %d (%.1f MB in %.3fs from %s), %d step(s) "
              "replayed in %.3fs while exchanging; now active", commit.step, got.step, got.bytes / 1e6, got.transfer_s,
              sorted(got.sources), replayed, t_applied - t_in)
     return StepResult(commit.step, None, commit.epoch, results[0].contributors, True, rep.joiner.attempts,
-                      time.perf_counter() - t0, (), rep._lr_factor, catchup, contributed=False)
+                      time.perf_counter() - t0, (), rep.lr_factor, catchup, contributed=False), handles
 
 
 def _all_done(handles: list[Handle | None]) -> bool:
     return all(h is None or h.done() for h in handles)
 
 
-def _load(rep: Replica, shards: ShardState, got: FetchResult) -> int:
+def _load(rep: StepCore, shards: ShardState, got: FetchResult) -> int:
     """Load the snapshot into this rank's state and check it against the source's digest (a collective); returns
     the step of the state now held."""
     rep.cursors = shards.load(got.tensors, rep.cursors)
@@ -151,17 +130,17 @@ def _load(rep: Replica, shards: ShardState, got: FetchResult) -> int:
     return got.step
 
 
-def zero_step(rep: Replica, zeros: list[Handle | None], redo: Callable[[Tally], list[Handle | None]] | None = None,
+def zero_step(rep: StepCore, zeros: list[Handle | None], redo: Callable[[Tally], list[Handle | None]] | None = None,
               losses: list[float] | None = None, own_digest: tuple[int, bytes | None] = (-1, None)) -> StepResult:
     """The step after catching up contributes ``zeros`` (sent before the last slice of the replay) and trains no
     batch (its slot's cursor stays): its own gradients would have come late, and the others would have waited.
     A spare's step is one too, but its ``redo`` may train a slot's batch instead, appending its loss to ``losses``,
     and it holds ``own_digest`` against the slots' (``fthsdp.runtime.spares.spare_step``)."""
-    rep._settling, t0 = None, time.perf_counter()
-    commit, results = rep._settle(zeros, contribute=False, redo=redo)
-    batches = rep._commit(commit.step, results)
+    t0 = time.perf_counter()
+    commit, results = rep.settle(zeros, contribute=False, redo=redo)
+    batches = rep.commit(commit.step, results)
     rep.check.check_own(commit.step, own_digest, results)
     rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
-    rep._after_commit(batches, commit.stop)
+    rep.after_commit(batches, commit.stop)
     return StepResult(commit.step, losses[0] if losses else None, commit.epoch, results[0].contributors, False,
-                      commit.attempts, time.perf_counter() - t0, batches, rep._lr_factor, contributed=bool(losses))
+                      commit.attempts, time.perf_counter() - t0, batches, rep.lr_factor, contributed=bool(losses))

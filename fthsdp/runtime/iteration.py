@@ -1,5 +1,6 @@
-"""The two ways a trainer drives a replica's steps, both on the replica's step core (``fthsdp.runtime.replica``:
-settle, vote, commit, after-commit):
+"""The two ways a trainer drives a replica's steps, both on the replica's step core (``fthsdp.runtime.core``:
+settle, vote, commit, after-commit) and its role (``fthsdp.runtime.roles``: a step that trains no batch is the
+role's turn):
 
 - **its own loop** (the way documented first, ``fthsdp.runtime.loop``): ``optimizer.zero_grad()`` begins a step
   (``begin``: a joiner catches up there, a spare shadows the others there, a warm standby is released there),
@@ -16,31 +17,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from ftar import ExchangeResult, FTARError
-from fthsdp.runtime import catching_up, grad_scale, spares, standby
-from fthsdp.runtime.buckets import failure_of
-from fthsdp.runtime.commit import MAX_ATTEMPTS, Commit
-from fthsdp.runtime.errors import JobFinished, RejoinRequired
+from ftar import ExchangeResult
+from fthsdp.runtime import grad_scale, roles
+from fthsdp.runtime.commit import Commit
+from fthsdp.runtime.config import RuntimeConfig
+from fthsdp.runtime.core import StepCore
 from fthsdp.runtime.faults import Phase
 from fthsdp.runtime.loop import SlotLoader
 from fthsdp.runtime.result import StepResult
+from fthsdp.runtime.standing import Standing
 from lighthouse import membership as m
-
-if TYPE_CHECKING:
-    from ftar import Handle, LaneEngine
-    from fthsdp.runtime.agreement import DigestCheck
-    from fthsdp.runtime.buckets import BucketExchange
-    from fthsdp.runtime.commit import Tally
-    from fthsdp.runtime.config import RuntimeConfig
-    from fthsdp.runtime.faults import FaultInjector
-    from fthsdp.runtime.join import Joiner
-    from fthsdp.runtime.metrics import ReplicaMetrics
-    from fthsdp.runtime.state import ShardState
 
 RESULTS_KEPT = 10_000
 """Step results ``pop_results`` holds at most (the oldest go first)."""
@@ -69,110 +60,75 @@ class Iteration:
     losses: list[float] = field(default_factory=list)
 
 
-class Steps:
-    """The replica's step drivers (a base of ``Replica``, whose step core they use: declared here)."""
+class Steps(StepCore):
+    """The replica's step drivers, on its step core (a base of ``Replica``)."""
 
-    _iter: Iteration | None
-    _results: deque[StepResult]
-    if TYPE_CHECKING:
-        config: RuntimeConfig
-        rank: int
-        world_size: int
-        device: torch.device
-        step: int
-        slot: int
-        cursors: torch.Tensor
-        joining: bool
-        standby: bool
-        finished: bool
-        joiner: Joiner
-        check: DigestCheck
-        faults: FaultInjector
-        metrics: ReplicaMetrics
-        _settling: list[Handle | None] | None
-        _lr_factor: float
-        _own_compute_s: float
-
-        def _parts(self) -> tuple[ShardState, BucketExchange]: ...
-        def _settle(self, handles: list[Handle | None], contribute: bool,
-                    redo: Callable[[Tally], list[Handle | None]] | None = None
-                    ) -> tuple[Commit, list[ExchangeResult]]: ...
-        engine: LaneEngine
-
-        @property
-        def _wait_s(self) -> float: ...
-        def _commit(self, step: int, results: list[ExchangeResult],
-                    installed: bool = False) -> tuple[tuple[int, int], ...]: ...
-        def _after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None: ...
-        def _pace(self, attempts: int, step: int, compute_s: float, wait_s: float) -> None: ...
-        def _log(self, level: int, msg: str, *args: object) -> None: ...
-
-        @property
-        def _rep(self) -> Any: ...  # the Replica (each callee's Protocol of it)
-    else:
-        @property
-        def _rep(self) -> Steps:
-            return self
-
-    def _init_steps(self) -> None:
-        self._iter = None
+    def __init__(self, config: RuntimeConfig) -> None:
+        super().__init__(config)
+        self.role: roles.Role = roles.Standby()
+        """What this replica does at the start of its next step (``fthsdp.runtime.roles``)."""
+        self._iter: Iteration | None = None
         self.iteration = 0
         """How many iterations of the trainer's loop began (``begin``): a data loader's clock."""
         self._total: int | None = None  # the job's steps, from ``steps``
         self.on_steps_end: Callable[[], None] | None = None
         """Run when the loop over ``steps`` ends (``fthsdp.runtime.init``: the job's end and ``close``)."""
-        self._results = deque(maxlen=RESULTS_KEPT)
+        self._results: deque[StepResult] = deque(maxlen=RESULTS_KEPT)
         self.on_result: Callable[[StepResult], None] | None = None
         """Called with every step's result as it commits (in the loop: those committed inside ``zero_grad`` too, a
         spare's, which may stay there for many steps, and a joiner's): a trainer's progress log."""
+
+    def become(self, role: roles.Role) -> None:
+        """Take ``role`` (a role's turn names the next one). A standby leaving its role was registered: the step core
+        takes its place then (``StepCore.registered``)."""
+        was, self.role, self.standing = self.standing, role, role.standing
+        self.metrics.on_joining(self.joining)
+        if was is Standing.STANDBY and role.standing is not Standing.STANDBY:
+            self.registered()
+
+    def _turn(self, closure: Callable[[], torch.Tensor] | None) -> StepResult | None:
+        """The role's step (one that trains no batch); the next role taken."""
+        turn = self.role.turn(self, closure)
+        self.become(turn.next)
+        return turn.result
 
     def train_step(self, closure: Callable[[], torch.Tensor]) -> StepResult:
         """Run one step: ``closure()`` returns the loss (the runtime calls ``backward``). Returns once the step is
         committed. A joining replica calls ``closure`` once to warm up (the result is thrown away: see
         ``fthsdp.runtime.join.warm_up``), then catches up (it exchanges zeros while fetching the state) and
         returns once it holds the same state as the others, with ``joined=True``."""
-        shards, buckets = self._parts()
-        if self.standby:
-            standby.take_place(self._rep, closure)  # warm up, wait to be released, register: then as any replica
-        if self.finished:
-            raise JobFinished(f"job {self.config.job_id!r} finished at step {self.step}: nothing left to train",
-                              self.step)
-        if self.joining:
-            return catching_up.catch_up(self._rep, closure, shards)  # zeros while fetching, then load, replay, active
-        if self._settling is not None:
-            return catching_up.zero_step(self._rep, self._settling)  # caught up: these zeros were sent already
-        if self.slot == m.NO_SLOT:
-            spared = spares.spare_step(self._rep, closure)  # no data slot: zeros, no closure (but a warm-up)
-            assert spared is not None  # with a closure a spare trains a slot handed over itself
-            return spared
+        shards, buckets = self.parts()
+        while not self.role.trains:  # a standby's release, a catch-up, a zero step, a spare's step
+            if (result := self._turn(closure)) is not None:
+                return result
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
         t_compute = time.perf_counter()
         with buckets.armed(self.step):  # buckets go to FTAR as FSDP2 produces their gradient shards
             loss = closure()
-            slowed = self.faults.slow_down(self.step, self._own_compute_s)  # FTHSDP_FAULT_SLOW
+            slowed = self.faults.slow_down(self.step, self.own_compute_s)  # FTHSDP_FAULT_SLOW
             self.faults.at(self.step, Phase.BACKWARD)
             t0 = time.perf_counter()
             loss.backward()  # type: ignore[no-untyped-call]
         loss_value = float(loss.detach().item())
         handles = buckets.launch_rest(self.step)  # parameters that got no gradient
         t_computed = time.perf_counter()
-        commit, results = self._settle(handles, contribute=True)
+        commit, results = self.settle(handles, contribute=True)
         exchange_s = time.perf_counter() - t0
-        self._own_compute_s = t_computed - t_compute - slowed
-        self._pace(commit.attempts, commit.step, t_computed - t_compute, time.perf_counter() - t_computed)
-        batches = self._commit(commit.step, results)
+        self.own_compute_s = t_computed - t_compute - slowed
+        self.pace(commit.attempts, commit.step, t_computed - t_compute, time.perf_counter() - t_computed)
+        batches = self.commit(commit.step, results)
         diverged = self.check.check(commit.step, results)
         contributors = results[0].contributors
         result = StepResult(commit.step, loss_value, commit.epoch, contributors, False, commit.attempts,
-                            exchange_s, batches, self._lr_factor, diverged=diverged)
+                            exchange_s, batches, self.lr_factor, diverged=diverged)
         self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
         self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
                                stall_s=exchange_s if commit.attempts > 1 else 0.0)
-        self._after_commit(batches, commit.stop)
+        self.after_commit(batches, commit.stop)
         if self.rank == 0 and self.config.step_log:
-            self._log(logging.INFO, "step %d committed: loss %.4f, %d contributor(s), %d attempt(s), exchange "
+            self.log(logging.INFO, "step %d committed: loss %.4f, %d contributor(s), %d attempt(s), exchange "
                       "%.3fs", commit.step, loss_value, contributors, commit.attempts, exchange_s)
         return result
 
@@ -200,7 +156,7 @@ class Steps:
         during ``backward()`` as FSDP2 produces them, and ``backward()`` returns with the step's averaged
         gradients as ``.grad``. False for an iteration that exchanges nothing: a warm-up (a process's slow first
         step, before it is a member; its batch is not consumed) or one past the job's last step."""
-        shards, buckets = self._parts()
+        shards, buckets = self.parts()
         # The trainer's own loop: it may change .grad (never the bytes FTAR keeps), and every step ends with a post
         # exchange (``BucketExchange.posts``, which the step core reads too).
         buckets.alias, buckets.posts = False, True
@@ -211,44 +167,27 @@ class Steps:
             shards.opt.zero_grad(set_to_none=True)
             return it.trains
         self.iteration += 1
-        while True:
+        while not self.role.trains:  # a standby's release, a catch-up, a zero step, a spare's steps (committed)
             if self._total is not None and self.step >= self._total:
                 return self._idle(optimizer_step=False)
-            if self.standby:
-                if self.config.join_warmup and not self.joiner.warmed:
-                    return self._idle(optimizer_step=False)
-                standby.release(self._rep)
-                continue
-            if self.finished:
-                raise JobFinished(f"job {self.config.job_id!r} finished at step {self.step}: nothing left to train",
-                                  self.step)
-            if self.joining:
-                if self.config.join_warmup and not self.joiner.warmed and not self.joiner.announced:
-                    return self._idle(optimizer_step=True)
-                self._done(catching_up.catch_up(self._rep, None, shards))
-                continue
-            if self._settling is not None:
-                self._done(catching_up.zero_step(self._rep, self._settling))
-                continue
-            if self.slot == m.NO_SLOT:
-                if self.config.join_warmup and not self.joiner.warmed:
-                    return self._idle(optimizer_step=False)
-                spared = spares.spare_step(self._rep, None)
-                if spared is not None:
-                    self._done(spared)
-                    continue
-            if buckets.posted != self.step - 1:  # a lane's sequence begins with the post of the step before: the
-                self._post(self.step - 1, *buckets.post_again(self.step - 1))  # job's first, a resume, a redo
-            buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
-            self.faults.at(self.step, Phase.FORWARD)
-            shards.opt.zero_grad(set_to_none=True)
-            self._iter = Iteration(self.step, trains=True, t0=time.perf_counter())
-            buckets.arm(self.step, at_first=self._backward_begins, at_end=self._backward_ends)
-            return True
+            if (optimizer_step := self.role.loop_warm_up(self)) is not None:
+                return self._idle(optimizer_step)
+            if (result := self._turn(None)) is not None:
+                self._done(result)
+        if self._total is not None and self.step >= self._total:
+            return self._idle(optimizer_step=False)
+        if buckets.posted != self.step - 1:  # a lane's sequence begins with the post of the step before: the job's
+            self.post(self.step - 1, *buckets.post_again(self.step - 1))  # first, a resume, a redo
+        buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
+        self.faults.at(self.step, Phase.FORWARD)
+        shards.opt.zero_grad(set_to_none=True)
+        self._iter = Iteration(self.step, trains=True, t0=time.perf_counter())
+        buckets.arm(self.step, at_first=self._backward_begins, at_end=self._backward_ends)
+        return True
 
     def _idle(self, optimizer_step: bool) -> bool:
         """An iteration that exchanges nothing (``begin``): a warm-up, or one past the last step."""
-        self._parts()[0].opt.zero_grad(set_to_none=True)
+        self.parts()[0].opt.zero_grad(set_to_none=True)
         lent = self.slot == m.NO_SLOT  # a spare's loop reads slot 0's batch, consuming nothing
         if lent:
             self.slot = 0
@@ -260,7 +199,7 @@ class Steps:
         """The step's first gradient shard is out of FSDP2 (the FSDP2 hook): fault hooks, and the compute clock."""
         it = self._iter
         assert it is not None
-        it.slowed = self.faults.slow_down(it.step, self._own_compute_s)  # FTHSDP_FAULT_SLOW
+        it.slowed = self.faults.slow_down(it.step, self.own_compute_s)  # FTHSDP_FAULT_SLOW
         self.faults.at(it.step, Phase.BACKWARD)
         it.t_backward = time.perf_counter()
 
@@ -272,14 +211,14 @@ class Steps:
         it = self._iter
         if it is None or it.settled is not None or it.error is not None:
             return
-        _, buckets = self._parts()
+        _, buckets = self.parts()
         try:
             handles = buckets.launch_rest(it.step)
             buckets.disarm()
             it.t_computed = time.perf_counter()
             it.t_backward = it.t_backward or it.t_computed
-            it.settled = self._settle(handles, contribute=True)
-            self._agree()  # the post exchange of the step before came back before this step's buckets
+            it.settled = self.settle(handles, contribute=True)
+            self.agree()  # the post exchange of the step before came back before this step's buckets
             buckets.install(it.settled[1])
         except BaseException as e:  # noqa: BLE001 - handed to finish(), which raises it outside autograd
             it.error = e
@@ -300,7 +239,7 @@ class Steps:
         it = self._iter
         if it is None:
             raise RuntimeError("optimizer.step() without optimizer.zero_grad() first: zero_grad() begins a step")
-        shards, buckets = self._parts()
+        shards, buckets = self.parts()
         try:
             if not it.trains:
                 if it.optimizer_step:
@@ -308,7 +247,7 @@ class Steps:
                 shards.opt.zero_grad(set_to_none=True)
                 if self.joining or self.standby or it.lent:
                     self.joiner.warmed, self.joiner.probe_s = True, time.perf_counter() - it.t0
-                    self._log(logging.INFO, "warm-up iteration took %.3fs", self.joiner.probe_s)
+                    self.log(logging.INFO, "warm-up iteration took %.3fs", self.joiner.probe_s)
                 return None
             if it.settled is None and it.error is None:
                 self._backward_ends()  # no gradient reached FSDP2's hooks in this iteration
@@ -320,7 +259,7 @@ class Steps:
             if not it.losses:  # nobody waits for the post exchange here: the next step's settle reads it
                 buckets.launch_post(commit.step, factor, None)
                 return self._committed(it, commit, results, None)
-            agreed, mean_loss = self._post(commit.step, factor, sum(it.losses))  # the mean loss: wait for it
+            agreed, mean_loss = self.post(commit.step, factor, sum(it.losses))  # the mean loss: wait for it
             grad_scale.check_agreed(commit.step, factor, agreed)
             return self._committed(it, commit, results, mean_loss)
         finally:
@@ -335,61 +274,29 @@ class Steps:
         then what every commit does."""
         t_end = time.perf_counter()
         exchange_s = t_end - it.t_backward
-        self._own_compute_s = it.t_computed - it.t0 - it.slowed
-        self._pace(commit.attempts, commit.step, it.t_computed - it.t0, t_end - it.t_computed)
-        batches = self._commit(commit.step, results, installed=True)
+        self.own_compute_s = it.t_computed - it.t0 - it.slowed
+        self.pace(commit.attempts, commit.step, it.t_computed - it.t0, t_end - it.t_computed)
+        batches = self.commit(commit.step, results, installed=True)
         diverged = self.check.check(commit.step, results)
         contributors = results[0].contributors
         result = StepResult(commit.step, loss, commit.epoch, contributors, False, commit.attempts, exchange_s, batches,
-                            self._lr_factor, diverged=diverged, lr=self.applied_lr)
+                            self.lr_factor, diverged=diverged, lr=self.applied_lr)
         self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
         self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
                                stall_s=exchange_s if commit.attempts > 1 else 0.0)
         self._done(result)
-        self._after_commit(batches, commit.stop)
+        self.after_commit(batches, commit.stop)
         if self.rank == 0 and self.config.step_log:
-            self._log(logging.INFO, "step %d committed: loss %s, %d contributor(s), %d attempt(s), lr %s, exchange "
+            self.log(logging.INFO, "step %d committed: loss %s, %d contributor(s), %d attempt(s), lr %s, exchange "
                       "%.3fs", commit.step, "-" if loss is None else f"{loss:.4f}", contributors, commit.attempts,
                       [f"{x:.3g}" for x in self.applied_lr], exchange_s)
         return result
-
-    def _agree(self) -> None:
-        """Read the post exchange this lane sent last as a contributor and did not wait for (``finish``; the
-        lane's exchanges after it are done, so it is too): raise ``UnreplayableGradients`` when the others scaled
-        that step's gradients by another factor. One lost with its epoch is not read: the vote's redo sent it again,
-        and that one is read next time."""
-        _, buckets = self._parts()
-        if (sent := buckets.unchecked) is None:
-            return
-        buckets.unchecked = None
-        step, factor, handle = sent
-        try:
-            agreed, _ = buckets.post_of(handle.wait(self._wait_s))
-        except FTARError:
-            return
-        grad_scale.check_agreed(step, factor, agreed)
-
-    def _post(self, step: int, factor: float | None, loss: float | None) -> tuple[float, float]:
-        """The step's post exchange on this rank's lane (``BucketExchange.launch_post``), waited for, with its own
-        bounded retries: returns (the factor the contributors scaled the step's gradients by, their mean loss)."""
-        _, buckets = self._parts()
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            try:
-                handle = buckets.launch_post(step, factor, loss)
-                buckets.unchecked = None  # read here
-                return buckets.post_of(handle.wait(self._wait_s))
-            except FTARError as e:
-                if failure_of(e).needs_rejoin:
-                    raise RejoinRequired(f"step {step}'s post exchange: {e}") from e
-                self._log(logging.WARNING, "step %d: post exchange failed (attempt %d): %s", step, attempt, e)
-                self.engine.reset()
-        raise RejoinRequired(f"step {step}'s post exchange failed {MAX_ATTEMPTS} times")
 
     @property
     def applied_lr(self) -> list[float]:
         """The learning rate of each param group as the last optimizer step applied it: the scheduler's value times
         the degraded-mode factor (``lr_factor``: fewer replicas contributed)."""
-        return [float(g["lr"]) * self._lr_factor for g in self._parts()[0].opt.param_groups]
+        return [float(g["lr"]) * self.lr_factor for g in self.parts()[0].opt.param_groups]
 
     def _done(self, result: StepResult) -> None:
         """A step committed: keep its result for ``pop_results`` and hand it to ``on_result``."""
@@ -410,5 +317,5 @@ class Steps:
         the replica's data slot, ``micro_batches`` per step, by the slot's cursor: every batch is trained exactly
         once across failures, and the position follows a catch-up or a resume (``loop.SlotLoader``). Other
         keyword arguments go to the ``DataLoader`` (``num_workers``, ``collate_fn``, ``pin_memory``, ...)."""
-        return SlotLoader(self._rep, dataset, batch_size, micro_batches=micro_batches, seed=seed, shuffle=shuffle,
+        return SlotLoader(self, dataset, batch_size, micro_batches=micro_batches, seed=seed, shuffle=shuffle,
                           **loader_kwargs)

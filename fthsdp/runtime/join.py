@@ -32,6 +32,7 @@ from fthsdp.runtime.startup import all_ranks, any_rank
 from fthsdp.runtime.state import DIGEST
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
+from lighthouse.epoch_view import EpochView
 from lighthouse.errors import Busy, FencedOut, HeldOut
 
 MAX_FETCHES = 5
@@ -57,10 +58,13 @@ class Joiner:
     step, from the snapshot's step on) and the fetch of the snapshot."""
 
     def __init__(self, config: RuntimeConfig, rank: int, slot: Callable[[], int], client: LighthouseClient,
-                 faults: FaultInjector, device: torch.device, log: LogFn) -> None:
+                 faults: FaultInjector, device: torch.device, log: LogFn, *,
+                 epoch: Callable[[], EpochView | None]) -> None:
         self.config, self.rank, self.slot = config, rank, slot
         """``slot()``: the replica's data slot now (``Replica.slot``)."""
         self.client, self.faults, self.device, self.log = client, faults, device, log
+        self.epoch = epoch
+        """The replica's newest epoch (``StepCore.feed``): who to fetch from."""
         self.announced = False
         """Rank 0 told the lighthouse this replica is ready to enter the data plane."""
         self.warmed = False
@@ -178,7 +182,7 @@ class Joiner:
         return got
 
     def _start_fetch(self, step: int) -> Fetch:
-        epoch = self.client.epoch
+        epoch = self.epoch()
         sources = fetch_sources(epoch.members if epoch is not None else (), self.config.replica_id, self.slot())
         self.log(logging.INFO, "fetching the snapshot of step %d from %s", step, [s.replica_id for s in sources])
         return Fetch(sources, job=self.config.job_id, replica_id=self.config.replica_id, rank=self.rank, step=step,

@@ -26,53 +26,20 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from ftar import Handle
 from fthsdp.runtime import catching_up
-from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.commit import Tally
-from fthsdp.runtime.config import RuntimeConfig
+from fthsdp.runtime.core import StepCore
 from fthsdp.runtime.join import warm_up
 from fthsdp.runtime.result import StepResult
-from fthsdp.runtime.state import ShardState
-from lighthouse.client import LighthouseClient
 from lighthouse.model import NO_SLOT
 
 
-class Replica(catching_up.Replica, Protocol):
-    """What the slot's hand-over and a spare's step use of ``fthsdp.runtime.replica.Replica`` (which imports this
-    module): a joiner's steps' share, and the slot's holders."""
-
-    config: RuntimeConfig
-    opt: torch.optim.Optimizer | None
-    slot: int
-    shadow: Shadow
-    client: LighthouseClient
-    world_size: int
-
-    def _parts(self) -> tuple[ShardState, BucketExchange]: ...
-
-
-def seen(client: LighthouseClient) -> int:
-    """This replica's slot in the newest epoch this rank saw (``NO_SLOT``: none, or not in it)."""
-    epoch = client.epoch
-    me = epoch.member(client.replica_id) if epoch is not None else None
-    return me.slot if me is not None and me.incarnation == client.incarnation else NO_SLOT
-
-
-def cursor(rep: Replica) -> int:
-    """``Replica.cursor``: the next batch of the replica's slot."""
-    if rep.slot == NO_SLOT:
-        raise RuntimeError(f"replica {rep.config.replica_id} is a spare at step {rep.step}: it has no data slot, "
-                           "so no batch to train (train_step does not call the closure of a spare)")
-    return int(rep.cursors[rep.slot])
-
-
-def warm(rep: Replica, closure: Callable[[], torch.Tensor]) -> None:
+def warm(rep: StepCore, closure: Callable[[], torch.Tensor]) -> None:
     """A spare's first step warms up once (with ``FTHSDP_JOIN_WARMUP``, as a joiner does): one forward and
     backward, thrown away, no optimizer step (its state must stay the others'), so that the first step it trains
     a slot in is not a process's slow first one (FSDP2's lazy init, first allocations), which every member would
@@ -81,18 +48,8 @@ def warm(rep: Replica, closure: Callable[[], torch.Tensor]) -> None:
     if rep.joiner.warmed or not rep.config.join_warmup or rep.opt is None:
         return
     with catching_up.lent_slot(rep):
-        warm_up(rep.opt, closure, rep._log, optimizer_step=False)
+        warm_up(rep.opt, closure, rep.log, optimizer_step=False)
     rep.joiner.warmed = True
-
-
-def take(rep: Replica, slot: int) -> None:
-    """Train ``slot`` from the next step on (the tally's, at a commit): the data cursor, the slot mask and the
-    digest read it (``Replica.slot``)."""
-    if slot == rep.slot:
-        return
-    rep._log(logging.INFO, "data slot %s from step %d (was %s)", "none (a spare)" if slot == NO_SLOT else slot,
-             rep.step + 1, "none" if rep.slot == NO_SLOT else rep.slot)
-    rep.slot = slot
 
 
 @dataclass
@@ -119,7 +76,7 @@ class Shadow:
             self._now() - self.began <= fraction * statistics.median(self.intervals)
 
 
-def spare_step(rep: Replica, closure: Callable[[], torch.Tensor] | None) -> StepResult | None:
+def spare_step(rep: StepCore, closure: Callable[[], torch.Tensor] | None, shadow: Shadow) -> StepResult | None:
     """A step without a slot: zeros in every bucket, then the commit as everyone's; the closure is not called (but
     once, for a warm-up: ``warm``). Unless an epoch hands this replica a slot early in the step, before the step's
     exchange or in its redo (``FTHSDP_SPARE_EARLY``, agreed by every rank): it then trains that slot's batch of this
@@ -129,15 +86,15 @@ def spare_step(rep: Replica, closure: Callable[[], torch.Tensor] | None) -> Step
 
     In the trainer's own loop (``closure`` None, ``Replica.begin``) the trainer computes the batch: a slot handed
     before the step's exchange or in its redo is taken and None returned (the loop trains it, its exchange the
-    redo)."""
+    redo). ``shadow``: the spare's step clock (``roles.Spare``)."""
     if closure is not None:
         warm(rep, closure)
-    shards, _ = rep._parts()
+    shards, _ = rep.parts()
     own = rep.step, rep.check.digest(rep.step, shards, rep.cursors, rep.world_size, rep.device)  # sends none
     losses: list[float] = []
 
     def train(slot: int) -> list[Handle | None]:
-        rep._log(logging.INFO, "data slot %d handed over in this step: training its batch", slot)
+        rep.log(logging.INFO, "data slot %d handed over in this step: training its batch", slot)
         rep.slot = slot
         assert closure is not None
         handles, loss = _train(rep, closure)
@@ -145,26 +102,26 @@ def spare_step(rep: Replica, closure: Callable[[], torch.Tensor] | None) -> Step
         return handles
 
     def redo(tally: Tally) -> list[Handle | None]:
-        if not losses and tally.slot != NO_SLOT and (slot := _handed(rep, tally.slot)) != NO_SLOT:
+        if not losses and tally.slot != NO_SLOT and (slot := _handed(rep, shadow, tally.slot)) != NO_SLOT:
             if closure is None:
                 raise HandedOver(slot)
             return train(slot)
-        return rep._exchange_all(contribute=bool(losses), redo=True)
+        return rep.exchange_all(contribute=bool(losses), redo=True)
 
-    slot = _handed(rep, seen(rep.client))
+    slot = _handed(rep, shadow, rep.seen_slot())
     if slot != NO_SLOT and closure is None:
-        rep._log(logging.INFO, "data slot %d handed over before this step's exchange: the loop trains its batch", slot)
+        rep.log(logging.INFO, "data slot %d handed over before this step's exchange: the loop trains its batch", slot)
         rep.slot = slot
         return None
-    handles = train(slot) if slot != NO_SLOT and closure is not None else rep._exchange_all(contribute=False)
+    handles = train(slot) if slot != NO_SLOT and closure is not None else rep.exchange_all(contribute=False)
     try:
         result = catching_up.zero_step(rep, handles, redo, losses, own)
     except HandedOver as h:  # the loop trains this step: its exchange is the redo (the lane was reset for it)
-        rep._log(logging.INFO, "data slot %d handed over in this step's redo: the loop trains its batch", h.slot)
+        rep.log(logging.INFO, "data slot %d handed over in this step's redo: the loop trains its batch", h.slot)
         rep.slot = h.slot
-        rep._parts()[1].posted = None  # the redo begins with the step before's post exchange, in the new epoch
+        rep.parts()[1].posted = None  # the redo begins with the step before's post exchange, in the new epoch
         return None
-    rep.shadow.committed()
+    shadow.committed()
     return result
 
 
@@ -176,21 +133,21 @@ class HandedOver(Exception):  # noqa: N818 - a signal, not an error
         self.slot = slot
 
 
-def _handed(rep: Replica, slot: int) -> int:
+def _handed(rep: StepCore, shadow: Shadow, slot: int) -> int:
     """The slot every rank of this spare trains in the current step: the newest one its ranks saw, if every rank
     finds the step young enough (``Shadow.early``); else ``NO_SLOT``. One MAX all-reduce over the replica's ranks
     (the early flags ride negated, so a rank that says no wins)."""
     if rep.config.spare_early == 0:  # the same on every rank: no collective needed to agree on never
         return NO_SLOT
-    mine = torch.tensor([slot, -int(rep.shadow.early(rep.config.spare_early))], dtype=torch.int64, device=rep.device)
+    mine = torch.tensor([slot, -int(shadow.early(rep.config.spare_early))], dtype=torch.int64, device=rep.device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     agreed, all_early = int(mine[0]), -int(mine[1]) == 1
     return agreed if all_early else NO_SLOT
 
 
-def _train(rep: Replica, closure: Callable[[], torch.Tensor]) -> tuple[list[Handle | None], float]:
+def _train(rep: StepCore, closure: Callable[[], torch.Tensor]) -> tuple[list[Handle | None], float]:
     """Forward and backward of the slot's batch, the buckets going out as FSDP2 produces them (as ``train_step``)."""
-    shards, buckets = rep._parts()
+    shards, buckets = rep.parts()
     shards.opt.zero_grad(set_to_none=True)
     with buckets.armed(rep.step):
         loss = closure()

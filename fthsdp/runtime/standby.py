@@ -9,55 +9,32 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
 from fthsdp.runtime.catching_up import lent_slot
-from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.join import Joiner, warm_up
-from fthsdp.runtime.startup import hold_as_standby
+from fthsdp.runtime.core import StepCore
+from fthsdp.runtime.join import warm_up
+from fthsdp.runtime.startup import Role, hold_as_standby
 
 
-class Replica(Protocol):
-    """What a standby's release uses of ``fthsdp.runtime.replica.Replica`` (which imports this module)."""
-
-    config: RuntimeConfig
-    joiner: Joiner
-    slot: int
-    standby: bool
-    opt: torch.optim.Optimizer | None
-    _registered: list[Callable[[], object]]
-
-    def _register(self) -> None: ...
-    def _take_role(self) -> None: ...
-    def _log(self, level: int, msg: str, *args: object) -> None: ...
-
-
-def take_place(ft: Replica, closure: Callable[[], torch.Tensor]) -> None:
-    """A standby's first ``train_step``, up to where any replica's first step starts: warm up (with
-    ``FTHSDP_JOIN_WARMUP``), then ``release``."""
-    assert ft.opt is not None
-    if ft.config.join_warmup:
-        # No optimizer step: the role is not known yet (an active replica with no checkpoint trains from the state
-        # as built); a joiner's optimizer state comes with its snapshot. A spare group's standby has no slot to
-        # read a batch from: it borrows slot 0's, consuming nothing.
-        with lent_slot(ft):
-            warm_up(ft.opt, closure, ft._log, optimizer_step=False)
-        ft.joiner.warmed = True
-    release(ft)
+def warm(core: StepCore, closure: Callable[[], torch.Tensor]) -> None:
+    """A standby's first ``train_step`` warms up before it waits for the gate (with ``FTHSDP_JOIN_WARMUP``). The
+    trainer's own loop warms up in an iteration of its own (``roles.Standby.loop_warm_up``)."""
+    if not core.config.join_warmup or core.joiner.warmed:
+        return
+    assert core.opt is not None
+    # No optimizer step: the role is not known yet (an active replica with no checkpoint trains from the state as
+    # built); a joiner's optimizer state comes with its snapshot. A spare group's standby has no slot to read a
+    # batch from: it borrows slot 0's, consuming nothing.
+    with lent_slot(core):
+        warm_up(core.opt, closure, core.log, optimizer_step=False)
+    core.joiner.warmed = True
 
 
-def release(ft: Replica) -> None:
-    """Wait for the gate, register, take the role (``Replica._take_role``), then run what waited for the
-    registration (``Replica.when_registered``). The trainer's own loop warms up before, in an iteration of its own
-    (``Replica.begin``)."""
-    ft._log(logging.INFO, "warm standby: waiting for %s", ft.config.standby_gate)
-    held = hold_as_standby(ft.config.standby_gate)
-    ft.standby = False
-    ft._log(logging.INFO, "released after %.1fs as a warm standby; registering", held)
-    ft._register()
-    ft._take_role()
-    for fn in ft._registered:
-        fn()
-    ft._registered.clear()
+def release(core: StepCore) -> Role:
+    """Wait for the gate, then register (``StepCore.register``): returns the role the lighthouse gives."""
+    core.log(logging.INFO, "warm standby: waiting for %s", core.config.standby_gate)
+    held = hold_as_standby(core.config.standby_gate)
+    core.log(logging.INFO, "released after %.1fs as a warm standby; registering", held)
+    return core.register()

@@ -145,7 +145,7 @@ def test_a_vote_lost_to_a_lane_that_failed_below_the_newest_epoch_asks_for_a_ref
         other.lane(Exchanged(3, 21))
         tally = Tally.of([mine.ballot(eng.asking), other.ballot()])
         assert (tally.failed, tally.newest, tally.asking, tally.reform) == (True, 3, 2, True)
-        eng.reset(after=tally.newest, reform=tally.reform)  # as Replica._settle does
+        eng.reset(after=tally.newest, reform=tally.reform)  # as StepCore.settle does
         with pytest.raises(NoEpoch):
             eng.allreduce([torch.ones(1)]).wait(10)
     finally:

@@ -33,7 +33,8 @@ def test_a_ready_refused_because_the_job_finished_sends_the_replica_back_not_a_c
     client: Any = FinishedLighthouse()
     config = RuntimeConfig(lighthouse="127.0.0.1:1", replica_index=1, num_replicas=3, replica_id="r1", rank=0,
                            world_size=1)
-    joiner = Joiner(config, 0, lambda: 1, client, None, torch.device("cpu"), log)  # type: ignore[arg-type]
+    joiner = Joiner(config, 0, lambda: 1, client, None, torch.device("cpu"), log,  # type: ignore[arg-type]
+                    epoch=lambda: None)
     with pytest.raises(RejoinRequired, match="job finished"):
         joiner._announce(0.0, time.monotonic() + 5)
 
@@ -62,7 +63,7 @@ def test_a_held_out_joiner_probes_every_rank_together_and_asks_again_until_let_i
     config = RuntimeConfig(lighthouse="127.0.0.1:1", replica_index=1, num_replicas=3, replica_id="r1", rank=0,
                            world_size=1)
     joiner = Joiner(config, 0, lambda: 1, client, FaultInjector(), torch.device("cpu"),
-                    lambda level, msg, *args: None)
+                    lambda level, msg, *args: None, epoch=lambda: None)
     joiner._enter_data_plane(None, lambda: torch.zeros(()))  # type: ignore[arg-type]
     assert client.asked == [0.0, 0.25, 0.25]  # no probe until asked for one; then one per attempt
     assert len(probes) == 2
@@ -96,7 +97,8 @@ def _joiner(monkeypatch: Any) -> Joiner:
     monkeypatch.setattr(join, "all_ranks", lambda flag, device: flag)  # one rank: its own flag
     config = RuntimeConfig(lighthouse="127.0.0.1:1", replica_index=1, num_replicas=3, replica_id="r1", rank=0,
                            world_size=1)
-    return Joiner(config, 0, lambda: 1, None, None, torch.device("cpu"), lambda *a: None)  # type: ignore[arg-type]
+    return Joiner(config, 0, lambda: 1, None, None, torch.device("cpu"), lambda *a: None,  # type: ignore[arg-type]
+                  epoch=lambda: None)
 
 
 def test_early_takes_the_snapshot_that_comes_in_before_the_steps_exchange(monkeypatch: Any) -> None:

@@ -213,16 +213,16 @@ class Answering(Engine):
 
 
 class Steps(iteration.Steps):
-    """The step drivers over one lane's buckets alone (``_agree`` needs nothing else)."""
+    """The step drivers over one lane's buckets alone (the step core's ``agree`` needs nothing else)."""
 
     def __init__(self, buckets: BucketExchange) -> None:
         self.buckets = buckets
 
-    def _parts(self) -> Any:
+    def parts(self) -> Any:
         return None, self.buckets
 
     @property
-    def _wait_s(self) -> float:
+    def wait_s(self) -> float:
         return 1.0
 
 
@@ -236,20 +236,20 @@ def test_a_post_exchange_nobody_waited_for_is_read_after_the_next_exchange(shard
     assert buckets.unchecked is not None and buckets.unchecked[:2] == (7, 0.5)
     steps = Steps(buckets)
     if others == 0.5:
-        steps._agree()
+        steps.agree()
     else:
         with pytest.raises(grad_scale.UnreplayableGradients, match="step 7: this replica scaled .* by 0.5, the others "
                            "by 0.25"):
-            steps._agree()
+            steps.agree()
     assert buckets.unchecked is None  # read once
-    steps._agree()  # nothing left to read
+    steps.agree()  # nothing left to read
 
 
 def test_a_post_exchange_lost_with_its_epoch_is_not_read(sharded: Model) -> None:
     """The vote's redo sends it again (and that one is read): the lost one raises nothing."""
     _, buckets = exchange_of(sharded, Answering(lost=True))
     buckets.launch_post(7, 0.5, None)
-    Steps(buckets)._agree()
+    Steps(buckets).agree()
     assert buckets.unchecked is None
     buckets.launch_post(8, None, None)  # a zero contributor's: it waits for it itself
     assert buckets.unchecked is None

@@ -202,7 +202,7 @@ class SimTrainer:
         return Tally.of([p.ballot(lane.asking, seen) for p, lane in zip(self.protocols, self.lanes, strict=True)])
 
     def _seen(self) -> int:
-        """Its slot in the newest epoch its process saw (``fthsdp.runtime.spares.seen``)."""
+        """Its slot in the newest epoch its process saw (``fthsdp.runtime.core.StepCore.seen_slot``)."""
         me = self.proc.known.member(self.rid) if self.proc.known is not None else None
         return me.slot if me is not None and me.incarnation == self.inc else NO_SLOT
 
@@ -244,7 +244,7 @@ class SimTrainer:
             self.proc.exit(f"rejoin: {decision.reason}")
             return
         if isinstance(decision, Commit):
-            if self.assigned and tally.slot != self.slot:  # as ``fthsdp.runtime.spares.take``
+            if self.assigned and tally.slot != self.slot:  # as ``fthsdp.runtime.core.StepCore.take_slot``
                 self.world.log(f"{self.inc} trains slot {tally.slot} from step {decision.step + 1} (was {self.slot})")
                 self.slot = tally.slot
             results = [[o for o in row if isinstance(o, Result)] for row in self._outcomes]

@@ -1,0 +1,148 @@
+"""What a replica does at the start of a step: its role (docs/design.md §3a, "Roles").
+
+Every role takes a step on the step core (``fthsdp.runtime.core``) and names the role of the next one
+(``StepCore.become``). Only ``Active`` trains a batch of the replica's data slot: the trainer's loop (or
+``train_step``) computes it. The others' steps commit like everyone's but train no batch, and consume no data:
+
+- ``Standby``: a warm standby, not registered yet; released, it registers and becomes what the lighthouse says;
+- ``Joining``: catches up with the others (zeros exchanged while it fetches, then load and replay), then ``CaughtUp``;
+- ``CaughtUp``: the one zero step after the catch-up (its zeros are in flight already), then ``Active`` or ``Spare``;
+- ``Spare``: no data slot; it exchanges zeros and commits as the others do until the lighthouse hands it a slot;
+- ``Finished``: the job ended before this replica came back; it trains nothing (``JobFinished``).
+
+In the trainer's own loop, a role that needs a warm-up first (a process's slow first forward and backward, before
+the others wait for it) asks for one iteration that exchanges nothing (``loop_warm_up``).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ftar import Handle
+from fthsdp.runtime import catching_up, spares, standby
+from fthsdp.runtime.core import StepCore
+from fthsdp.runtime.errors import JobFinished
+from fthsdp.runtime.result import StepResult
+from fthsdp.runtime.standing import Standing
+from fthsdp.runtime.startup import Role as Given
+from lighthouse.model import NO_SLOT
+
+Closure = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A role's step: what it committed (None: nothing, the role changed first) and the role of the next step."""
+
+    result: StepResult | None
+    next: Role
+
+
+class Role(abc.ABC):
+    """A replica's role for its next step."""
+
+    standing: ClassVar[Standing]
+    """What the replica's state is in this role (all the step core knows of it)."""
+    trains: ClassVar[bool] = False
+    """Its step trains a batch of the replica's slot, which the trainer computes (``Active``)."""
+
+    def loop_warm_up(self, core: StepCore) -> bool | None:
+        """In the trainer's own loop: None, or an iteration that warms up and exchanges nothing first (True: with an
+        optimizer step, which the catch-up's snapshot overwrites)."""
+        return None
+
+    @abc.abstractmethod
+    def turn(self, core: StepCore, closure: Closure | None) -> Turn:
+        """This role's step, one that trains no batch. ``closure``: ``train_step``'s (a warm-up may call it); None
+        in the trainer's own loop."""
+
+
+class Active(Role):
+    """Trains its slot's batch every step (the trainer computes it; ``fthsdp.runtime.iteration``)."""
+
+    standing = Standing.MEMBER
+    trains = True
+
+    def turn(self, core: StepCore, closure: Closure | None) -> Turn:
+        raise AssertionError("an active replica's step trains a batch: the driver runs it")
+
+
+class Standby(Role):
+    """A warm standby (``fthsdp.runtime.standby``): warm up, wait for the gate, register, take the role given."""
+
+    standing = Standing.STANDBY
+
+    def loop_warm_up(self, core: StepCore) -> bool | None:
+        return False if core.config.join_warmup and not core.joiner.warmed else None
+
+    def turn(self, core: StepCore, closure: Closure | None) -> Turn:
+        if closure is not None:
+            standby.warm(core, closure)
+        return Turn(None, given(standby.release(core), core.slot))
+
+
+class Finished(Role):
+    """Back after the job finished: it holds the final checkpoint and trains nothing."""
+
+    standing = Standing.FINISHED
+
+    def turn(self, core: StepCore, closure: Closure | None) -> Turn:
+        raise JobFinished(f"job {core.config.job_id!r} finished at step {core.step}: nothing left to train", core.step)
+
+
+class Joining(Role):
+    """Catches up with the others without stalling them (``fthsdp.runtime.catching_up``)."""
+
+    standing = Standing.JOINING
+
+    def loop_warm_up(self, core: StepCore) -> bool | None:
+        warm = core.config.join_warmup and not core.joiner.warmed and not core.joiner.announced
+        return True if warm else None
+
+    def turn(self, core: StepCore, closure: Closure | None) -> Turn:
+        result, zeros = catching_up.catch_up(core, closure)
+        return Turn(result, CaughtUp(zeros))
+
+
+class CaughtUp(Role):
+    """Caught up: its next step's zeros are in flight already (sent before the replay's last slice)."""
+
+    standing = Standing.MEMBER
+
+    def __init__(self, zeros: list[Handle | None]) -> None:
+        self.zeros = zeros
+
+    def turn(self, core: StepCore, closure: Closure | None) -> Turn:
+        result = catching_up.zero_step(core, self.zeros)
+        return Turn(result, Active() if core.slot != NO_SLOT else Spare())
+
+
+class Spare(Role):
+    """No data slot: shadows the others' steps (``fthsdp.runtime.spares``) until the lighthouse hands it one."""
+
+    standing = Standing.MEMBER
+
+    def __init__(self) -> None:
+        self.shadow = spares.Shadow()
+        """Its step clock: is a slot handed over early enough in a step to train it in that step?"""
+
+    def loop_warm_up(self, core: StepCore) -> bool | None:
+        return False if core.config.join_warmup and not core.joiner.warmed else None
+
+    def turn(self, core: StepCore, closure: Closure | None) -> Turn:
+        result = spares.spare_step(core, closure, self.shadow)
+        return Turn(result, Active() if core.slot != NO_SLOT else self)
+
+
+def given(role: Given, slot: int) -> Role:
+    """The role of a replica the lighthouse just registered as ``role``, asking for ``slot``."""
+    if role == Given.FINISHED:
+        return Finished()
+    if role == Given.JOINING:
+        return Joining()
+    return Active() if slot != NO_SLOT else Spare()
