@@ -13,7 +13,7 @@ import ipaddress
 import os
 import pathlib
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,25 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(h).is_loopback
     except ValueError:
         return False
+
+
+def exposure(hosts: Sequence[str], security: ServerSecurity) -> list[str]:
+    """Why serving on ``hosts`` (the gRPC and HTTP bind hosts) with ``security`` leaves the job open to whoever can
+    reach them: empty on loopback, or with a job token over TLS. Off loopback, no token lets anyone register, take
+    part in every all-reduce, read the status or make replicas leave; a token without TLS travels in clear, and
+    its holder can do all of that and fetch every rank's weights (``fthsdp lighthouse`` refuses to start unless
+    ``--insecure``)."""
+    exposed = [h for h in hosts if not is_loopback(h)]
+    if not exposed:
+        return []
+    where = ", ".join(repr(h or "*") for h in exposed)
+    if not security.token:
+        return [f"no job token on {where}: anyone who reaches it can join the job, send gradients into every "
+                "all-reduce, read its status and make replicas leave"]
+    if not security.tls:
+        return [f"no TLS on {where}: the job token travels in clear, and whoever reads it off the network can do "
+                "everything a replica can (fetch every rank's weights included)"]
+    return []
 
 
 def token_matches(expected: str | None, presented: str | None) -> bool:

@@ -34,7 +34,7 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
     from lighthouse.config import LighthouseConfig, etcd_tls_from_env
     from lighthouse.errors import StoreAccessDenied, StoreUnavailable
     from lighthouse.membership import Policy
-    from lighthouse.security import SecurityConfigError, ServerSecurity, is_loopback
+    from lighthouse.security import SecurityConfigError, ServerSecurity, exposure, is_loopback
     from lighthouse.server.app import serve
     from lighthouse.stores.etcd_tls import EtcdTLS
     from lighthouse.stores.factory import open_store
@@ -62,6 +62,17 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
         store = open_store(a.store, etcd_tls)
     except (SecurityConfigError, ValueError) as e:
         sys.exit(f"fthsdp lighthouse: {e}")
+    hosts = [a.bind.rsplit(":", 1)[0]] + ([a.http.rsplit(":", 1)[0]] if a.http else [])
+    if open_to := exposure(hosts, security):
+        if not a.insecure:
+            store.close()
+            sys.exit("fthsdp lighthouse: refusing to serve the job open to the network: " + "; ".join(open_to)
+                     + ". Make a token and a certificate with `fthsdp secrets --out DIR --host NAME` and pass "
+                     "--token-file DIR/token --tls-cert DIR/server.pem --tls-key DIR/server.key (the replicas: "
+                     "FTHSDP_TOKEN_FILE and FTHSDP_TLS_CA=DIR/ca.pem), or bind to 127.0.0.1, or pass --insecure "
+                     "on a network only you use")
+        for why in open_to:
+            logging.getLogger("fthsdp.lighthouse").warning("INSECURE (--insecure): %s", why)
     try:  # a store that refuses us (TLS, client certificate) is a configuration error: say so and stop
         store.check_access()
     except StoreAccessDenied as e:
@@ -77,7 +88,6 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
         sys.exit(f"fthsdp lighthouse: --probe-timeout must be >= 0, not {config.probe_timeout_s:g}")
     if config.insecure_tcp_rendezvous and not is_loopback(config.host):
         sys.exit(f"fthsdp lighthouse: --insecure-tcp-rendezvous needs a loopback --bind, not {config.host!r}")
-
     def ready(lh: Any) -> None:
         if a.port_file:
             write_atomic(pathlib.Path(a.port_file),
@@ -187,6 +197,9 @@ def register(sub: Subparsers) -> None:
     lh.add_argument("--tls-key", default="", help="TLS private key (PEM)")
     lh.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mTLS)")
     lh.add_argument("--token-file", default="", help="file holding the job token every call must present")
+    lh.add_argument("--insecure", action="store_true",
+                    help="serve off loopback without a token, or with a token but no TLS (refused otherwise: anyone "
+                    "who reaches the ports could join the job or read the token); logged as a warning")
     lh.set_defaults(fn=cmd_lighthouse)
 
     st = sub.add_parser("status", help="print a lighthouse's members and epochs")

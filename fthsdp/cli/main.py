@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from fthsdp.cli import bench, chaos, demo, emulate, lighthouse, run, sim
+from fthsdp.cli import bench, chaos, demo, emulate, lighthouse, run, secrets, sim
 from fthsdp.cli.common import setup_logging
 
 
@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fthsdp", description="Fault-tolerant HSDP training runtime.")
     p.add_argument("--log-level", default="INFO")
     sub = p.add_subparsers(dest="command", required=True)
-    for group in (lighthouse, emulate, run, demo, chaos, sim, bench):
+    for group in (lighthouse, emulate, run, demo, chaos, sim, bench, secrets):
         group.register(sub)
     return p
 
