@@ -30,7 +30,8 @@ def cmd_sim(a: argparse.Namespace) -> None:
     if a.jobs < 0:
         sys.exit("fthsdp chaos: --jobs must be at least 1 (0: one per CPU)")
     if a.trace:
-        r = run_one(a.seed, a.sim_variant, trace=True, plane=a.sim_plane, spares=a.sim_spares)
+        r = run_one(a.seed, a.sim_variant, trace=True, plane=a.sim_plane, spares=a.sim_spares,
+                    blame_all=a.sim_blame_all)
         if a.json:
             print(json.dumps(r, indent=1))
         else:
@@ -42,7 +43,7 @@ def cmd_sim(a: argparse.Namespace) -> None:
     if a.sim_spares < 0 or (a.sim_spares and a.sim_plane != "lanes"):
         sys.exit("fthsdp chaos: --sim-spares must be >= 0, and needs --sim-plane lanes")
     out = simulate(a.seed, a.runs, a.sim_variant, plane=a.sim_plane, jobs=a.jobs or os.cpu_count() or 1,
-                   spares=a.sim_spares)
+                   spares=a.sim_spares, blame_all=a.sim_blame_all)
     if a.json:
         print(json.dumps(out, indent=1))
     else:
@@ -54,7 +55,8 @@ def cmd_sim(a: argparse.Namespace) -> None:
                   f"[replay: fthsdp chaos --sim --seed {x['seed']} --trace"
                   f"{' --sim-variant ' + a.sim_variant if a.sim_variant else ''}"
                   f"{' --sim-plane ' + a.sim_plane if a.sim_plane != 'lanes' else ''}"
-                  f"{' --sim-spares ' + str(a.sim_spares) if a.sim_spares else ''}]")
+                  f"{' --sim-spares ' + str(a.sim_spares) if a.sim_spares else ''}"
+                  f"{' --sim-blame-all' if a.sim_blame_all else ''}]")
     if out["violations"]:
         sys.exit(1)
 
@@ -123,6 +125,9 @@ def register(sub: Subparsers) -> None:
     ch.add_argument("--sim-plane", default="lanes", metavar="PLANE",
                     help="with --sim: lanes (every rank's FTAR lane and the commit protocol; the default) or "
                     "membership (the membership layer alone, its data plane a model of failure detection)")
+    ch.add_argument("--sim-blame-all", action="store_true",
+                    help="--sim: add to every run of 3 replicas or more a member that blames every other member, "
+                    "persistently, for 3-8 s (drawn per seed; the other faults stay the seed's)")
     ch.add_argument("--sim-spares", type=int, default=0, metavar="K",
                     help="with --sim: K spare groups besides the drawn replicas in every run (the lighthouse hands "
                     "a dead replica's data slot to a spare; docs/design.md §7, Spares)")

@@ -46,9 +46,10 @@ _ATTEMPT_BUCKETS = (1, 2, 3, 5, 10)
 
 
 class ReplicaMetrics:
-    """Metrics of one rank. ``port``: serve ``/metrics`` there (0: any free port; None: no exporter)."""
+    """Metrics of one rank. ``port``: serve ``/metrics`` there (0: any free port; None: no exporter), on ``addr``
+    (the rank's ``FTHSDP_HOST``: loopback unless the operator names an address others reach)."""
 
-    def __init__(self, replica: str, rank: int, port: int | None = None, addr: str = "0.0.0.0") -> None:
+    def __init__(self, replica: str, rank: int, port: int | None = None, addr: str = "127.0.0.1") -> None:
         self.registry = r = CollectorRegistry()
         labels = ["replica", "rank"]
         self.labels = {"replica": replica, "rank": str(rank)}
@@ -87,9 +88,11 @@ class ReplicaMetrics:
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
+        self.address: str | None = None
+        """Where the exporter listens (None: no exporter)."""
         if port is not None:
             self._server, self._thread = start_http_server(port, addr=addr, registry=r)
-            self.port = self._server.server_port
+            self.address, self.port = self._server.server_address[0], self._server.server_port
 
     # --- what the runtime reports -------------------------------------------------------------------------------
 

@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from fthsdp.chaos.sim import checks
-from fthsdp.chaos.sim.cluster import FAULT_KINDS, PLANE_FAULT_KINDS, Exit, twice
+from fthsdp.chaos.sim.cluster import BLAME_ALL, FAULT_KINDS, PLANE_FAULT_KINDS, Exit, Fault, twice
 from fthsdp.chaos.sim.lighthouse import Published
-from fthsdp.chaos.sim.run import VARIANTS, draw, run_one, simulate
+from fthsdp.chaos.sim.run import VARIANTS, Drawn, draw, run_drawn, run_one, simulate
 from fthsdp.chaos.sim.trainer import grad
 
 SLICE = {"lanes": 150, "membership": 400}
@@ -205,3 +205,26 @@ def test_over_for_good_and_only_failed_pays_and_no_hang_checks() -> None:
                                       "('r1.2', 'joining')"]
     assert checks.no_hang({"lighthouse_up": False}, 2)
     assert checks.finished([True, False]) == ["r1 never finished"]
+
+
+# --- one member that blames everyone (issue 41) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("replicas", "min_replicas", "lanes"), [(3, 1, 1), (3, 2, 2), (4, 2, 1), (4, 1, 3)])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_member_blaming_everyone_costs_nobody_else(seed: int, replicas: int, min_replicas: int, lanes: int) -> None:
+    """The ``blame-all`` fault alone: one member reports every other one, every half second, for 3-8 s, while their
+    steps go on. Nobody but the blamer may pay (invariant 7: the others run as one incarnation to the end), the
+    job never goes below ``min_replicas`` (the guard), and every invariant holds."""
+    blamer = seed % replicas
+    fault = Fault(6.0 + seed, BLAME_ALL, (blamer,), 3.0 + seed)
+    out = run_drawn(seed, Drawn(replicas, min_replicas, (fault,), lanes=lanes, buckets=2))
+    assert out["violations"] == [], out["violations"]
+    assert out["epochs"] >= 3, "the blame re-formed no epoch: the fault did nothing"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 41: a blamer's false reports on top of a real fault between two other "
+                   "members (here a peers fault on r0) tip the verdict onto an untargeted member (r1)")
+def test_a_blamer_on_top_of_a_real_fault_does_not_convict_the_wrong_member() -> None:
+    out = run_one(4, blame_all=True)
+    assert out["violations"] == [], out["violations"]

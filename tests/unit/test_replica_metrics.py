@@ -142,3 +142,13 @@ def test_from_env_without_port_has_no_exporter_but_counts() -> None:
 def test_from_env_rejects_a_bad_port(env: dict[str, str]) -> None:
     with pytest.raises(ValueError, match="FTHSDP_METRICS_PORT"):
         from_env("replica-0", 0, env)
+
+
+def test_the_exporter_listens_on_loopback_unless_told_an_address() -> None:
+    """Issue 41: the ranks' exporters bound every interface; now ``FTHSDP_HOST`` (loopback by default)."""
+    m = ReplicaMetrics("replica-0", 0, port=0)
+    try:
+        assert m.address == "127.0.0.1"
+    finally:
+        m.close()
+

@@ -38,9 +38,15 @@ PLANE_FAULT_KINDS = ("store-leader",)
 """Drawn for the lanes plane only: ``store-leader`` (the durable store loses its leader: 0.5-3 s during which every
 write the lighthouse tries is refused as unavailable, as an etcd leader election makes it; nothing after a restart
 on an in-memory store)."""
+BLAME_ALL = "blame-all"
+"""Drawn only on request (``run_one(blame_all=True)``, ``fthsdp chaos --sim --sim-blame-all``), from a stream of its
+own: one member (a faulty host, or a bug) reports every other member of each epoch it sees as failed, every
+``BLAME_EVERY_S``, for 3-8 s, while nobody blames it and the others' steps go on. It is that member that may pay
+(issue 41: one member's blame must never empty a job)."""
+BLAME_EVERY_S = 0.5
 MID_EXCHANGE_WAIT_S = 3.0
 """How long a mid-exchange kill waits for a collective of its replicas before it kills them anyway."""
-TARGETING = frozenset({"kill", "double", "hang", "cut", "peers"})
+TARGETING = frozenset({"kill", "double", "hang", "cut", "peers", BLAME_ALL})
 """The kinds whose replicas may pay (invariant 7 holds every other replica to one incarnation)."""
 
 
@@ -367,6 +373,8 @@ class SimCluster:
                 self.lighthouse.store_down_until = self.world.now + f.duration_s
         elif f.kind == "blame":
             self._false_blame(f.replicas[0])
+        elif f.kind == BLAME_ALL:
+            self._blame_everyone(f.replicas[0], self.world.now + f.duration_s)
         elif f.kind.startswith("restart"):
             self.lighthouse.restart(f.duration_s, durable=f.durable)
             self.net.lighthouse_down_until = self.world.now + f.duration_s
@@ -413,6 +421,18 @@ class SimCluster:
                 if p.known.member(f"r{suspect}") is not None:
                     p.run(functools.partial(p.report, f"r{suspect}", p.known.number, False))
                     return
+
+    def _blame_everyone(self, blamer: int, until: float) -> None:
+        """The ``blame-all`` fault: the blamer's current incarnation reports every other member of the newest epoch
+        it knows, again every ``BLAME_EVERY_S`` until ``until``."""
+        p = self.groups[blamer].proc
+        if self.world.now >= until:
+            return
+        if p is not None and p.alive and p.known is not None and p.member(p.known) is not None:
+            for x in p.known.members:
+                if x.replica_id != p.rid:
+                    p.run(functools.partial(p.report, x.replica_id, p.known.number, False))
+        self.world.after(BLAME_EVERY_S, functools.partial(self._blame_everyone, blamer, until))
 
     # --- the end ----------------------------------------------------------------------------------------------
 

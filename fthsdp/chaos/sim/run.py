@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fthsdp.chaos.sim import checks
-from fthsdp.chaos.sim.cluster import FAULT_KINDS, TARGETING, Fault, SimCluster, SimConfig
+from fthsdp.chaos.sim.cluster import BLAME_ALL, FAULT_KINDS, TARGETING, Fault, SimCluster, SimConfig
 from fthsdp.chaos.sim.world import World
 from lighthouse import membership as m
 
@@ -88,17 +88,38 @@ def draw(seed: int, kinds: tuple[str, ...] = FAULT_KINDS) -> Drawn:
                  plane_faults=extra)
 
 
+def blame_all_of(seed: int, replicas: int) -> Fault | None:
+    """The ``blame-all`` fault of ``seed`` (its own stream: the other draws stay what they always were): who blames
+    everyone, when, for how long. None with fewer than 3 replicas: one member blaming the only other is a plain
+    report (the ``blame`` kind), which no rule can tell from a true one."""
+    if replicas < 3:
+        return None
+    rng = random.Random(f"blame-all-{seed}")
+    return Fault(round(rng.uniform(FAULTS_FROM_S, FAULTS_UNTIL_S), 4), BLAME_ALL, (rng.randrange(replicas),),
+                 round(rng.uniform(3.0, 8.0), 4))
+
+
 def run_one(seed: int, variant: str = "", trace: bool = False, plane: str = "lanes",
-            spares: int = 0) -> dict[str, Any]:
+            spares: int = 0, blame_all: bool = False) -> dict[str, Any]:
     """One seeded run; its result names the faults, the violations and (with ``trace``) the trace. ``spares``: that
-    many spare groups besides the drawn replicas (the faults are drawn as without them: on the replicas)."""
+    many spare groups besides the drawn replicas (the faults are drawn as without them: on the replicas).
+    ``blame_all``: add the seed's ``blame-all`` fault (``blame_all_of``) to its draw."""
+    d = draw(seed)
+    if blame_all and (extra := blame_all_of(seed, d.replicas)) is not None:
+        d = dataclasses.replace(d, faults=tuple(sorted((*d.faults, extra), key=lambda f: f.t)))
+    return run_drawn(seed, d, variant, trace, plane, spares)
+
+
+def run_drawn(seed: int, d: Drawn, variant: str = "", trace: bool = False, plane: str = "lanes",
+              spares: int = 0) -> dict[str, Any]:
+    """``run_one`` on the job and faults ``d`` (a test's own schedule, or a seed's draw); ``seed`` seeds the rest
+    (latencies, the world's randomness)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown --sim-variant {variant!r}: one of {', '.join(v for v in VARIANTS if v)}")
     if plane not in PLANES:
         raise ValueError(f"unknown plane {plane!r}: one of {', '.join(PLANES)}")
     if variant == "local-vote" and plane != "lanes":
         raise ValueError("--sim-variant local-vote needs the lanes (the vote is theirs)")
-    d = draw(seed)
     faults = d.faults_of(plane)
     # The lighthouse's defaults (``fthsdp lighthouse``): heartbeats every 0.5 s, dead after 3 s of silence, a
     # report confirmed by 2 intervals of silence.
@@ -149,17 +170,18 @@ def run_one(seed: int, variant: str = "", trace: bool = False, plane: str = "lan
     return out
 
 
-def _run_many(args: tuple[int, int, str, str, int]) -> list[dict[str, Any]]:
+def _run_many(args: tuple[int, int, str, str, int, bool]) -> list[dict[str, Any]]:
     """Runs ``seed``..``seed + n - 1`` (one worker's share), without traces."""
-    seed, n, variant, plane, spares = args
-    return [run_one(s, variant, plane=plane, spares=spares) for s in range(seed, seed + n)]
+    seed, n, variant, plane, spares, blame_all = args
+    return [run_one(s, variant, plane=plane, spares=spares, blame_all=blame_all) for s in range(seed, seed + n)]
 
 
 def simulate(seed: int, runs: int, variant: str = "", plane: str = "lanes", jobs: int = 1,
-             spares: int = 0) -> dict[str, Any]:
+             spares: int = 0, blame_all: bool = False) -> dict[str, Any]:
     """``runs`` runs, seeds ``seed``..``seed + runs - 1``: the counts, and the first failing seeds. ``jobs`` > 1
     shares the seeds among that many processes (each run is a pure function of its seed: the result is the
-    same). ``spares``: spare groups in every run (``run_one``)."""
+    same). ``spares``: spare groups in every run; ``blame_all``: every run with 3 replicas or more gets its
+    ``blame-all`` fault (``run_one``)."""
     if runs < 1 or jobs < 1:
         raise ValueError(f"runs and jobs must be at least 1, got {runs} and {jobs}")
     if spares < 0 or (spares and plane != "lanes"):
@@ -167,10 +189,11 @@ def simulate(seed: int, runs: int, variant: str = "", plane: str = "lanes", jobs
     t0 = time.monotonic()
     jobs = min(jobs, runs)
     if jobs == 1:
-        results = _run_many((seed, runs, variant, plane, spares))
+        results = _run_many((seed, runs, variant, plane, spares, blame_all))
     else:
         share = -(-runs // (jobs * 8))  # several chunks per worker, so that a slow one does not hold the rest
-        chunks = [(s, min(share, seed + runs - s), variant, plane, spares) for s in range(seed, seed + runs, share)]
+        chunks = [(s, min(share, seed + runs - s), variant, plane, spares, blame_all)
+                  for s in range(seed, seed + runs, share)]
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
             results = [r for part in pool.map(_run_many, chunks) for r in part]
     kinds: collections.Counter[str] = collections.Counter()
@@ -179,12 +202,15 @@ def simulate(seed: int, runs: int, variant: str = "", plane: str = "lanes", jobs
     bad = events = 0
     for r in results:
         kinds.update(f.kind for f in draw(r["seed"]).faults_of(plane))
+        if blame_all and (extra := blame_all_of(r["seed"], r["replicas"])) is not None:
+            kinds[extra.kind] += 1
         events += r["events"]
         if r["violations"]:
             bad += 1
             by_invariant.update({v.split(":", 1)[0] for v in r["violations"]})
             if len(failing) < 5:
                 failing.append({"seed": r["seed"], "faults": r["faults"], "violations": r["violations"][:5]})
-    return {"runs": runs, "seed": seed, "variant": variant, "plane": plane, "spares": spares, "violations": bad,
+    return {"runs": runs, "seed": seed, "variant": variant, "plane": plane, "spares": spares,
+            "blame_all": blame_all, "violations": bad,
             "by_invariant": dict(sorted(by_invariant.items())), "faults_injected": dict(sorted(kinds.items())),
             "first_failing": failing, "events": events, "jobs": jobs, "seconds": round(time.monotonic() - t0, 1)}
