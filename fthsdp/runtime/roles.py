@@ -127,15 +127,19 @@ class Spare(Role):
 
     standing = Standing.MEMBER
 
-    def __init__(self) -> None:
+    def __init__(self, warm_up: bool = True) -> None:
         self.shadow = spares.Shadow()
         """Its step clock: is a slot handed over early enough in a step to train it in that step?"""
+        self.warm_up = warm_up
+        """Warm up before its first step (with ``FTHSDP_JOIN_WARMUP``). Not a spare the job starts (or resumes)
+        with: it is a member of the first epoch, and every member waits for its first exchange, which a warm-up
+        iteration would only delay (the others' first step is a cold one too)."""
 
     def loop_warm_up(self, core: StepCore) -> bool | None:
-        return False if core.config.join_warmup and not core.joiner.warmed else None
+        return False if self.warm_up and core.config.join_warmup and not core.joiner.warmed else None
 
     def turn(self, core: StepCore, closure: Closure | None) -> Turn:
-        result = spares.spare_step(core, closure, self.shadow)
+        result = spares.spare_step(core, closure, self.shadow, warm_first=self.warm_up)
         return Turn(result, Active() if core.slot != NO_SLOT else self)
 
 
@@ -145,4 +149,4 @@ def given(role: Given, slot: int) -> Role:
         return Finished()
     if role == Given.JOINING:
         return Joining()
-    return Active() if slot != NO_SLOT else Spare()
+    return Active() if slot != NO_SLOT else Spare(warm_up=False)  # in the first epoch: no time to warm up

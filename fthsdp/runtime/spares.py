@@ -76,7 +76,8 @@ class Shadow:
             self._now() - self.began <= fraction * statistics.median(self.intervals)
 
 
-def spare_step(rep: StepCore, closure: Callable[[], torch.Tensor] | None, shadow: Shadow) -> StepResult | None:
+def spare_step(rep: StepCore, closure: Callable[[], torch.Tensor] | None, shadow: Shadow,
+               warm_first: bool = True) -> StepResult | None:
     """A step without a slot: zeros in every bucket, then the commit as everyone's; the closure is not called (but
     once, for a warm-up: ``warm``). Unless an epoch hands this replica a slot early in the step, before the step's
     exchange or in its redo (``FTHSDP_SPARE_EARLY``, agreed by every rank): it then trains that slot's batch of this
@@ -86,8 +87,8 @@ def spare_step(rep: StepCore, closure: Callable[[], torch.Tensor] | None, shadow
 
     In the trainer's own loop (``closure`` None, ``Replica.begin``) the trainer computes the batch: a slot handed
     before the step's exchange or in its redo is taken and None returned (the loop trains it, its exchange the
-    redo). ``shadow``: the spare's step clock (``roles.Spare``)."""
-    if closure is not None:
+    redo). ``shadow``: the spare's step clock; ``warm_first``: warm up before the first step (``roles.Spare``)."""
+    if closure is not None and warm_first:
         warm(rep, closure)
     shards, _ = rep.parts()
     own = rep.step, rep.check.digest(rep.step, shards, rep.cursors, rep.world_size, rep.device)  # sends none

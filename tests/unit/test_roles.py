@@ -41,6 +41,17 @@ def test_the_role_a_registration_gives(given: Given, slot: int, role: type[roles
     assert type(roles.given(given, slot)) is role
 
 
+def test_a_spare_the_job_starts_with_does_not_warm_up_and_one_back_from_a_catch_up_does() -> None:
+    """A spare registered with the job's first epoch is a member at once: every member's first exchange waits for
+    it, and a warm-up iteration first made it late by more than the rendezvous timeout on a loaded host (CI: the
+    others re-formed twice and the spare, alone blaming all three, was evicted). One made by a catch-up warmed up
+    as a joiner; one made any other way warms up first."""
+    core = FakeCore(slot=NO_SLOT)
+    first = roles.given(Given.ACTIVE, NO_SLOT)
+    assert isinstance(first, roles.Spare) and first.loop_warm_up(core) is None  # type: ignore[arg-type]
+    assert roles.Spare().loop_warm_up(core) is False  # type: ignore[arg-type]
+
+
 def test_what_each_role_is_to_the_step_core_and_only_active_trains() -> None:
     zeros: list[Any] = []
     table = {r.__class__.__name__: (r.standing, r.trains) for r in
@@ -66,7 +77,8 @@ def test_a_joiner_is_caught_up_with_its_zeros_in_flight_then_active_or_spare(mon
 def test_a_spare_stays_one_until_handed_a_slot_and_keeps_its_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     clocks: list[spares.Shadow] = []
 
-    def spare_step(core: FakeCore, closure: object, shadow: spares.Shadow) -> StepResult | None:
+    def spare_step(core: FakeCore, closure: object, shadow: spares.Shadow, warm_first: bool) -> StepResult | None:
+        assert warm_first  # a spare made after the job's first epoch warms up first
         clocks.append(shadow)
         if len(clocks) == 3:  # handed over before the step's exchange: the loop trains this very step
             core.slot = 1
