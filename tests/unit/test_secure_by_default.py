@@ -4,7 +4,6 @@ token, or a token in clear) unless told ``--insecure``, and ``fthsdp secrets`` m
 from __future__ import annotations
 
 import pathlib
-import shutil
 import stat
 from collections.abc import Callable
 
@@ -59,11 +58,8 @@ def test_an_http_port_off_loopback_is_refused_too(tmp_path: pathlib.Path) -> Non
         args.fn(args)
 
 
-@pytest.mark.parametrize(("hosts", "san"), [
-    (["10.0.0.1", "lh.example", "[::1]"], "IP:10.0.0.1,DNS:lh.example,IP:0:0:0:0:0:0:0:1"),
-])
-def test_alt_names(hosts: list[str], san: str) -> None:
-    assert alt_names(hosts).replace("::1", "0:0:0:0:0:0:0:1") == san
+def test_alt_names() -> None:
+    assert alt_names(["10.0.0.1", "lh.example", "[::1]"]) == "IP:10.0.0.1,DNS:lh.example,IP:::1"
 
 
 @pytest.mark.parametrize("bad", [[], ["a b"], ["x,DNS:evil"], ["h:1"], [""]])
@@ -72,7 +68,6 @@ def test_bad_hosts_are_refused(bad: list[str]) -> None:
         alt_names(bad)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_fthsdp_secrets_makes_what_a_lighthouse_serves_tls_and_a_token_with(
         tmp_path: pathlib.Path, start_server: Callable[..., ServerThread]) -> None:
     """The folder is its owner's only; the token reads as a job token; a lighthouse serving with the certificate is
