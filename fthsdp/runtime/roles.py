@@ -82,7 +82,7 @@ class Standby(Role):
 
     def turn(self, core: StepCore, closure: Closure | None) -> Turn:
         if closure is not None:
-            standby.warm(core, closure)
+            spares.warm(core, closure)  # the trainer's loop warms up in an iteration of its own
         return Turn(None, given(standby.release(core), core.slot))
 
 

@@ -40,8 +40,9 @@ from lighthouse.model import NO_SLOT
 
 
 def warm(rep: StepCore, closure: Callable[[], torch.Tensor]) -> None:
-    """A spare's first step warms up once (with ``FTHSDP_JOIN_WARMUP``, as a joiner does): one forward and
-    backward, thrown away, no optimizer step (its state must stay the others'), so that the first step it trains
+    """A spare's first step, or a warm standby's first ``train_step`` before its gate, warms up once (with
+    ``FTHSDP_JOIN_WARMUP``, as a joiner does): one forward and backward, thrown away, no optimizer step (a spare's
+    state must stay the others'; a standby's role is not known yet), so that the first step it trains
     a slot in is not a process's slow first one (FSDP2's lazy init, first allocations), which every member would
     wait for. The closure runs as if this replica trained slot 0 (``cursor`` and ``slot`` read as that slot's):
     like a joiner's warm-up, it must not consume data (``catching_up.lent_slot``)."""

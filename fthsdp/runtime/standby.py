@@ -8,28 +8,9 @@ after the job finished raises ``JobFinished``. So a restart costs the registrati
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
-import torch
-
-from fthsdp.runtime.catching_up import lent_slot
 from fthsdp.runtime.core import StepCore
-from fthsdp.runtime.join import warm_up
 from fthsdp.runtime.startup import Role, hold_as_standby
-
-
-def warm(core: StepCore, closure: Callable[[], torch.Tensor]) -> None:
-    """A standby's first ``train_step`` warms up before it waits for the gate (with ``FTHSDP_JOIN_WARMUP``). The
-    trainer's own loop warms up in an iteration of its own (``roles.Standby.loop_warm_up``)."""
-    if not core.config.join_warmup or core.joiner.warmed:
-        return
-    assert core.opt is not None
-    # No optimizer step: the role is not known yet (an active replica with no checkpoint trains from the state as
-    # built); a joiner's optimizer state comes with its snapshot. A spare group's standby has no slot to read a
-    # batch from: it borrows slot 0's, consuming nothing.
-    with lent_slot(core):
-        warm_up(core.opt, closure, core.log, optimizer_step=False)
-    core.joiner.warmed = True
 
 
 def release(core: StepCore) -> Role:
