@@ -13,9 +13,8 @@ on over a half-reduced buffer. So a watcher reports what it sees (``Progress``) 
   torchft's option hook, so this watcher is what bounds a collective), else keep waiting.
 
 ``FutureWatcher`` is Gloo's; ``StreamWatcher`` is NCCL's: a CUDA event recorded on the lane's stream after the
-collective (the stream waits for it on the device), ``event.query()`` polled by the CPU, and the group's error read
-from torchft's ``_errored`` and the work's own state (``is_completed``/``is_success``; never ``errored()``, which
-synchronises the device).
+collective (the stream waits for it on the device), ``event.query()`` polled by the CPU, and after it the group's
+error state (torchft's ``_errored``, then c10d's ``get_error``: ``ftar.group.EpochGroup.error``).
 """
 
 from __future__ import annotations
@@ -124,49 +123,36 @@ class FutureWatcher:
 
 class StreamWatcher:
     """NCCL: the current stream waits (on the device) for the work, then ``record()`` puts an event behind it; the
-    work is complete when the event is, and failed when the group or the work recorded an error."""
+    work is complete when the event is, and failed when ``errors()`` (the group's error state: torchft's flag, then
+    c10d's ``get_error``) names one.
 
-    def __init__(self, work: Any, pg: Any, record: Callable[[], Any], wake: threading.Event | None = None) -> None:
+    The event is read before the error state: an abort sets the error first and then lets the stream run on over a
+    half-reduced buffer, so an event seen complete with no error after it is a real completion. (Read the other way,
+    an abort between the two reads would pass a half-reduced buffer as done.) The work's own ``is_success()`` is not
+    asked: ``ProcessGroupNCCL`` does not implement it (it raises), nor ``exception()`` (its binding raises)."""
+
+    def __init__(self, work: Any, errors: Callable[[], str | None], record: Callable[[], Any],
+                 wake: threading.Event | None = None) -> None:
         self._wake = wake or threading.Event()
-        self._work = getattr(work, "_work", None) or work  # torchft wraps the backend's work
-        self._pg = pg
+        work = getattr(work, "_work", None) or work  # torchft wraps the backend's work (its wait arms a timer)
+        self._errors = errors
         self._why = ""
         self._next_pause = FIRST_POLL_S
-        self._can_ask = True
         try:
-            self._work.wait()  # the current stream waits for the collective: a device-side wait, the CPU goes on
+            work.wait()  # the current stream waits for the collective: a device-side wait, the CPU goes on
         except Exception as e:  # already failed (an aborted communicator)
-            self._why = str(e)
+            self._why = str(e) or repr(e)
         self._event = record()
 
     def poll(self) -> Progress:
+        complete = bool(self._event.query())  # first: see the class docstring
         errored = self._errored()
-        return Progress(True, not errored and bool(self._event.query()), errored)
+        return Progress(True, complete and not errored, errored)
 
     def _errored(self) -> bool:
-        if self._why:
-            return True
-        group_error = getattr(self._pg, "_errored", None)  # torchft sets it before it aborts the communicator
-        if group_error is not None:
-            self._why = f"group error: {group_error}"
-            return True
-        if self._work_failed():
-            self._why = "collective error: the NCCL work recorded an error (a peer died or the communicator aborted)"
-            return True
-        return False
-
-    def _work_failed(self) -> bool:
-        """The work's own error state: ``is_completed()`` (non-blocking; true once NCCL recorded an async error)
-        and then ``is_success()``. Not ``exception()``: its binding cannot return the error to Python (seen on
-        torch 2.11 with NCCL 2.28: "Unable to convert function return value to a Python type", for every work,
-        failed or not). A work that cannot answer leaves the group's error and the deadline to decide."""
-        if not self._can_ask:
-            return False
-        try:
-            return bool(self._work.is_completed()) and not bool(self._work.is_success())
-        except Exception:  # this torch's binding cannot say: do not call it again
-            self._can_ask = False
-            return False
+        if not self._why:
+            self._why = self._errors() or ""
+        return bool(self._why)
 
     def pause(self, timeout: float) -> None:
         self._wake.wait(max(0.0, min(timeout, self._next_pause)))  # the device has no callback into this thread: poll

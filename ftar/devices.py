@@ -6,14 +6,18 @@ FTAR, the runtime or the catch-up start goes through ``start_thread``, which set
 thread never touches CUDA); ``tests/unit/test_devices.py`` fails on a ``threading.Thread`` made anywhere else.
 
 Ordering between streams is by events, never by a device-wide synchronise: ``record`` an event on the stream
-that produced a tensor, ``wait_for`` it on the stream that reads it. On the CPU every helper is a no-op; nothing
-here touches CUDA at import.
+that produced a tensor, ``wait_for`` it on the stream that reads it, and ``receive`` memory that another
+stream allocated (the caching allocator then keeps it until this stream's work on it is done). A thread that needs
+a stream of its own (a lane's worker, the catch-up's snapshot thread) takes one with ``side_stream``: once per
+thread, never one that another such thread holds (``torch.cuda.Stream()`` hands out a pool of 32 streams in turn,
+so a new one each time lands on other threads' streams sooner or later). On the CPU every helper is a no-op;
+nothing here touches CUDA at import.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,21 +46,64 @@ def start_thread(target: Callable[..., object], *, name: str, device: torch.devi
 
     def run() -> None:
         enter(device)
-        target(*args)
+        try:
+            target(*args)
+        finally:
+            _release_stream()
 
     thread = threading.Thread(target=run, name=name, daemon=daemon)
     thread.start()
     return thread
 
 
+POOL_TRIES = 64
+"""How many streams ``side_stream`` takes from torch's pool (32 per priority) looking for one nobody holds."""
+_held: set[int] = set()
+_held_lock = threading.Lock()
+_mine = threading.local()
+
+
 def side_stream(device: torch.device) -> Any:
-    """A stream of its own for the calling thread's data-plane work on ``device``, made current (``None`` on the
-    CPU). A lane's copies then neither wait behind nor hold up the compute on the default stream."""
+    """The calling thread's own stream on ``device``, made current (``None`` on the CPU): taken the first time,
+    the same one after, released when a ``start_thread`` thread ends. Another thread's work (the training
+    thread's compute, another lane, the snapshot thread) is never queued behind it, nor it behind theirs."""
     if device.type != "cuda":
         return None
-    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    stream = getattr(_mine, "stream", None)
+    if stream is None or stream.device != device:
+        _release_stream()
+        stream = _take_stream(device)
+        _mine.stream = stream
     torch.cuda.set_stream(stream)
     return stream
+
+
+def _take_stream(device: torch.device) -> Any:
+    with _held_lock:
+        for _ in range(POOL_TRIES):
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            if stream.cuda_stream not in _held:
+                _held.add(stream.cuda_stream)
+                return stream
+    raise RuntimeError(f"no stream on {device} that another fthsdp thread does not hold ({len(_held)} held)")
+
+
+def _release_stream() -> None:
+    stream = getattr(_mine, "stream", None)
+    if stream is not None:
+        with _held_lock:
+            _held.discard(stream.cuda_stream)
+        _mine.stream = None
+
+
+def receive(event: Any, tensors: Sequence[torch.Tensor]) -> None:
+    """``tensors``, produced on another stream up to ``event``, are used on the calling thread's current stream from
+    here: it waits for ``event`` (``wait_for``), and the caching allocator does not hand their memory out again
+    before this stream is done with them (``record_stream``)."""
+    wait_for(event)
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream())
 
 
 def record(device: torch.device) -> Any:

@@ -221,7 +221,7 @@ class LaneEngine:
     def _exchange(self, req: Request) -> ExchangeResult:
         """Attempts of one exchange, each in a newer epoch, until one succeeds or the rules end it."""
         self._state.admit()
-        devices.wait_for(req.ready)  # the producer's stream first (FSDP2's reduce-scatter)
+        devices.receive(req.ready, req.tensors)  # after the producer's stream (FSDP2's reduce-scatter), on the lane's
         attempts = Attempts(self.lane, self.config.max_attempts)
         while True:
             attempt = attempts.next()

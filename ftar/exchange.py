@@ -71,9 +71,10 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> ExchangeResult:
         """The result; raises the exchange's ``FTARError``, or ``TimeoutError`` at the deadline. On CUDA the
-        calling thread's current stream is ordered after the result (by its event: the CPU does not block)."""
+        calling thread's current stream is ordered after the result (by its event: the CPU does not block), and
+        the result's memory, allocated on the lane's stream, is kept until this stream is done with it."""
         result = self._future.result(timeout)
-        devices.wait_for(result.ready)
+        devices.receive(result.ready, result.tensors)
         return result
 
 

@@ -8,6 +8,11 @@ A Gloo group has no shutdown: its abort blocks until a pending collective reache
 group's abort (``ncclCommAbort``) ends its collectives at once; it runs on a reaper thread too. Every thread here
 sets the lane's device first (``ftar.devices.start_thread``): torchft's ``_create_pg`` connects the communicator
 to the connect thread's current device.
+
+On NCCL a lane's group is built with c10d's watchdog told to record errors and do nothing else
+(``ftar.nccl_env.lane_settings``), so a peer's death ends the collective, never the survivor; every error at issue
+becomes a ``PeerFailure``; and the group's error state is read by the lane (``EpochGroup.error``) without keeping a
+reference to the backend, so that the group's last reference, and its destructor, go with the reaper thread.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-from ftar import devices
+from ftar import devices, nccl_env
 from ftar.completion import FutureWatcher, StreamWatcher, Watcher
 from ftar.errors import Abandoned, PeerFailure
 from ftar.packing import Staging
@@ -53,6 +58,21 @@ def _abort(pg: Any) -> None:
         log.debug("abort failed", exc_info=True)
 
 
+def backend_error(pg: Any) -> str | None:
+    """The NCCL backend's recorded error (c10d's ``get_error``: a timeout, a communicator error, a remote peer's
+    error), ``None`` when there is none or the backend cannot say (a torch without ``get_error``; not built yet).
+    The backend object is not kept: a lane that held it would run the group's destructor on its own thread."""
+    base = getattr(pg, "_pg", None)
+    if base is None:
+        return None
+    try:
+        error = base._get_backend(torch.device("cuda")).get_error()
+    except Exception:  # no such backend or binding on this torch: the watcher's deadline decides
+        return None
+    name = getattr(error, "name", str(error))
+    return None if name in ("SUCCESS", "ErrorType.SUCCESS") else f"NCCL error recorded by the group: {name}"
+
+
 class Reaper:
     """Releases process groups on threads of their own (on the lane's ``device``), and lets the owner wait for them
     when it closes (an abandoned Gloo group ends by its own collective timeout)."""
@@ -66,10 +86,13 @@ class Reaper:
     def reap(self, pg: Any, after: threading.Thread | None = None) -> None:
         """Abort ``pg`` (once ``after`` has finished, if given) without waiting for it."""
 
+        held = [pg]  # the reaper's is the last reference: the group's destructor runs here, not on the lane
+
         def run() -> None:
             if after is not None:
                 after.join()
-            _abort(pg)
+            _abort(held[0])
+            held.clear()
 
         self._threads = [t for t in self._threads if t.is_alive()]
         self._threads.append(devices.start_thread(run, name=f"ftar-reap-lane{self.lane}", device=self.device))
@@ -84,13 +107,16 @@ class EpochGroup:
     """A lane's process group for one epoch: rank ``rank`` of ``world`` (the epoch's members, in order), with
     the epoch-lane store and the staging buffers of its exchanges."""
 
-    def __init__(self, epoch: EpochView, rank: int, store: Any, pg: Any, staging: Staging) -> None:
+    def __init__(self, epoch: EpochView, rank: int, store: Any, pg: Any, staging: Staging,
+                 backend: str = "gloo") -> None:
         self.epoch = epoch
         self.rank = rank
         self.world = len(epoch.replica_ids)
         self.store = store
-        self.pg = pg
+        self.pg: Any = pg
+        """torchft's group; ``None`` once given up (the reaper holds it then)."""
         self.staging = staging
+        self.backend = backend
         self.seq = 0
         """Exchanges started in this group; names the failure check-in key."""
         self.aborted = False
@@ -124,22 +150,46 @@ class EpochGroup:
         except Exception as e:
             absent = missing(ids, replica_id, _present(store, ARRIVED, rank, len(ids)) if store is not None else None)
             raise PeerFailure(f"rendezvous of epoch {epoch.number} failed ({e}); not arrived: {absent}") from e
-        return cls(epoch, rank, store, pg, Staging(device_for(backend)))
+        return cls(epoch, rank, store, pg, Staging(device_for(backend)), backend)
 
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, timeout_s: float) -> Any:
         """Start an all-reduce of ``tensor`` with a deadline (Gloo's; torchft's NCCL option hook clears it, so there
-        the lane's watcher is what bounds it); returns its work."""
+        the lane's watcher is what bounds it); returns its work. Raises ``PeerFailure`` if it cannot be issued."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(op)
         opts.timeout = timedelta(seconds=timeout_s)
-        return self.pg.allreduce([tensor], opts)
+        return self._issue("all-reduce", lambda pg: pg.allreduce([tensor], opts))
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float) -> Any:
-        """Start a broadcast of ``tensor`` from rank ``root`` with a deadline; returns its work."""
+        """Start a broadcast of ``tensor`` from rank ``root`` with a deadline; returns its work (``PeerFailure`` if
+        it cannot be issued)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.timeout = timedelta(seconds=timeout_s)
-        return self.pg.broadcast([tensor], opts)
+        return self._issue("broadcast", lambda pg: pg.broadcast([tensor], opts))
+
+    def _issue(self, what: str, call: Callable[[Any], Any]) -> Any:
+        """``call(pg)``; an error raised at issue (NCCL: an aborted communicator, a nonblocking init that timed out
+        because a member died) is the peers' failure, like one at completion."""
+        pg = self.pg
+        if pg is None:
+            raise PeerFailure(f"{what} on a group already given up")
+        try:
+            return call(pg)
+        except Exception as e:
+            raise PeerFailure(f"{what} could not be issued: {str(e).splitlines()[0][:300] if str(e) else e!r}") \
+                from e
+
+    def error(self) -> str | None:
+        """The group's recorded error, if any: torchft's (set before it aborts the communicator), then NCCL's
+        (``backend_error``); ``aborted`` once this lane gave the group up."""
+        pg = self.pg
+        if pg is None:
+            return "aborted by this lane"
+        group_error = getattr(pg, "_errored", None)
+        if group_error is not None:
+            return f"group error: {group_error}"
+        return backend_error(pg) if self.backend == "nccl" else None
 
     def start_exchange(self, buffers: list[torch.Tensor], timeout_s: float) -> list[Any]:
         """Start the SUM all-reduces of one exchange; returns their works."""
@@ -163,18 +213,19 @@ class EpochGroup:
 
     def watch(self, work: Any, wake: threading.Event) -> Watcher:
         """The watcher of ``work`` (``ftar.completion``): its future on Gloo; on NCCL an event recorded on the
-        calling thread's current stream once that stream waits for the collective, and the group's error. Its
+        calling thread's current stream once that stream waits for the collective, and the group's ``error``. Its
         ``pause`` returns early once ``wake`` is set."""
-        if self.staging.device.type != "cuda":
+        if self.backend != "nccl":
             return FutureWatcher(work, wake)
-        return StreamWatcher(work, self.pg, lambda: devices.record(self.staging.device), wake)
+        return StreamWatcher(work, self.error, lambda: devices.record(self.staging.device), wake)
 
     def abort(self, reaper: Reaper) -> None:
         """Give the group up now, without waiting for it: on NCCL the communicator is aborted, which ends a
-        collective stuck on a dead peer (the lane's stream waits for it)."""
+        collective stuck on a dead peer (the lane's stream waits for it). The reaper takes the group over."""
         if not self.aborted:
             self.aborted = True
-            reaper.reap(self.pg)
+            pg, self.pg = self.pg, None
+            reaper.reap(pg)
 
     def release(self, reaper: Reaper) -> None:
         """Give the group up without waiting for it (once: an aborted group is already on its way)."""
@@ -200,7 +251,11 @@ def configure_with_store(pg: Any, store: Any, replica_id: str, rank: int, world:
     pg._replica_id, pg._rank = replica_id, rank
     pg._quorum_id = pg._group_rank = pg._group_world_size = pg._global_ranks = None
     pg.abort(errored=False)
-    pg._pg = pg._create_pg(store, rank, world)
+    if isinstance(pg, ProcessGroupNCCL):
+        with nccl_env.lane_settings():  # c10d reads them as it builds the backend
+            pg._pg = pg._create_pg(store, rank, world)
+    else:
+        pg._pg = pg._create_pg(store, rank, world)
 
 
 def _configure(pg: Any, store: Any, replica_id: str, rank: int, world: int, lane: int, reaper: Reaper,

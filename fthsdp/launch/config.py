@@ -7,6 +7,7 @@ import dataclasses
 import pathlib
 from dataclasses import dataclass, field
 
+from ftar import nccl_env
 from fthsdp.launch.procutil import child_env
 from fthsdp.runtime.faults import PHASES
 from lighthouse.model import Policy
@@ -146,6 +147,7 @@ class ClusterConfig:
             env.update(FTHSDP_CHECKPOINT_DIR=self.checkpoint_dir or str(workdir / "checkpoints"),
                        FTHSDP_CHECKPOINT_EVERY=str(self.checkpoint_every))
         env.update(self.env.get(index, {}))
+        env.update(nccl_env.process_settings(env))  # before the trainer builds any group (ftar.nccl_env)
         env.pop("FTHSDP_FAULT", None)
         if fault is not None:
             env["FTHSDP_FAULT"] = f"{fault.step}:{fault.phase}"

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneEngine, LighthouseMembership
+from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneEngine, LighthouseMembership, nccl_env
 from fthsdp.catchup.server import CatchupServer
 from fthsdp.runtime import checkpoint, ending, grad_scale, startup
 from fthsdp.runtime.agreement import DigestCheck
@@ -65,6 +65,7 @@ class StepCore:
         startup.die_with_parent(cfg.under_torchrun)
         if cfg.backend == "nccl":
             torch.cuda.set_device(cfg.device_index)
+        nccl_env.prepare_process()  # c10d reads its watchdog settings as it builds each group: before the first
         if not dist.is_initialized():
             dist.init_process_group(cfg.backend)
         if dist.get_world_size() != cfg.world_size or dist.get_rank() != cfg.rank:

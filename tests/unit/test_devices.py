@@ -144,3 +144,83 @@ def test_a_cpu_thread_never_touches_cuda(cuda: FakeCuda) -> None:
     devices_mod.start_thread(done.set, name="cpu-only", device=None).join(10)
     devices_mod.start_thread(lambda: None, name="gloo", device=torch.device("cpu")).join(10)
     assert done.is_set() and cuda.calls == []
+
+
+# --- streams: one of its own per thread ---------------------------------------------------------------------------
+
+
+class FakeStreams:
+    """torch's stream pool: ``Stream()`` hands out ``size`` streams in turn (torch's has 32 per priority)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.next = size, 0
+        self.current = threading.local()
+
+    def Stream(self, device: torch.device) -> Any:  # noqa: N802 (torch's name)
+        handle, self.next = self.next % self.size, self.next + 1
+        return type("S", (), {"cuda_stream": handle, "device": device})()
+
+    def set_stream(self, stream: Any) -> None:
+        self.current.stream = stream
+
+
+def test_each_thread_keeps_a_stream_no_other_thread_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the snapshot thread took a new pool stream for every snapshot, and after a few it shared the lane's."""
+    pool = FakeStreams(4)
+    monkeypatch.setattr(torch.cuda, "Stream", pool.Stream)
+    monkeypatch.setattr(torch.cuda, "set_stream", pool.set_stream)
+    gpu = torch.device("cuda", 0)
+    lane_stream: list[Any] = []
+    release, taken = threading.Event(), threading.Event()
+
+    def lane() -> None:
+        lane_stream.append(devices_mod.side_stream(gpu))
+        taken.set()
+        release.wait(10)
+
+    t = devices_mod.start_thread(lane, name="lane", device=None)
+    assert taken.wait(10)
+    mine = [devices_mod.side_stream(gpu) for _ in range(3 * pool.size)]  # a snapshot thread, many snapshots
+    assert len({s.cuda_stream for s in mine}) == 1 and mine[0].cuda_stream != lane_stream[0].cuda_stream
+    release.set()
+    t.join(10)
+    devices_mod._release_stream()
+
+
+def test_a_finished_threads_stream_is_free_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = FakeStreams(1)  # one stream in the pool
+    monkeypatch.setattr(torch.cuda, "Stream", pool.Stream)
+    monkeypatch.setattr(torch.cuda, "set_stream", pool.set_stream)
+    gpu = torch.device("cuda", 0)
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        devices_mod.side_stream(gpu)
+        taken.set()
+        release.wait(10)
+
+    holder = devices_mod.start_thread(hold, name="holder", device=None)
+    assert taken.wait(10)
+    with pytest.raises(RuntimeError, match="another fthsdp thread"):
+        devices_mod.side_stream(gpu)  # the only stream is held
+    release.set()
+    holder.join(10)
+    assert devices_mod.side_stream(gpu).cuda_stream == 0  # given back when its thread ended
+    devices_mod._release_stream()
+
+
+def test_received_memory_is_kept_for_the_receiving_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A result allocated on the lane's stream and used on the trainer's: the allocator must not reuse it for the
+    lane's next buffers while the trainer's stream still reads it."""
+    log: list[object] = []
+
+    class CudaTensor:
+        is_cuda = True
+
+        def record_stream(self, stream: object) -> None:
+            log.append(("kept for", stream))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "trainer's stream")
+    monkeypatch.setattr(devices_mod, "wait_for", lambda event: log.append(("waits for", event)))
+    devices_mod.receive("result event", [CudaTensor(), torch.ones(1)])  # type: ignore[list-item]
+    assert log == [("waits for", "result event"), ("kept for", "trainer's stream")]
