@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lighthouse.model import DEPARTED_LIMIT, State
+from lighthouse.model import DEPARTED_IDS_LIMIT, DEPARTED_LIMIT, State
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,11 @@ def drop(state: State, gone: Iterable[str]) -> State:
     over = {rid: state.members[rid].incarnation for rid in gone if rid in state.members}
     if not over:
         return state
-    departed = {**state.departed, **{rid: (*state.departed.get(rid, ()), i)[-DEPARTED_LIMIT:]
-                                     for rid, i in over.items()}}
+    # The most recently departed last: the oldest ids go first once there are too many.
+    departed = {**{k: v for k, v in state.departed.items() if k not in over},
+                **{rid: (*state.departed.get(rid, ()), i)[-DEPARTED_LIMIT:] for rid, i in over.items()}}
+    if len(departed) > DEPARTED_IDS_LIMIT:
+        departed = dict(list(departed.items())[-DEPARTED_IDS_LIMIT:])
     members = {k: v for k, v in state.members.items() if k not in over}
     # A gone reporter's blame goes with it (its collectives failed because of its own end), and so do the
     # suspicions against the gone: a suspect left with no reporter is no suspect.

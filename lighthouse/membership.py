@@ -57,7 +57,7 @@ from typing import Any
 
 from lighthouse import slots
 from lighthouse.ejection import eject
-from lighthouse.escalation import deaths, hung_verdict
+from lighthouse.escalation import credible, deaths, hung_verdict, lone_blames
 from lighthouse.events import (
     DeathCause,
     Died,
@@ -273,7 +273,10 @@ def _report(state: State, ev: Report, policy: Policy) -> Outcome:
     # Only the suspect's own evidence confirms (its silence, or its closed connection): peers' reports are not
     # votes, because a reporter cannot tell a dead peer from one that was merely slower to notice the same
     # failure (FTAR blames everyone who did not check in within its grace period).
-    if ev.disconnected_s is None and age < policy.confirm_age_s:
+    # ...and a lone blamer's word never confirms (its suspect's own silence or dropped connection waits for the
+    # heartbeat timeout: ``lighthouse.escalation.credible``).
+    if (ev.disconnected_s is None and age < policy.confirm_age_s) or \
+            not credible(dataclasses.replace(state, suspicions=suspicions), ev.suspect):
         if ev.early:
             return Outcome(state=state)
         suspected_at = {**state.suspected_at, ev.suspect: state.suspected_at.get(ev.suspect, ev.now)}
@@ -326,10 +329,10 @@ def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
             dead[rid] = Died(rid, DeathCause.TIMEOUT, silent_s=age)
         elif ev.gone.get(rid) == m.incarnation:
             dead[rid] = Died(rid, DeathCause.GONE, silent_s=age)
-        elif rid in state.suspicions and rid in ev.disconnected:
+        elif rid in state.suspicions and rid in ev.disconnected and credible(state, rid):
             dead[rid] = Died(rid, DeathCause.DISCONNECTED, silent_s=age,
                              reporters=tuple(sorted(state.suspicions[rid])), report="failure report")
-        elif rid in state.suspicions and age >= policy.confirm_age_s:
+        elif rid in state.suspicions and age >= policy.confirm_age_s and credible(state, rid):
             dead[rid] = Died(rid, DeathCause.REPORTED, silent_s=age, reporters=tuple(sorted(state.suspicions[rid])))
         elif (policy.join_deadline_s and m.role == JOINING and m.syncing_since is not None
               and ev.now - m.syncing_since > policy.join_deadline_s):
@@ -345,8 +348,8 @@ def _tick(state: State, ev: Tick, policy: Policy) -> Outcome:
             if verdict.hung:
                 return _reconcile(drop(state, verdict.hung), note + deaths(state, verdict, alive), ev.now, policy)
             reforms = {rid: state.reforms.get(rid, 0) + 1 for rid in alive}
-            out = _reconcile(dataclasses.replace(state, reforms=reforms), (Reformed(tuple(alive)), *note), ev.now,
-                             policy, force=True)
+            out = _reconcile(dataclasses.replace(state, reforms=reforms, lone_blames=lone_blames(state)),
+                             (Reformed(tuple(alive)), *note), ev.now, policy, force=True)
             # The min-replicas guard held: no epoch was re-formed, so none counts towards a hung verdict (at one
             # tick every 50 ms, three would have in 0.15 s); the next tick tries again.
             return out if out.new_epoch(state) is not None else Outcome(state=state)
@@ -410,5 +413,6 @@ def _reconcile(state: State, events: tuple[MembershipEvent, ...], now: float, po
                if x.role == JOINING and members[x.replica_id].syncing_since is None}
     new = dataclasses.replace(state, epoch=epoch, last_number=epoch.number, history=history, suspicions={},
                               suspected_at={}, reforms=state.reforms if force else {},
+                              lone_blames={k: v for k, v in state.lone_blames.items() if k in state.members},
                               members={**members, **syncing} if syncing else members)
     return Outcome(state=new, events=events)

@@ -174,13 +174,18 @@ class State:
     """suspect replica id -> time of its first report in the current epoch."""
     reforms: Mapping[str, int] = field(default_factory=dict)
     """suspect replica id -> consecutive epochs re-formed because of it (reset once it is seen training)."""
+    lone_blames: Mapping[str, int] = field(default_factory=dict)
+    """reporter id -> consecutive re-formed epochs in which it, blamed by nobody, blamed every other member
+    (``lighthouse.escalation``): counted whatever the blamed members' steps do; kept across an epoch that changes
+    the members, ended by a re-form in which it did not."""
     report_steps: Mapping[str, int] = field(default_factory=dict)
     """suspect replica id -> the step its heartbeats had reached when it was last reported: a suspect whose step
     moved on between two reports trained in between, so it is not hung, whatever its re-forms so far."""
     min_reached_at: float | None = None
     """Bootstrap: when ``min_replicas`` registrations were first reached."""
     departed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    """replica id -> its last ``DEPARTED_LIMIT`` incarnations that died, left or were replaced, oldest first:
+    """replica id -> its last ``DEPARTED_LIMIT`` incarnations that died, left or were replaced, oldest first, for the
+    ``DEPARTED_IDS_LIMIT`` replica ids that departed most recently (in that order):
     they are over for good (their calls are answered FAILED_PRECONDITION, never 'register again'). Durable
     (``lighthouse.state_doc``)."""
     finished_step: int | None = None
@@ -224,3 +229,6 @@ HISTORY_LIMIT = 256
 """Epochs kept in the live state's history."""
 DEPARTED_LIMIT = 8
 """Incarnations remembered as over, per replica id (``State.departed``)."""
+DEPARTED_IDS_LIMIT = 2048
+"""Replica ids remembered in ``State.departed``, the most recently departed: the durable document stays far
+below etcd's 1.5 MiB request limit (about 2,000 ids of 8 incarnations) however many registrations go silent."""

@@ -110,15 +110,16 @@ def state_to_doc(state: State) -> dict[str, Any]:
     Registrations outside the epoch and heartbeat times are volatile: clients re-register when a lighthouse
     answers NOT_FOUND. History entries keep the replica ids only (restored with empty roles and incarnations),
     for the last ``DOC_HISTORY_LIMIT`` epochs. ``finished_step`` (null: the job has not finished) is durable too,
-    and so are the incarnations that are over (``departed``, at most ``model.DEPARTED_LIMIT`` per replica): a
-    replica declared dead while it hung, back after a restart, must be refused, not registered again.
+    and so are the incarnations that are over (``departed``, at most ``model.DEPARTED_LIMIT`` per replica, for the
+    ``model.DEPARTED_IDS_LIMIT`` replicas that departed last, in departure order): a replica declared dead while it
+    hung, back after a restart, must be refused, not registered again.
     """
     return {
         "last_number": state.last_number,
         "epoch": None if state.epoch is None else _epoch_to_doc(state.epoch),
         "history": [_history_to_doc(e) for e in state.history[-DOC_HISTORY_LIMIT:]],
         "finished_step": state.finished_step,
-        "departed": {rid: list(incs) for rid, incs in sorted(state.departed.items())},
+        "departed": [[rid, list(incs)] for rid, incs in state.departed.items()],  # a list: in departure order
         "slots": state.slots,
     }
 
@@ -130,7 +131,9 @@ def state_from_doc(doc: dict[str, Any] | None, now: float) -> State:
     if not doc:
         return State()
     epoch = None if doc["epoch"] is None else _epoch_from_doc(doc["epoch"])
-    departed = {str(rid): tuple(str(i) for i in incs) for rid, incs in (doc.get("departed") or {}).items()}
+    raw = doc.get("departed") or []
+    pairs = raw.items() if isinstance(raw, dict) else raw  # a mapping: written before the order was kept
+    departed = {str(rid): tuple(str(i) for i in incs) for rid, incs in pairs}
     members = {}
     for x in epoch.members if epoch is not None else ():
         if x.incarnation in departed.get(x.replica_id, ()):

@@ -223,8 +223,10 @@ def test_a_member_blaming_everyone_costs_nobody_else(seed: int, replicas: int, m
     assert out["epochs"] >= 3, "the blame re-formed no epoch: the fault did nothing"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 41: a blamer's false reports on top of a real fault between two other "
-                   "members (here a peers fault on r0) tip the verdict onto an untargeted member (r1)")
 def test_a_blamer_on_top_of_a_real_fault_does_not_convict_the_wrong_member() -> None:
+    """Seed 4: r2 blamed r0 and r1 through five re-forms while they trained on (so their re-forms kept starting
+    over), then a real fault on r0's path made everyone blame everyone, and r2's reports tipped the unattributable
+    verdict onto r1, whom no fault targeted. Now a lone blamer is evicted once it has blamed everyone through
+    ``max_reforms`` re-forms, whatever the blamed members' steps do."""
     out = run_one(4, blame_all=True)
     assert out["violations"] == [], out["violations"]

@@ -96,3 +96,27 @@ def test_incarnations_that_are_over_stay_over_across_a_restart() -> None:
     # A document written before ``departed`` existed loads with none.
     old = {k: v for k, v in state_doc.state_to_doc(state).items() if k != "departed"}
     assert state_doc.state_from_doc(old, now=30.0).departed == {}
+
+
+def test_10000_registrations_that_go_silent_leave_a_document_etcd_accepts() -> None:
+    """Issue 41: every departed registration used to stay in ``departed`` for good, so 5,000 that went silent grew
+    the document to 1.32 MB, and past etcd's 1.5 MiB request limit every save failed and membership stopped
+    changing. The most recent ``DEPARTED_IDS_LIMIT`` ids are kept, in departure order, across a restart."""
+    from lighthouse.incarnations import drop
+    from lighthouse.model import DEPARTED_IDS_LIMIT, Member
+
+    ep = m.Endpoints("10.0.0.1:29400", "10.0.0.1:29401", "")
+    state = m.State()
+    for batch in range(10):  # 10,000 registrations, each silent once registered: dropped as dead
+        ids = [f"silent-{batch:02d}-{i:04d}-{'x' * 40}" for i in range(1000)]
+        members = {rid: Member(rid, f"{rid}-incarnation-{'y' * 40}", 8, ep, m.JOINING, False, 0.0) for rid in ids}
+        state = drop(m.State(members=members, departed=state.departed), ids)
+    assert len(state.departed) == DEPARTED_IDS_LIMIT
+    raw = json.dumps(state_doc.state_to_doc(state), sort_keys=True).encode()  # as the stores write it
+    assert len(raw) < 1_500_000 * 0.8, len(raw)
+    kept = list(state.departed)
+    assert kept[0] == f"silent-07-0952-{'x' * 40}" and kept[-1] == f"silent-09-0999-{'x' * 40}"  # the newest
+    back = state_doc.state_from_doc(json.loads(raw), now=1.0)
+    assert list(back.departed) == kept  # the order survives the store's sorted keys
+    legacy = {**state_doc.state_to_doc(state), "departed": {"a": ["a1"], "b": ["b1", "b2"]}}  # before the order
+    assert state_doc.state_from_doc(legacy, now=1.0).departed == {"a": ("a1",), "b": ("b1", "b2")}

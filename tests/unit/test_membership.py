@@ -971,6 +971,81 @@ def test_one_member_blaming_everyone_is_itself_evicted_never_the_others() -> Non
     assert "replica a evicted (alone, it blamed every other member (b,c,d,e)" in state.epoch.reason
 
 
+def test_a_lone_blamer_is_evicted_even_while_the_members_it_blames_train_on() -> None:
+    """Issue 41, found by the simulator (seed 4 with the blame-all fault, docs/chaos.md): the members a lone blamer
+    blamed trained between its reports, so their re-forms kept starting over and nobody was ever convicted; its
+    reports then tipped a later, real fault's verdict onto one of them. It is the suspect after ``max_reforms``
+    consecutive re-forms of its own, and the others never pay; ``min_replicas`` still binds."""
+    policy = dataclasses.replace(P, max_reforms=2, min_replicas=2)
+    state = boot(["a", "b", "c", "d"], policy)
+    died: list[Died] = []
+    for round_ in range(6):
+        live = state.epoch.replica_ids()  # type: ignore[union-attr]
+        if "a" not in live:
+            break
+        t = 10.0 + 10 * round_
+        for suspect in (x for x in live if x != "a"):  # the blamed train on: their step moves between reports
+            out = m.decide(state, m.Report("a", inc("a"), suspect, state.epoch.number,  # type: ignore[union-attr]
+                                           "collective timed out", t, seen(state, t), suspect_step=100 * round_),
+                           policy)
+            assert out.rejection is None
+            state = out.state
+        out = tick(state, t + policy.confirm_age_s, policy)
+        state = out.state
+        died += [e for e in out.events if isinstance(e, Died)]
+        if not died:
+            assert state.reforms == {} or max(state.reforms.values()) < policy.max_reforms  # nobody else counts up
+    assert [(e.replica_id, e.cause) for e in died] == [("a", DeathCause.BLAMER)], [str(e) for e in died]
+    assert state.epoch is not None and state.epoch.replica_ids() == ("b", "c", "d") and state.lone_blames == {}
+    guarded = dataclasses.replace(policy, min_replicas=4)  # evicting it would leave 3: kept, and said so
+    state = boot(["a", "b", "c", "d"], guarded)
+    for round_ in range(5):
+        out = blame_round(state, {"a": ["b", "c", "d"]}, 10.0 + 10 * round_, guarded)
+        state = out.state
+        assert not [e for e in out.events if isinstance(e, Died)]
+    assert "none evicted (it would break the min-replicas guard)" in state.epoch.reason  # type: ignore[union-attr]
+
+
+def test_a_lone_blamers_word_never_confirms_a_death_beside_a_dropped_connection() -> None:
+    """Found by the simulator (seed 102016 with the blame-all fault): a blamed member's connection blipped while a
+    lone blamer's report of it arrived, and the dropped connection confirmed its death. A lone blamer's word alone
+    records a suspicion only; beside another reporter's, the dropped connection confirms as before."""
+    state = boot(["a", "b", "c"])
+    state = report(state, "a", "c", 10.0).state
+    out = report(state, "a", "b", 10.1, disconnected_s=0.2)  # a blames everyone; b's connection just dropped
+    assert out.rejection is None and not out.confirmed and "b" in out.state.members
+    after = tick(out.state, 10.2, P).state  # nor does the liveness tick take the dropped connection as proof
+    assert "b" in after.members
+    out = report(out.state, "c", "b", 10.3, disconnected_s=0.4)  # a second reporter: credible
+    assert out.confirmed and "b" not in out.state.members
+
+
+def test_with_two_members_left_the_one_that_blamed_everyone_all_along_is_the_suspect() -> None:
+    """Found by the simulator (seed 102999 with the blame-all fault): a lone blamer of three lost one member to a
+    real fault, then went on blaming the one left, who blamed nobody; with two members the evidence was
+    symmetric and the blamed one was evicted. A member that blamed everyone before is the suspect with two too."""
+    policy = dataclasses.replace(P, max_reforms=1)
+    state = boot(["a", "b", "c"], policy)
+    state = blame_round(state, {"a": ["b", "c"]}, 10.0, policy).state  # one re-form as a lone blamer
+    assert state.lone_blames == {"a": 1}
+    state = tick(state, 12.0, policy, c=5.0).state  # c dies (silent): a new epoch of a and b, the count kept
+    assert state.epoch is not None and state.epoch.replica_ids() == ("a", "b") and state.lone_blames == {"a": 1}
+    died: list[Died] = []
+    for round_ in range(4):
+        if "a" not in state.epoch.replica_ids():  # type: ignore[union-attr]
+            break
+        out = blame_round(state, {"a": ["b"]}, 20.0 + 10 * round_, policy)
+        state = out.state
+        died += [e for e in out.events if isinstance(e, Died)]
+    assert [(e.replica_id, e.cause) for e in died] == [("a", DeathCause.BLAMER)]
+    fresh = boot(["a", "b"], policy)  # no history: with two members the blamed one goes, as before
+    for round_ in range(3):
+        if "b" not in fresh.members:
+            break
+        fresh = blame_round(fresh, {"a": ["b"]}, 10.0 + 10 * round_, policy).state
+    assert fresh.lone_blames == {} and set(fresh.members) == {"a"}
+
+
 def test_the_min_replicas_guard_binds_every_verdict() -> None:
     """Singled out by every witness, or a lone blamer: none of them is evicted when that would leave fewer than
     ``min_replicas`` members; the epoch is re-formed instead, and says why."""
