@@ -4,8 +4,9 @@ token without sending it, and the admission rule a source applies before it regi
 The source opens every session with a random nonce; the joiner answers with
 ``HMAC-SHA256(token, context || nonce || job || replica || incarnation || rank || step)`` (fields separated by NUL,
 none of which may hold one), which the source recomputes and compares in constant time. The token itself never
-crosses the wire, and a proof is good for one nonce, one joiner and one step only. Without a token the source
-serves loopback only (``serving_allowed``).
+crosses the wire, and a proof is good for one nonce, one joiner and one step only. The source proves the token
+back the same way (``source_proof``, over the joiner's own nonce, under another context): a joiner takes a
+snapshot only from a replica of its job. Without a token the source serves loopback only (``serving_allowed``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from lighthouse.security import is_loopback
 
 CONTEXT = b"fthsdp-catchup-v2"
 """Binds a proof to this protocol (no other use of the token yields the same MAC)."""
+SOURCE_CONTEXT = b"fthsdp-catchup-source-v1"
+"""Binds a source's proof (a joiner's proof can never be replayed as a source's, nor the other way round)."""
 NONCE_BYTES = 32
 
 
@@ -53,6 +56,25 @@ def verify(token: str, nonce: str, hello: Hello) -> bool:
     except ValueError:
         return False
     return hmac.compare_digest(hello.proof.encode("ascii", "replace"), expected.encode())
+
+
+def source_proof(token: str, hello: Hello, source: str) -> str:
+    """A source's answer to the joiner's nonce (``hello.nonce``): that replica ``source`` holds the job token and
+    serves ``hello``'s rank and step; '' without a token."""
+    if not token:
+        return ""
+    fields = (hello.nonce, hello.job, source, str(hello.rank), str(hello.step))
+    if any("\0" in f for f in fields):
+        raise ValueError("a catch-up handshake field holds a NUL character")
+    return hmac.new(token.encode(), b"\0".join([SOURCE_CONTEXT, *(f.encode() for f in fields)]),
+                    hashlib.sha256).hexdigest()
+
+
+def verify_source(token: str, hello: Hello, source: str, proof: str) -> bool:
+    """Whether a source's ``proof`` answers ``hello.nonce`` with ``token`` (always true without one)."""
+    if not token:
+        return True
+    return hmac.compare_digest(proof.encode("ascii", "replace"), source_proof(token, hello, source).encode())
 
 
 def admit(epoch: EpochView | None, job: str, hello: Hello) -> tuple[str, str] | None:

@@ -65,13 +65,17 @@ class Fetch:
 
     def __init__(self, sources: Sequence[Source], *, job: str, replica_id: str, rank: int, step: int,
                  incarnation: str = "", token: str = "",
-                 expected: Sequence[tuple[str, str, tuple[int, ...]]] | None = None,
+                 expected: Sequence[tuple[str, str, tuple[int, ...]]] | None = None, max_bytes: int | None = None,
                  connect_timeout_s: float = 10.0, wait_s: float = 60.0, io_timeout_s: float = 30.0,
                  batch_bytes: int = 8 << 20, on_chunk: Callable[[int, int], None] | None = None) -> None:
         self.sources = list(sources)
         self.hello = Hello(job, replica_id, incarnation, rank, step)
         self._token = token
         self.expected = [(n, d, tuple(s)) for n, d, s in expected] if expected is not None else None
+        """The (name, dtype, shape) of the snapshot's ``param/`` entries, as this rank's own: a manifest whose
+        parameters differ is refused before anything is allocated."""
+        self.max_bytes = max_bytes
+        """The most a snapshot may hold: a bigger manifest is refused before anything is allocated."""
         self.connect_timeout_s, self.wait_s, self.io_timeout_s = connect_timeout_s, wait_s, io_timeout_s
         self.batch_bytes = batch_bytes
         self._on_chunk = on_chunk
@@ -167,7 +171,8 @@ class Fetch:
 
     # --- per source ---------------------------------------------------------------------------------------------
 
-    def _connect(self, address: str) -> socket.socket:
+    def _connect(self, src: Source) -> socket.socket:
+        address = src.address
         for _ in range(2):  # at most one redirect (rank 0 -> rank s)
             sock = socket.create_connection(_split(address), timeout=self.connect_timeout_s)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
@@ -179,7 +184,8 @@ class Fetch:
             sock.settimeout(self.wait_s + self.io_timeout_s)
             _, challenge = wire.recv_control(sock, (Kind.CHALLENGE,))
             nonce = wire.parse_challenge(challenge)
-            hello = dataclasses.replace(self.hello, proof=auth.proof(self._token, nonce, self.hello))
+            hello = dataclasses.replace(self.hello, proof=auth.proof(self._token, nonce, self.hello),
+                                        nonce=auth.new_nonce())
             wire.send_control(sock, Kind.HELLO, wire.hello_doc(hello))
             kind, obj = wire.recv_control(sock, (Kind.REDIRECT, Kind.QUEUED, Kind.MANIFEST))
             if kind != Kind.REDIRECT:
@@ -192,7 +198,11 @@ class Fetch:
                 kind, obj = wire.recv_control(sock, (Kind.MANIFEST,))
             if kind == Kind.MANIFEST:
                 sock.settimeout(self.io_timeout_s)
-                self._accept_manifest(wire.parse_manifest(obj))
+                manifest = wire.parse_manifest(obj)
+                if not auth.verify_source(self._token, hello, src.replica_id, manifest.proof):
+                    raise ProtocolError(f"{src.replica_id} at {address} did not prove the job token: not a replica of "
+                                        "this job, refused")
+                self._accept_manifest(manifest)
                 return sock
             sock.close()
             address = wire.str_field(obj, "addr", 300)
@@ -206,8 +216,12 @@ class Fetch:
                 if m.entries != self._manifest.entries:
                     raise ProtocolError("this source's snapshot layout differs from the other sources'")
                 return
+            total = sum(e.nbytes for e in m.entries)
+            if self.max_bytes is not None and total > self.max_bytes:
+                raise wire.CatchupError(f"the source's snapshot holds {total} bytes, more than the {self.max_bytes} "
+                                        "this rank's state can (same model, shard count and optimizer needed)")
             if self.expected is not None:
-                got = [(e.name, e.dtype, e.shape) for e in m.entries]
+                got = [(e.name, e.dtype, e.shape) for e in m.entries if e.name.startswith("param/")]
                 if got != self.expected:
                     diff = next((f"{g} vs {w}" for g, w in zip(got, self.expected, strict=False) if g != w),
                                 f"{len(got)} vs {len(self.expected)} tensors")
@@ -227,7 +241,6 @@ class Fetch:
             batch: list[tuple[int, int, int]] = []
             size = 0
             # Small enough batches that every source gets several: a snapshot of a few MB still spreads.
-            total = sum(e.nbytes for e in m.entries)
             per_batch = max(1, min(self.batch_bytes, total // (4 * len(self.sources))))
             for i, e in enumerate(m.entries):
                 for off in range(0, e.nbytes, m.chunk_bytes):
@@ -252,7 +265,7 @@ class Fetch:
         verifier = start_thread(self._verify, args=(src, received, dropped), device=None,
                                 name=f"catchup-verify-r{self.hello.rank}-{src.replica_id}")
         try:
-            sock = self._connect(src.address)
+            sock = self._connect(src)
             while True:
                 with self._lock:
                     if self._remaining == 0 or self._cancelled:

@@ -12,8 +12,10 @@ before it lets step S commit (its zeros of step S) is sure to be served step S.
 
 Every session starts with a challenge (``fthsdp.catchup.auth``): the joiner proves the job token without sending
 it, and is admitted only as a joining member, with its incarnation, of this replica's current epoch; a request
-refused is refused before it is registered, so no state is ever copied for it. Without a token the server
-listens on loopback only, and says so.
+refused is refused before it is registered, so no state is ever copied for it. The server proves the token back
+in its manifest. Until it has answered, a connection holds one of ``max_pending`` handshake places for at most
+``handshake_s``, never one of the ``max_sessions`` sessions: idle connections cannot keep a joiner out. Without a
+token the server listens on loopback only, and says so.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from fthsdp.catchup.wire import CatchupError, Entry, Kind, Manifest, ProtocolErr
 from lighthouse.epoch_view import EpochView
 
 log = logging.getLogger("fthsdp.catchup")
+
+HANDSHAKE_S = 5.0
+"""How long a connection has to answer the challenge."""
 
 
 class InsecureServing(CatchupError):
@@ -82,7 +87,8 @@ class CatchupServer:
     def __init__(self, *, job: str, replica_id: str, rank: int, world_size: int, snapshot: SnapshotFn,
                  epoch: Callable[[], EpochView | None], seal: SealFn = list, device: torch.device | None = None,
                  host: str = "127.0.0.1", port: int = 0, token: str = "", wait_s: float = 60.0,
-                 idle_s: float = 60.0, max_sessions: int = 16, chunk_bytes: int = wire.DEFAULT_CHUNK,
+                 idle_s: float = 60.0, max_sessions: int = 16, max_pending: int = 256,
+                 handshake_s: float = HANDSHAKE_S, chunk_bytes: int = wire.DEFAULT_CHUNK,
                  on_chunk_sent: Callable[[int, int], None] | None = None,
                  corrupt: Callable[[int, int, bytearray], bool] | None = None) -> None:
         self.job, self.replica_id, self.rank, self.world_size = job, replica_id, rank, world_size
@@ -96,6 +102,7 @@ class CatchupServer:
                         "(%s) only", replica_id, rank, host)
         self._token = token
         self.wait_s, self.idle_s, self.max_sessions, self.chunk_bytes = wait_s, idle_s, max_sessions, chunk_bytes
+        self.max_pending, self.handshake_s = max_pending, handshake_s
         self._on_chunk_sent = on_chunk_sent
         self._corrupt = corrupt
         self._lock = threading.Condition()
@@ -113,6 +120,8 @@ class CatchupServer:
         self._requested: dict[int, int] = {}
         self._snapshots: dict[int, _Snapshot] = {}
         self._sessions = 0
+        self._pending = 0
+        """Connections that have not answered the challenge yet."""
         self._closed = False
         self.directory: list[str] = []
         """Every rank's address (index = rank), for redirecting a joiner that asked the wrong rank."""
@@ -242,12 +251,12 @@ class CatchupServer:
             except OSError:
                 return
             with self._lock:
-                busy = self._sessions >= self.max_sessions
+                busy = self._pending >= self.max_pending
                 if not busy:
-                    self._sessions += 1
+                    self._pending += 1
             if busy:
                 conn.settimeout(2.0)
-                self._refuse(conn, "busy", f"{self.max_sessions} catch-up sessions already running")
+                self._refuse(conn, "busy", f"{self.max_pending} catch-up connections already in their handshake")
                 _linger_close(conn)
                 continue
             start_thread(self._session, args=(conn,), name=f"catchup-serve-r{self.rank}", device=None)
@@ -259,8 +268,9 @@ class CatchupServer:
 
     def _session(self, conn: socket.socket) -> None:
         step = None
+        admitted = False  # holds a session place (else, a handshake place)
         try:
-            conn.settimeout(self.idle_s)
+            conn.settimeout(self.handshake_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             nonce = auth.new_nonce()
@@ -271,6 +281,15 @@ class CatchupServer:
             if problem is not None:
                 self._refuse(conn, *problem)
                 return
+            with self._lock:
+                self._pending -= 1
+                admitted = self._sessions < self.max_sessions
+                self._sessions += admitted
+                self._pending += not admitted  # given back in ``finally``
+            if not admitted:
+                self._refuse(conn, "busy", f"{self.max_sessions} catch-up sessions already running")
+                return
+            conn.settimeout(self.idle_s)
             if hello.rank != self.rank:
                 wire.send_control(conn, Kind.REDIRECT, {"addr": self.directory[hello.rank]})
                 return
@@ -278,8 +297,9 @@ class CatchupServer:
             if snap is None:
                 return
             step = snap.step
+            proof = auth.source_proof(self._token, hello, self.replica_id)
             wire.send_control(conn, Kind.MANIFEST, wire.manifest_doc(Manifest(snap.step, snap.entries,
-                                                                               self.chunk_bytes)))
+                                                                               self.chunk_bytes, proof)))
             while True:
                 kind, obj = wire.recv_control(conn, (Kind.GET, Kind.BYE))
                 if kind == Kind.BYE:
@@ -293,7 +313,10 @@ class CatchupServer:
         finally:
             _linger_close(conn)
             with self._lock:
-                self._sessions -= 1
+                if admitted:
+                    self._sessions -= 1
+                else:
+                    self._pending -= 1
                 if step is not None and step in self._snapshots:
                     self._snapshots[step].refs -= 1
                     if self._snapshots[step].refs <= 0:

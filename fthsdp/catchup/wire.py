@@ -8,10 +8,11 @@ A session (joiner rank s to source rank s)::
 
     joiner                                  source
                                           <-  CHALLENGE {nonce}
-    HELLO {job, replica, incarnation, rank, step, proof}  ->   (proof: ``fthsdp.catchup.auth``; never the token)
+    HELLO {job, replica, incarnation, rank, step, proof, nonce}  ->   (``fthsdp.catchup.auth``; never the token)
                                           <-  REDIRECT {addr}        (asked the wrong rank)
                                           <-  QUEUED {step}          (registered: step S will be served)
-                                          <-  MANIFEST {step, entries, chunk_bytes}   (once the snapshot exists)
+                                          <-  MANIFEST {step, entries, chunk_bytes, proof}   (once the snapshot
+                                                                     exists; proof: the source's, of the token)
     GET {ranges: [[entry, offset, length]]} ->
                                           <-  DATA ... DATA END
     BYE                                     ->
@@ -35,7 +36,7 @@ checksum: Callable[[bytes | bytearray | memoryview], int] = crc32c
 """CRC-32C: hardware-accelerated (~3x zlib's CRC-32), and off the GIL."""
 
 MAGIC = b"FTCU"
-VERSION = 3
+VERSION = 4
 """2: the token is proven by HMAC over a nonce (``CHALLENGE``), never sent. 3: ``QUEUED`` before a manifest that
 is not ready yet."""
 FRAME = struct.Struct("!4sBBI")
@@ -45,6 +46,9 @@ CHUNK = struct.Struct("!IQII")
 MAX_CONTROL = 1 << 20
 """Largest control payload accepted (a manifest of tens of thousands of tensors fits)."""
 MAX_CHUNK = 64 << 20
+MIN_CHUNK = 64 << 10
+"""A manifest's chunk size is at least this: the joiner books each chunk, so a tiny one would cost it a record per
+byte."""
 DEFAULT_CHUNK = 4 << 20
 MAX_RANGES = 1 << 16
 
@@ -103,8 +107,8 @@ class Entry:
 
 @dataclass(frozen=True)
 class Hello:
-    """A joiner's request: who it is (replica, incarnation), what it wants (rank, step), and its ``proof`` of the
-    job token for this session's nonce (``fthsdp.catchup.auth``)."""
+    """A joiner's request: who it is (replica, incarnation), what it wants (rank, step), its ``proof`` of the
+    job token for this session's nonce, and its own ``nonce`` for the source to answer (``fthsdp.catchup.auth``)."""
 
     job: str
     replica: str
@@ -112,6 +116,7 @@ class Hello:
     rank: int
     step: int
     proof: str = ""
+    nonce: str = ""
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,8 @@ class Manifest:
     step: int
     entries: tuple[Entry, ...]
     chunk_bytes: int
+    proof: str = ""
+    """The source's answer to the joiner's nonce (``fthsdp.catchup.auth.source_proof``)."""
 
 
 # --- framing ------------------------------------------------------------------------------------------------------
@@ -223,12 +230,13 @@ def _int(obj: Any, key: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
 
 def hello_doc(h: Hello) -> dict[str, Any]:
     return {"job": h.job, "replica": h.replica, "incarnation": h.incarnation, "rank": h.rank, "step": h.step,
-            "proof": h.proof}
+            "proof": h.proof, "nonce": h.nonce}
 
 
 def parse_hello(obj: dict[str, Any]) -> Hello:
     return Hello(str_field(obj, "job", 256), str_field(obj, "replica", 256), str_field(obj, "incarnation", 256),
-                 _int(obj, "rank", 0, 1 << 20), _int(obj, "step"), str_field(obj, "proof", 128))
+                 _int(obj, "rank", 0, 1 << 20), _int(obj, "step"), str_field(obj, "proof", 128),
+                 str_field(obj, "nonce", 128))
 
 
 def parse_queued(obj: dict[str, Any]) -> int:
@@ -244,7 +252,7 @@ def parse_challenge(obj: dict[str, Any]) -> str:
 
 
 def manifest_doc(m: Manifest) -> dict[str, Any]:
-    return {"step": m.step, "chunk_bytes": m.chunk_bytes, "entries": [e.doc() for e in m.entries]}
+    return {"step": m.step, "chunk_bytes": m.chunk_bytes, "entries": [e.doc() for e in m.entries], "proof": m.proof}
 
 
 def parse_manifest(obj: dict[str, Any]) -> Manifest:
@@ -258,7 +266,8 @@ def parse_manifest(obj: dict[str, Any]) -> Manifest:
             raise ProtocolError(f"malformed manifest entry {str(e)[:200]}")
         shape = tuple(_int(d, "shape") for d in e[2])
         out.append(Entry(e[0], e[1], shape, _int(e[3], "nbytes")))
-    return Manifest(_int(obj, "step"), tuple(out), _int(obj, "chunk_bytes", 1, MAX_CHUNK))
+    return Manifest(_int(obj, "step"), tuple(out), _int(obj, "chunk_bytes", MIN_CHUNK, MAX_CHUNK),
+                    str_field(obj, "proof", 128))
 
 
 def parse_ranges(obj: dict[str, Any], entries: tuple[Entry, ...]) -> list[tuple[int, int, int]]:

@@ -69,7 +69,7 @@ def catch_up(rep: StepCore, closure: Callable[[], torch.Tensor] | None) -> tuple
     t_start = time.perf_counter()
     shards, _ = rep.parts()
     with lent_slot(rep):  # a spare group's restart warms up too
-        entered = rep.joiner.enter(shards.opt, closure)
+        entered = rep.joiner.enter(shards.opt, closure, shards.layout())
     handles, got, intervals, t_in, replayed, at = rep.exchange_all(contribute=False), None, [], 0.0, 0, -1
     t_last = time.perf_counter()
     while True:

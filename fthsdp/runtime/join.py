@@ -73,6 +73,7 @@ class Joiner:
         """The trainer's own loop: what its warm-up iteration took, the probe step's time while held out."""
         self.kept: dict[int, list[ExchangeResult]] = {}
         self.fetch: Fetch | None = None
+        self.layout: tuple[list[tuple[str, str, tuple[int, ...]]], int] | None = None
         self.target = -1
         """The step of the snapshot being fetched (the state after committing ``target - 1``)."""
         self.fetches = 0
@@ -80,11 +81,14 @@ class Joiner:
         self.member_unix = 0.0
         """When this replica first exchanged a step (the others' groups include it from there)."""
 
-    def enter(self, opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None) -> float:
+    def enter(self, opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None,
+              layout: tuple[list[tuple[str, str, tuple[int, ...]]], int] | None = None) -> float:
         """Start a catch-up: warm up, then (rank 0) enter the data plane: the others wait for this replica from
         then on. Returns when it was ready to enter (Unix time). ``closure`` None: the trainer's own loop, which
-        warmed up in an iteration of its own (a probe then reuses the warm-up's time)."""
+        warmed up in an iteration of its own (a probe then reuses the warm-up's time). ``layout``: what a snapshot
+        for this rank may be (``ShardState.layout``); the fetches refuse any other."""
         self.kept, self.fetch, self.target, self.fetches, self.attempts, self.member_unix = {}, None, -1, 0, 0, 0.0
+        self.layout = layout
         if self.config.join_warmup and not self.announced and not self.warmed and closure is not None:
             warm_up(opt, closure, self.log)
             self.warmed = True  # a spare, once caught up, does not warm up again (``fthsdp.runtime.spares``)
@@ -185,9 +189,11 @@ class Joiner:
         epoch = self.epoch()
         sources = fetch_sources(epoch.members if epoch is not None else (), self.config.replica_id, self.slot())
         self.log(logging.INFO, "fetching the snapshot of step %d from %s", step, [s.replica_id for s in sources])
+        expected, max_bytes = self.layout if self.layout is not None else (None, None)
         return Fetch(sources, job=self.config.job_id, replica_id=self.config.replica_id, rank=self.rank, step=step,
                      incarnation=self.client.incarnation, token=self.config.token, wait_s=self.config.epoch_wait_s,
-                     on_chunk=lambda s, n: self.faults.at(s, Phase.FETCH)).start()
+                     expected=expected, max_bytes=max_bytes, on_chunk=lambda s, n: self.faults.at(s, Phase.FETCH)
+                     ).start()
 
     def verify(self, got: FetchResult, mine: bytes) -> None:
         """After loading the snapshot, before replaying: this rank's digest of its state (``mine``, RNG included)

@@ -64,6 +64,14 @@ class ShardState:
                     out.append((f"optim/{i}/{key}/{kind}", local_tensor(value)))
         return out
 
+    def layout(self) -> tuple[list[tuple[str, str, tuple[int, ...]]], int]:
+        """What a snapshot for this rank may be: its parameter entries exactly as here (name, dtype, shape), and
+        at most this many bytes (the parameters eight times over, for the optimizer's state, plus 64 MiB for the
+        rest): a joiner refuses a bigger or different one before it allocates anything."""
+        params = [(n, str(t.dtype), tuple(t.shape)) for n, t in self.tensors() if n.startswith("param/")]
+        size = sum(local_tensor(p.detach()).numel() * p.element_size() for p in self.params)
+        return params, 8 * size + (64 << 20)
+
     def rng(self) -> list[tuple[str, torch.Tensor]]:
         """This process's RNG state (CPU, and CUDA on a GPU)."""
         out = [("rng/cpu", torch.get_rng_state())]

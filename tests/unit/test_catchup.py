@@ -350,3 +350,83 @@ def test_no_source_fails_at_once_with_a_clear_error() -> None:
     assert f.done()
     with pytest.raises(FetchFailed, match="no healthy replica"):
         f.result(1)
+
+
+# --- hardening (issue 41) ---------------------------------------------------------------------------------------
+
+
+def test_idle_connections_never_keep_a_joiner_out() -> None:
+    """64 connections that never answer the challenge hold handshake places for ``handshake_s``, never one of the
+    ``max_sessions`` sessions: a joiner is served meanwhile, and the server drops them at the deadline."""
+    a = _server(0, max_sessions=2, handshake_s=1.0)
+    idle = [socket.create_connection(_addr(a[0]), timeout=10) for _ in range(64)]
+    try:
+        res = _fetch([Source("r0", a[0].address)], a[1].step + 20).result(30)
+        _expect_equal(res.tensors, res.step)
+        for s in idle:  # each was sent its challenge, then closed once its deadline passed
+            wire.recv_control(s, (Kind.CHALLENGE,))
+            s.settimeout(10)
+            assert s.recv(1 << 16) == b""
+        wait_until(lambda: a[0]._pending == 0, 10, what="the idle connections' places were given back")
+    finally:
+        for s in idle:
+            s.close()
+        _stop(a)
+
+
+def test_a_full_handshake_pool_refuses_at_once_and_says_why() -> None:
+    a = _server(0, max_pending=2, handshake_s=5.0)
+    idle = [socket.create_connection(_addr(a[0]), timeout=10) for _ in range(2)]
+    try:
+        wait_until(lambda: a[0]._pending == 2, 10, what="both idle connections in their handshake")
+        with pytest.raises(FetchFailed, match="busy"):
+            _fetch([Source("r0", a[0].address)], a[1].step + 20).result(30)
+    finally:
+        for s in idle:
+            s.close()
+        _stop(a)
+
+
+def test_a_joiner_takes_a_snapshot_only_from_a_source_that_proves_the_token() -> None:
+    """A source of another job (its own token) is refused by the joiner, however willing it is to serve."""
+    honest, impostor = _server(0, token="s3cret"), _server(1, token="other")
+    try:
+        res = _fetch([Source("r0", honest[0].address)], honest[1].step + 20, token="s3cret").result(30)
+        _expect_equal(res.tensors, res.step)
+        with pytest.raises(FetchFailed, match="did not prove the job token|unauthenticated"):
+            _fetch([Source("r1", impostor[0].address)], impostor[1].step + 20, token="s3cret").result(30)
+    finally:
+        _stop(honest, impostor)
+
+
+def test_the_sources_proof_is_bound_to_the_joiners_nonce_and_the_source() -> None:
+    hello = Hello("job", "joiner", INC, 0, 5, nonce="n" * 64)
+    good = auth.source_proof("t", hello, "r0")
+    assert auth.verify_source("t", hello, "r0", good)
+    assert not auth.verify_source("t", hello, "r1", good)  # another source's name
+    assert not auth.verify_source("t", Hello("job", "joiner", INC, 0, 5, nonce="m" * 64), "r0", good)  # replayed
+    assert not auth.verify_source("t", hello, "r0", auth.proof("t", hello.nonce, hello))  # a joiner's proof
+    assert auth.verify_source("", hello, "r0", "")  # no token: loopback only
+
+
+@pytest.mark.parametrize("bound", ["max_bytes", "params"])
+def test_a_manifest_bigger_or_other_than_this_ranks_state_is_refused_before_any_allocation(bound: str) -> None:
+    a = _server(0)
+    kw: dict[str, object] = {"max_bytes": 1 << 20} if bound == "max_bytes" else {
+        "expected": [("param/0", "torch.float32", (300_000,)), ("param/1", "torch.float32", (3, 7))]}
+    try:
+        with pytest.raises(FetchFailed, match="more than the|layout differs"):
+            _fetch([Source("r0", a[0].address)], a[1].step + 20, **kw).result(30)
+        fits = {"max_bytes": 8 << 20} if bound == "max_bytes" else {
+            "expected": [("param/0", "torch.float32", (300_000,)), ("param/1", "torch.float32", (7, 3))]}
+        res = _fetch([Source("r0", a[0].address)], a[1].step + 40, **fits).result(30)
+        _expect_equal(res.tensors, res.step)
+    finally:
+        _stop(a)
+
+
+def test_a_tiny_chunk_size_is_a_protocol_error() -> None:
+    doc = wire.manifest_doc(wire.Manifest(1, (), 64 << 10))
+    assert wire.parse_manifest(doc).chunk_bytes == 64 << 10
+    with pytest.raises(wire.ProtocolError, match="chunk_bytes"):
+        wire.parse_manifest({**doc, "chunk_bytes": 1})
