@@ -103,7 +103,8 @@ class StepCore:
                                  config=FTARConfig(backend=cfg.backend, timeout_s=cfg.timeout_s,
                                                    epoch_wait_s=cfg.epoch_wait_s, hold=True, device=self.device))
         # One session per group: rank 0 relays its epochs, and that the lighthouse dropped this incarnation.
-        self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size, on_lost=self.on_lost)
+        self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size, on_lost=self.on_lost,
+                                  key=startup.group_secret(self.rank, self.device))
         self.check = DigestCheck(cfg.digest_every, lambda: self.slot, self.log, self.client.set_digest)
         self.joiner = Joiner(cfg, self.rank, lambda: self.slot, self.client, self.faults, self.device, self.log,
                              epoch=self.feed.current)

@@ -8,14 +8,23 @@ Keys, under ``fthsdp/epochs/<replica>/<incarnation>/``: ``<k>`` is the k-th epoc
 followers tell their replica and stop), ``n`` the newest k. A follower waits for the key after the last
 one it took (the store wakes it when rank 0 writes it), then takes the newest: every epoch is whole, so one it
 skipped matters no more than one the lighthouse itself did not push. Rank 0 deletes keys ``KEEP`` behind.
+
+torchrun's store has no authentication (and listens on every interface), so every value rank 0 writes is sealed:
+an HMAC-SHA256, under a key the group's ranks share and nobody else has (drawn by rank 0 and broadcast over the
+replica's own process group: ``fthsdp.runtime.startup.group_secret``), of the value and the full key it is written
+under. A follower takes only what opens: an epoch, a close or a loss written by anyone else (a forged epoch
+numbered 2^63 naming an attacker's rendezvous, say) is refused and logged, and it waits for rank 0's.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -39,6 +48,24 @@ CONNECT_TIMEOUT_S = 60.0
 LOST = b"\x00lost "
 """What a relayed key starts with when the lighthouse dropped this incarnation (a serialized epoch never does: its
 first field's tag is not 0), followed by the lighthouse's reason."""
+MAC_BYTES = 32
+RECHECK_S = 0.1
+"""How often a follower reads a key again whose value did not open (rank 0's write replaces it)."""
+
+
+def seal(key: bytes, name: str, body: bytes) -> bytes:
+    """``body`` as rank 0 writes it under the store key ``name``: its MAC (bound to ``name``) first."""
+    return hmac.new(key, name.encode() + b"\0" + body, hashlib.sha256).digest() + body
+
+
+def opened(key: bytes, name: str, raw: bytes) -> bytes | None:
+    """The body of ``raw`` read under ``name``, or None if rank 0 did not write it there (forged, replayed from
+    another key, truncated)."""
+    if len(raw) < MAC_BYTES:
+        return None
+    mac, body = raw[:MAC_BYTES], raw[MAC_BYTES:]
+    good = hmac.new(key, name.encode() + b"\0" + body, hashlib.sha256).digest()
+    return body if hmac.compare_digest(mac, good) else None
 
 
 def group_store(prefix: str) -> dist.Store:
@@ -58,14 +85,16 @@ class GroupEpochs:
     relays each epoch to the others; the others follow (``client.deliver``) and never open a stream of their own.
     Their ``client`` still makes unary calls (a failure report), which hold no stream."""
 
-    def __init__(self, client: LighthouseClient, feed: EpochFeed, rank: int, world_size: int,
+    def __init__(self, client: LighthouseClient, feed: EpochFeed, rank: int, world_size: int, *, key: bytes,
                  store: Callable[[str], dist.Store] = group_store,
                  on_lost: Callable[[str], None] | None = None) -> None:
-        self.client, self.feed, self.rank = client, feed, rank
+        if len(key) < 16:
+            raise ValueError("the relay key must be a secret of at least 16 bytes (startup.group_secret)")
+        self.client, self.feed, self.rank, self._key = client, feed, rank, key
         self.on_lost = on_lost
         """A follower's: called when rank 0 relays that the lighthouse dropped this incarnation (``lost``)."""
         self._lost: str | None = None
-        prefix = f"fthsdp/epochs/{client.replica_id}/{client.incarnation}/"
+        self._prefix = prefix = f"fthsdp/epochs/{client.replica_id}/{client.incarnation}/"
         self._connect: Callable[[], dist.Store] = functools.partial(store, prefix)
         self._store = self._connect() if world_size > 1 else None
         self._cond = threading.Condition()
@@ -74,6 +103,8 @@ class GroupEpochs:
         self._thread: threading.Thread | None = None
         self._next = 1
         """The key a follower waits for."""
+        self._refused: dict[str, bytes] = {}
+        """Values refused, by key (each logged once)."""
 
     def start(self, wait_s: float) -> Registration | None:
         """Rank 0: register (retrying up to ``wait_s``) and start the session, relaying its epochs; the others:
@@ -117,19 +148,34 @@ class GroupEpochs:
             try:
                 k += 1
                 if closed or lost is not None:  # rank 0 is done, or this incarnation is
-                    self._store.set(str(k), b"" if lost is None else LOST + lost.encode())  # type: ignore[arg-type]
-                    self._store.set("n", str(k))
+                    self._put(str(k), b"" if lost is None else LOST + lost.encode())
+                    self._put("n", str(k).encode())
                     return
                 assert epoch is not None
                 sent = epoch.number
-                self._store.set(str(k), view_to_pb(epoch).SerializeToString())  # type: ignore[arg-type]
-                self._store.set("n", str(k))
+                self._put(str(k), view_to_pb(epoch).SerializeToString())
+                self._put("n", str(k).encode())
                 if k > KEEP:
                     self._store.delete_key(str(k - KEEP))
             except dist.DistError as e:  # the group's store is gone: the group is going down
                 log.warning("fthsdp replica=%s rank=0 epoch=%d: cannot relay epochs to the group's ranks: %s",
                             self.client.replica_id, sent, e)
                 return
+
+    def _put(self, name: str, body: bytes) -> None:
+        assert self._store is not None
+        self._store.set(name, seal(self._key, self._prefix + name, body))  # type: ignore[arg-type]
+
+    def _take(self, name: str) -> bytes | None:
+        """Rank 0's value under ``name``; None (logged) if what is there did not come from rank 0."""
+        assert self._store is not None
+        raw = self._store.get(name)
+        body = opened(self._key, self._prefix + name, raw)
+        if body is None and self._refused.get(name) != raw:  # once per forgery, not at every re-read
+            self._refused = {**self._refused, name: raw} if len(self._refused) < KEEP else {name: raw}
+            log.warning("fthsdp replica=%s rank=%d: the group store's key %r holds a value rank 0 did not write "
+                        "(forged?): refused", self.client.replica_id, self.rank, name)
+        return body
 
     def _follow(self) -> None:
         assert self._store is not None
@@ -139,7 +185,10 @@ class GroupEpochs:
                 if self._relayed() < k:  # else: behind, take the newest at once
                     self._store.wait([str(k)], timedelta(seconds=FOLLOW_WAIT_S))
                 newest = max(k, self._relayed())
-                raw = self._store.get(str(newest))
+                raw = self._take(str(newest))
+                if raw is None:  # not rank 0's: read again (rank 0's write replaces it), never take it
+                    time.sleep(RECHECK_S)
+                    continue
             except dist.DistError as e:
                 if self._closed:
                     return
@@ -158,9 +207,10 @@ class GroupEpochs:
             self._next = newest + 1
 
     def _relayed(self) -> int:
-        """The newest key rank 0 relayed (0: none yet)."""
+        """The newest key rank 0 relayed (0: none yet, or what is there is not rank 0's)."""
         assert self._store is not None
-        return int(self._store.get("n")) if self._store.check(["n"]) else 0
+        body = self._take("n") if self._store.check(["n"]) else None
+        return int(body) if body is not None and body.isdigit() else 0
 
     def close(self) -> None:
         """Stop relaying (rank 0 wakes its followers first) or following, and wait for the thread to end: a thread
@@ -177,7 +227,8 @@ class GroupEpochs:
             try:
                 waker = self._connect()
                 for _ in range(3):  # the thread may move on to the next key between the write and its wait
-                    waker.set(str(self._next), b"")  # type: ignore[arg-type]  # (bytes work; the stub says str)
+                    name = str(self._next)  # sealed: the thread takes it as a close
+                    waker.set(name, seal(self._key, self._prefix + name, b""))  # type: ignore[arg-type]
                     thread.join(timeout=1.0)
                     if not thread.is_alive():
                         break

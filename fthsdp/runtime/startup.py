@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import os
+import secrets
 import signal
 import sys
 import time
@@ -57,6 +58,16 @@ def agree_incarnation(rank: int, device: torch.device) -> str:
         raw.copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
     dist.broadcast(raw, 0)
     return bytes(raw.cpu().tolist()).hex()
+
+
+def group_secret(rank: int, device: torch.device) -> bytes:
+    """32 random bytes drawn by rank 0 and shared over the replica's own process group: the key that seals the
+    epochs rank 0 relays through torchrun's unauthenticated store (``fthsdp.runtime.epoch_relay``)."""
+    raw = torch.zeros(32, dtype=torch.uint8, device=device)
+    if rank == 0:
+        raw.copy_(torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8))
+    dist.broadcast(raw, 0)
+    return bytes(raw.cpu().tolist())
 
 
 def gather_addresses(mine: str, world_size: int, device: torch.device) -> list[str]:

@@ -4,6 +4,7 @@ its followers, and an epoch crosses the store unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 import time
@@ -22,6 +23,9 @@ from lighthouse.model import ACTIVE, JOINING, Endpoints, EpochMember
 from lighthouse.proto_codec import epoch_from_bytes, epoch_from_pb, view_to_pb
 
 pytestmark = pytest.mark.timeout(60)
+KEY = b"k" * 32
+PREFIX = "fthsdp/epochs/r0/inc-r0/"
+"""The group's relay key (``startup.group_secret`` draws it in a replica)."""
 
 
 def _epoch(n: int) -> EpochView:
@@ -61,7 +65,7 @@ def _store(master: dist.TCPStore) -> Any:
 
 def _follower(master: dist.TCPStore) -> tuple[GroupEpochs, LighthouseClient]:
     client = LighthouseClient("127.0.0.1:1", "job", "r0", incarnation="inc-r0")  # never started: no session
-    return GroupEpochs(client, EpochFeed(), 1, 2, store=_store(master)), client
+    return GroupEpochs(client, EpochFeed(), 1, 2, key=KEY, store=_store(master)), client
 
 
 def _rank0_closes_and_ends(relay: GroupEpochs, follower: GroupEpochs) -> None:
@@ -79,7 +83,7 @@ def test_an_epoch_crosses_unchanged() -> None:
 def test_rank_zero_relays_every_epoch_to_a_follower(master: dist.TCPStore) -> None:
     feed = EpochFeed()
     leader = _Leader(feed)
-    relay = GroupEpochs(leader, feed, 0, 2, store=_store(master))  # type: ignore[arg-type]
+    relay = GroupEpochs(leader, feed, 0, 2, key=KEY, store=_store(master))  # type: ignore[arg-type]
     follower, client = _follower(master)
     seen: list[int] = []
     got = threading.Condition()
@@ -113,7 +117,7 @@ def test_a_dropped_incarnation_reaches_every_follower(master: dist.TCPStore) -> 
     followers learn it from the relay, or their exchanges would wait for epochs that never come (seen: rank 1's lane
     reported a peer every second for minutes after rank 0 was dropped)."""
     feed = EpochFeed()
-    relay = GroupEpochs(_Leader(feed), feed, 0, 2, store=_store(master))  # type: ignore[arg-type]
+    relay = GroupEpochs(_Leader(feed), feed, 0, 2, key=KEY, store=_store(master))  # type: ignore[arg-type]
     lost: list[str] = []
     follower, client = _follower(master)
     follower.on_lost = lost.append
@@ -134,14 +138,20 @@ def test_a_dropped_incarnation_reaches_every_follower(master: dist.TCPStore) -> 
 
 def test_a_follower_behind_takes_the_newest(master: dist.TCPStore) -> None:
     feed = EpochFeed()
-    relay = GroupEpochs(_Leader(feed), feed, 0, 2, store=_store(master))  # type: ignore[arg-type]
+    relay = GroupEpochs(_Leader(feed), feed, 0, 2, key=KEY, store=_store(master))  # type: ignore[arg-type]
     relay.start(5.0)
     last = epoch_relay.KEEP + 20
-    probe = _store(master)("fthsdp/epochs/r0/inc-r0/")
+    probe = _store(master)(PREFIX)
 
     def relayed() -> int:
         """The number of the newest epoch the relay wrote (0: none yet)."""
-        return epoch_from_bytes(probe.get(probe.get("n").decode())).number if probe.check(["n"]) else 0
+        if not probe.check(["n"]):
+            return 0
+        k = epoch_relay.opened(KEY, PREFIX + "n", probe.get("n"))
+        assert k is not None
+        body = epoch_relay.opened(KEY, PREFIX + k.decode(), probe.get(k.decode()))
+        assert body is not None
+        return epoch_from_bytes(body).number
 
     for n in range(2, last + 1):
         feed.publish(_epoch(n))
@@ -151,7 +161,8 @@ def test_a_follower_behind_takes_the_newest(master: dist.TCPStore) -> None:
         while relayed() < n:
             assert time.monotonic() < end, f"epoch {n} was not relayed within 10 s"
             time.sleep(0.005)  # polling a condition with a deadline
-    assert int(probe.get("n")) > epoch_relay.KEEP and not probe.check(["1"]), \
+    assert int(epoch_relay.opened(KEY, PREFIX + "n", probe.get("n")) or 0) > epoch_relay.KEEP and \
+        not probe.check(["1"]), \
         "the relay keeps only the last KEEP epochs"
     follower, client = _follower(master)
     try:
@@ -171,7 +182,7 @@ def test_a_single_rank_group_relays_nothing() -> None:
     def no_store(prefix: str) -> dist.Store:
         raise AssertionError("a group of one rank needs no store")
 
-    relay = GroupEpochs(leader, feed, 0, 1, store=no_store)  # type: ignore[arg-type]
+    relay = GroupEpochs(leader, feed, 0, 1, key=KEY, store=no_store)  # type: ignore[arg-type]
     assert relay.start(5.0) == "registration"
     relay.close()
 
@@ -194,3 +205,44 @@ def test_a_follower_stops_waiting_when_it_closes(master: dist.TCPStore) -> None:
         assert not follower._thread.is_alive(), "the follower's thread still waits on the store"
     finally:
         client.close()
+
+
+def test_a_forged_epoch_in_the_groups_store_is_refused_and_rank_zeros_is_taken(master: dist.TCPStore) -> None:
+    """Issue 41: torchrun's store has no authentication and listens on every interface. One ``set`` of an epoch
+    numbered 2^63 naming an attacker's rendezvous used to hold a rank there for good; a forged ``n`` or close marker
+    would have stalled or stopped it. Now a follower takes only what rank 0 sealed with the group's key."""
+    feed = EpochFeed()
+    relay = GroupEpochs(_Leader(feed), feed, 0, 2, key=KEY, store=_store(master))  # type: ignore[arg-type]
+    follower, client = _follower(master)
+    attacker = _store(master)(PREFIX)
+    forged = dataclasses.replace(_epoch(2**63 - 1), rendezvous="attacker.example:1")
+    try:
+        follower.start(5.0)
+        relay.start(5.0)
+        assert client.wait_epoch(0, timeout=10) == _epoch(1)
+        attacker.set("2", view_to_pb(forged).SerializeToString())  # unsealed
+        attacker.set("n", "2")
+        attacker.set("3", epoch_relay.seal(b"x" * 32, PREFIX + "3", view_to_pb(forged).SerializeToString()))
+        replayed = attacker.get("1")  # rank 0's own epoch 1, moved to another key
+        attacker.set("4", replayed)
+        feed.publish(_epoch(2))  # rank 0's next epoch replaces the forgery under key 2
+        assert client.wait_epoch(1, timeout=10) == _epoch(2)
+        assert all(e.number < 2**62 for e in [client.epoch] if e is not None)
+        attacker.set("3", b"")  # a forged close: ignored, the follower goes on
+        feed.publish(_epoch(3))
+        assert client.wait_epoch(2, timeout=10) == _epoch(3)
+        _rank0_closes_and_ends(relay, follower)
+    finally:
+        for x in (relay, follower, client):
+            x.close()
+
+
+def test_a_seal_is_bound_to_its_key_and_its_place() -> None:
+    sealed = epoch_relay.seal(KEY, PREFIX + "5", b"body")
+    assert epoch_relay.opened(KEY, PREFIX + "5", sealed) == b"body"
+    assert epoch_relay.opened(KEY, PREFIX + "6", sealed) is None  # replayed under another key
+    assert epoch_relay.opened(b"x" * 32, PREFIX + "5", sealed) is None  # another group's key
+    assert epoch_relay.opened(KEY, PREFIX + "5", sealed[:-1] + b"x") is None  # changed
+    assert epoch_relay.opened(KEY, PREFIX + "5", b"short") is None
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        GroupEpochs(_Leader(EpochFeed()), EpochFeed(), 0, 1, key=b"")  # type: ignore[arg-type]
