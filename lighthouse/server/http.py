@@ -24,6 +24,9 @@ from lighthouse.security import BEARER, ServerSecurity, token_matches
 
 REQUEST_TIMEOUT_S = 10.0
 """A connection that sends nothing (or stalls its TLS handshake) this long is dropped."""
+MAX_CONNECTIONS = 64
+"""Connections served at once (a thread each); one more is closed at once, so that idle or slow connections cost
+at most this many threads for ``REQUEST_TIMEOUT_S`` each."""
 log = logging.getLogger("fthsdp.lighthouse.http")
 
 
@@ -45,6 +48,30 @@ def authorized(token: str | None, header: str | None) -> bool:
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
 
+    def __init__(self, *args: Any, max_connections: int = MAX_CONNECTIONS, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+        """Connections closed because ``max_connections`` were being served."""
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            log.warning("http: connections at their limit: closing the one from %s", client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread took it: give its place back
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A failed TLS handshake or a dropped connection is the client's problem: log it, no traceback."""
         log.debug("http connection from %s failed", client_address, exc_info=True)
@@ -54,7 +81,7 @@ class StatusHTTPServer:
     """Serves on ``address`` until ``close``; ``snapshot()`` gives the status JSON (raising when it cannot)."""
 
     def __init__(self, address: str, security: ServerSecurity, metrics: LighthouseMetrics,
-                 snapshot: Callable[[], dict[str, Any]]) -> None:
+                 snapshot: Callable[[], dict[str, Any]], max_connections: int = MAX_CONNECTIONS) -> None:
         host, port = address.rsplit(":", 1)
         sec = security
 
@@ -104,7 +131,7 @@ class StatusHTTPServer:
                 else:
                     self._send(200, page.render_page(status).encode(), "text/html; charset=utf-8")
 
-        self._httpd = _QuietServer((host.strip("[]"), int(port)), Handler)
+        self._httpd = _QuietServer((host.strip("[]"), int(port)), Handler, max_connections=max_connections)
         ctx = sec.ssl_context()
         if ctx is not None:
             # The handshake happens on the request's own thread (first read), not in accept(): a client that
