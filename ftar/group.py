@@ -17,6 +17,7 @@ reference to the backend, so that the group's last reference, and its destructor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -251,10 +252,8 @@ def configure_with_store(pg: Any, store: Any, replica_id: str, rank: int, world:
     pg._replica_id, pg._rank = replica_id, rank
     pg._quorum_id = pg._group_rank = pg._group_world_size = pg._global_ranks = None
     pg.abort(errored=False)
-    if isinstance(pg, ProcessGroupNCCL):
-        with nccl_env.lane_settings():  # c10d reads them as it builds the backend
-            pg._pg = pg._create_pg(store, rank, world)
-    else:
+    # An NCCL lane's settings are in force while c10d builds the backend (it reads them then).
+    with nccl_env.lane_settings() if isinstance(pg, ProcessGroupNCCL) else contextlib.nullcontext():
         pg._pg = pg._create_pg(store, rank, world)
 
 

@@ -9,7 +9,7 @@ must outlive a dead peer, so FTAR's watcher, not c10d's, decides (it aborts, bla
 Two layers:
 
 - ``PROCESS``, set in each rank's environment before any process group exists (``prepare_process``: the runtime
-  calls it before ``init_process_group``, and ``fthsdp run`` and ``deploy/`` put it in every rank's environment):
+  calls it before ``init_process_group``, and ``fthsdp run`` puts it in every rank's environment):
   no dump-and-die on a timeout, torchft's nonblocking-init timeout set up front, and the keys the lane layer
   changes present with the trainer's values.
 - ``LANE``, in force only while FTAR constructs a lane's group (``lane_settings``, under a lock): no asynchronous
@@ -56,8 +56,11 @@ def process_settings(environ: MutableMapping[str, str]) -> dict[str, str]:
 
 def conflicts(environ: MutableMapping[str, str]) -> list[str]:
     """Settings in ``environ`` that put survivors at risk (a warning each): a dump on timeout ends the process."""
-    return [f"{k}={environ[k]} (fthsdp wants {v}: a peer's failure could end this survivor)"
-            for k, v in PROCESS.items() if k == DUMP_ON_TIMEOUT and environ.get(k, v) != v]
+    value = environ.get(DUMP_ON_TIMEOUT, PROCESS[DUMP_ON_TIMEOUT])
+    if value == PROCESS[DUMP_ON_TIMEOUT]:
+        return []
+    return [f"{DUMP_ON_TIMEOUT}={value} (fthsdp wants {PROCESS[DUMP_ON_TIMEOUT]}: a peer's failure could end this "
+            "survivor)"]
 
 
 def prepare_process(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:

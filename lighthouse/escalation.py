@@ -54,6 +54,16 @@ def blamed_by(state: State, reporter: str) -> frozenset[str]:
     return frozenset(s for s, reporters in state.suspicions.items() if reporter in reporters)
 
 
+def _blames_everyone(state: State, rid: str) -> bool:
+    """Whether data-plane member ``rid`` blamed every other one (at least one), in the current epoch. Counted, not
+    listed: O(suspicions) per call."""
+    me = state.members.get(rid)
+    if me is None or not me.in_epoch:
+        return False
+    blamed = [s for s in blamed_by(state, rid) if (x := state.members.get(s)) is not None and x.in_epoch]
+    return len(blamed) == state.in_epoch_count - 1 > 0
+
+
 def lone_blamer(state: State) -> str | None:
     """The lone witness (a reporter nobody blamed) that blamed every other data-plane member in the current epoch:
     at least two, or the one left if it did so before too (``State.lone_blames``: with two members the evidence
@@ -63,13 +73,9 @@ def lone_blamer(state: State) -> str | None:
     if len(witnesses) != 1:
         return None
     (lone,) = witnesses
-    me, plane = state.members.get(lone), state.in_epoch_count  # counted, not listed: O(suspicions) per call
-    if me is None or not me.in_epoch or plane < 2:
+    if not _blames_everyone(state, lone):
         return None
-    blamed = [s for s in blamed_by(state, lone) if (x := state.members.get(s)) is not None and x.in_epoch]
-    if len(blamed) != plane - 1:
-        return None
-    return lone if plane >= 3 or state.lone_blames.get(lone, 0) > 0 else None
+    return lone if state.in_epoch_count >= 3 or state.lone_blames.get(lone, 0) > 0 else None
 
 
 def credible(state: State, suspect: str) -> bool:
@@ -77,14 +83,6 @@ def credible(state: State, suspect: str) -> bool:
     beside the suspect's dropped connection nor beside a second of its silence (a network blip would otherwise turn
     its false report into one); only the heartbeat timeout does then."""
     return bool(state.suspicions.get(suspect, frozenset()) - {lone_blamer(state)})
-
-
-def _blames_everyone(state: State, rid: str) -> bool:
-    me = state.members.get(rid)
-    if me is None or not me.in_epoch:
-        return False
-    blamed = [s for s in blamed_by(state, rid) if (x := state.members.get(s)) is not None and x.in_epoch]
-    return len(blamed) == state.in_epoch_count - 1 > 0
 
 
 def lone_blames(state: State) -> dict[str, int]:

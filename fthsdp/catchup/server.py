@@ -281,11 +281,11 @@ class CatchupServer:
             if problem is not None:
                 self._refuse(conn, *problem)
                 return
-            with self._lock:
-                self._pending -= 1
+            with self._lock:  # from a handshake place to a session's, if one is free
                 admitted = self._sessions < self.max_sessions
-                self._sessions += admitted
-                self._pending += not admitted  # given back in ``finally``
+                if admitted:
+                    self._pending -= 1
+                    self._sessions += 1
             if not admitted:
                 self._refuse(conn, "busy", f"{self.max_sessions} catch-up sessions already running")
                 return
