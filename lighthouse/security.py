@@ -8,7 +8,6 @@ certificate signed by it (mTLS).
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import os
 import pathlib
@@ -19,6 +18,8 @@ from typing import Any
 
 import grpc
 
+from lighthouse import credentials
+from lighthouse.credentials import Principal
 from lighthouse.errors import SecurityConfigError as SecurityConfigError  # raised here: part of this API
 
 AUTH_HEADER = "authorization"
@@ -34,8 +35,8 @@ ENV_TLS_CERT = "FTHSDP_TLS_CERT"
 ENV_TLS_KEY = "FTHSDP_TLS_KEY"
 
 
-def read_token(path: str | os.PathLike[str]) -> str:
-    """The token in ``path`` (surrounding whitespace stripped); refuses an empty or oversized one."""
+def _lines(path: str | os.PathLike[str]) -> list[str]:
+    """The non-empty lines of a token or credential file (at most two), each ASCII without whitespace."""
     try:
         raw = pathlib.Path(path).read_bytes()
     except OSError as e:
@@ -43,12 +44,34 @@ def read_token(path: str | os.PathLike[str]) -> str:
     if len(raw) > TOKEN_MAX_BYTES:
         raise SecurityConfigError(f"token file {str(path)!r} is over {TOKEN_MAX_BYTES} bytes")
     try:
-        token = raw.decode("ascii").strip()
+        lines = [x.strip() for x in raw.decode("ascii").splitlines() if x.strip()]
     except UnicodeDecodeError:
         raise SecurityConfigError(f"token file {str(path)!r} is not ASCII (it goes into a header)") from None
-    if not token or any(c.isspace() or not c.isprintable() for c in token):
-        raise SecurityConfigError(f"token file {str(path)!r} is empty or holds whitespace/control characters")
-    return token
+    if not lines or len(lines) > 2 or any(c.isspace() or not c.isprintable() for x in lines for c in x):
+        raise SecurityConfigError(f"token file {str(path)!r} is empty, holds whitespace/control characters or "
+                                  "more than two lines (a token, or a credential and its catch-up key)")
+    return lines
+
+
+def read_token(path: str | os.PathLike[str]) -> str:
+    """What a caller presents from ``path``: a job secret, or a credential (``lighthouse.credentials``) on the
+    file's first line; refuses an empty, oversized or malformed file."""
+    return _lines(path)[0]
+
+
+def read_catchup_key(path: str | os.PathLike[str], job: str) -> str:
+    """The key ``job``'s replicas prove membership to each other's catch-up servers with: derived from a job
+    secret, or the second line of a replica's credential file (``credentials.credential_file``)."""
+    lines = _lines(path)
+    if len(lines) == 2:
+        try:
+            return credentials.parse_catchup_line(lines[1], job)
+        except ValueError as e:
+            raise SecurityConfigError(f"token file {str(path)!r}: {e}") from None
+    if credentials.is_derived(lines[0]):
+        raise SecurityConfigError(f"token file {str(path)!r} holds a credential without its catch-up key line: "
+                                  "use the file `fthsdp secrets --replicas` wrote for this replica")
+    return credentials.catchup_key(lines[0], job)
 
 
 def _read(path: str | None, what: str) -> bytes | None:
@@ -91,14 +114,14 @@ def exposure(hosts: Sequence[str], security: ServerSecurity) -> list[str]:
     return []
 
 
-def token_matches(expected: str | None, presented: str | None) -> bool:
-    """Constant-time check of a presented ``Bearer`` value (or bare token) against the expected token."""
-    if expected is None:
-        return True
+def principal_of(secret: str | None, presented: str | None) -> Principal | None:
+    """Who presents ``presented`` (a ``Bearer`` value or a bare one) to a server with job secret ``secret``:
+    everyone is the job itself without a secret (loopback only: ``exposure``); None: refused."""
+    if secret is None:
+        return credentials.JOB_PRINCIPAL
     if not presented:
-        return False
-    value = presented.removeprefix(BEARER)
-    return hmac.compare_digest(value.encode("ascii", "replace"), expected.encode("ascii"))
+        return None
+    return credentials.identify(secret, presented)
 
 
 @dataclass(frozen=True)
@@ -116,6 +139,9 @@ class ServerSecurity:
             raise SecurityConfigError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise SecurityConfigError("--tls-client-ca needs --tls-cert/--tls-key (mTLS is on top of TLS)")
+        if self.token and credentials.is_derived(self.token):
+            raise SecurityConfigError("the lighthouse's --token-file must hold the job secret (`fthsdp secrets`: "
+                                      "DIR/token), not a replica's or a reader's credential")
 
     @classmethod
     def from_files(cls, tls_cert: str | None = None, tls_key: str | None = None, tls_client_ca: str | None = None,
@@ -230,9 +256,17 @@ def _refusal(kind: str, message: str, on_refuse: Callable[[], None]) -> grpc.Rpc
     return grpc.stream_stream_rpc_method_handler(stream, request_deserializer=raw, response_serializer=raw)
 
 
+def _presented(metadata: Any) -> str | None:
+    for key, value in metadata or ():
+        if key == AUTH_HEADER:
+            return value if isinstance(value, str) else value.decode("ascii", "replace")
+    return None
+
+
 class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  # not subscriptable at runtime
-    """Refuses every call (the service, reflection, anything) without the job token: UNAUTHENTICATED, before
-    the request is even parsed, so a refused call changes nothing."""
+    """Refuses every call (the service, reflection, anything) without the job secret or a credential derived from
+    it: UNAUTHENTICATED, before the request is even parsed, so a refused call changes nothing. What an
+    authenticated caller may do is the handlers' check (``Authority``)."""
 
     def __init__(self, token: str, on_refuse: Callable[[], None] = lambda: None) -> None:
         self._token = token
@@ -240,18 +274,36 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]  #
 
     async def intercept_service(self, continuation: Callable[[Any], Any],
                                 handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
-        presented = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == AUTH_HEADER:
-                presented = value if isinstance(value, str) else value.decode("ascii", "replace")
-                break
+        presented = _presented(handler_call_details.invocation_metadata)
         handler: grpc.RpcMethodHandler[Any, Any] = await continuation(handler_call_details)
-        if token_matches(self._token, presented):
+        if principal_of(self._token, presented) is not None:
             return handler
-        message = ("missing job token: send 'authorization: Bearer <token>' (fthsdp --token-file)" if not presented
-                   else "wrong job token")
+        message = ("missing job token: send 'authorization: Bearer <token or credential>' (fthsdp --token-file)"
+                   if not presented else "wrong job token or credential")
         if handler is None:
             return _refusal("unary_unary", message, self._on_refuse)
         kind = ("stream" if handler.request_streaming else "unary") + "_" + \
                ("stream" if handler.response_streaming else "unary")
         return _refusal(kind, message, self._on_refuse)
+
+
+class Authority:
+    """The handlers' side of the check: who the caller is (from its call's metadata) and whether it may make this
+    call (``credentials.refusal``): a replica's credential speaks for that replica only, a reader's reads. Without
+    a job secret everyone may do everything (loopback only)."""
+
+    def __init__(self, secret: str | None, on_refuse: Callable[[str], None] = lambda method: None) -> None:
+        self.secret = secret
+        self._on_refuse = on_refuse
+
+    async def check(self, context: grpc.aio.ServicerContext[Any, Any], method: str, job: str,
+                    replica: str = "") -> None:
+        """Aborts the call with PERMISSION_DENIED (nothing changed) unless its caller may call ``method`` on
+        ``job`` as ``replica``."""
+        if self.secret is None:
+            return
+        who = principal_of(self.secret, _presented(context.invocation_metadata()))
+        why = "not authenticated" if who is None else credentials.refusal(who, method, job, replica)
+        if why is not None:
+            self._on_refuse(method)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)

@@ -5,6 +5,12 @@ and ``ca.key`` (a private certificate authority for this job), and ``server.pem`
 certificate, for every ``--host`` name or address the replicas dial, signed by that CA). The lighthouse takes
 ``--token-file token --tls-cert server.pem --tls-key server.key``; the replicas ``FTHSDP_TOKEN_FILE=token`` and
 ``FTHSDP_TLS_CA=ca.pem``. Keys are EC P-256, made by the ``openssl`` command.
+
+Given replica ids (``--replicas N``: ``replica-0`` .. ``replica-{N-1}``, the runtime's default ids; or
+``--replica-id``), it also writes ``replicas/<id>.credential``, one per replica group: the group's own credential
+(it can speak for that group only) and the job's catch-up key (``lighthouse.credentials``); give each group its
+own file as ``FTHSDP_TOKEN_FILE`` and keep ``token`` on the lighthouse and with the operators. It always writes
+``reader.credential``: read-only (``/status``, ``/metrics``, ``Status``), for Prometheus and dashboards.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-PRIVATE = ("token", "ca.key", "server.key")
+from lighthouse import credentials
+from lighthouse.validate import ID_RE
+
+PRIVATE = ("token", "ca.key", "server.key", "reader.credential")
 """What only the folder's owner may read."""
 
 
@@ -59,10 +68,28 @@ def _openssl(folder: pathlib.Path, *args: str) -> None:
         raise SecretsError(f"openssl {args[0]} failed: {done.stderr.strip()[-300:]}")
 
 
-def make(folder: pathlib.Path, hosts: list[str], days: int = 365) -> JobSecrets:
+def replica_ids(count: int, named: list[str]) -> list[str]:
+    """The replica groups to make credentials for: ``replica-0`` .. ``replica-{count-1}`` and ``named``."""
+    if count < 0:
+        raise SecretsError(f"--replicas must be >= 0, not {count}")
+    ids = [f"replica-{i}" for i in range(count)] + list(named)
+    if len(set(ids)) != len(ids):
+        raise SecretsError(f"replica ids repeat: {ids}")
+    for rid in ids:
+        if not ID_RE.fullmatch(rid):
+            raise SecretsError(f"--replica-id {rid!r} is not an id (letters, digits, '.', '_', ':', '-')")
+    return ids
+
+
+def make(folder: pathlib.Path, hosts: list[str], days: int = 365, *, job: str = "default",
+         replicas: list[str] | None = None) -> JobSecrets:
     """Write a job's token, CA and lighthouse certificate into ``folder`` (created, mode 0700; it must not exist:
-    credentials are never overwritten)."""
+    credentials are never overwritten), a read-only credential, and a credential per replica group of
+    ``replicas``."""
+    if not ID_RE.fullmatch(job):
+        raise SecretsError(f"--job {job!r} is not an id (letters, digits, '.', '_', ':', '-')")
     san = alt_names(hosts)
+    replicas = replica_ids(0, replicas or [])
     if days < 1:
         raise SecretsError(f"--days must be >= 1, not {days}")
     if shutil.which("openssl") is None:
@@ -73,7 +100,15 @@ def make(folder: pathlib.Path, hosts: list[str], days: int = 365) -> JobSecrets:
         raise SecretsError(f"{folder} exists: choose a new folder (credentials are never overwritten)") from None
     old = os.umask(0o077)
     try:
-        (folder / "token").write_text(secrets.token_urlsafe(32) + "\n")
+        secret = secrets.token_urlsafe(32)
+        (folder / "token").write_text(secret + "\n")
+        (folder / "reader.credential").write_text(credentials.reader_credential(secret, job) + "\n")
+        if replicas:
+            (folder / "replicas").mkdir(mode=0o700)
+            for rid in replicas:
+                path = folder / "replicas" / f"{rid}.credential"
+                path.write_text(credentials.credential_file(secret, job, rid))
+                path.chmod(0o600)
         ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
         _openssl(folder, "req", "-x509", *ec, "-days", str(days), "-subj", "/CN=fthsdp job CA", "-keyout", "ca.key",
                  "-out", "ca.pem", "-addext", "basicConstraints=critical,CA:TRUE",

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from fthsdp.runtime.faults import FaultSettings, parse_slow
 from lighthouse.config import security_from_env
-from lighthouse.security import ClientSecurity
+from lighthouse.security import ClientSecurity, SecurityConfigError, read_catchup_key
 
 LR_RULES = ("sqrt", "linear", "none")
 SCHEDULERS = ("none", "cosine", "lambda")
@@ -120,9 +120,11 @@ class RuntimeConfig:
     """``FTHSDP_HOST``: the address this rank's catch-up server binds and advertises (reachable by the other
     replicas' ranks). Without a token it must be a loopback address (the server refuses to start otherwise)."""
     token: str = ""
-    """``FTHSDP_TOKEN_FILE``: file holding the job token; joiners prove it to the catch-up servers (HMAC over a
-    nonce, never sent), and the lighthouse and its data-plane rendezvous check it when they have one. Empty: no
-    token (catch-up on loopback only)."""
+    """The catch-up key, from ``FTHSDP_TOKEN_FILE`` (the job secret, or this replica group's credential file from
+    ``fthsdp secrets --replicas``; ``lighthouse.security.read_catchup_key``): joiners prove it to the catch-up
+    servers and the servers prove it back (HMAC over nonces, never sent). The file's first line is what the
+    lighthouse and its data-plane rendezvous are shown (``security``). Empty: no token (catch-up on loopback
+    only)."""
     lr_rule: str = "sqrt"
     """``FTHSDP_LR_RULE``: degraded-mode learning rate, ``lr = lr_base * f(N_contributing / N_total)`` with f =
     ``sqrt`` (default), ``linear`` or ``none``."""
@@ -199,12 +201,9 @@ class RuntimeConfig:
         token = ""
         if e.get("FTHSDP_TOKEN_FILE"):
             try:
-                with open(e["FTHSDP_TOKEN_FILE"], encoding="utf-8") as f:
-                    token = f.read().strip()
-            except OSError as err:
-                raise ConfigError(f"FTHSDP_TOKEN_FILE={e['FTHSDP_TOKEN_FILE']!r} cannot be read: {err}") from None
-            if not token:
-                raise ConfigError(f"FTHSDP_TOKEN_FILE={e['FTHSDP_TOKEN_FILE']!r} is empty")
+                token = read_catchup_key(e["FTHSDP_TOKEN_FILE"], e.get("FTHSDP_JOB", "default"))
+            except SecurityConfigError as err:
+                raise ConfigError(f"FTHSDP_TOKEN_FILE={e['FTHSDP_TOKEN_FILE']!r}: {err}") from None
         local_rank = _int(e, "LOCAL_RANK") if e.get("LOCAL_RANK") else None
         every = _int(e, "FTHSDP_CHECKPOINT_EVERY", "0")
         if every < 0:

@@ -19,7 +19,7 @@ from lighthouse.config import LighthouseConfig
 from lighthouse.errors import StoreUnavailable
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.rendezvous import SCHEME
-from lighthouse.security import SecurityConfigError, TokenInterceptor, is_loopback
+from lighthouse.security import Authority, SecurityConfigError, TokenInterceptor, is_loopback
 from lighthouse.server import status
 from lighthouse.server.collector import Collector
 from lighthouse.server.edge import Edge
@@ -61,9 +61,10 @@ class Lighthouse:
         self._stopping = False
         self.leadership = Leadership(config, self.store, self.jobs, self.metrics, lambda: self._stopping)
         self.edge = Edge(self.store, self.policy, self.metrics)
+        auth = Authority(config.security.token, lambda method: self.metrics.rpc_error(method, "PERMISSION_DENIED"))
         self._service = LighthouseService(self.jobs, self.edge, self.leadership, self.metrics, self.policy,
-                                          lambda: self._stopping, probe_timeout_s=config.probe_timeout_s)
-        self._rendezvous = RendezvousService(self.jobs, self.leadership, self.metrics)
+                                          lambda: self._stopping, probe_timeout_s=config.probe_timeout_s, auth=auth)
+        self._rendezvous = RendezvousService(self.jobs, self.leadership, self.metrics, auth)
         self._server: grpc.aio.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._tcp_store: Any = None

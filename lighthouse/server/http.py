@@ -4,7 +4,8 @@ Runs a stdlib threading HTTP server; each request asks for a consistent snapshot
 lighthouse answers on its event loop) of the status view (``lighthouse.server.status``).
 With TLS configured it serves HTTPS (client certificates required with a client CA); with a job token every
 path but ``/healthz`` (for probes; it says only "ok") needs ``Authorization: Bearer <token>`` (or HTTP Basic with
-the token as password, for browsers).
+the token as password, for browsers), where a read-only credential (``fthsdp secrets``: ``reader.credential``, for
+Prometheus) or a replica's credential does as well as the job secret: every path here only reads.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from lighthouse import page
 from lighthouse.metrics import LighthouseMetrics
-from lighthouse.security import BEARER, ServerSecurity, token_matches
+from lighthouse.security import BEARER, ServerSecurity, principal_of
 
 REQUEST_TIMEOUT_S = 10.0
 """A connection that sends nothing (or stalls its TLS handshake) this long is dropped."""
@@ -31,7 +32,8 @@ log = logging.getLogger("fthsdp.lighthouse.http")
 
 
 def authorized(token: str | None, header: str | None) -> bool:
-    """Whether an ``Authorization`` header carries ``token`` (Bearer, or Basic with it as the password)."""
+    """Whether an ``Authorization`` header carries the job secret ``token`` or a credential derived from it (every
+    kind may read: a reader credential is made for this port), as Bearer, or Basic with it as the password."""
     if token is None:
         return True
     if not header:
@@ -41,8 +43,8 @@ def authorized(token: str | None, header: str | None) -> bool:
             _, _, password = base64.b64decode(header[6:], validate=True).decode("utf-8").partition(":")
         except (binascii.Error, UnicodeDecodeError):
             return False
-        return token_matches(token, password)
-    return header.startswith(BEARER) and token_matches(token, header)
+        return principal_of(token, password) is not None
+    return header.startswith(BEARER) and principal_of(token, header) is not None
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -107,7 +109,7 @@ class StatusHTTPServer:
                     metrics.rpc_error("http", "UNAUTHENTICATED")
                     body = json.dumps({"error": "unauthenticated: send 'Authorization: Bearer <job token>'"
                                        if self.headers.get("Authorization") is None else
-                                       "unauthenticated: wrong job token"}).encode()
+                                       "unauthenticated: wrong job token or credential"}).encode()
                     self.send_response(401)
                     self.send_header("WWW-Authenticate", 'Basic realm="fthsdp lighthouse"')
                     self.send_header("Content-Type", "application/json")

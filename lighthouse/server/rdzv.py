@@ -1,5 +1,6 @@
 """The gRPC handlers of ``fthsdp.v1.Rendezvous`` (docs/design.md §5): the data plane's rendezvous store, on the
-lighthouse's own port, so the same TLS and job-token interceptor guard it. Blocking ``Get``/``Wait`` are awaited
+lighthouse's own port, so the same TLS and job-token interceptor guard it (a replica's credential: its own job's
+table only; a reader's: none). Blocking ``Get``/``Wait`` are awaited
 on the event loop (no thread held per waiter) and bounded; only the leader serves (a follower redirects)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import grpc
 
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.rendezvous import Namespace, RendezvousTable, check_keys, check_wait
+from lighthouse.security import Authority
 from lighthouse.server.jobs import Job
 from lighthouse.server.leadership import Leadership
 from lighthouse.server.service import _parser, guarded
@@ -39,8 +41,10 @@ class _JobRendezvous:
 class RendezvousService:
     """The handlers, over the jobs of one lighthouse (their tables live as long as the process)."""
 
-    def __init__(self, jobs: dict[str, Job], leadership: Leadership, metrics: LighthouseMetrics) -> None:
+    def __init__(self, jobs: dict[str, Job], leadership: Leadership, metrics: LighthouseMetrics,
+                 auth: Authority | None = None) -> None:
         self.jobs = jobs
+        self.auth = auth if auth is not None else Authority(None)
         self.leadership = leadership
         self.metrics = metrics
         self._tables: dict[str, _JobRendezvous] = {}
@@ -63,6 +67,7 @@ class RendezvousService:
         method = f"Rendezvous.{name}"
 
         async def on_job(req: Req, context: Context) -> Resp:
+            await self.auth.check(context, method, req.job_id)  # a replica's credential: its own job only
             job = self.jobs.get(req.job_id)
             if job is None:
                 self.metrics.rpc_error(method, "NOT_FOUND")

@@ -18,6 +18,7 @@ from lighthouse.ejection import held_out
 from lighthouse.errors import ValidationError
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.proto_codec import ROLE_TO_PB, endpoints_from_pb, role_from_pb
+from lighthouse.security import Authority
 from lighthouse.server import probe, status
 from lighthouse.server.edge import Edge
 from lighthouse.server.jobs import Job, Waker, clock
@@ -76,8 +77,11 @@ class LighthouseService:
     """The handlers, over the jobs of one lighthouse."""
 
     def __init__(self, jobs: dict[str, Job], edge: Edge, leadership: Leadership, metrics: LighthouseMetrics,
-                 policy: m.Policy, stopping: Callable[[], bool], probe_timeout_s: float = 0.0) -> None:
+                 policy: m.Policy, stopping: Callable[[], bool], probe_timeout_s: float = 0.0,
+                 auth: Authority | None = None) -> None:
         self.jobs = jobs
+        self.auth = auth if auth is not None else Authority(None)
+        """Who may make which call (``lighthouse.security.Authority``; by default everyone: no job secret)."""
         self.edge = edge
         self.leadership = leadership
         self.metrics = metrics
@@ -119,6 +123,7 @@ class LighthouseService:
         await context.abort(getattr(grpc.StatusCode, rej.code), rej.message)
 
     async def Register(self, req: pb.RegisterRequest, context: Context) -> pb.RegisterResponse:
+        await self.auth.check(context, "Register", req.job_id, req.replica_id)
         job = await self._job(req.job_id, context, "Register")
         check_id("replica_id", req.replica_id)
         check_id("incarnation", req.incarnation)
@@ -146,6 +151,7 @@ class LighthouseService:
                                    resume=member.role == m.ACTIVE and trained and not member.reclaimed)
 
     async def Heartbeat(self, req: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatResponse:
+        await self.auth.check(context, "Heartbeat", req.job_id, req.replica_id)
         job = await self._job(req.job_id, context, "Heartbeat")
         if (rej := self._beat(job, req)) is not None:
             await self._refuse(rej, context, "Heartbeat")
@@ -180,6 +186,7 @@ class LighthouseService:
         if isinstance(req, _Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {req.error}")
             return
+        await self.auth.check(context, "Watch", req.job_id, req.replica_id)
         job = await self._job(req.job_id, context, "Watch")
         watcher = (req.replica_id, req.incarnation) if req.replica_id else None
         if watcher is not None:
@@ -224,6 +231,7 @@ class LighthouseService:
             await self._refuse(m.Rejection("INVALID_ARGUMENT", f"malformed request: {first.error}"), context,
                                "Session")
         hb = first.heartbeat
+        await self.auth.check(context, "Session", hb.job_id, hb.replica_id)
         job = await self._job(hb.job_id, context, "Session")
         try:
             check_id("replica_id", hb.replica_id)
@@ -335,6 +343,7 @@ class LighthouseService:
                 waker.kick()
 
     async def ReportFailure(self, req: pb.FailureReport, context: Context) -> pb.FailureReportResponse:
+        await self.auth.check(context, "ReportFailure", req.job_id, req.reporter_replica_id)
         job = await self._job(req.job_id, context, "ReportFailure")
         check_id("reporter_replica_id", req.reporter_replica_id)
         check_id("suspect_replica_id", req.suspect_replica_id)
@@ -354,6 +363,7 @@ class LighthouseService:
         return pb.FailureReportResponse(confirmed=out.confirmed, detail=detail, epoch=job.number)
 
     async def Ready(self, req: pb.ReadyRequest, context: Context) -> pb.ReadyResponse:
+        await self.auth.check(context, "Ready", req.job_id, req.replica_id)
         job = await self._job(req.job_id, context, "Ready")
         check_id("replica_id", req.replica_id)
         role = role_from_pb(req.role)
@@ -372,6 +382,7 @@ class LighthouseService:
         return pb.ReadyResponse(epoch=job.number)
 
     async def Leave(self, req: pb.LeaveRequest, context: Context) -> pb.LeaveResponse:
+        await self.auth.check(context, "Leave", req.job_id, req.replica_id)
         job = await self._job(req.job_id, context, "Leave")
         check_id("replica_id", req.replica_id)
         check_text("reason", req.reason)
@@ -382,6 +393,7 @@ class LighthouseService:
         return pb.LeaveResponse(epoch=job.number)
 
     async def Status(self, req: pb.StatusRequest, context: Context) -> pb.StatusResponse:
+        await self.auth.check(context, "Status", req.job_id)
         job = await self._job(req.job_id, context, "Status")
         view = status.build(job.job_id, job.state, last_seen=job.last_seen, steps=job.steps, digests=job.digests,
                             paces=job.paces,

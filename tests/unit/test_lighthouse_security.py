@@ -89,7 +89,7 @@ def test_token_is_checked_on_every_call_and_refusals_change_nothing(
         assert code == grpc.StatusCode.UNAUTHENTICATED and "missing job token" in details
         for wrong in ("nope", TOKEN + "x", TOKEN[:-1], "Bearer " + TOKEN):
             code, details = refused(lambda call=call, wrong=wrong: call(wrong))
-            assert code == grpc.StatusCode.UNAUTHENTICATED and details == "wrong job token"
+            assert code == grpc.StatusCode.UNAUTHENTICATED and details == "wrong job token or credential"
         assert snapshot(stub) == before
     # Server reflection is behind the token too.
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc

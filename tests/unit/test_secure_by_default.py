@@ -75,8 +75,10 @@ def test_fthsdp_secrets_makes_what_a_lighthouse_serves_tls_and_a_token_with(
     made = make(tmp_path / "job", ["127.0.0.1", "localhost"], days=2)
     folder = made.folder
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-    assert sorted(p.name for p in folder.iterdir()) == ["ca.key", "ca.pem", "server.key", "server.pem", "token"]
-    assert all(stat.S_IMODE((folder / n).stat().st_mode) == 0o600 for n in ("token", "ca.key", "server.key"))
+    assert sorted(p.name for p in folder.iterdir()) == ["ca.key", "ca.pem", "reader.credential", "server.key",
+                                                        "server.pem", "token"]
+    assert all(stat.S_IMODE((folder / n).stat().st_mode) == 0o600
+               for n in ("token", "ca.key", "server.key", "reader.credential"))
     token = read_token(made.path("token"))
     s = start_server(SLOW_POLICY, security=ServerSecurity.from_files(made.path("server.pem"), made.path("server.key"),
                                                                      token_file=made.path("token")))
