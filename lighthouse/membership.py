@@ -25,7 +25,7 @@ Rules (docs/design.md §4):
   (every live member heartbeats within that time, is told it is unknown and registers again), numbered above
   every epoch the members saw.
 - An incarnation that died, left or was replaced is over for good: its calls are refused (FAILED_PRECONDITION)
-  and it cannot register again (``State.departed``).
+  and it cannot register again (``State.departed``). A job has at most ``max_members`` replica ids registered.
 - Death: no heartbeat for ``heartbeat_timeout_s``; or a failure report the lighthouse confirms, because the
   suspect's last heartbeat is older than ``confirm_age_s`` (at the report, or at a later tick), or at once
   because its own connection closed (``Report.disconnected_s``: its process died). An ``early`` report (before
@@ -162,6 +162,8 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
     old = state.members.get(ev.replica_id)
     if old is not None and old.incarnation == ev.incarnation:
         return Outcome(state=state)  # a reconnect: idempotent
+    if old is None and len(state.members) >= policy.max_members:  # silent registrations cannot grow it
+        return _reject(state, "RESOURCE_EXHAUSTED", f"the job is at its limit of {policy.max_members} members")
     events: list[MembershipEvent] = []
     if old is not None:
         state = drop(state, (ev.replica_id,))

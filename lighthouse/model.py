@@ -46,6 +46,10 @@ class Policy:
     ``lighthouse.stragglers``). 1.5: with three replicas, ejecting one that slow would win back what it costs."""
     straggler_confirm: int = 3
     """Consecutive slow reports (of distinct steps) before a member is named a straggler."""
+    max_members: int = 4096
+    """Registered replica groups per job, at most: one more with a new replica id is refused (RESOURCE_EXHAUSTED),
+    so registrations that go silent cannot grow a job's state without bound (they are dropped at their heartbeat
+    timeout, and remembered among the ``DEPARTED_IDS_LIMIT`` departed)."""
     straggler_policy: str = "report"
     """What a straggler gets: ``report`` (named in the status) or ``eject`` (taken out of the job when that wins:
     ``lighthouse.ejection``; it comes back once a probe step shows it healthy)."""
@@ -57,6 +61,8 @@ class Policy:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
         if not 0 < self.confirm_age_s <= self.heartbeat_timeout_s:
             raise ValueError("need 0 < confirm_age_s <= heartbeat_timeout_s")
+        if self.max_members < 1:
+            raise ValueError(f"max_members must be >= 1, got {self.max_members}")
         if min(self.join_window_s, self.expected_replicas, self.max_reforms, self.join_deadline_s) < 0:
             raise ValueError("join_window_s, expected_replicas, max_reforms and join_deadline_s must be >= 0")
         if not self.straggler_factor > 1.0 or self.straggler_confirm < 1:

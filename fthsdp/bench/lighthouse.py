@@ -80,7 +80,8 @@ async def _bench_one(n: int, deaths: int, window_s: float, interval: float, rejo
         timeout = max(5 * interval, 30 + n / 100)
         proc, addr, http = start_lighthouse_process(
             ["--heartbeat-interval", str(interval), "--heartbeat-timeout", str(timeout),
-             "--confirm-age", str(interval), "--expected-replicas", str(n), "--no-rendezvous"],
+             "--confirm-age", str(interval), "--expected-replicas", str(n), "--max-members", str(max(n, 4096)),
+             "--no-rendezvous"],
             pathlib.Path(tmp))
         port = int(addr.rsplit(":", 1)[1])
         emu = Emulator(addr, n, prefix="bench", rpc_timeout_s=max(5.0, n / 250), ranks=ranks)
@@ -231,7 +232,7 @@ async def _saturation_one(n: int, interval: float, window_s: float) -> dict[str,
     with tempfile.TemporaryDirectory(prefix="fthsdp-bench-lh-") as tmp:
         proc, addr, _ = start_lighthouse_process(
             ["--heartbeat-interval", str(interval), "--heartbeat-timeout", str(max(5.0, 5 * interval)),
-             "--expected-replicas", str(n), "--no-rendezvous"], pathlib.Path(tmp))
+             "--expected-replicas", str(n), "--max-members", str(max(n, 4096)), "--no-rendezvous"], pathlib.Path(tmp))
         emu = Emulator(addr, n, prefix="sat", rpc_timeout_s=10.0)
         try:
             await emu.start()

@@ -47,7 +47,7 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
                         join_window_s=a.join_window, expected_replicas=a.expected_replicas,
                         max_reforms=a.max_reforms, join_deadline_s=a.join_deadline,
                         straggler_factor=a.straggler_factor, straggler_confirm=a.straggler_confirm,
-                        straggler_policy=a.straggler_policy)
+                        straggler_policy=a.straggler_policy, max_members=a.max_members)
     except ValueError as e:
         sys.exit(f"fthsdp lighthouse: {e}")
     if risk := confirm_age_risk(policy.confirm_age_s, policy.heartbeat_interval_s):
@@ -151,6 +151,8 @@ def register(sub: Subparsers) -> None:
     lh.add_argument("--http", default="127.0.0.1:29511", help="HTTP HOST:PORT for /status, /metrics, / ('' = off)")
     lh.add_argument("--job", action="append", default=None, help="job id served (repeatable; default 'default')")
     lh.add_argument("--min-replicas", type=int, default=1, help="no epoch with fewer live replicas")
+    lh.add_argument("--max-members", type=int, default=4096,
+                    help="replica groups registered per job, at most (a new replica id beyond is refused)")
     lh.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds without heartbeat = dead")
     lh.add_argument("--heartbeat-interval", type=float, default=0.0,
                     help="interval advertised to clients (default: min(0.5, timeout/4))")

@@ -1225,3 +1225,22 @@ def test_an_old_report_of_a_live_replica_stays_stale() -> None:
     assert out.rejection is not None and out.rejection.code == "FAILED_PRECONDITION"
     assert "stale" in out.rejection.message
     assert out.state is state
+
+
+def test_a_job_at_its_member_limit_refuses_a_new_replica_id_and_changes_nothing() -> None:
+    """Issue 41: registrations that go silent cannot grow a job's members without bound; a member that registers
+    again (a new incarnation of its id) still can, and a freed place is taken again."""
+    pol = dataclasses.replace(P, max_members=3)
+    s = m.State()
+    for i, rid in enumerate(("a", "b", "c")):
+        s = register(s, rid, now=float(i), policy=pol).state
+    out = m.decide(s, m.Register("d", inc("d"), 1, EP, 3.0), pol)
+    assert out.rejection is not None and out.rejection.code == "RESOURCE_EXHAUSTED" and out.state is s
+    assert "limit of 3 members" in out.rejection.message
+    again = register(s, "c", 3.0, n=2, policy=pol)
+    assert again.rejection is None and again.state.members["c"].incarnation == inc("c", 2)
+    left = m.decide(again.state, m.Leave("b", inc("b"), "bye", 4.0), pol)
+    assert left.rejection is None and set(left.state.members) == {"a", "c"}
+    assert register(left.state, "d", 5.0, policy=pol).rejection is None
+    with pytest.raises(ValueError, match="max_members"):
+        m.Policy(max_members=0)
