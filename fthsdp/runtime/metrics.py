@@ -3,8 +3,8 @@
 Each rank owns a ``ReplicaMetrics``: its own registry (several can live in one process, as in tests), every
 series labelled ``replica`` and ``rank``, and, when ``FTHSDP_METRICS_PORT`` is set, an HTTP exporter on
 ``FTHSDP_METRICS_PORT + LOCAL_RANK`` (so the ranks of one host do not collide; ``RuntimeConfig.metrics_port``
-works it out) serving ``/metrics``. The runtime calls the typed ``on_*`` methods; they are cheap (a few counter
-updates, no I/O) and thread-safe.
+works it out) serving ``/metrics`` on ``FTHSDP_HOST``, at most ``EXPORTER_CONNECTIONS`` connections at once. The
+runtime calls the typed ``on_*`` methods; they are cheap (a few counter updates, no I/O) and thread-safe.
 
 Series (all prefixed ``fthsdp_replica_``):
 
@@ -27,22 +27,55 @@ Series (all prefixed ``fthsdp_replica_``):
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import (
+    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
 )
+
+from lighthouse.capped_http import CappedHTTPServer
 
 PREFIX = "fthsdp_replica_"
 _STALL_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _CATCHUP_BUCKETS = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 _ATTEMPT_BUCKETS = (1, 2, 3, 5, 10)
+
+
+EXPORTER_CONNECTIONS = 8
+"""Connections a rank's exporter serves at once (a scraper needs one); one more is closed at once."""
+EXPORTER_TIMEOUT_S = 10.0
+"""A connection that sends nothing this long is dropped."""
+
+
+def exporter(addr: str, port: int, render: Callable[[], bytes]) -> CappedHTTPServer:
+    """An HTTP server on ``addr:port`` answering ``GET /metrics`` with ``render()`` (404 elsewhere), at most
+    ``EXPORTER_CONNECTIONS`` connections at once: scrapers and idle connections cannot pile up threads in a
+    training process."""
+
+    class Handler(BaseHTTPRequestHandler):
+        timeout = EXPORTER_TIMEOUT_S
+
+        def log_message(self, format: str, *args: Any) -> None:  # quiet: no per-request lines
+            pass
+
+        def do_GET(self) -> None:
+            ok = self.path.split("?", 1)[0] in ("/metrics", "/")
+            body = render() if ok else b"not found\n"
+            self.send_response(200 if ok else 404)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST if ok else "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return CappedHTTPServer((addr.strip("[]"), port), Handler, max_connections=EXPORTER_CONNECTIONS)
 
 
 class ReplicaMetrics:
@@ -91,7 +124,10 @@ class ReplicaMetrics:
         self.address: str | None = None
         """Where the exporter listens (None: no exporter)."""
         if port is not None:
-            self._server, self._thread = start_http_server(port, addr=addr, registry=r)
+            self._server = exporter(addr, port, self.render)
+            self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                            name="fthsdp-metrics", daemon=True)
+            self._thread.start()
             self.address, self.port = self._server.server_address[0], self._server.server_port
 
     # --- what the runtime reports -------------------------------------------------------------------------------

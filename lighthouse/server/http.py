@@ -16,10 +16,11 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from lighthouse import page
+from lighthouse.capped_http import CappedHTTPServer
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.security import BEARER, ServerSecurity, principal_of
 
@@ -45,38 +46,6 @@ def authorized(token: str | None, header: str | None) -> bool:
             return False
         return principal_of(token, password) is not None
     return header.startswith(BEARER) and principal_of(token, header) is not None
-
-
-class _QuietServer(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, *args: Any, max_connections: int = MAX_CONNECTIONS, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.refused = 0
-        """Connections closed because ``max_connections`` were being served."""
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.refused += 1
-            log.warning("http: connections at their limit: closing the one from %s", client_address)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:  # no thread took it: give its place back
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A failed TLS handshake or a dropped connection is the client's problem: log it, no traceback."""
-        log.debug("http connection from %s failed", client_address, exc_info=True)
 
 
 class StatusHTTPServer:
@@ -133,7 +102,7 @@ class StatusHTTPServer:
                 else:
                     self._send(200, page.render_page(status).encode(), "text/html; charset=utf-8")
 
-        self._httpd = _QuietServer((host.strip("[]"), int(port)), Handler, max_connections=max_connections)
+        self._httpd = CappedHTTPServer((host.strip("[]"), int(port)), Handler, max_connections=max_connections)
         ctx = sec.ssl_context()
         if ctx is not None:
             # The handshake happens on the request's own thread (first read), not in accept(): a client that

@@ -22,14 +22,14 @@ def test_connections_past_the_cap_are_closed_at_once_and_the_port_recovers() -> 
     idle: list[socket.socket] = []
     try:
         idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(4)]
-        wait_until(lambda: srv._httpd._slots._value == 0, 10, what="the 4 idle connections taken in")  # type: ignore[attr-defined]
+        wait_until(lambda: srv._httpd.free == 0, 10, what="the 4 idle connections taken in")
         extra = socket.create_connection(("127.0.0.1", srv.port), timeout=2)  # uncapped, it would wait 10 s
         assert extra.recv(1) == b""  # closed at once, no thread started for it
         extra.close()
         assert srv._httpd.refused == 1
         for s in idle:
             s.close()
-        wait_until(lambda: srv._httpd._slots._value == 4, 10, what="the places given back")  # type: ignore[attr-defined]
+        wait_until(lambda: srv._httpd.free == 4, 10, what="the places given back")
         code, body, _ = https_get(addr, "/healthz")
         assert code == 200 and json.loads(body) == {"ok": True}
     finally:

@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.metrics import ReplicaMetrics
+from fthsdp.runtime.metrics import EXPORTER_CONNECTIONS, ReplicaMetrics
+from tests.helpers.lighthouse import wait_until
 
 BASE_ENV = {"FTHSDP_LIGHTHOUSE": "127.0.0.1:1", "FTHSDP_REPLICA_INDEX": "0", "FTHSDP_NUM_REPLICAS": "1",
             "FTHSDP_BACKEND": "gloo"}
@@ -152,3 +153,27 @@ def test_the_exporter_listens_on_loopback_unless_told_an_address() -> None:
     finally:
         m.close()
 
+
+
+def test_the_exporter_serves_a_bounded_number_of_connections_and_recovers() -> None:
+    """Issue 41: each connection cost the exporter a thread, without a cap; now one past ``EXPORTER_CONNECTIONS``
+    is closed at once, and the exporter serves again when the idle ones are gone."""
+    m = ReplicaMetrics("replica-0", 0, port=0)
+    idle: list[socket.socket] = []
+    try:
+        assert m.port is not None and m._server is not None
+        idle = [socket.create_connection(("127.0.0.1", m.port), timeout=10) for _ in range(EXPORTER_CONNECTIONS)]
+        wait_until(lambda: m._server.free == 0, 10, what="the idle connections taken in")
+        extra = socket.create_connection(("127.0.0.1", m.port), timeout=5)
+        assert extra.recv(1) == b""  # closed at once
+        extra.close()
+        assert m._server.refused == 1
+        for s in idle:
+            s.close()
+        wait_until(lambda: m._server.free == EXPORTER_CONNECTIONS, 10, what="the places given back")
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.port}/metrics", timeout=5) as r:
+            assert r.status == 200 and b"fthsdp_replica_step" in r.read()
+    finally:
+        for s in idle:
+            s.close()
+        m.close()
