@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import gc
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -108,14 +109,19 @@ class Lighthouse:
                  self.leadership.election is not None)
 
     def _host_tcp_store(self, host: str) -> None:
-        """The opt-in plain TCPStore: unauthenticated, so only on a loopback address, and said loudly."""
+        """The opt-in plain TCPStore: unauthenticated, so only on a loopback address, and said loudly. A TCPStore
+        given a host still listens on every interface (torch 2.13), so it is handed a socket bound here instead."""
         if not is_loopback(host):
             raise SecurityConfigError(f"--insecure-tcp-rendezvous needs a loopback --bind (not {host!r}): a "
                                       "TCPStore has neither token nor TLS")
         from torch.distributed import TCPStore  # imported here: the lighthouse can run without it
 
-        self._tcp_store = TCPStore(host.strip("[]"), 0, is_master=True, wait_for_workers=False)
-        self.rendezvous_addr = f"{host}:{self._tcp_store.port}"
+        bare = host.strip("[]")
+        sock = socket.create_server((bare, 0), family=socket.AF_INET6 if ":" in bare else socket.AF_INET)
+        port = sock.getsockname()[1]
+        # The store's event loop owns the descriptor from here on (and closes it).
+        self._tcp_store = TCPStore(bare, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach())
+        self.rendezvous_addr = f"{host}:{port}"
         log.warning("lighthouse: INSECURE data-plane rendezvous: a plain TCPStore at %s (no token, no TLS; "
                     "anyone on this host can read and write it)", self.rendezvous_addr)
 

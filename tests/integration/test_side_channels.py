@@ -100,9 +100,32 @@ def test_blocking_gets_wait_on_the_lighthouse_until_the_key_is_set(lighthouse: S
     assert got == [b"here"] * waiters
 
 
+def _listening_on(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} writes them) listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    out.append(local.rsplit(":", 1)[0])
+    return out
+
+
 def test_an_insecure_tcpstore_is_only_an_explicit_loopback_opt_in() -> None:
+    """Refused off loopback; on loopback it listens on loopback only (issue 41: a TCPStore given a host listened on
+    every interface whatever the host, so the guard held nothing)."""
     with pytest.raises(SecurityConfigError, match="loopback"):
         ServerThread(make_config(bind="0.0.0.0:0", rendezvous=True, insecure_tcp_rendezvous=True))
+    srv = ServerThread(make_config(rendezvous=True, insecure_tcp_rendezvous=True))
+    try:
+        port = int(srv.lh.rendezvous_addr.rsplit(":", 1)[1])
+        assert _listening_on(port) == ["0100007F"]  # 127.0.0.1 only, no wildcard
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+    finally:
+        srv.stop()
 
 
 def test_token_holders_build_a_gloo_group_from_the_store_fast(lighthouse: ServerThread) -> None:
