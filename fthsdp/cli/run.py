@@ -89,7 +89,8 @@ def cmd_run(a: argparse.Namespace) -> None:
                                kills=tuple(Kill.parse(k) for k in a.kill or []), restart_delay_s=a.restart_delay,
                                max_restarts=a.max_restarts, timeout_s=a.timeout, lighthouse=a.lighthouse,
                                lighthouse_http=a.lighthouse_http, groups=tuple(a.group or ()),
-                               checkpoint_dir=a.checkpoint_dir, warm_restarts=a.warm_restarts, spares=a.spares)
+                               checkpoint_dir=a.checkpoint_dir, warm_restarts=a.warm_restarts, spares=a.spares,
+                               credentials=a.credentials)
         groups = config.indices()
         where = f"against the lighthouse at {a.lighthouse}" if a.lighthouse else "with an embedded lighthouse"
         print(f"fthsdp run: replica groups {list(groups)} of {a.replicas} (+{a.spares} spare), {a.ranks} ranks each, "
@@ -161,6 +162,9 @@ def register(sub: Subparsers) -> None:
                    help="spare replica groups besides --replicas (indexes --replicas and up): each shadows training "
                    "without a data slot and takes over a dead group's slot in the next epoch; read ft.slot inside "
                    "the closure (next_batch does)")
+    r.add_argument("--credentials", default="", metavar="DIR",
+                   help="a folder `fthsdp secrets --replicas N` wrote: the lighthouse takes its job secret, each "
+                        "replica group only its own credential, the launcher reads status with the read-only one")
     r.add_argument("--max-restarts", type=int, default=10, help="restarts of one group before the job is given up")
     r.add_argument("--timeout", type=float, default=24 * 3600.0, help="give up after this many seconds")
     r.add_argument("--workdir", default="", help="logs and progress files (default: a new temporary directory)")

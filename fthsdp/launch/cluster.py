@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fthsdp.launch import priority
-from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed
+from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed, check_credentials
 from fthsdp.launch.lanes import lanes
 from fthsdp.launch.lighthouse_process import start_lighthouse_process
 from fthsdp.launch.priority import TreePriority
 from fthsdp.launch.procutil import kill_group, stop_process, torchrun
 from fthsdp.launch.progress import ProgressRow, ProgressTail, progress_path, steps_of
 from fthsdp.launch.recovery_metrics import Failure, recovery_metrics
+from lighthouse.security import read_token
 
 log = logging.getLogger("fthsdp.launch.cluster")
 
@@ -80,6 +81,8 @@ class Cluster:
                 raise ValueError(f"kill of replica {k.replica}: this launcher runs replica groups {list(indices)}")
         if not 0 <= config.standby_nice <= 19:
             raise ValueError(f"standby_nice {config.standby_nice}: a nice value from 0 (the training's) to 19")
+        if config.credentials:
+            check_credentials(config.credentials, indices)
         self.config = config
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
@@ -219,18 +222,27 @@ class Cluster:
         """The lighthouse's ``/status``; ``ValueError`` with an external lighthouse whose HTTP address is unknown."""
         if not self.http:
             raise ValueError("no lighthouse HTTP address to ask for its status")
-        with urllib.request.urlopen(f"http://{self.http}/status", timeout=5) as r:
+        with urllib.request.urlopen(self._get("status"), timeout=5) as r:
             return json.load(r)  # type: ignore[no-any-return]
+
+    def _get(self, path: str) -> urllib.request.Request:
+        """A GET of the lighthouse's HTTP ``path``, with the read-only credential when the job has credentials."""
+        headers = {}
+        if self.config.credentials:
+            reader = read_token(pathlib.Path(self.config.credentials) / "reader.credential")
+            headers["Authorization"] = f"Bearer {reader}"
+        return urllib.request.Request(f"http://{self.http}/{path}", headers=headers)
 
     def lighthouse_streams(self) -> dict[str, int]:
         """Sessions and watch streams the lighthouse opened so far, by kind (its ``/metrics``)."""
-        return streams_opened(self.http)
+        return streams_opened(self._get("metrics"))
 
     def lighthouse_args(self) -> list[str]:
         c = self.config
-        return ["--heartbeat-interval", str(c.heartbeat_interval_s), "--heartbeat-timeout", str(c.heartbeat_timeout_s),
-                "--confirm-age", str(c.confirm_age_s), "--expected-replicas", str(c.replicas + c.spares),
-                "--straggler-policy", c.straggler_policy]
+        secret = ["--token-file", str(pathlib.Path(c.credentials) / "token")] if c.credentials else []
+        return [*secret, "--heartbeat-interval", str(c.heartbeat_interval_s),
+                "--heartbeat-timeout", str(c.heartbeat_timeout_s), "--confirm-age", str(c.confirm_age_s),
+                "--expected-replicas", str(c.replicas + c.spares), "--straggler-policy", c.straggler_policy]
 
     def start_lighthouse(self) -> None:
         """Start the lighthouse; set ``addr`` (what replicas get as ``FTHSDP_LIGHTHOUSE``) and ``http``. A subclass
@@ -357,9 +369,11 @@ class Cluster:
         }
 
 
-def streams_opened(http: str) -> dict[str, int]:
-    """Sessions and watch streams the lighthouse at ``http`` opened so far, by kind (its ``/metrics``)."""
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=5) as r:
+def streams_opened(metrics: str | urllib.request.Request) -> dict[str, int]:
+    """Sessions and watch streams a lighthouse opened so far, by kind (its ``/metrics``: a ``host:port`` or a
+    request for it)."""
+    req = metrics if isinstance(metrics, urllib.request.Request) else f"http://{metrics}/metrics"
+    with urllib.request.urlopen(req, timeout=5) as r:
         text = r.read().decode()
     found = re.findall(r'^fthsdp_lighthouse_streams_opened_total\{kind="(\w+)"\} (\S+)$', text, re.M)
     return {kind: int(float(n)) for kind, n in found}

@@ -115,6 +115,10 @@ class ClusterConfig:
     groups: tuple[int, ...] = ()
     """The replica groups this launcher runs, of ``replicas`` (one host's share of a job whose other groups run
     elsewhere against the same ``lighthouse``); empty: all of them."""
+    credentials: str = ""
+    """A folder ``fthsdp secrets --replicas N`` wrote: the launcher's lighthouse takes its job secret (``token``),
+    each replica group ``i`` only its own credential (``replicas/replica-<i>.credential``), and the launcher reads
+    the lighthouse's status with the read-only ``reader.credential``. Empty: no token (loopback only)."""
     command: tuple[str, ...] = ()
     """A user's script and its arguments, run as they are by each group's torchrun from the current directory
     (``fthsdp run``); empty: the example trainer with this config's ``steps``, ``model``, ``batch``... ."""
@@ -146,12 +150,29 @@ class ClusterConfig:
         if self.checkpoint_every or self.checkpoint_dir or self.final_checkpoint:
             env.update(FTHSDP_CHECKPOINT_DIR=self.checkpoint_dir or str(workdir / "checkpoints"),
                        FTHSDP_CHECKPOINT_EVERY=str(self.checkpoint_every))
+        if self.credentials:
+            env["FTHSDP_TOKEN_FILE"] = str(credential_path(self.credentials, index))
         env.update(self.env.get(index, {}))
         env.update(nccl_env.process_settings(env))  # before the trainer builds any group (ftar.nccl_env)
         env.pop("FTHSDP_FAULT", None)
         if fault is not None:
             env["FTHSDP_FAULT"] = f"{fault.step}:{fault.phase}"
         return env
+
+
+def credential_path(folder: str, index: int) -> pathlib.Path:
+    """Replica group ``index``'s credential in a folder ``fthsdp secrets --replicas`` wrote (its default id)."""
+    return pathlib.Path(folder) / "replicas" / f"replica-{index}.credential"
+
+
+def check_credentials(folder: str, indices: tuple[int, ...]) -> None:
+    """``ValueError`` naming what a credentials folder lacks for these replica groups."""
+    base = pathlib.Path(folder)
+    missing = [str(p) for p in (base / "token", base / "reader.credential",
+                                *(credential_path(folder, i) for i in indices)) if not p.is_file()]
+    if missing:
+        raise ValueError(f"--credentials {folder}: missing {', '.join(missing)} (make them with `fthsdp secrets "
+                         f"--out {folder} --host 127.0.0.1 --replicas {max(indices) + 1}`)")
 
 
 def at_lighthouse_defaults(config: ClusterConfig) -> ClusterConfig:
