@@ -7,9 +7,11 @@ writes its own. Layout::
     <dir>/step-00000040-r0/           DCP files (every rank of replica 0 writes its shards, and the optimizer's
                                       param groups)
     <dir>/step-00000040-r0/fthsdp-rank0.json  rank 0's trainer state (param groups, registered objects) and RNG
-    <dir>/step-00000040-r0/fthsdp.json  {"step": 40, "cursors": [...], ...}  written last: the commit marker
+    <dir>/step-00000040-r0/fthsdp.json  {"step": 40, "cursors": [...], "files": {...}, "seal": ...}  written
+                                      last: the commit marker, with every other file's SHA-256 and their seal
 
-A directory without ``fthsdp.json`` is an unfinished write and is ignored.
+A directory without ``fthsdp.json`` is an unfinished write and is ignored. Nothing of a checkpoint is read before
+its seal and digests are checked (``fthsdp.runtime.checkpoint_seal``: loading one runs pickle).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import logging
 import os
 import pathlib
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fthsdp.runtime.errors import StateMismatch
+from fthsdp.runtime import checkpoint_seal
+from fthsdp.runtime.errors import CheckpointRejected, StateMismatch
 from fthsdp.runtime.state import ShardState
 
 log = logging.getLogger("fthsdp.runtime.checkpoint")
@@ -44,6 +48,10 @@ class Checkpoint:
     """The step to train next (the checkpoint holds the state after committing ``step - 1``)."""
     cursors: tuple[int, ...]
     """Per data slot: batches trained so far."""
+    files: Mapping[str, str] = field(default_factory=dict)
+    """Every other file of the checkpoint -> its SHA-256, as its writer hashed them."""
+    seal: str = ""
+    """The writer's MAC over ``files`` under the job's catch-up key ('' without one)."""
 
 
 def latest(directory: str | os.PathLike[str]) -> Checkpoint | None:
@@ -57,7 +65,8 @@ def latest(directory: str | os.PathLike[str]) -> Checkpoint | None:
             continue
         try:
             meta = json.loads((d / MARKER).read_text())
-            ck = Checkpoint(d, int(meta["step"]), tuple(int(c) for c in meta["cursors"]))
+            ck = Checkpoint(d, int(meta["step"]), tuple(int(c) for c in meta["cursors"]),
+                            {str(k): str(v) for k, v in (meta.get("files") or {}).items()}, str(meta.get("seal", "")))
         except (ValueError, KeyError, TypeError, OSError) as e:
             log.warning("fthsdp checkpoint %s: unreadable marker (%s); skipped", d, e)
             continue
@@ -71,10 +80,10 @@ def _side_path(path: pathlib.Path, rank: int) -> pathlib.Path:
 
 
 def save(directory: str | os.PathLike[str], step: int, index: int, model: nn.Module, opt: torch.optim.Optimizer,
-         cursors: torch.Tensor, rank: int, side: bytes) -> pathlib.Path:
+         cursors: torch.Tensor, rank: int, side: bytes, key: str = "") -> pathlib.Path:
     """Write the replica's state (a collective over the replica's ranks: call it on every rank) under its
     ``FTHSDP_REPLICA_INDEX`` ``index`` (unique, where its data slot may be none: a spare); ``side`` is this rank's
-    trainer state and RNG (``ShardState.side_state``, JSON)."""
+    trainer state and RNG (``ShardState.side_state``, JSON); sealed under ``key`` (the job's catch-up key)."""
     path = pathlib.Path(directory) / f"step-{step:08d}-r{index}"
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
@@ -82,18 +91,37 @@ def save(directory: str | os.PathLike[str], step: int, index: int, model: nn.Mod
     tmp.write_bytes(side)
     os.replace(tmp, _side_path(path, rank))
     dist.barrier()
+    world = dist.get_world_size()
+    names = checkpoint_seal.sealed_files(path, MARKER)
+    mine = {n: checkpoint_seal.digest(path / n) for n in names[rank::world]}
+    shares: list[dict[str, str] | None] = [None] * world
+    dist.all_gather_object(shares, mine)
     if rank == 0:
+        files = {k: v for share in shares for k, v in (share or {}).items()}
         tmp = path / (MARKER + ".tmp")
         tmp.write_text(json.dumps({"step": step, "cursors": [int(c) for c in cursors.tolist()], "replica_index": index,
-                                   "world_size": dist.get_world_size()}))
+                                   "world_size": world, "files": files, "seal": checkpoint_seal.seal(key, files)}))
         os.replace(tmp, path / MARKER)
     dist.barrier()
     return path
 
 
-def load(ck: Checkpoint, model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> bytes:
-    """Read a checkpoint into the (already sharded) model and its optimizer, on every rank of the replica; returns
-    this rank's side state (what ``save`` got as ``side``)."""
+def verify(ck: Checkpoint, rank: int, key: str) -> None:
+    """Check ``ck``'s seal and, sharing the files among the replica's ranks, every file's digest (a collective);
+    ``CheckpointRejected`` on every rank if anything differs. Reads no file with pickle."""
+    checkpoint_seal.check_seal(ck.path, MARKER, ck.files, ck.seal, key)
+    world = dist.get_world_size()
+    bad = checkpoint_seal.check_digests(ck.path, ck.files, sorted(ck.files)[rank::world]) if ck.files else []
+    found: list[list[str] | None] = [None] * world
+    dist.all_gather_object(found, bad)
+    if changed := sorted(n for share in found for n in (share or [])):
+        raise CheckpointRejected(f"checkpoint {ck.path}: {changed} differ from what was sealed: refusing to read it")
+
+
+def load(ck: Checkpoint, model: nn.Module, opt: torch.optim.Optimizer, rank: int, key: str = "") -> bytes:
+    """Read a checkpoint into the (already sharded) model and its optimizer, on every rank of the replica, once its
+    seal holds (``verify``); returns this rank's side state (what ``save`` got as ``side``)."""
+    verify(ck, rank, key)
     model_sd, optim_sd = get_state_dict(model, opt)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(ck.path))
@@ -105,10 +133,10 @@ def load(ck: Checkpoint, model: nn.Module, opt: torch.optim.Optimizer, rank: int
                             "a different number of ranks per replica") from None
 
 
-def resume(ck: Checkpoint, model: nn.Module, shards: ShardState, slots: int, rank: int) -> torch.Tensor:
+def resume(ck: Checkpoint, model: nn.Module, shards: ShardState, slots: int, rank: int, key: str = "") -> torch.Tensor:
     """Load ``ck`` into the model, its optimizer, the trainer state and this rank's RNG; returns its data cursors
     (the job must have ``slots`` data slots, as the checkpoint's)."""
     if len(ck.cursors) != slots:
         raise StateMismatch(f"checkpoint {ck.path} has {len(ck.cursors)} data slots, the job {slots}")
-    shards.load_side_state(load(ck, model, shards.opt, rank))
+    shards.load_side_state(load(ck, model, shards.opt, rank, key))
     return torch.tensor(ck.cursors, dtype=torch.int64)

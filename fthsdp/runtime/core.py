@@ -165,7 +165,8 @@ class StepCore:
         """Registered, with the optimizer: load the checkpoint the role needs, and serve snapshots if a member."""
         if (ck := self.resume) is not None:
             assert self.model is not None
-            self.cursors = checkpoint.resume(ck, self.model, self.parts()[0], len(self.cursors), self.rank)
+            self.cursors = checkpoint.resume(ck, self.model, self.parts()[0], len(self.cursors), self.rank,
+                                             self.config.token)
             self.step = ck.step
             if self.standing is not Standing.FINISHED:  # a finished job's final state: nothing resumes
                 self.resumed_from = ck.step
@@ -353,7 +354,7 @@ class StepCore:
         assert self.model is not None and self.opt is not None
         t0 = time.perf_counter()
         path = checkpoint.save(self.config.checkpoint_dir, self.step, self.config.replica_index, self.model, self.opt,
-                               self.cursors, self.rank, self.parts()[0].side_state())
+                               self.cursors, self.rank, self.parts()[0].side_state(), self.config.token)
         self.log(logging.INFO, "checkpoint %s written in %.3fs", path, time.perf_counter() - t0)
         return str(path)
 

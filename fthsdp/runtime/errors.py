@@ -28,6 +28,11 @@ class StateMismatch(RuntimeError):
     """A joiner's model, optimizer or registered state does not have the layout of the state it was sent."""
 
 
+class CheckpointRejected(StateMismatch):
+    """A checkpoint failed its seal (``fthsdp.runtime.checkpoint_seal``): a file differs from what its writer
+    hashed, is missing or was added, or the seal is not the job's. Nothing of it was read."""
+
+
 class DigestMismatch(StateMismatch):
     """Replicas that must hold bitwise-equal state do not: the state digest of the replicas (indexes) ``replicas``
     differs at ``step``. Raised on every replica when no majority agrees (nobody can tell which state is right),
