@@ -26,12 +26,11 @@ from typing import Any
 from fthsdp.launch import priority
 from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed, check_credentials
 from fthsdp.launch.lanes import lanes
-from fthsdp.launch.lighthouse_process import start_lighthouse_process
+from fthsdp.launch.lighthouse_process import http_get, start_lighthouse_process
 from fthsdp.launch.priority import TreePriority
 from fthsdp.launch.procutil import kill_group, stop_process, torchrun
 from fthsdp.launch.progress import ProgressRow, ProgressTail, progress_path, steps_of
 from fthsdp.launch.recovery_metrics import Failure, recovery_metrics
-from lighthouse.security import read_token
 
 log = logging.getLogger("fthsdp.launch.cluster")
 
@@ -222,20 +221,12 @@ class Cluster:
         """The lighthouse's ``/status``; ``ValueError`` with an external lighthouse whose HTTP address is unknown."""
         if not self.http:
             raise ValueError("no lighthouse HTTP address to ask for its status")
-        with urllib.request.urlopen(self._get("status"), timeout=5) as r:
+        with urllib.request.urlopen(http_get(self.http, "status", self.config.credentials), timeout=5) as r:
             return json.load(r)  # type: ignore[no-any-return]
-
-    def _get(self, path: str) -> urllib.request.Request:
-        """A GET of the lighthouse's HTTP ``path``, with the read-only credential when the job has credentials."""
-        headers = {}
-        if self.config.credentials:
-            reader = read_token(pathlib.Path(self.config.credentials) / "reader.credential")
-            headers["Authorization"] = f"Bearer {reader}"
-        return urllib.request.Request(f"http://{self.http}/{path}", headers=headers)
 
     def lighthouse_streams(self) -> dict[str, int]:
         """Sessions and watch streams the lighthouse opened so far, by kind (its ``/metrics``)."""
-        return streams_opened(self._get("metrics"))
+        return streams_opened(http_get(self.http, "metrics", self.config.credentials))
 
     def lighthouse_args(self) -> list[str]:
         c = self.config

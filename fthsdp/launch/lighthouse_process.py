@@ -5,8 +5,10 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
+import urllib.request
 
 from fthsdp.launch.procutil import wait_for_file
+from lighthouse.security import read_token
 
 
 def start_lighthouse_process(args: list[str], workdir: pathlib.Path) -> tuple[subprocess.Popen[bytes], str, str]:
@@ -24,3 +26,12 @@ def start_lighthouse_process(args: list[str], workdir: pathlib.Path) -> tuple[su
         raise
     ports = dict(kv.split("=", 1) for kv in text.split())
     return proc, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}"
+
+
+def http_get(http: str, path: str, credentials: str = "") -> urllib.request.Request:
+    """A GET of a lighthouse's HTTP ``path`` at ``http``, with the read-only credential of a credentials folder
+    (``fthsdp secrets``) when one is given."""
+    headers = {}
+    if credentials:
+        headers["Authorization"] = f"Bearer {read_token(pathlib.Path(credentials) / 'reader.credential')}"
+    return urllib.request.Request(f"http://{http}/{path}", headers=headers)

@@ -40,6 +40,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from ftar.devices import start_thread
 from lighthouse.capped_http import CappedHTTPServer
 
 PREFIX = "fthsdp_replica_"
@@ -125,9 +126,7 @@ class ReplicaMetrics:
         """Where the exporter listens (None: no exporter)."""
         if port is not None:
             self._server = exporter(addr, port, self.render)
-            self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                            name="fthsdp-metrics", daemon=True)
-            self._thread.start()
+            self._thread = start_thread(self._server.serve_forever, name="fthsdp-metrics", device=None, args=(0.1,))
             self.address, self.port = self._server.server_address[0], self._server.server_port
 
     # --- what the runtime reports -------------------------------------------------------------------------------
