@@ -81,7 +81,7 @@ class Cluster:
         if not 0 <= config.standby_nice <= 19:
             raise ValueError(f"standby_nice {config.standby_nice}: a nice value from 0 (the training's) to 19")
         if config.credentials:
-            check_credentials(config.credentials, indices)
+            check_credentials(config.credentials, indices, own_lighthouse=not config.lighthouse)
         self.config = config
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)

@@ -116,9 +116,10 @@ class ClusterConfig:
     """The replica groups this launcher runs, of ``replicas`` (one host's share of a job whose other groups run
     elsewhere against the same ``lighthouse``); empty: all of them."""
     credentials: str = ""
-    """A folder ``fthsdp secrets --replicas N`` wrote: the launcher's lighthouse takes its job secret (``token``),
-    each replica group ``i`` only its own credential (``replicas/replica-<i>.credential``), and the launcher reads
-    the lighthouse's status with the read-only ``reader.credential``. Empty: no token (loopback only)."""
+    """A folder ``fthsdp secrets --replicas N`` wrote: the launcher's lighthouse takes its job secret (``token``;
+    not needed with an external ``lighthouse``), each replica group ``i`` only its own credential
+    (``replicas/replica-<i>.credential``), and the launcher reads the lighthouse's status with the read-only
+    ``reader.credential``. Empty: no token (loopback only)."""
     command: tuple[str, ...] = ()
     """A user's script and its arguments, run as they are by each group's torchrun from the current directory
     (``fthsdp run``); empty: the example trainer with this config's ``steps``, ``model``, ``batch``... ."""
@@ -165,11 +166,13 @@ def credential_path(folder: str, index: int) -> pathlib.Path:
     return pathlib.Path(folder) / "replicas" / f"replica-{index}.credential"
 
 
-def check_credentials(folder: str, indices: tuple[int, ...]) -> None:
-    """``ValueError`` naming what a credentials folder lacks for these replica groups."""
+def check_credentials(folder: str, indices: tuple[int, ...], own_lighthouse: bool) -> None:
+    """``ValueError`` naming what a credentials folder lacks for these replica groups (and the job secret, for a
+    lighthouse the launcher starts; a host that only runs groups needs no more than their own files)."""
     base = pathlib.Path(folder)
-    missing = [str(p) for p in (base / "token", base / "reader.credential",
-                                *(credential_path(folder, i) for i in indices)) if not p.is_file()]
+    secret = (base / "token",) if own_lighthouse else ()
+    missing = [str(p) for p in (*secret, base / "reader.credential", *(credential_path(folder, i) for i in indices))
+               if not p.is_file()]
     if missing:
         raise ValueError(f"--credentials {folder}: missing {', '.join(missing)} (make them with `fthsdp secrets "
                          f"--out {folder} --host 127.0.0.1 --replicas {max(indices) + 1}`)")

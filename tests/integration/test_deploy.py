@@ -156,6 +156,7 @@ def test_secrets_are_mounted_where_the_flags_point() -> None:
         for mount in c["volumeMounts"]:
             secret = volumes[mount["name"]].get("secret")
             if secret is None:
+                files |= _copied_by_init(doc, mount, secrets)
                 continue
             assert secret["secretName"] in secrets, f"{name} mounts a Secret that is not defined"
             keys = set(secrets[secret["secretName"]]["stringData"])
@@ -168,6 +169,38 @@ def test_secrets_are_mounted_where_the_flags_point() -> None:
         assert wanted, f"{name}: neither TLS nor the job token is wired in"
         for path in wanted:
             assert path in files, f"{name}: {path} is not a mounted Secret file"
+
+
+def _copied_by_init(doc: dict[str, Any], mount: dict[str, Any], secrets: dict[str, Any]) -> set[str]:
+    """The files an init container copies from a mounted Secret into the volume ``mount`` names (a replica group's
+    own credential: the trainer never mounts the Secret holding every group's), as the trainer sees them."""
+    out = set()
+    for init in doc["spec"]["template"]["spec"].get("initContainers", []):
+        into = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+        if mount["name"] not in into:
+            continue
+        script = " ".join(init["command"])
+        m = re.search(r"cp (\S+) (\S+)", script)
+        assert m, f"init container {init['name']}: no copy into {mount['name']}"
+        source, dest = m.group(1), m.group(2)
+        volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+        from_secret = next(volumes[n]["secret"]["secretName"] for n, p in into.items()
+                           if source.startswith(p + "/") and "secret" in volumes[n])
+        keys = secrets[from_secret]["stringData"]
+        pattern = source.rsplit("/", 1)[1].replace("$(FTHSDP_REPLICA_INDEX)", "{}")
+        assert all(pattern.format(i) in keys for i in range(4)), f"{from_secret} lacks a group's {pattern}"
+        out.add(dest.replace(into[mount["name"]], mount["mountPath"], 1))
+    return out
+
+
+def test_a_replica_group_sees_its_own_credential_only() -> None:
+    """Issue 41: the trainer mounts no Secret that holds another group's credential (nor the job secret)."""
+    job = _find("Job", "fthsdp-replicas")
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    trainer = _container(job, "trainer")
+    mounted = {volumes[m["name"]].get("secret", {}).get("secretName") for m in trainer["volumeMounts"]}
+    assert not mounted & {"fthsdp-replica-credentials", "fthsdp-job-token"}, mounted
+    assert _env(trainer)["FTHSDP_TOKEN_FILE"] == "/etc/fthsdp/token/credential"
 
 
 def _etcd_args() -> list[str]:

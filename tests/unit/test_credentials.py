@@ -215,3 +215,21 @@ def test_a_credential_of_another_job_or_a_reader_changes_nothing(lighthouse: tup
     assert https_get(s.http, "/status", token=reader)[0] == 200
     assert https_get(s.http, "/metrics", token=reader)[0] == 200
     assert https_get(s.http, "/status", token=c.reader_credential("wrong-secret", JOB))[0] == 401
+
+
+def test_the_launcher_gives_each_group_its_own_credential(tmp_path: pathlib.Path) -> None:
+    from fthsdp.launch.cluster import Cluster
+    from fthsdp.launch.config import ClusterConfig
+
+    folder = tmp_path / "creds"
+    (folder / "replicas").mkdir(parents=True)
+    with pytest.raises(ValueError, match="missing .*token.*reader.credential.*replica-0.credential"):
+        Cluster(ClusterConfig(replicas=2, credentials=str(folder)), tmp_path / "run")
+    for name in ("token", "reader.credential", "replicas/replica-1.credential"):
+        (folder / name).write_text("x\n")
+    # A host that runs only group 1 against an external lighthouse needs no job secret and no other group's file.
+    (folder / "token").unlink()
+    config = ClusterConfig(replicas=2, credentials=str(folder), lighthouse="127.0.0.1:1", groups=(1,))
+    Cluster(config, tmp_path / "run")
+    env = config.replica_env(1, "127.0.0.1:1", tmp_path / "p", tmp_path, None)
+    assert env["FTHSDP_TOKEN_FILE"] == str(folder / "replicas" / "replica-1.credential")
