@@ -18,7 +18,6 @@ import re
 import signal
 import subprocess
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -221,12 +220,11 @@ class Cluster:
         """The lighthouse's ``/status``; ``ValueError`` with an external lighthouse whose HTTP address is unknown."""
         if not self.http:
             raise ValueError("no lighthouse HTTP address to ask for its status")
-        with urllib.request.urlopen(http_get(self.http, "status", self.config.credentials), timeout=5) as r:
-            return json.load(r)  # type: ignore[no-any-return]
+        return json.loads(http_get(self.http, "status", self.config.credentials))  # type: ignore[no-any-return]
 
     def lighthouse_streams(self) -> dict[str, int]:
         """Sessions and watch streams the lighthouse opened so far, by kind (its ``/metrics``)."""
-        return streams_opened(http_get(self.http, "metrics", self.config.credentials))
+        return streams_text(http_get(self.http, "metrics", self.config.credentials).decode())
 
     def lighthouse_args(self) -> list[str]:
         c = self.config
@@ -360,13 +358,14 @@ class Cluster:
         }
 
 
-def streams_opened(metrics: str | urllib.request.Request) -> dict[str, int]:
-    """Sessions and watch streams a lighthouse opened so far, by kind (its ``/metrics``: a ``host:port`` or a
-    request for it)."""
-    req = metrics if isinstance(metrics, urllib.request.Request) else f"http://{metrics}/metrics"
-    with urllib.request.urlopen(req, timeout=5) as r:
-        text = r.read().decode()
-    found = re.findall(r'^fthsdp_lighthouse_streams_opened_total\{kind="(\w+)"\} (\S+)$', text, re.M)
+def streams_opened(http: str) -> dict[str, int]:
+    """Sessions and watch streams the lighthouse at ``http`` opened so far, by kind (its ``/metrics``)."""
+    return streams_text(http_get(http, "metrics").decode())
+
+
+def streams_text(metrics: str) -> dict[str, int]:
+    """Sessions and watch streams opened, by kind, from a lighthouse's ``/metrics`` text."""
+    found = re.findall(r'^fthsdp_lighthouse_streams_opened_total\{kind="(\w+)"\} (\S+)$', metrics, re.M)
     return {kind: int(float(n)) for kind, n in found}
 
 

@@ -8,6 +8,7 @@ import sys
 import urllib.request
 
 from fthsdp.launch.procutil import wait_for_file
+from lighthouse.config import security_from_env
 from lighthouse.security import read_token
 
 
@@ -28,10 +29,13 @@ def start_lighthouse_process(args: list[str], workdir: pathlib.Path) -> tuple[su
     return proc, f"127.0.0.1:{ports['grpc']}", f"127.0.0.1:{ports['http']}"
 
 
-def http_get(http: str, path: str, credentials: str = "") -> urllib.request.Request:
-    """A GET of a lighthouse's HTTP ``path`` at ``http``, with the read-only credential of a credentials folder
-    (``fthsdp secrets``) when one is given."""
+def http_get(http: str, path: str, credentials: str = "") -> bytes:
+    """The body of a lighthouse's HTTP ``path`` at ``http``: over HTTPS when ``FTHSDP_TLS_CA`` is set (as for the
+    replicas), with the read-only credential of a credentials folder (``fthsdp secrets``) when one is given."""
     headers = {}
     if credentials:
         headers["Authorization"] = f"Bearer {read_token(pathlib.Path(credentials) / 'reader.credential')}"
-    return urllib.request.Request(f"http://{http}/{path}", headers=headers)
+    tls = security_from_env().ssl_context()
+    req = urllib.request.Request(f"{'https' if tls else 'http'}://{http}/{path}", headers=headers)
+    with urllib.request.urlopen(req, timeout=5, context=tls) as r:
+        return r.read()  # type: ignore[no-any-return]
