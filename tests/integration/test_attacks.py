@@ -47,6 +47,7 @@ from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from tests.helpers.cluster_checks import check_converged, check_exactly_once, check_rejoined, check_survivor
 from tests.helpers.lighthouse import JOB, ServerThread, https_get, make_config, wait_until
+from tests.helpers.proxy import Proxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 FORGED_NUMBER = 1 << 53
@@ -240,47 +241,18 @@ def test_a_job_with_credentials_trains_through_every_attack(tmp_path: pathlib.Pa
 # --- a lying catch-up source ------------------------------------------------------------------------------------
 
 
-class _Tamper:
-    """A proxy in front of a catch-up server that flips the byte at ``at`` of what it sends (past the handshake),
-    and then every ``every`` bytes (0: once)."""
+def _tamper(upstream: str, at: int = 100_000, every: int = 0) -> Proxy:
+    """A proxy in front of a catch-up server that flips the byte at ``at`` of what the server sends (past the
+    handshake), and then every ``every`` bytes (0: once), on each connection."""
 
-    def __init__(self, upstream: str, at: int = 100_000, every: int = 0) -> None:
-        host, port = upstream.rsplit(":", 1)
-        self.upstream, self.at, self.every = (host, int(port)), at, every
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self._sock.settimeout(0.2)
-        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+    def flip(offset: int, data: bytes) -> bytes:
+        out = bytearray(data)
+        for pos in range(max(at, offset), offset + len(data)):
+            if pos == at or (every and (pos - at) % every == 0):
+                out[pos - offset] ^= 0xFF
+        return bytes(out)
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            server = socket.create_connection(self.upstream, timeout=10)
-            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
-        seen, at = 0, self.at
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                while tamper and seen <= at < seen + len(data):
-                    i = at - seen
-                    data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
-                    at = at + self.every if self.every else -1
-                seen += len(data)
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
+    return Proxy(upstream, down=flip)
 
 
 @contextlib.contextmanager
@@ -323,13 +295,13 @@ def test_a_lying_catchup_source_is_refused_and_nothing_is_loaded() -> None:
           pytest.raises(FetchFailed, match="did not prove|unauthenticated")):
         fetch(impostor.address, "impostor", impostor)
     with _source(key, "honest", state) as honest:
-        liar = _Tamper(honest.address, every=50_000)  # every chunk it sends is corrupted
+        liar = _tamper(honest.address, every=50_000)  # every chunk it sends is corrupted
         try:
             with pytest.raises(FetchFailed, match="no source could supply"):
                 fetch(liar.address, "honest", honest)
         finally:
             liar.close()
-        once = _Tamper(honest.address)  # one corrupted chunk: caught by its checksum, fetched again
+        once = _tamper(honest.address)  # one corrupted chunk: caught by its checksum, fetched again
         try:
             got = fetch(once.address, "honest", honest)
         finally:

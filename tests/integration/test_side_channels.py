@@ -5,8 +5,6 @@ loopback). Holders of the token still build a Gloo group from the store fast."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +29,7 @@ from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from tests.helpers.catchup import training
 from tests.helpers.lighthouse import JOB, ServerThread, make_config
+from tests.helpers.proxy import Proxy
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "side-channel-token-7f3a9c"
@@ -153,45 +152,18 @@ def test_token_holders_build_a_gloo_group_from_the_store_fast(lighthouse: Server
     assert max(took.values()) < 1.0, took
 
 
-class RecordingProxy:
+class RecordingProxy(Proxy):
     """A TCP proxy on loopback that records every byte the client sends through it."""
 
     def __init__(self, upstream: str) -> None:
-        host, port = upstream.rsplit(":", 1)
-        self.upstream = (host, int(port))
         self.sent = bytearray()
         self._lock = threading.Lock()
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self._sock.settimeout(0.2)
-        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        super().__init__(upstream, up=self._record)
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            server = socket.create_connection(self.upstream, timeout=10)
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                if record:
-                    with self._lock:
-                        self.sent += data
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._sock.close()
+    def _record(self, offset: int, data: bytes) -> bytes:
+        with self._lock:
+            self.sent += data
+        return data
 
 
 def test_catchup_needs_the_token_and_never_sends_it() -> None:
