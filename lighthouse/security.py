@@ -1,9 +1,11 @@
-"""TLS and the job token for the lighthouse and its clients.
+"""TLS, the job secret and credentials for the lighthouse and its clients.
 
-The token is a shared secret per job, read from a file (never from the command line, where ``ps`` shows it),
-sent by clients as ``authorization: Bearer <token>`` (gRPC metadata and HTTP header alike) and compared in
-constant time. TLS covers the gRPC port and the HTTP side port; with a client CA the server requires a client
-certificate signed by it (mTLS).
+The lighthouse holds the job secret; a client presents it or a credential derived from it (a replica group's, a
+reader's: ``lighthouse.credentials``), read from a file (never from the command line, where ``ps`` shows it), as
+``authorization: Bearer <value>`` (gRPC metadata and HTTP header alike), compared in constant time. The
+interceptor refuses an unknown value before a request is parsed; ``Authority`` tells the handlers whether the caller
+may act as the replica a request names. TLS covers the gRPC port and the HTTP side port; with a client CA the
+server requires a client certificate signed by it (mTLS).
 """
 
 from __future__ import annotations
