@@ -14,12 +14,15 @@ Every session starts with a challenge (``fthsdp.catchup.auth``): the joiner prov
 it, and is admitted only as a joining member, with its incarnation, of this replica's current epoch; a request
 refused is refused before it is registered, so no state is ever copied for it. The server proves the token back
 in its manifest. Until it has answered, a connection holds one of ``max_pending`` handshake places for at most
-``handshake_s``, never one of the ``max_sessions`` sessions: idle connections cannot keep a joiner out. Without a
-token the server listens on loopback only, and says so.
+``handshake_s``, never one of the ``max_sessions`` sessions; when every place is taken, the connection that has
+held one longest is closed to make room: a joiner answers its challenge within milliseconds, so idle connections,
+however many and from wherever, cannot keep it out. Without a token the server listens on loopback only, and says
+so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -120,8 +123,10 @@ class CatchupServer:
         self._requested: dict[int, int] = {}
         self._snapshots: dict[int, _Snapshot] = {}
         self._sessions = 0
-        self._pending = 0
-        """Connections that have not answered the challenge yet."""
+        self._handshaking: dict[socket.socket, None] = {}
+        """Connections that have not answered the challenge yet, oldest first."""
+        self.evicted = 0
+        """Handshaking connections closed to make room for newer ones."""
         self._closed = False
         self.directory: list[str] = []
         """Every rank's address (index = rank), for redirecting a joiner that asked the wrong rank."""
@@ -250,16 +255,26 @@ class CatchupServer:
                 continue
             except OSError:
                 return
+            victim = None
             with self._lock:
-                busy = self._pending >= self.max_pending
-                if not busy:
-                    self._pending += 1
-            if busy:
-                conn.settimeout(2.0)
-                self._refuse(conn, "busy", f"{self.max_pending} catch-up connections already in their handshake")
-                _linger_close(conn)
-                continue
+                if len(self._handshaking) >= self.max_pending:  # the oldest has had longest to answer: it goes
+                    victim = next(iter(self._handshaking))
+                    del self._handshaking[victim]
+                    self.evicted += 1
+                self._handshaking[conn] = None
+            if victim is not None:
+                if self.evicted in (1, 10, 100) or self.evicted % 1000 == 0:
+                    log.warning("catchup replica=%s rank=%d: %d handshake places full: closed the oldest (%d so far)",
+                                self.replica_id, self.rank, self.max_pending, self.evicted)
+                with contextlib.suppress(OSError):
+                    victim.shutdown(socket.SHUT_RDWR)  # its thread's read ends, and the thread with it
             start_thread(self._session, args=(conn,), name=f"catchup-serve-r{self.rank}", device=None)
+
+    @property
+    def _pending(self) -> int:
+        """Connections in their handshake now."""
+        with self._lock:
+            return len(self._handshaking)
 
     def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
         log.warning("catchup replica=%s rank=%d step=%d refused a joiner: %s: %s", self.replica_id, self.rank,
@@ -281,13 +296,15 @@ class CatchupServer:
             if problem is not None:
                 self._refuse(conn, *problem)
                 return
-            with self._lock:  # from a handshake place to a session's, if one is free
-                admitted = self._sessions < self.max_sessions
+            with self._lock:  # from a handshake place to a session's, if one is free (and still held: not evicted)
+                held = conn in self._handshaking
+                admitted = held and self._sessions < self.max_sessions
                 if admitted:
-                    self._pending -= 1
+                    del self._handshaking[conn]
                     self._sessions += 1
             if not admitted:
-                self._refuse(conn, "busy", f"{self.max_sessions} catch-up sessions already running")
+                if held:
+                    self._refuse(conn, "busy", f"{self.max_sessions} catch-up sessions already running")
                 return
             conn.settimeout(self.idle_s)
             if hello.rank != self.rank:
@@ -316,7 +333,7 @@ class CatchupServer:
                 if admitted:
                     self._sessions -= 1
                 else:
-                    self._pending -= 1
+                    self._handshaking.pop(conn, None)
                 if step is not None and step in self._snapshots:
                     self._snapshots[step].refs -= 1
                     if self._snapshots[step].refs <= 0:

@@ -55,6 +55,19 @@ class StatusView:
             print(f"[{now - self.t0:6.1f}s] {line}", flush=True)
 
 
+def collective_timeout(a: argparse.Namespace) -> float:
+    """``--collective-timeout``, else ``FTHSDP_TIMEOUT`` (what the groups would read), else 5 s; ``ValueError`` when
+    it is not a positive number."""
+    raw = a.collective_timeout if a.collective_timeout is not None else os.environ.get("FTHSDP_TIMEOUT") or 5.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"FTHSDP_TIMEOUT={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"the collective timeout must be > 0 seconds, not {value:g}")
+    return value
+
+
 def problems(final: dict[str, dict[str, Any] | None]) -> list[str]:
     """Why a finished run did not end in agreement: a group with no final state, or final states that differ."""
     out = [f"replica {i} wrote no final state" for i, f in final.items() if f is None]
@@ -90,7 +103,7 @@ def cmd_run(a: argparse.Namespace) -> None:
                                max_restarts=a.max_restarts, timeout_s=a.timeout, lighthouse=a.lighthouse,
                                lighthouse_http=a.lighthouse_http, groups=tuple(a.group or ()),
                                checkpoint_dir=a.checkpoint_dir, warm_restarts=a.warm_restarts, spares=a.spares,
-                               credentials=a.credentials)
+                               credentials=a.credentials, collective_timeout_s=collective_timeout(a))
         groups = config.indices()
         where = f"against the lighthouse at {a.lighthouse}" if a.lighthouse else "with an embedded lighthouse"
         print(f"fthsdp run: replica groups {list(groups)} of {a.replicas} (+{a.spares} spare), {a.ranks} ranks each, "
@@ -162,6 +175,9 @@ def register(sub: Subparsers) -> None:
                    help="spare replica groups besides --replicas (indexes --replicas and up): each shadows training "
                    "without a data slot and takes over a dead group's slot in the next epoch; read ft.slot inside "
                    "the closure (next_batch does)")
+    r.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+                   help="deadline of one cross-replica collective, seconds: FTHSDP_TIMEOUT of every group "
+                        "(default: $FTHSDP_TIMEOUT, else 5)")
     r.add_argument("--credentials", default="", metavar="DIR",
                    help="a folder `fthsdp secrets --replicas N` wrote: the lighthouse takes its job secret, each "
                         "replica group only its own credential, the launcher reads status with the read-only one")

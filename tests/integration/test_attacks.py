@@ -3,9 +3,10 @@ availability, with a clear error and nothing lost.
 
 - A job started with per-replica credentials (``fthsdp run --credentials``) trains through, at once: a client
   without credentials, a client holding another replica's credential (and a reader's), forged epochs written
-  into every replica group's torchrun store ahead of rank 0's, and 64 idle connections held open on the source's
-  catch-up server while a killed replica catches up from it. Every replica ends at the last step with one state,
-  every batch of every slot trained once, the killed one back, and each attack was seen refused.
+  into every replica group's torchrun store ahead of rank 0's, and 300 idle connections held open on the source's
+  catch-up server (more than its handshake places) while a killed replica catches up from it. Every replica ends
+  at the last step with one state, every batch of every slot trained once, the killed one back, and each attack
+  was seen refused.
 - A lying catch-up source (one that cannot prove the job's key, one that tampers with the bytes it sends) is
   refused by the joiner, which loads nothing from it.
 - 10,000 silent registrations: refused outright without a credential, or with another replica's; with the job
@@ -51,6 +52,10 @@ from tests.helpers.proxy import Proxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 FORGED_NUMBER = 1 << 53
+TRANSPORT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+"""Outcomes of a call that say nothing about what the lighthouse allows (it was not reached, or not in time)."""
+IDLE = 300
+"""Idle connections the attacker holds on the catch-up source: more than its 256 handshake places."""
 LIMIT = 64
 """The member limit of the silent-registrations test (the default, 4096, is the pure rule's test's)."""
 
@@ -98,7 +103,8 @@ class Attacker:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _note(self, what: str, code: grpc.StatusCode | None) -> None:
-        self.codes.setdefault(what, set()).add(code)
+        if code not in TRANSPORT:  # the lighthouse going down at the end of the job says nothing about the attack
+            self.codes.setdefault(what, set()).add(code)
 
     def _run(self) -> None:
         try:
@@ -150,19 +156,22 @@ class Attacker:
             if inc is None or (rid, inc) in self.forged:
                 continue
             prefix = f"fthsdp/epochs/{rid}/{inc}/"
-            store = dist.PrefixStore(prefix, dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
-                                                           is_master=False, timeout=timedelta(seconds=5),
-                                                           wait_for_workers=False))
-            forged = pb.Epoch(job_id=JOB, number=FORGED_NUMBER, rendezvous="127.0.0.1:1/evil", reason="forged")
-            body = forged.SerializeToString()
-            for k in range(1, 40):
-                name = str(k)
-                value = seal(b"not-the-group-key-0123456789", prefix + name, body) if k % 2 else body
-                store.compare_set(name, "", value)  # type: ignore[arg-type]  # only where nothing is yet: never over rank 0's write
+            try:
+                store = dist.PrefixStore(prefix, dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                                                               is_master=False, timeout=timedelta(seconds=5),
+                                                               wait_for_workers=False))
+                forged = pb.Epoch(job_id=JOB, number=FORGED_NUMBER, rendezvous="127.0.0.1:1/evil", reason="forged")
+                body = forged.SerializeToString()
+                for k in range(1, 40):
+                    name = str(k)
+                    value = seal(b"not-the-group-key-0123456789", prefix + name, body) if k % 2 else body
+                    store.compare_set(name, "", value)  # type: ignore[arg-type]  # only where nothing is yet
+            except (dist.DistError, RuntimeError, OSError):
+                continue  # that group is going down (the kill): its next incarnation gets its own
             self.forged.add((rid, inc))
 
     def _hold_catchup(self, st: pb.StatusResponse) -> None:
-        """Keep 64 idle connections open on the first active member's catch-up server (it drops them after its
+        """Keep ``IDLE`` idle connections open on the first active member's catch-up server (it drops them after its
         handshake deadline; they are opened again)."""
         self._idle = [s for s in self._idle if _open(s)]
         source = next((x.endpoints.catchup for x in st.epoch.members
@@ -170,7 +179,7 @@ class Attacker:
         if not source:
             return
         host, port = source.rsplit(":", 1)
-        while len(self._idle) < 64:
+        while len(self._idle) < IDLE:
             with contextlib.suppress(OSError):
                 self._idle.append(socket.create_connection((host, int(port)), timeout=5))
                 self.idle_opened += 1
@@ -235,7 +244,7 @@ def test_a_job_with_credentials_trains_through_every_attack(tmp_path: pathlib.Pa
     assert {rid for rid, _ in attacker.forged} == {"replica-0", "replica-1"}, attacker.forged
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "run").glob("replica*.log"))
     assert "did not write (forged?): refused" in logs
-    assert attacker.idle_opened >= 64
+    assert attacker.idle_opened >= IDLE
 
 
 # --- a lying catch-up source ------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ checksums, failover, authentication and malformed input."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -374,13 +375,23 @@ def test_idle_connections_never_keep_a_joiner_out() -> None:
         _stop(a)
 
 
-def test_a_full_handshake_pool_refuses_at_once_and_says_why() -> None:
-    a = _server(0, max_pending=2, handshake_s=5.0)
+def test_a_full_handshake_pool_closes_its_oldest_connection_for_a_newcomer() -> None:
+    """Every handshake place held by an idle connection (here 2 of 2; anyone who reaches the port can open them,
+    from any number of addresses): a joiner still gets in, in the place of the one that waited longest."""
+    a = _server(0, max_pending=2, handshake_s=30.0)
     idle = [socket.create_connection(_addr(a[0]), timeout=10) for _ in range(2)]
     try:
         wait_until(lambda: a[0]._pending == 2, 10, what="both idle connections in their handshake")
-        with pytest.raises(FetchFailed, match="busy"):
-            _fetch([Source("r0", a[0].address)], a[1].step + 20).result(30)
+        res = _fetch([Source("r0", a[0].address)], a[1].step + 20).result(30)
+        _expect_equal(res.tensors, res.step)
+        assert a[0].evicted >= 1
+        closed = 0
+        for s in idle:  # each was sent its challenge; the evicted ones are closed long before their 30 s deadline
+            wire.recv_control(s, (Kind.CHALLENGE,))
+            s.settimeout(2)
+            with contextlib.suppress(TimeoutError):
+                closed += s.recv(1 << 16) == b""
+        assert closed == a[0].evicted
     finally:
         for s in idle:
             s.close()

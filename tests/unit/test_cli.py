@@ -172,6 +172,21 @@ def test_run_passes_the_scripts_own_arguments_untouched() -> None:
     assert a.replicas == 3 and a.script == "train.py" and a.args == ["--steps", "5", "--replicas", "9", "-x"]
 
 
+def test_run_takes_the_collective_timeout_from_the_flag_else_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fthsdp run`` used to set every group's FTHSDP_TIMEOUT to 5 s, whatever the environment said."""
+    from fthsdp.cli.run import collective_timeout
+
+    monkeypatch.delenv("FTHSDP_TIMEOUT", raising=False)
+    assert collective_timeout(build_parser().parse_args(["run", "t.py"])) == 5.0
+    monkeypatch.setenv("FTHSDP_TIMEOUT", "30")
+    assert collective_timeout(build_parser().parse_args(["run", "t.py"])) == 30.0
+    assert collective_timeout(build_parser().parse_args(["run", "--collective-timeout", "12", "t.py"])) == 12.0
+    for bad in ("soon", "0"):
+        monkeypatch.setenv("FTHSDP_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="FTHSDP_TIMEOUT|> 0"):
+            collective_timeout(build_parser().parse_args(["run", "t.py"]))
+
+
 def test_run_refuses_a_missing_script_and_judges_final_states(tmp_path: pathlib.Path) -> None:
     from fthsdp.cli.run import problems
 
