@@ -33,6 +33,8 @@ class StatusView:
 
     def __init__(self, period_s: float = 1.0) -> None:
         self.period_s, self.last, self.shown, self.t0 = period_s, 0.0, "", time.time()
+        self.refused = False
+        """The lighthouse refused the status to us (said once: no live progress without it)."""
 
     def __call__(self, cluster: Cluster) -> None:
         now = time.time()
@@ -41,7 +43,13 @@ class StatusView:
         self.last = now
         try:
             status = cluster.status()
-        except (OSError, urllib.error.URLError, ValueError):
+        except urllib.error.HTTPError as e:
+            if e.code in (401, 403) and not self.refused:
+                self.refused = True
+                print(f"fthsdp run: the lighthouse refuses its status to this launcher (HTTP {e.code}): no live "
+                      "progress; give it the job's reader credential (--credentials DIR)", file=sys.stderr, flush=True)
+            return
+        except (OSError, urllib.error.URLError, ValueError):  # not up yet, or no HTTP address: nothing to show
             return
         if not cluster.http:
             return

@@ -284,3 +284,22 @@ def test_run_summary_gives_each_slots_batches_and_names_groups_back_after_the_en
     assert lines[0] == "batches trained per data slot: [160, 73, 160] (steps: 160); short: slot 1: 73 of 160"
     assert "replica group(s) [1] came back after the job had ended" in lines[1]
     assert summary({"0": {"step": 5, "param_hash": "ab"}}) == []  # a script that reports no cursors: nothing to say
+
+
+def test_run_says_once_when_the_lighthouse_refuses_it_its_status(capsys: pytest.CaptureFixture[str]) -> None:
+    import urllib.error
+
+    from fthsdp.cli.run import StatusView
+
+    class Refused:
+        http = "127.0.0.1:1"
+        groups: list[object] = []
+
+        def status(self) -> dict[str, object]:
+            raise urllib.error.HTTPError("http://127.0.0.1:1/status", 401, "Unauthorized", {}, None)  # type: ignore[arg-type]
+
+    view = StatusView(period_s=0.0)
+    view(Refused())  # type: ignore[arg-type]
+    view(Refused())  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    assert err.count("refuses its status") == 1 and "HTTP 401" in err and "--credentials" in err
