@@ -21,9 +21,9 @@ import logging
 import os
 import pathlib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from fthsdp.runtime.state import ShardState
 
 log = logging.getLogger("fthsdp.runtime.checkpoint")
 
+T = TypeVar("T")
 MARKER = "fthsdp.json"
 _NAME = re.compile(r"^step-(\d{8})-r(\d+)$")
 
@@ -79,6 +80,14 @@ def _side_path(path: pathlib.Path, rank: int) -> pathlib.Path:
     return path / f"fthsdp-rank{rank}.json"
 
 
+def _shared(names: list[str], rank: int, work: Callable[[list[str]], list[T]]) -> list[T]:
+    """``work`` over ``names`` split among the replica's ranks (this rank takes every world-th from ``rank``), and
+    every rank's results gathered on every rank (a collective)."""
+    shares: list[list[T] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, work(names[rank::len(shares)]))
+    return [x for share in shares for x in (share or [])]
+
+
 def save(directory: str | os.PathLike[str], step: int, index: int, model: nn.Module, opt: torch.optim.Optimizer,
          cursors: torch.Tensor, rank: int, side: bytes, key: str = "") -> pathlib.Path:
     """Write the replica's state (a collective over the replica's ranks: call it on every rank) under its
@@ -91,16 +100,13 @@ def save(directory: str | os.PathLike[str], step: int, index: int, model: nn.Mod
     tmp.write_bytes(side)
     os.replace(tmp, _side_path(path, rank))
     dist.barrier()
-    world = dist.get_world_size()
-    names = checkpoint_seal.sealed_files(path, MARKER)
-    mine = {n: checkpoint_seal.digest(path / n) for n in names[rank::world]}
-    shares: list[dict[str, str] | None] = [None] * world
-    dist.all_gather_object(shares, mine)
+    files = dict(_shared(checkpoint_seal.sealed_files(path, MARKER), rank,
+                         lambda names: [(n, checkpoint_seal.digest(path / n)) for n in names]))
     if rank == 0:
-        files = {k: v for share in shares for k, v in (share or {}).items()}
         tmp = path / (MARKER + ".tmp")
         tmp.write_text(json.dumps({"step": step, "cursors": [int(c) for c in cursors.tolist()], "replica_index": index,
-                                   "world_size": world, "files": files, "seal": checkpoint_seal.seal(key, files)}))
+                                   "world_size": dist.get_world_size(), "files": files,
+                                   "seal": checkpoint_seal.seal(key, files)}))
         os.replace(tmp, path / MARKER)
     dist.barrier()
     return path
@@ -110,11 +116,8 @@ def verify(ck: Checkpoint, rank: int, key: str) -> None:
     """Check ``ck``'s seal and, sharing the files among the replica's ranks, every file's digest (a collective);
     ``CheckpointRejected`` on every rank if anything differs. Reads no file with pickle."""
     checkpoint_seal.check_seal(ck.path, MARKER, ck.files, ck.seal, key)
-    world = dist.get_world_size()
-    bad = checkpoint_seal.check_digests(ck.path, ck.files, sorted(ck.files)[rank::world]) if ck.files else []
-    found: list[list[str] | None] = [None] * world
-    dist.all_gather_object(found, bad)
-    if changed := sorted(n for share in found for n in (share or [])):
+    if changed := sorted(_shared(sorted(ck.files), rank,
+                                 lambda names: checkpoint_seal.check_digests(ck.path, ck.files, names))):
         raise CheckpointRejected(f"checkpoint {ck.path}: {changed} differ from what was sealed: refusing to read it")
 
 

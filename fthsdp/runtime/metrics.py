@@ -27,18 +27,16 @@ Series (all prefixed ``fthsdp_replica_``):
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     generate_latest,
 )
+from prometheus_client.exposition import MetricsHandler
 
 from ftar.devices import start_thread
 from lighthouse.capped_http import CappedHTTPServer
@@ -56,27 +54,12 @@ EXPORTER_TIMEOUT_S = 10.0
 """A connection that sends nothing this long is dropped."""
 
 
-def exporter(addr: str, port: int, render: Callable[[], bytes]) -> CappedHTTPServer:
-    """An HTTP server on ``addr:port`` answering ``GET /metrics`` with ``render()`` (404 elsewhere), at most
-    ``EXPORTER_CONNECTIONS`` connections at once: scrapers and idle connections cannot pile up threads in a
-    training process."""
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = EXPORTER_TIMEOUT_S
-
-        def log_message(self, format: str, *args: Any) -> None:  # quiet: no per-request lines
-            pass
-
-        def do_GET(self) -> None:
-            ok = self.path.split("?", 1)[0] in ("/metrics", "/")
-            body = render() if ok else b"not found\n"
-            self.send_response(200 if ok else 404)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST if ok else "text/plain")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    return CappedHTTPServer((addr.strip("[]"), port), Handler, max_connections=EXPORTER_CONNECTIONS)
+def exporter(addr: str, port: int, registry: CollectorRegistry) -> CappedHTTPServer:
+    """prometheus_client's handler of ``registry`` on ``addr:port``, at most ``EXPORTER_CONNECTIONS`` connections at
+    once, each dropped after ``EXPORTER_TIMEOUT_S`` of silence: scrapers and idle connections cannot pile up threads
+    in a training process (``start_http_server`` has no cap)."""
+    handler = type("Handler", (MetricsHandler,), {"registry": registry, "timeout": EXPORTER_TIMEOUT_S})
+    return CappedHTTPServer((addr.strip("[]"), port), handler, max_connections=EXPORTER_CONNECTIONS)
 
 
 class ReplicaMetrics:
@@ -125,7 +108,7 @@ class ReplicaMetrics:
         self.address: str | None = None
         """Where the exporter listens (None: no exporter)."""
         if port is not None:
-            self._server = exporter(addr, port, self.render)
+            self._server = exporter(addr, port, r)
             self._thread = start_thread(self._server.serve_forever, name="fthsdp-metrics", device=None, args=(0.1,))
             self.address, self.port = self._server.server_address[0], self._server.server_port
 

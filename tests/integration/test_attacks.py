@@ -344,7 +344,7 @@ def test_ten_thousand_silent_registrations_change_nothing_or_stay_bounded(tmp_pa
                     metadata=_md(token)))
 
             other = c.replica_credential(secret, JOB, "replica-1")
-            refused = {register(i, t) for i in range(10_000) for t in ((None, other)[i % 2],)}
+            refused = {register(i, other if i % 2 else None) for i in range(10_000)}
             assert refused == {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
             assert real[0].epoch is not None and real[0].epoch.number == first.number  # nothing changed
             # A holder of the job secret (a leaked one, a runaway tool): bounded by the job's member limit. (The
