@@ -10,6 +10,8 @@ Failures (``KINDS``):
   SIGCONT a few seconds later. The others must declare it dead and go on; once continued it finds itself declared
   dead or behind, exits to rejoin and comes back;
 - ``double``: two replica groups SIGKILLed at the same step (different phases);
+- ``rank-hang``, ``rank-kill`` (only when asked for): SIGSTOP (for a few seconds) or SIGKILL of one worker of a group
+  alone, its siblings and its torchrun agent left alive; the group must end itself and come back;
 - ``lighthouse`` (``--ha``): SIGKILL of the leading lighthouse (of 2-3 on a 3-member etcd); another takes over,
   training goes on; the killed one is restarted on its ports a few seconds later and follows;
 - ``etcd`` (``--ha``): SIGKILL of one etcd member; the other two keep a quorum; restarted a few seconds later.

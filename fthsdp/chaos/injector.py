@@ -4,12 +4,14 @@ active again in the current epoch, every lighthouse answering) and the job has r
 it until the cluster is whole again, and records what was injected.
 
 Kills at a phase go through the replicas' fault files (``ChaosCluster.arm``): rank 0 of the group SIGKILLs its
-torchrun when it gets there; hangs, lighthouse and etcd kills are the runner's own actions
-(``fthsdp.launch.procutil.signal_tree`` for a whole group, ``fthsdp.chaos.actions``)."""
+torchrun when it gets there; hangs, rank faults, lighthouse and etcd kills are the runner's own actions
+(``fthsdp.launch.procutil.signal_tree`` for a whole group, ``procutil.worker`` for one rank of it,
+``fthsdp.chaos.actions``)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import random
 import signal
@@ -21,7 +23,7 @@ from fthsdp.chaos.actions import kill_process
 from fthsdp.chaos.cluster import ChaosCluster
 from fthsdp.chaos.schedule import Fault
 from fthsdp.launch.cluster import Cluster
-from fthsdp.launch.procutil import signal_groups, signal_tree
+from fthsdp.launch.procutil import alive, signal_groups, signal_tree, worker
 from fthsdp.launch.progress import ProgressRow, ProgressTail
 
 log = logging.getLogger("fthsdp.chaos")
@@ -110,9 +112,11 @@ class Injector:
         statuses = c.statuses()
         leaders = [s for s in statuses if s.get("leader", True)]
         for s in leaders:
-            hist = {h["epoch"]: h["members"] for h in s.get("history", [])}
+            hist = {h["epoch"]: h for h in s.get("history", [])}
+            mine = hist.get(s["epoch"], {})
             self.epochs_seen.append({"t": time.time(), "event": "epoch_seen", "epoch": s["epoch"],
-                                     "members": hist.get(s["epoch"]), "leader": s.get("address", "")})
+                                     "members": mine.get("members"), "reason": mine.get("reason", ""),
+                                     "leader": s.get("address", "")})
             for x in s.get("stragglers") or []:  # fail-slow flags: no chaos fault makes a replica slow
                 self.stragglers_named.append({"t": time.time(), "replica": x["replica_id"], "text": x["text"]})
         self._healthy = bool(leaders) and self._whole(c, leaders[0])
@@ -193,6 +197,23 @@ class Injector:
             a.cont_at = time.monotonic() + f.hang_s
             a.fired.append(f"hang r{r} stopped (process groups {a.pgids})")
             a.stage = "stopped"
+        elif f.kind in ("rank-hang", "rank-kill"):
+            r, rank = f.replicas[0], f.ranks[0]
+            g = c.groups[r]
+            pid = worker(g.proc.pid, rank) if g.proc is not None else None
+            if pid is None:
+                self._done(c, a, why=f"no worker of rank {rank} under r{r}'s torchrun")
+                return
+            a.target = pid
+            if f.kind == "rank-kill":
+                os.kill(pid, signal.SIGKILL)
+                a.fired.append(f"rank {rank} of r{r} (pid {pid}) SIGKILLed alone")
+                a.stage, a.changed_at = "recovering", time.monotonic()
+            else:
+                os.kill(pid, signal.SIGSTOP)
+                a.fired.append(f"rank {rank} of r{r} (pid {pid}) stopped alone")
+                a.cont_at = time.monotonic() + f.hang_s
+                a.stage = "stopped"
         elif f.kind == "lighthouse":
             lh = c.leader()
             if lh is None or lh.proc is None:
@@ -223,6 +244,9 @@ class Injector:
             self._stopped.discard(f.replicas[0])
             a.fired.append(f"hang r{f.replicas[0]} continued after {f.hang_s:.1f}s")
             a.stage, a.changed_at = "recovering", now
+        elif f.kind == "rank-hang" and a.stage == "stopped" and now >= a.cont_at:
+            self._continue_rank(a)
+            a.stage, a.changed_at = "recovering", now
         elif f.kind == "lighthouse" and a.stage == "down" and now >= a.restart_at:
             c.start_one_lighthouse(c.lighthouses[a.target])
             a.fired.append(f"lighthouse {a.target} restarted")
@@ -232,13 +256,26 @@ class Injector:
             c.etcd.restart(a.target)
             a.fired.append(f"etcd member {c.etcd.names[a.target]} restarted")
             a.stage, a.changed_at = "recovering", now
-        if a.stage == "recovering" and self._whole_since(a.changed_at):
-            if f.kind == "hang":
-                exits = self._exits(c, f.replicas[0])[a.exits_before[f.replicas[0]]:]
-                a.fired.append(f"hung r{f.replicas[0]} exit code(s) {[e['code'] for e in exits]}, whole again")
+        exits = self._exits(c, f.replicas[0])[a.exits_before[f.replicas[0]]:] if f.replicas else []
+        if len(exits) > a.seen.get(-1, 0):  # the group ended (again): whole only after its restart
+            a.seen[-1], a.changed_at = len(exits), now
+        # A rank fault is over once its group restarted (whole before that only means nobody noticed yet).
+        ended = bool(exits) or f.kind not in ("rank-hang", "rank-kill")
+        if a.stage == "recovering" and ended and self._whole_since(a.changed_at):
+            if f.kind in ("hang", "rank-hang", "rank-kill"):
+                a.fired.append(f"r{f.replicas[0]} exit code(s) {[e['code'] for e in exits]}, whole again")
             self._done(c, a)
         elif now - a.started > self.RECOVER_TIMEOUT_S:
             self._done(c, a, why=f"not whole again within {self.RECOVER_TIMEOUT_S}s")
+
+    @staticmethod
+    def _continue_rank(a: ActiveFault) -> None:
+        """SIGCONT the rank a ``rank-hang`` stopped, unless its group ended it meanwhile."""
+        if alive(a.target):
+            os.kill(a.target, signal.SIGCONT)
+            a.fired.append(f"rank {a.fault.ranks[0]} of r{a.fault.replicas[0]} continued after {a.fault.hang_s:.1f}s")
+        else:
+            a.fired.append(f"rank {a.fault.ranks[0]} of r{a.fault.replicas[0]} was ended while stopped")
 
     def _whole_since(self, t: float) -> bool:
         """The cluster was seen whole by an observation that began after ``t``."""
@@ -293,4 +330,6 @@ class Injector:
             return
         if a.fault.kind == "hang" and a.stage == "stopped":
             signal_groups(a.pgids, signal.SIGCONT)
+        if a.fault.kind == "rank-hang" and a.stage == "stopped":
+            self._continue_rank(a)
         self._done(self.cluster, a, why="the run ended first")

@@ -29,7 +29,8 @@ def run_chaos(cfg: ChaosConfig, workdir: pathlib.Path, faults: list[Fault] | Non
     """One run of ``cfg.seed``'s schedule (or of ``faults``, a schedule made by hand); the result holds the
     schedule, what was injected, the violations and every replica's final state."""
     if faults is None:
-        faults = schedule(cfg.seed, cfg.replicas, cfg.steps, cfg.run_kinds, cfg.faults, hang_s=cfg.hang_s)
+        faults = schedule(cfg.seed, cfg.replicas, cfg.steps, cfg.run_kinds, cfg.faults, hang_s=cfg.hang_s,
+                          ranks=cfg.ranks)
     workdir.mkdir(parents=True, exist_ok=True)
     injector = Injector(faults, last_step=int(cfg.steps * cfg.last_fault_at))
     etcd = EtcdCluster(workdir, members=3).start(deadline_s=60.0) if cfg.ha else None

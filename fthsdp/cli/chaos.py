@@ -68,11 +68,11 @@ def cmd_chaos(a: argparse.Namespace) -> None:
     from fthsdp.chaos.config import ChaosConfig
     from fthsdp.chaos.report import exit_code, result_text, summary_text
     from fthsdp.chaos.run import soak
-    from fthsdp.chaos.schedule import KINDS, REPLICA_KINDS
+    from fthsdp.chaos.schedule import HA_KINDS, KINDS, RANK_KINDS, REPLICA_KINDS
 
-    kinds = tuple(a.kinds.split(",")) if a.kinds else (KINDS if a.ha else REPLICA_KINDS)
+    kinds = tuple(a.kinds.split(",")) if a.kinds else (REPLICA_KINDS + HA_KINDS if a.ha else REPLICA_KINDS)
     bad = [k for k in kinds if k not in KINDS]
-    if bad or (not a.ha and not set(kinds) & set(REPLICA_KINDS)):
+    if bad or (not a.ha and not set(kinds) & set(REPLICA_KINDS + RANK_KINDS)):
         sys.exit(f"fthsdp chaos: --kinds must be among {','.join(KINDS)} (lighthouse and etcd need --ha)")
     if a.duration < 0 or (a.runs < 1 and not a.duration):
         sys.exit("fthsdp chaos: --runs must be at least 1 and --duration not negative (no run, nothing checked)")
@@ -105,8 +105,9 @@ def register(sub: Subparsers) -> None:
     ch.add_argument("--steps", type=int, default=800,
                     help="steps per run (faults are drawn up to the last one)")
     ch.add_argument("--faults", type=int, default=0, help="faults per run (default: one per kind)")
-    ch.add_argument("--kinds", default="", help="comma-separated among kill,hang,double,lighthouse,etcd "
-                                                "(default: all that apply)")
+    ch.add_argument("--kinds", default="", help="comma-separated among kill,hang,double,rank-hang,rank-kill,"
+                                                "lighthouse,etcd (default: kill,hang,double, and with --ha "
+                                                "lighthouse,etcd)")
     ch.add_argument("--model", default="tiny")
     ch.add_argument("--min-step-s", type=float, default=0.15, help="pace the trainer's steps")
     ch.add_argument("--compute-s", type=float, default=0.1,

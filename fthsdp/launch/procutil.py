@@ -110,6 +110,20 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def worker(agent: int, rank: int) -> int | None:
+    """The pid of the torchrun worker of ``rank`` under the agent ``agent`` (a child of it whose environment holds
+    ``RANK=<rank>``; its own children, a DataLoader's fork server say, inherit that but are not the agent's), or
+    None if there is none."""
+    needle = b"\0RANK=" + str(rank).encode() + b"\0"
+    for c in descendants(agent):
+        if parent(c) != agent:
+            continue
+        with contextlib.suppress(OSError):
+            if needle in b"\0" + pathlib.Path(f"/proc/{c}/environ").read_bytes():
+                return c
+    return None
+
+
 def signal_groups(pgids: list[int], sig: int) -> None:
     """Send ``sig`` to each process group (one that is gone already is skipped)."""
     for pgid in pgids:

@@ -7,7 +7,16 @@ import json
 
 import pytest
 
-from fthsdp.chaos.schedule import HA_KINDS, KILL_PHASES, KINDS, REPLICA_KINDS, STEP_PHASES, Fault, schedule
+from fthsdp.chaos.schedule import (
+    HA_KINDS,
+    KILL_PHASES,
+    KINDS,
+    RANK_KINDS,
+    REPLICA_KINDS,
+    STEP_PHASES,
+    Fault,
+    schedule,
+)
 from fthsdp.runtime.faults import PHASES
 
 
@@ -30,7 +39,7 @@ def test_schedule_covers_every_kind_and_phase() -> None:
 def test_schedule_faults_are_well_formed() -> None:
     late = 0
     for seed in range(100):
-        faults = schedule(seed, 3, 300, KINDS, 10, hang_s=(6.0, 8.0), down_s=(3.0, 5.0))
+        faults = schedule(seed, 3, 300, KINDS, 10, hang_s=(6.0, 8.0), down_s=(3.0, 5.0), ranks=2)
         steps = [f.step for f in faults]
         assert steps == sorted(steps) and steps[0] > 0 and steps[-1] <= 299
         late += steps[-1] >= 285  # the end of a job is drawn too (the last 5% of the steps)
@@ -44,6 +53,9 @@ def test_schedule_faults_are_well_formed() -> None:
                 assert len(f.replicas) == 1 and f.phases[-1] in KILL_PHASES
             elif f.kind == "hang":
                 assert len(f.replicas) == 1 and 6.0 <= f.hang_s <= 8.0
+            elif f.kind in RANK_KINDS:
+                assert len(f.replicas) == 1 and len(f.ranks) == 1 and 0 <= f.ranks[0] < 2
+                assert (6.0 <= f.hang_s <= 8.0) if f.kind == "rank-hang" else f.hang_s == 0.0
             else:
                 assert f.kind in HA_KINDS and not f.replicas and 3.0 <= f.down_s <= 5.0
     assert late >= 10, late
@@ -62,6 +74,14 @@ def test_schedule_never_plans_a_double_kill_without_a_survivor() -> None:
 def test_fault_describe_is_readable() -> None:
     assert Fault("kill", 5, (1,), ("vote",)).describe() == "kill r1@vote step 5"
     assert "hang r2" in Fault("hang", 9, (2,), hang_s=6.5).describe()
+    assert Fault("rank-hang", 9, (2,), hang_s=30.0, ranks=(1,)).describe() == "hang rank 1 of r2 30.0s from step 9"
+    assert Fault("rank-kill", 4, (0,), ranks=(1,)).describe() == "kill rank 1 of r0 at step 4"
+
+
+def test_rank_faults_are_drawn_only_when_asked_for() -> None:
+    assert not any(f.kind in RANK_KINDS for seed in range(50) for f in schedule(seed, 3, 300))
+    drawn = {(f.kind, f.ranks[0]) for seed in range(50) for f in schedule(seed, 3, 300, RANK_KINDS, 4, ranks=2)}
+    assert drawn == {(k, r) for k in RANK_KINDS for r in (0, 1)}
 
 
 def test_kill_phases_are_the_fault_hooks_phases() -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from fthsdp.launch import priority
-from fthsdp.launch.procutil import alive, descendants, kill_group
+from fthsdp.launch.procutil import alive, descendants, kill_group, worker
 from tests.helpers import leaks
 
 # A parent (our child) that starts a grandchild in a new session, prints its PID and waits for a signal, as a
@@ -42,6 +42,32 @@ def test_kill_group_ends_a_worker_in_a_session_of_its_own() -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGKILL)
+        proc.stdout.close()
+
+
+# An agent with two workers (RANK 0 and 1); worker 1 has a child of its own, which inherits RANK=1.
+_TWO = (
+    "import os, signal, subprocess, sys\n"
+    "kid = ('import subprocess, sys, signal; '\n"
+    "       'subprocess.Popen([sys.executable, \"-c\", \"import signal; signal.pause()\"]); signal.pause()')\n"
+    "ws = [subprocess.Popen([sys.executable, '-c', kid], env={**os.environ, 'RANK': str(r)}) for r in (0, 1)]\n"
+    "print(*(w.pid for w in ws), flush=True)\n"
+    "signal.pause()\n"
+)
+
+
+def test_worker_finds_the_agents_child_of_that_rank_not_its_descendants() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _TWO], stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None
+    try:
+        w0, w1 = map(int, proc.stdout.readline().split())
+        end = time.monotonic() + 30
+        while len(descendants(proc.pid)) < 4:  # both workers' own children started
+            assert time.monotonic() < end
+            time.sleep(0.01)  # polling a condition with a deadline
+        assert (worker(proc.pid, 0), worker(proc.pid, 1), worker(proc.pid, 2)) == (w0, w1, None)
+    finally:
+        kill_group(proc)
         proc.stdout.close()
 
 
