@@ -114,6 +114,10 @@ class RuntimeConfig:
     """``FTHSDP_BACKEND``: ``gloo`` (CPU) or ``nccl`` (GPU); default by whether CUDA is available."""
     timeout_s: float = 5.0
     """``FTHSDP_TIMEOUT``: deadline of one cross-replica collective; a hung peer is given up after it."""
+    rank_timeout_s: float = 3.0
+    """``FTHSDP_RANK_TIMEOUT``: a rank of this replica silent this long (stopped, dead, wedged) ends the replica as a
+    whole, naming the rank (``fthsdp.runtime.siblings``); the lighthouse's rule for rank 0's heartbeats, applied to
+    every rank. Default: 3 s, or ``FTHSDP_TIMEOUT`` if shorter; 0: off."""
     epoch_wait_s: float = 60.0
     """``FTHSDP_EPOCH_WAIT``: how long a step may wait for a usable epoch before failing."""
     host: str = "127.0.0.1"
@@ -211,6 +215,10 @@ class RuntimeConfig:
         digest_every = _int(e, "FTHSDP_DIGEST_EVERY", "10")
         if digest_every < 0:
             raise ConfigError(f"FTHSDP_DIGEST_EVERY={digest_every} must be >= 0")
+        timeout = _float(e, "FTHSDP_TIMEOUT", "5")
+        rank_timeout = _float(e, "FTHSDP_RANK_TIMEOUT", str(min(3.0, timeout)))
+        if rank_timeout < 0 or timeout <= 0:
+            raise ConfigError(f"FTHSDP_TIMEOUT={timeout:g} must be > 0 and FTHSDP_RANK_TIMEOUT={rank_timeout:g} >= 0")
         spare_early = _float(e, "FTHSDP_SPARE_EARLY", "0.5")
         if not 0 <= spare_early <= 1:
             raise ConfigError(f"FTHSDP_SPARE_EARLY={spare_early:g} must be between 0 and 1")
@@ -225,7 +233,8 @@ class RuntimeConfig:
             spares=spares,
             spare_early=spare_early,
             backend=backend,
-            timeout_s=_float(e, "FTHSDP_TIMEOUT", "5"),
+            timeout_s=timeout,
+            rank_timeout_s=rank_timeout,
             epoch_wait_s=_float(e, "FTHSDP_EPOCH_WAIT", "60"),
             host=e.get("FTHSDP_HOST") or "127.0.0.1",
             token=token,

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneEngine, LighthouseMembership, nccl_env
 from fthsdp.catchup.server import CatchupServer
-from fthsdp.runtime import checkpoint, ending, grad_scale, startup
+from fthsdp.runtime import checkpoint, ending, grad_scale, siblings, startup
 from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange, failure_of
 from fthsdp.runtime.commit import (
@@ -105,6 +105,8 @@ class StepCore:
         # One session per group: rank 0 relays its epochs, and that the lighthouse dropped this incarnation.
         self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size, on_lost=self.on_lost,
                                   key=startup.group_secret(self.rank, self.device))
+        self.siblings = siblings.watch(self.client, self.rank, self.world_size, cfg.rank_timeout_s, self.log,
+                                       self.device)  # a rank silent for FTHSDP_RANK_TIMEOUT ends the replica
         self.check = DigestCheck(cfg.digest_every, lambda: self.slot, self.log, self.client.set_digest)
         self.joiner = Joiner(cfg, self.rank, lambda: self.slot, self.client, self.faults, self.device, self.log,
                              epoch=self.feed.current)
@@ -409,6 +411,7 @@ class StepCore:
         progress get a few seconds). An active replica that leaves at the end first ends the job (``end_of_job``)."""
         if leave and self.standing is Standing.MEMBER and not self.terminated and self._parts is not None:
             self.end_of_job()
+        self.siblings.close()
         self.engine.close()
         self.epochs.close()
         self.client.close(leave="finished" if leave and self.rank == 0 else None)

@@ -150,3 +150,13 @@ def test_how_early_a_spare_trains_a_slot_it_is_handed() -> None:
     for bad in ("-0.1", "1.5"):
         with pytest.raises(ConfigError, match="FTHSDP_SPARE_EARLY"):
             RuntimeConfig.from_env({**BASE, "FTHSDP_SPARE_EARLY": bad})
+
+
+def test_a_silent_rank_limit_defaults_to_3_s_or_the_collective_timeout_and_zero_turns_it_off() -> None:
+    assert RuntimeConfig.from_env(BASE).rank_timeout_s == 3.0
+    assert RuntimeConfig.from_env({**BASE, "FTHSDP_TIMEOUT": "2"}).rank_timeout_s == 2.0
+    assert RuntimeConfig.from_env({**BASE, "FTHSDP_TIMEOUT": "2", "FTHSDP_RANK_TIMEOUT": "7"}).rank_timeout_s == 7.0
+    assert RuntimeConfig.from_env({**BASE, "FTHSDP_RANK_TIMEOUT": "0"}).rank_timeout_s == 0.0
+    for bad in ({"FTHSDP_RANK_TIMEOUT": "-1"}, {"FTHSDP_TIMEOUT": "0"}, {"FTHSDP_RANK_TIMEOUT": "soon"}):
+        with pytest.raises(ConfigError, match="FTHSDP_(RANK_)?TIMEOUT"):
+            RuntimeConfig.from_env({**BASE, **bad})
