@@ -17,7 +17,7 @@ from fthsdp.testing import invariants
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-STEPS = 300
+STEPS = 150
 TIMEOUT_S = 4.0
 """The replicas' collective timeout (``FTHSDP_TIMEOUT``); the rank watch waits as long for a silent sibling."""
 
