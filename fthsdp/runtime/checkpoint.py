@@ -80,12 +80,24 @@ def _side_path(path: pathlib.Path, rank: int) -> pathlib.Path:
     return path / f"fthsdp-rank{rank}.json"
 
 
-def _shared(names: list[str], rank: int, work: Callable[[list[str]], list[T]]) -> list[T]:
+def _shared(names: list[str], rank: int, work: Callable[[list[str]], list[T]],
+            group: dist.ProcessGroup | None = None) -> list[T]:
     """``work`` over ``names`` split among the replica's ranks (this rank takes every world-th from ``rank``), and
-    every rank's results gathered on every rank (a collective)."""
-    shares: list[list[T] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, work(names[rank::len(shares)]))
+    every rank's results gathered on every rank (a collective over ``group``, default: the replica's)."""
+    shares: list[list[T] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shares, work(names[rank::len(shares)]), group=group)
     return [x for share in shares for x in (share or [])]
+
+
+def path_of(directory: str | os.PathLike[str], step: int, index: int) -> pathlib.Path:
+    """Where replica ``index``'s checkpoint of ``step`` goes."""
+    return pathlib.Path(directory) / f"step-{step:08d}-r{index}"
+
+
+def state_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """What DCP writes: the model's and the optimizer's state dicts (this rank's shards)."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def save(directory: str | os.PathLike[str], step: int, index: int, model: nn.Module, opt: torch.optim.Optimizer,
@@ -93,22 +105,28 @@ def save(directory: str | os.PathLike[str], step: int, index: int, model: nn.Mod
     """Write the replica's state (a collective over the replica's ranks: call it on every rank) under its
     ``FTHSDP_REPLICA_INDEX`` ``index`` (unique, where its data slot may be none: a spare); ``side`` is this rank's
     trainer state and RNG (``ShardState.side_state``, JSON); sealed under ``key`` (the job's catch-up key)."""
-    path = pathlib.Path(directory) / f"step-{step:08d}-r{index}"
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    path = path_of(directory, step, index)
+    dcp.save(state_of(model, opt), checkpoint_id=str(path))
+    return seal_written(path, step, index, cursors, rank, side, key)
+
+
+def seal_written(path: pathlib.Path, step: int, index: int, cursors: torch.Tensor, rank: int, side: bytes,
+                 key: str = "", group: dist.ProcessGroup | None = None) -> pathlib.Path:
+    """Once DCP wrote ``path`` on every rank: this rank's trainer state, then (the ranks sharing the hashing) the
+    commit marker with every file's digest and their seal. A collective over ``group`` (default: the replica's)."""
     tmp = _side_path(path, rank).with_suffix(".tmp")
     tmp.write_bytes(side)
     os.replace(tmp, _side_path(path, rank))
-    dist.barrier()
+    dist.barrier(group=group)
     files = dict(_shared(checkpoint_seal.sealed_files(path, MARKER), rank,
-                         lambda names: [(n, checkpoint_seal.digest(path / n)) for n in names]))
+                         lambda names: [(n, checkpoint_seal.digest(path / n)) for n in names], group))
     if rank == 0:
         tmp = path / (MARKER + ".tmp")
         tmp.write_text(json.dumps({"step": step, "cursors": [int(c) for c in cursors.tolist()], "replica_index": index,
-                                   "world_size": dist.get_world_size(), "files": files,
+                                   "world_size": dist.get_world_size(group), "files": files,
                                    "seal": checkpoint_seal.seal(key, files)}))
         os.replace(tmp, path / MARKER)
-    dist.barrier()
+    dist.barrier(group=group)
     return path
 
 
@@ -125,8 +143,7 @@ def load(ck: Checkpoint, model: nn.Module, opt: torch.optim.Optimizer, rank: int
     """Read a checkpoint into the (already sharded) model and its optimizer, on every rank of the replica, once its
     seal holds (``verify``); returns this rank's side state (what ``save`` got as ``side``)."""
     verify(ck, rank, key)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    state = state_of(model, opt)
     dcp.load(state, checkpoint_id=str(ck.path))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     try:

@@ -137,6 +137,10 @@ class RuntimeConfig:
     replica. Empty: no checkpoints, and a job whose replicas all died cannot resume."""
     checkpoint_every: int = 0
     """``FTHSDP_CHECKPOINT_EVERY``: write a checkpoint every K committed steps (0: only on SIGTERM)."""
+    checkpoint_async: bool = True
+    """``FTHSDP_CHECKPOINT_ASYNC``: a periodic checkpoint is staged at its commit boundary and written behind the
+    next steps (``fthsdp.runtime.checkpoint_writer``); 0: written on the training thread. A SIGTERM's and the end
+    of the job's are always written before going on."""
     join_warmup: bool = True
     """``FTHSDP_JOIN_WARMUP``: a joiner runs one forward and backward (thrown away) before entering the data
     plane, so its slow first step does not hold the others; 0 for a closure that consumes data when called."""
@@ -172,6 +176,12 @@ class RuntimeConfig:
     def asked_slot(self) -> int:
         """The data slot this replica asks the lighthouse for: its index, or none (-1) for a spare."""
         return self.replica_index if self.replica_index < self.num_replicas else -1
+
+    @property
+    def writes_behind(self) -> bool:
+        """Periodic checkpoints are written off the training thread (a directory, a period and
+        ``checkpoint_async``)."""
+        return bool(self.checkpoint_dir and self.checkpoint_every and self.checkpoint_async)
 
     @property
     def device_index(self) -> int:
@@ -241,6 +251,7 @@ class RuntimeConfig:
             lr_rule=lr_rule,
             checkpoint_dir=e.get("FTHSDP_CHECKPOINT_DIR", ""),
             checkpoint_every=every,
+            checkpoint_async=_int(e, "FTHSDP_CHECKPOINT_ASYNC", "1") != 0,
             max_replay=_int(e, "FTHSDP_CATCHUP_MAX_REPLAY", "256"),
             join_warmup=_int(e, "FTHSDP_JOIN_WARMUP", "1") != 0,
             digest_every=digest_every,

@@ -16,7 +16,6 @@ follower rank's epochs come from rank 0 through ``epochs``).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import torch
@@ -29,6 +28,7 @@ from fthsdp.catchup.server import CatchupServer
 from fthsdp.runtime import checkpoint, ending, grad_scale, siblings, startup
 from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange, failure_of
+from fthsdp.runtime.checkpoint_writer import CheckpointWriter
 from fthsdp.runtime.commit import (
     MAX_ATTEMPTS,
     Commit,
@@ -105,6 +105,8 @@ class StepCore:
         # One session per group: rank 0 relays its epochs, and that the lighthouse dropped this incarnation.
         self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size, on_lost=self.on_lost,
                                   key=startup.group_secret(self.rank, self.device))
+        self.writer = CheckpointWriter(cfg.checkpoint_dir, cfg.replica_index, self.rank, cfg.token, log_line=self.log,
+                                       asynchronous=cfg.writes_behind)
         self.siblings = siblings.watch(self.client, self.rank, self.world_size, cfg.rank_timeout_s, self.log,
                                        self.device)  # a rank silent for FTHSDP_RANK_TIMEOUT ends the replica
         self.check = DigestCheck(cfg.digest_every, lambda: self.slot, self.log, self.client.set_digest)
@@ -342,7 +344,7 @@ class StepCore:
         cfg = self.config
         if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and batches \
                 and min(s for s, _ in batches) == self.slot:
-            self.checkpoint()
+            self.checkpoint(now=False)
         if stop:
             path = self.checkpoint() if cfg.checkpoint_dir else None
             self.log(logging.WARNING, "SIGTERM: stopping at a commit boundary%s",
@@ -351,14 +353,12 @@ class StepCore:
             self.close(leave=True)
             raise Terminated(self.step, path)
 
-    def checkpoint(self) -> str:
-        """Write this rank's part of a checkpoint of the committed state; returns its path."""
+    def checkpoint(self, now: bool = True) -> str:
+        """Write this rank's part of a checkpoint of the committed state; returns its path. ``now=False``: begin it
+        ('' returned), written off the training thread with ``FTHSDP_CHECKPOINT_ASYNC`` (``checkpoint_writer``)."""
         assert self.model is not None and self.opt is not None
-        t0 = time.perf_counter()
-        path = checkpoint.save(self.config.checkpoint_dir, self.step, self.config.replica_index, self.model, self.opt,
-                               self.cursors, self.rank, self.parts()[0].side_state(), self.config.token)
-        self.log(logging.INFO, "checkpoint %s written in %.3fs", path, time.perf_counter() - t0)
-        return str(path)
+        write = self.writer.now if now else self.writer.periodic
+        return str(write(self.step, self.model, self.opt, self.cursors, self.parts()[0].side_state()) or "")
 
     def agree(self) -> None:
         """Read the post exchange this lane sent last as a contributor and did not wait for (``finish``; the
@@ -411,6 +411,7 @@ class StepCore:
         progress get a few seconds). An active replica that leaves at the end first ends the job (``end_of_job``)."""
         if leave and self.standing is Standing.MEMBER and not self.terminated and self._parts is not None:
             self.end_of_job()
+        self.writer.close()
         self.siblings.close()
         self.engine.close()
         self.epochs.close()

@@ -60,3 +60,8 @@ class Terminated(SystemExit):
         super().__init__(0)
         self.step = step
         self.path = path
+
+
+class CheckpointFailed(RuntimeError):
+    """A checkpoint written behind the steps (``fthsdp.runtime.checkpoint_writer``) failed; raised on the training
+    thread at the next wait, with what the write raised as its cause. No marker was written: a resume ignores it."""

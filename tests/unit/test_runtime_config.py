@@ -160,3 +160,13 @@ def test_a_silent_rank_limit_defaults_to_3_s_or_the_collective_timeout_and_zero_
     for bad in ({"FTHSDP_RANK_TIMEOUT": "-1"}, {"FTHSDP_TIMEOUT": "0"}, {"FTHSDP_RANK_TIMEOUT": "soon"}):
         with pytest.raises(ConfigError, match="FTHSDP_(RANK_)?TIMEOUT"):
             RuntimeConfig.from_env({**BASE, **bad})
+
+
+def test_periodic_checkpoints_are_written_behind_the_steps_unless_turned_off() -> None:
+    assert not RuntimeConfig.from_env(BASE).writes_behind  # no directory, no period
+    on = {**BASE, "FTHSDP_CHECKPOINT_DIR": "/ck", "FTHSDP_CHECKPOINT_EVERY": "10"}
+    assert RuntimeConfig.from_env(on).writes_behind
+    assert not RuntimeConfig.from_env({**on, "FTHSDP_CHECKPOINT_ASYNC": "0"}).writes_behind
+    assert not RuntimeConfig.from_env({**on, "FTHSDP_CHECKPOINT_EVERY": "0"}).writes_behind
+    with pytest.raises(ConfigError, match="FTHSDP_CHECKPOINT_ASYNC"):
+        RuntimeConfig.from_env({**on, "FTHSDP_CHECKPOINT_ASYNC": "yes"})
