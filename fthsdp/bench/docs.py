@@ -20,7 +20,8 @@ runs, e.g. ``out/bench/``) over them. Known files:
 - ``recovery-vs-hsdp.json``: ``fthsdp bench recovery --vs torchft --ranks 2 --json`` (every system on the HSDP
   shape, torchft with FSDP2 inside each group; optional);
 - ``recovery-double.json``: ``fthsdp bench recovery --kill 1@20 --kill 2@20 --json`` (optional);
-- ``straggler.json``: ``fthsdp bench straggler --json`` (optional).
+- ``straggler.json``: ``fthsdp bench straggler --json`` (optional);
+- ``checkpoint.json``: ``fthsdp bench checkpoint --json`` (optional).
 
 The simulator section is computed here (``fthsdp.bench.sim``) from the measured stalls.
 """
@@ -38,9 +39,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 from fthsdp.bench.sim import SimConfig, simulate  # noqa: E402
 
 KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
-         "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json", "recovery-cold.json",
-         "recovery-warm.json", "catchup.json", "recovery-spares.json", "recovery-spares-warm.json",
-         "recovery-vs-hsdp.json")
+         "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json", "checkpoint.json",
+         "recovery-cold.json", "recovery-warm.json", "catchup.json", "recovery-spares.json",
+         "recovery-spares-warm.json", "recovery-vs-hsdp.json")
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -592,6 +593,25 @@ def section_straggler(doc: dict[str, Any] | None, notes: dict[str, Any] | None) 
     return out
 
 
+def section_checkpoint(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -> list[str]:
+    """Periodic checkpoints on the training thread and behind the steps (``fthsdp bench checkpoint --json``)."""
+    if not doc:
+        return []
+    out = ["## Checkpoints off the step", "",
+           f"`fthsdp bench checkpoint --json` (data: `docs/bench-data/checkpoint.json`): the {doc['model']} model, "
+           f"{doc['replicas']} replica groups x {doc['ranks_per_replica']} ranks, {doc['steps']} steps, a checkpoint "
+           f"every {doc['every']} steps; the steps a checkpoint touches (the one it is taken at and the "
+           f"{doc['window']} after it) against the same run's other steps.", "",
+           "| mode | step during a checkpoint | steady step | ratio | checkpoints |",
+           "| --- | ---: | ---: | ---: | ---: |"]
+    out += [f"| {x['mode']} | {fmt(x['during_s'], '.3f')} s | {fmt(x['steady_s'], '.3f')} s | {fmt(x['ratio'])} | "
+            f"{x['checkpoints']} |" for x in doc["runs"]]
+    out.append("")
+    for para in (notes or {}).get("checkpoint", []):
+        out += [para, ""]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--import", dest="import_dir", default="", help="copy known JSONs from here first")
@@ -635,6 +655,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += section_sim(rec, base, img)
     lines += section_other(load(data, "overhead.json"), load(data, "ftar.json"))
     lines += section_straggler(load(data, "straggler.json"), notes)
+    lines += section_checkpoint(load(data, "checkpoint.json"), notes)
     lines += ["## Regenerating", "", "```bash",
               "mkdir -p out/bench",
               ".venv/bin/fthsdp bench recovery --vs torchft --json > out/bench/recovery.json   # < 15 min",
@@ -649,6 +670,7 @@ def main(argv: list[str] | None = None) -> None:
               "> out/bench/lighthouse.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
               ".venv/bin/fthsdp bench catchup --mb 512 --json > out/bench/catchup.json",
+              ".venv/bin/fthsdp bench checkpoint --rounds 2 --json > out/bench/checkpoint.json",
               "make benchmarks-doc    # copies out/bench/*.json to docs/bench-data/, rewrites this page and its plots",
               "```", ""]
     out.write_text("\n".join(lines))

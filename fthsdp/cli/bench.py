@@ -5,6 +5,7 @@ a baseline measured in the same run; ``--json`` prints the result's document, ot
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,17 @@ def cmd_bench_ftar(a: argparse.Namespace) -> None:
     from fthsdp.bench.results import format_ftar
 
     emit(bench_ftar(members=a.members, mb=a.mb, iters=a.iters, timeout_s=a.timeout), a.json, format_ftar)
+
+
+def cmd_bench_checkpoint(a: argparse.Namespace) -> None:
+    from fthsdp.bench.checkpoint import bench_checkpoint, format_checkpoint
+
+    try:
+        result = bench_checkpoint(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model, every=a.every,
+                                  window=a.window, rounds=a.rounds, workdir=a.workdir)
+    except ValueError as e:
+        sys.exit(f"fthsdp bench checkpoint: {e}")
+    emit(result, a.json, format_checkpoint)
 
 
 def cmd_bench_overhead(a: argparse.Namespace) -> None:
@@ -118,6 +130,19 @@ def register(sub: Subparsers) -> None:
                     help="baseline/fthsdp alternations (the ratio is the median of the rounds' ratios)")
     bo.add_argument("--json", action="store_true")
     bo.set_defaults(fn=cmd_bench_overhead)
+    bk = bsub.add_parser("checkpoint", help="the step while a periodic checkpoint is written, on the training "
+                                            "thread and behind the steps, against the same run's other steps")
+    bk.add_argument("--replicas", type=int, default=3)
+    bk.add_argument("--ranks", type=int, default=2)
+    bk.add_argument("--steps", type=int, default=60)
+    bk.add_argument("--every", type=int, default=10, help="a checkpoint every this many steps")
+    bk.add_argument("--window", type=int, default=2, help="steps after a checkpoint's that count as during it")
+    bk.add_argument("--model", default="reference")
+    bk.add_argument("--rounds", type=int, default=1, help="sync/async alternations")
+    bk.add_argument("--workdir", default=None,
+                    help="keep the runs' logs, progress files and checkpoints here (default: a temporary folder)")
+    bk.add_argument("--json", action="store_true")
+    bk.set_defaults(fn=cmd_bench_checkpoint)
     br = bsub.add_parser("recovery", help="a SIGKILL and rejoin: survivors' stall, catch-up cost, join time, "
                                           "transfer throughput (--vs torchft: side by side with torchft and a "
                                           "whole-job restart)")
