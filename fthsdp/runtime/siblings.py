@@ -6,9 +6,10 @@ Every rank bumps a counter of its own in the group's torchrun store every ``inte
 <incarnation>/<rank>``, from a thread of its own, on a connection of its own). Rank 0 reads every other rank's
 counter at the same pace; the other ranks read rank 0's. A counter that has not moved for ``limit_s`` names a
 rank that is stopped, dead or wedged with the interpreter lock held: ``on_silent(rank, silent_s)`` then ends the
-replica as a whole (``StepCore``: the replica leaves the job naming the rank, so the others' epoch forms at once,
-then exits; torchrun's agent ends the rest). A rank that closes adds ``CLOSED`` to its counter: from then on its
-silence is expected. Costs: one ``add`` per rank per interval and one ``multi_get`` of S - 1 counters on rank 0.
+replica as a whole (``end_replica``: the replica leaves the job naming the rank, so the others' epoch forms at
+once, then this rank exits; torchrun's agent ends the rest). A rank that closes adds ``CLOSED`` to its counter:
+from then on its silence is expected. Costs: one ``add`` per rank per interval and one ``multi_get`` of S - 1
+counters on rank 0.
 
 torchrun's store is unauthenticated: whoever reaches it can make a silent rank look alive (an ``add``), which only
 delays this check (the lighthouse's own rules remain), but cannot make a live one look silent while it stamps.

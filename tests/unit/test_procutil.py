@@ -45,7 +45,7 @@ def test_kill_group_ends_a_worker_in_a_session_of_its_own() -> None:
         proc.stdout.close()
 
 
-# An agent with two workers (RANK 0 and 1); worker 1 has a child of its own, which inherits RANK=1.
+# An agent with two workers (RANK 0 and 1), each with a child of its own that inherits its RANK.
 _TWO = (
     "import os, signal, subprocess, sys\n"
     "kid = ('import subprocess, sys, signal; '\n"
