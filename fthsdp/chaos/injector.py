@@ -62,6 +62,9 @@ class ActiveFault:
     changed_at: float = 0.0
     pgids: list[int] = field(default_factory=list)
     seen: dict[int, int] = field(default_factory=dict)
+    """A kill's: per replica, its exits since the fault began that were recorded."""
+    ended: int = 0
+    """A hang's or a rank fault's: its group's exits since the fault began, as last seen."""
 
 
 class Injector:
@@ -257,8 +260,8 @@ class Injector:
             a.fired.append(f"etcd member {c.etcd.names[a.target]} restarted")
             a.stage, a.changed_at = "recovering", now
         exits = self._exits(c, f.replicas[0])[a.exits_before[f.replicas[0]]:] if f.replicas else []
-        if len(exits) > a.seen.get(-1, 0):  # the group ended (again): whole only after its restart
-            a.seen[-1], a.changed_at = len(exits), now
+        if len(exits) > a.ended:  # the group ended (again): whole only after its restart
+            a.ended, a.changed_at = len(exits), now
         # A rank fault is over once its group restarted (whole before that only means nobody noticed yet).
         ended = bool(exits) or f.kind not in ("rank-hang", "rank-kill")
         if a.stage == "recovering" and ended and self._whole_since(a.changed_at):

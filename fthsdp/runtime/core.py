@@ -93,7 +93,7 @@ class StepCore:
                                     seal=ShardState.seal, device=self.device, epoch=self.feed.current,
                                     token=cfg.token, wait_s=cfg.epoch_wait_s, on_chunk_sent=self.faults.on_chunk_sent,
                                     corrupt=self.faults.corrupter())
-        self.server.directory = startup.gather_addresses(self.server.address, self.world_size, self.device)
+        self.server.directory = startup.gather_strings(self.server.address, self.world_size, self.device)
         self.metrics = ReplicaMetrics(cfg.replica_id, self.rank, port=cfg.metrics_port, addr=cfg.host)
         self.client = LighthouseClient(cfg.lighthouse, cfg.job_id, cfg.replica_id, shard_count=cfg.world_size,
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,

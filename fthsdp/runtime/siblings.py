@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ftar.devices import start_thread
+from fthsdp.launch import procutil
 from fthsdp.runtime import startup
 from fthsdp.runtime.epoch_relay import group_store
 from lighthouse.client import LighthouseClient
@@ -85,7 +86,7 @@ def watch(client: LighthouseClient, rank: int, world_size: int, limit_s: float, 
 
 def processes(world_size: int, device: torch.device) -> list[tuple[str, int]]:
     """Every rank's (host name, pid), agreed over the replica's process group (a collective: every rank calls it)."""
-    out = startup.gather_addresses(f"{socket.gethostname()} {os.getpid()}", world_size, device)
+    out = startup.gather_strings(f"{socket.gethostname()} {os.getpid()}", world_size, device)
     return [(host, int(pid)) for host, _, pid in (x.rpartition(" ") for x in out)]
 
 
@@ -102,19 +103,11 @@ def end_replica(client: LighthouseClient, processes: list[tuple[str, int]], log_
     except Exception as e:  # noqa: BLE001 -- whatever it was, the replica must still end; the others then wait
         log_line(logging.WARNING, "could not leave the job: %s", e)  # for its silence or its closed session
     host, pid = processes[rank] if rank < len(processes) else ("", -1)
-    if host == socket.gethostname() and pid > 0 and _parent(pid) == os.getppid():
+    if host == socket.gethostname() and pid > 0 and procutil.parent(pid) == os.getppid():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     logging.shutdown()
     os._exit(EXIT_RANK_LOST)
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 class SiblingWatch:

@@ -23,8 +23,8 @@ from fthsdp.runtime.errors import JobFinished, NoStateToResume
 from fthsdp.runtime.filewait import wait_until_exists
 from lighthouse import membership as m
 
-ADDR_BYTES = 256
-"""Longest catch-up address (``host:port``) a rank may have."""
+TEXT_BYTES = 256
+"""Longest text a rank may share with ``gather_strings`` (a catch-up address ``host:port``, a ``host pid``)."""
 
 
 class Role(enum.IntEnum):
@@ -70,12 +70,13 @@ def group_secret(rank: int, device: torch.device) -> bytes:
     return bytes(raw.cpu().tolist())
 
 
-def gather_addresses(mine: str, world_size: int, device: torch.device) -> list[str]:
-    """Every rank's catch-up address (the lighthouse only carries rank 0's; it redirects joiners)."""
+def gather_strings(mine: str, world_size: int, device: torch.device) -> list[str]:
+    """Every rank's ``mine`` (index = rank), at most ``TEXT_BYTES`` bytes each: the catch-up addresses (the lighthouse
+    only carries rank 0's; it redirects joiners), the ranks' processes (``fthsdp.runtime.siblings``)."""
     raw = mine.encode()
-    if len(raw) > ADDR_BYTES:
-        raise ValueError(f"catch-up address {mine!r} is longer than {ADDR_BYTES} bytes")
-    buf = torch.zeros(ADDR_BYTES, dtype=torch.uint8, device=device)
+    if len(raw) > TEXT_BYTES:
+        raise ValueError(f"{mine!r} is longer than the {TEXT_BYTES} bytes a rank may share")
+    buf = torch.zeros(TEXT_BYTES, dtype=torch.uint8, device=device)
     buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     out = [torch.empty_like(buf) for _ in range(world_size)]
     dist.all_gather(out, buf)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().full_tensor().clone() for p in model.parameters()]  # type: ignore[attr-defined]
 
 
-def _lines() -> tuple[list[str], object]:
+def _lines() -> tuple[list[str], Callable[..., None]]:
     lines: list[str] = []
 
     def log_line(level: int, msg: str, *args: object) -> None:
@@ -55,7 +56,7 @@ def test_a_checkpoint_written_behind_holds_the_state_of_its_boundary(tmp_path: p
     _train(model, opt)
     at_boundary = _params(model)
     lines, log_line = _lines()
-    writer = CheckpointWriter(str(tmp_path), 0, 0, KEY, asynchronous=True, log_line=log_line)  # type: ignore[arg-type]
+    writer = CheckpointWriter(str(tmp_path), 0, 0, KEY, asynchronous=True, log_line=log_line)
     writer.periodic(5, model, opt, torch.tensor([5, 5]), b'{"side": 5}')
     _train(model, opt, 3)  # training goes on while it is written
     assert not all(torch.equal(a, b) for a, b in zip(at_boundary, _params(model), strict=True))
@@ -74,7 +75,7 @@ def test_one_checkpoint_is_in_flight_at_a_time_and_now_waits_for_it(tmp_path: pa
                                                                      one_rank_group: None) -> None:
     model, opt = _sharded(0)
     _, log_line = _lines()
-    writer = CheckpointWriter(str(tmp_path), 2, 0, KEY, asynchronous=True, log_line=log_line)  # type: ignore[arg-type]
+    writer = CheckpointWriter(str(tmp_path), 2, 0, KEY, asynchronous=True, log_line=log_line)
     writer.periodic(10, model, opt, torch.tensor([1, 1]), b"{}")
     writer.periodic(20, model, opt, torch.tensor([2, 2]), b"{}")  # waits for step 10's first
     assert (tmp_path / "step-00000010-r2" / checkpoint.MARKER).is_file()
@@ -91,7 +92,7 @@ def test_a_write_that_fails_raises_on_the_training_thread_and_leaves_no_marker(t
     blocked = tmp_path / "step-00000005-r0"
     blocked.write_text("a file where the checkpoint's folder goes")
     lines, log_line = _lines()
-    writer = CheckpointWriter(str(tmp_path), 0, 0, KEY, asynchronous=True, log_line=log_line)  # type: ignore[arg-type]
+    writer = CheckpointWriter(str(tmp_path), 0, 0, KEY, asynchronous=True, log_line=log_line)
     writer.periodic(5, model, opt, torch.tensor([0]), b"{}")
     with pytest.raises(CheckpointFailed, match="step-00000005-r0 of step 5 was not written") as err:
         writer.wait()
@@ -107,7 +108,7 @@ def test_without_asynchronous_a_periodic_checkpoint_is_written_before_it_returns
                                                                                   one_rank_group: None) -> None:
     model, opt = _sharded(0)
     _, log_line = _lines()
-    writer = CheckpointWriter(str(tmp_path), 0, 0, "", asynchronous=False, log_line=log_line)  # type: ignore[arg-type]
+    writer = CheckpointWriter(str(tmp_path), 0, 0, "", asynchronous=False, log_line=log_line)
     assert writer.group is None
     writer.periodic(3, model, opt, torch.tensor([3]), b"{}")
     assert (tmp_path / "step-00000003-r0" / checkpoint.MARKER).is_file() and writer.wait() is None

@@ -18,6 +18,7 @@ import pytest
 from fthsdp.launch import priority
 from fthsdp.launch.procutil import alive, descendants, kill_group, worker
 from tests.helpers import leaks
+from tests.helpers.lighthouse import wait_until
 
 # A parent (our child) that starts a grandchild in a new session, prints its PID and waits for a signal, as a
 # torchrun agent does with its workers.
@@ -61,10 +62,7 @@ def test_worker_finds_the_agents_child_of_that_rank_not_its_descendants() -> Non
     assert proc.stdout is not None
     try:
         w0, w1 = map(int, proc.stdout.readline().split())
-        end = time.monotonic() + 30
-        while len(descendants(proc.pid)) < 4:  # both workers' own children started
-            assert time.monotonic() < end
-            time.sleep(0.01)  # polling a condition with a deadline
+        wait_until(lambda: len(descendants(proc.pid)) >= 4, 30, what="both workers' own children")
         assert (worker(proc.pid, 0), worker(proc.pid, 1), worker(proc.pid, 2)) == (w0, w1, None)
     finally:
         kill_group(proc)

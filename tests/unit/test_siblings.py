@@ -8,12 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch.distributed as dist
 
 from fthsdp.runtime.siblings import CLOSED, EXIT_RANK_LOST, SiblingWatch, Silence
+from tests.helpers.lighthouse import wait_until
 
 
 def _looks(s: Silence, t0: float, t1: float, readings: dict[int, int]) -> list[tuple[int, float]]:
@@ -66,13 +66,6 @@ def test_a_limit_must_be_positive() -> None:
         Silence((1,), limit_s=0.0, now=0.0)
 
 
-def _wait(cond: object, what: str, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.01)  # polling a condition with a deadline
-
-
 def _watches(world: int, limit_s: float) -> tuple[dist.HashStore, list[SiblingWatch], list[tuple[int, int, float]]]:
     store = dist.HashStore()
     fired: list[tuple[int, int, float]] = []
@@ -92,11 +85,11 @@ def test_live_ranks_keep_each_other_watched_and_a_stopped_one_is_named() -> None
         w.start()
     try:
         # Several rounds of rank 0's watch (its counter moves once per round), nobody late.
-        _wait(lambda: _count(store, 0) >= 8, "rank 0 to watch for several rounds")
+        wait_until(lambda: _count(store, 0) >= 8, 10, what="rank 0 to watch for several rounds")
         assert fired == []
         w2._stop.set()  # rank 2 stops stamping without closing: stopped, as a SIGSTOP would
         w2._thread.join()  # type: ignore[union-attr]
-        _wait(lambda: fired, "rank 0 to name the silent rank")
+        wait_until(lambda: fired, 10, what="rank 0 to name the silent rank")
         assert fired[0][:2] == (0, 2) and fired[0][2] >= 0.4
     finally:
         for w in (w0, w1, w2):
@@ -107,7 +100,7 @@ def test_the_other_ranks_watch_rank_0() -> None:
     store, (w0, w1), fired = _watches(2, limit_s=0.3)
     w1.start()  # rank 0 never stamps
     try:
-        _wait(lambda: fired, "rank 1 to name rank 0")
+        wait_until(lambda: fired, 10, what="rank 1 to name rank 0")
         assert fired[0][:2] == (1, 0)
     finally:
         w1.close()
@@ -122,7 +115,7 @@ def test_a_rank_that_closes_is_not_taken_for_a_silent_one() -> None:
     try:
         start = _count(store, 0)
         # Rank 0 watches for longer than the limit (its rounds are 75 ms apart): rank 1's silence is expected.
-        _wait(lambda: _count(store, 0) >= start + 8, "rank 0 to watch past the limit")
+        wait_until(lambda: _count(store, 0) >= start + 8, 10, what="rank 0 to watch past the limit")
         assert fired == []
     finally:
         w0.close()
@@ -177,7 +170,7 @@ def test_a_process_that_is_not_a_sibling_is_never_killed() -> None:
 
     # Not a child of the ending process's parent (this test): a grandchild, under a shell.
     holder = subprocess.Popen(["/bin/sh", "-c", f"{sys.executable} -c 'import time; time.sleep(120)' & wait"])
-    _wait(lambda: descendants(holder.pid), "the holder's child")
+    wait_until(lambda: descendants(holder.pid), 10, what="the holder's child")
     pid = descendants(holder.pid)[0]
     try:
         out = subprocess.run([sys.executable, "-c", CHILD, socket.gethostname(), str(pid)], capture_output=True,
