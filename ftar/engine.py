@@ -312,12 +312,12 @@ class LaneEngine:
         self._epoch_changed.clear()
         group = EpochGroup.open(epoch, self.replica_id, self.lane, self.config.backend, self.config.connect_timeout_s,
                                 self._reaper, lambda: self._closed or newer(self.membership.current(), epoch),
-                                getattr(self.membership, "store_target", None))
+                                *(getattr(self.membership, a, None) for a in ("store_target", "hosting")))
         self._group = group
         self._tag = self._check_alignment(group, epoch, tag)
         self.last_rebuild_s = time.perf_counter() - t0
-        self._log(logging.INFO, epoch.number, self._tag, "data plane rebuilt: rank %d of %d in %.3fs", group.rank,
-                  group.world, self.last_rebuild_s)
+        self._log(logging.INFO, epoch.number, self._tag, "data plane rebuilt: rank %d of %d in %.3fs on %s",
+                  group.rank, group.world, self.last_rebuild_s, group.met_on)
         return group
 
     def _check_alignment(self, group: EpochGroup, epoch: EpochView, tag: int | None) -> int:

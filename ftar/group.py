@@ -1,5 +1,5 @@
-"""One epoch's data plane of a lane (docs/design.md §5): the rendezvous on the lighthouse-hosted store (``ftar.store``:
-authenticated, over the lighthouse's gRPC port), the torchft
+"""One epoch's data plane of a lane (docs/design.md §5): the rendezvous on the store of the lane's host (``ftar.
+lane_hosting``) or the lighthouse's (``ftar.store``: authenticated, over the lighthouse's gRPC port), the torchft
 process group (Gloo or NCCL) built for the epoch in the same process, its collectives, the check-in keys blame is
 read from, and the release of a group that is given up.
 
@@ -31,9 +31,10 @@ from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 from ftar import devices, nccl_env
 from ftar.completion import FutureWatcher, StreamWatcher, Watcher
 from ftar.errors import Abandoned, PeerFailure
+from ftar.lane_hosting import LaneHosting, member_hosted
 from ftar.packing import Staging
 from ftar.rules import missing
-from ftar.store import StoreTarget, open_store
+from ftar.store import StoreRefused, StoreTarget, open_store
 from lighthouse.epoch_view import EpochView
 
 log = logging.getLogger("fthsdp.ftar")
@@ -109,8 +110,10 @@ class EpochGroup:
     the epoch-lane store and the staging buffers of its exchanges."""
 
     def __init__(self, epoch: EpochView, rank: int, store: Any, pg: Any, staging: Staging,
-                 backend: str = "gloo") -> None:
+                 backend: str = "gloo", met_on: str = "the lighthouse") -> None:
         self.epoch = epoch
+        self.met_on = met_on
+        """Where the members met: ``<replica>'s lane store`` or the lighthouse (for the logs)."""
         self.rank = rank
         self.world = len(epoch.replica_ids)
         self.store = store
@@ -126,19 +129,30 @@ class EpochGroup:
     @classmethod
     def open(cls, epoch: EpochView, replica_id: str, lane: int, backend: str, connect_timeout_s: float,
              reaper: Reaper, superseded: Callable[[], bool],
-             store_target: StoreTarget | Callable[[], StoreTarget] | None = None) -> EpochGroup:
-        """Rendezvous under ``<epoch's rendezvous>/lane<lane>`` and build the group from that store object (the
-        lighthouse's authenticated store, reached through ``store_target``; or the opt-in TCPStore). Raises
+             store_target: StoreTarget | Callable[[], StoreTarget] | None = None,
+             hosting: LaneHosting | None = None) -> EpochGroup:
+        """Rendezvous under ``<epoch's rendezvous>/lane<lane>`` and build the group from that store object: the
+        lane host's store when the epoch's members host it (``hosting``: ``ftar.lane_hosting``), else the
+        lighthouse's authenticated store, reached through ``store_target``, or the opt-in TCPStore. Raises
         ``Abandoned`` as soon as ``superseded()`` (a member that never arrives would otherwise hold everyone for
-        the whole connect timeout), ``PeerFailure`` (naming the members that did not arrive) if the rendezvous
-        fails."""
+        the whole connect timeout), ``PeerFailure`` (naming the members that did not arrive, or the host that could
+        not be reached) if the rendezvous fails."""
         ids = epoch.replica_ids
         rank = ids.index(replica_id)
         timeout = timedelta(seconds=connect_timeout_s)
         store: Any = None
+        host = ""
         try:
-            base = open_store(epoch.rendezvous, store_target, timeout)
+            if member_hosted(epoch):
+                if hosting is None:
+                    raise StoreRefused(f"epoch {epoch.number} meets on its members' stores, and this member "
+                                       "serves none")
+                base, host = hosting.open(epoch, lane, store_target, timeout, superseded)
+            else:
+                base = open_store(epoch.rendezvous, store_target, timeout)
             store = dist.PrefixStore(f"lane{lane}", base)
+            if hosting is not None:
+                hosting.announce(epoch, lane, store)
             store.set(f"{ARRIVED}/{rank}", b"1")
             pg_cls = ProcessGroupGloo if backend == "gloo" else ProcessGroupNCCL
             # The group's own timeout bounds its rendezvous; each collective gets its timeout through its options.
@@ -146,12 +160,16 @@ class EpochGroup:
             # The C++ group holds the store but not its Python object (a Python store): the group keeps it alive.
             pg.fthsdp_rendezvous_store = base
             _configure(pg, dist.PrefixStore("pg", store), replica_id, rank, len(ids), lane, reaper, superseded)
+            if hosting is not None:
+                hosting.learn(epoch, lane, store)
         except Abandoned:
             raise
         except Exception as e:
             absent = missing(ids, replica_id, _present(store, ARRIVED, rank, len(ids)) if store is not None else None)
-            raise PeerFailure(f"rendezvous of epoch {epoch.number} failed ({e}); not arrived: {absent}") from e
-        return cls(epoch, rank, store, pg, Staging(device_for(backend)), backend)
+            on = f" on {host}'s store" if host else ""
+            raise PeerFailure(f"rendezvous of epoch {epoch.number}{on} failed ({e}); not arrived: {absent}") from e
+        return cls(epoch, rank, store, pg, Staging(device_for(backend)), backend,
+                   f"{host}'s lane store" if host else "the lighthouse")
 
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, timeout_s: float) -> Any:
         """Start an all-reduce of ``tensor`` with a deadline (Gloo's; torchft's NCCL option hook clears it, so there

@@ -2,7 +2,8 @@
 reports, and a push notification when the epoch changes (to abandon an in-flight collective at once).
 
 ``Membership`` is the interface the lane engine depends on; ``LighthouseMembership`` implements it over a
-``LighthouseClient``, with an ``EpochFeed`` fanning the client's pushed epochs out to the engines' listeners."""
+``LighthouseClient``, with an ``EpochFeed`` fanning the client's pushed epochs out to the engines' listeners, and
+the member's lane store (``ftar.lane_hosting``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from ftar.lane_hosting import LaneHosting
 from ftar.store import StoreTarget
 from lighthouse.client import LighthouseClient
 from lighthouse.epoch_view import EpochView
@@ -81,10 +83,13 @@ class EpochFeed:
 class LighthouseMembership:
     """``Membership`` backed by a ``LighthouseClient`` whose ``on_epoch`` is ``feed.publish``."""
 
-    def __init__(self, client: LighthouseClient, feed: EpochFeed) -> None:
+    def __init__(self, client: LighthouseClient, feed: EpochFeed, *, key: str = "", host: str = "127.0.0.1") -> None:
         self.client = client
         self.feed = feed
         self.replica_id = client.replica_id
+        self.hosting = LaneHosting(client.replica_id, client.aio.job_id, key, host, feed.current)
+        """This member's side of member-hosted lane rendezvous: its lane store on ``host`` (requests signed with
+        ``key``, the job's catch-up key; without one, loopback only) and its lanes' hosts."""
 
     def current(self) -> EpochView | None:
         return self.client.epoch
@@ -102,6 +107,10 @@ class LighthouseMembership:
 
     def add_listener(self, fn: Callable[[EpochView], None]) -> Callable[[], None]:
         return self.feed.add_listener(fn)
+
+    def close(self) -> None:
+        """Stop this member's lane store."""
+        self.hosting.close()
 
     def store_target(self) -> StoreTarget:
         """Where the data plane's rendezvous store is (the lighthouse this client talks to now, the leader

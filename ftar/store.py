@@ -18,7 +18,7 @@ from typing import Any, cast
 import grpc
 import torch.distributed as dist
 
-from lighthouse.rendezvous import SCHEME
+from lighthouse.rendezvous import SCHEME, hosting_of
 from lighthouse.security import LEADER_METADATA, ClientSecurity
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
@@ -163,10 +163,20 @@ def _leader(e: grpc.RpcError) -> str:
     return ""
 
 
+def on_lighthouse(rendezvous: str) -> str:
+    """The lighthouse's namespace of an epoch's rendezvous, wherever its lanes meet (``lighthouse:<job>/epoch<N>``);
+    a TCPStore's address as it is."""
+    hosting = hosting_of(rendezvous)
+    return SCHEME + hosting[1] if hosting is not None else rendezvous
+
+
 def open_store(rendezvous: str, target: StoreTarget | Callable[[], StoreTarget] | None,
                timeout: timedelta) -> Any:
     """The store of an epoch's rendezvous: ``LighthouseStore`` for ``lighthouse:<job>/epoch<N>`` (``target``
-    says where and how to authenticate), else the TCPStore at ``host:port/prefix`` (torchft's client)."""
+    says where and how to authenticate), else the TCPStore at ``host:port/prefix`` (torchft's client). A rendezvous
+    on the members' stores is ``ftar.lane_hosting``'s."""
+    if hosting_of(rendezvous) is not None and not is_lighthouse_rendezvous(rendezvous):
+        raise StoreRefused(f"rendezvous {rendezvous!r} is on the lanes' members' stores (ftar.lane_hosting)")
     if not is_lighthouse_rendezvous(rendezvous):
         from torchft.process_group import create_store_client
 

@@ -33,6 +33,10 @@ class LighthouseConfig:
     rendezvous: bool = True
     """Host the epochs' data-plane rendezvous (so no replica holds it): the ``Rendezvous`` gRPC service, behind
     the same TLS and job token as the rest of the port."""
+    member_rendezvous: bool = True
+    """Let each lane's members host their rendezvous (``lighthouse.lane_hosts``): the lighthouse sends the epoch and
+    serves only what the members cannot do alone (a newcomer's lookup of its host, a re-formed epoch). Off: every
+    rank of every lane rendezvous on the lighthouse, as before (``--rendezvous-on lighthouse``)."""
     insecure_tcp_rendezvous: bool = False
     """Host it on a plain TCPStore instead (no token, no TLS): an explicit opt-in, refused unless ``bind`` is a
     loopback address, and logged as a warning."""

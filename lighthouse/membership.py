@@ -1,11 +1,11 @@
 """The membership decision: ``state + event -> new state + events``, pure and without I/O.
 
-The server (``lighthouse.server``) feeds events in one at a time and acts on the outcome (persist, push the
-epoch, answer the RPC). Nothing here reads a clock or a socket: time arrives inside the events, and liveness
-arrives as a mapping ``replica_id -> last heartbeat time`` that the edge keeps (heartbeats are the hot path and
-do not go through the state machine). What happened comes out as structured events (``lighthouse.events``);
-an epoch's reason text is rendered from them. The state's types live in ``lighthouse.model`` and are exported
-from here too (``from lighthouse import membership as m``: ``m.Policy``, ``m.State``, ``m.JOINING``...).
+The server (``lighthouse.server``) feeds events in one at a time and acts on the outcome (persist, push the epoch,
+answer the RPC). Nothing here reads a clock or a socket: time arrives inside the events, and liveness arrives as a
+mapping ``replica_id -> last heartbeat time`` that the edge keeps (heartbeats are the hot path and do not go through
+the state machine). What happened comes out as structured events (``lighthouse.events``); an epoch's reason text is
+rendered from them. The state's types live in ``lighthouse.model`` and are exported from here too (``from lighthouse
+import membership as m``: ``m.Policy``, ``m.State``, ``m.JOINING``...).
 
 Rules (docs/design.md §4):
 - An epoch is (number, members with roles). Numbers only go up and are never reused: the next number is
@@ -41,11 +41,11 @@ Rules (docs/design.md §4):
 - End of job: a member that leaves with reason ``"finished"`` marks the job completed at its step
   (``State.finished_step``, the highest if several do). From then on a registration (other than a reconnect of a
   member still in the job) changes nothing and is answered finished (``Outcome.finished_step``); once no active
-  member is left, the remaining members (joiners) are dropped (``DeathCause.JOB_FINISHED``), and every call of
-  an incarnation that is not a member is refused (FAILED_PRECONDITION, naming the step). The min-replicas guard
-  no longer holds an epoch back: the members left only end the job (nothing trains past its last step, so
-  nothing can split), and an epoch that kept a member that left would hold the others' end-of-job barrier with
-  it until the barrier's bound (found by the simulator: ``fthsdp chaos --sim``).
+  member is left, the remaining members (joiners) are dropped (``DeathCause.JOB_FINISHED``), and every call of an
+  incarnation that is not a member is refused (FAILED_PRECONDITION, naming the step). The min-replicas guard no
+  longer holds an epoch back: the members left only end the job (nothing trains past its last step, so nothing
+  can split), and an epoch that kept a member that left would hold the others' end-of-job barrier with it until
+  the barrier's bound (found by the simulator: ``fthsdp chaos --sim``). How an epoch's lanes rendezvous: ``lane_hosts``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lighthouse import slots
+from lighthouse import lane_hosts, slots
 from lighthouse.ejection import eject
 from lighthouse.escalation import credible, deaths, hung_verdict, lone_blames
 from lighthouse.events import (
@@ -388,9 +388,8 @@ def _reconcile(state: State, events: tuple[MembershipEvent, ...], now: float, po
             min_reached_at = None
         if min_reached_at != state.min_reached_at:
             state = dataclasses.replace(state, min_reached_at=min_reached_at)
-        # With an expected count the window bounds the wait for stragglers (0: wait for all of them);
-        # without one, the first epoch forms join_window_s after min_replicas registered. Relearning (members
-        # came back to a lighthouse that lost them), it waits at least a heartbeat timeout for the others.
+        # With an expected count the window bounds the wait for stragglers (0: for all); without one, the first
+        # epoch forms join_window_s after min_replicas. Relearning, it waits a heartbeat timeout for the others.
         window = max(policy.join_window_s, policy.heartbeat_timeout_s) if state.last_number else policy.join_window_s
         full = bool(policy.expected_replicas) and count >= policy.expected_replicas
         window_over = (min_reached_at is not None and now - min_reached_at >= window
@@ -408,7 +407,8 @@ def _reconcile(state: State, events: tuple[MembershipEvent, ...], now: float, po
     keeps = (state.epoch is not None and not force
              and tuple((m.replica_id, m.incarnation) for m in wanted) == state.epoch.plane_key())
     epoch = Epoch(number=number, members=wanted, created_at=now, reason=render_reason(events) or "bootstrap",
-                  plane=state.epoch.data_plane if keeps and state.epoch is not None else number, events=events)
+                  plane=state.epoch.data_plane if keeps and state.epoch is not None else number, events=events,
+                  hosting=lane_hosts.mode(state.epoch, wanted, force))
     history = (state.history + (epoch,))[-HISTORY_LIMIT:]
     members = state.members
     syncing = {x.replica_id: dataclasses.replace(members[x.replica_id], syncing_since=now) for x in wanted

@@ -140,6 +140,9 @@ class Epoch:
     members with the same incarnations; a re-formed epoch (a suspected broken group) never does."""
     events: tuple[MembershipEvent, ...] = ()
     """What happened to the members to form it (none for a bootstrap epoch formed by the join window)."""
+    hosting: str = ""
+    """How its lanes rendezvous (``lighthouse.lane_hosts.mode``): on stores their members host (``members``,
+    ``announced``) or on the lighthouse's (``''``, the default of an epoch stored before member hosting)."""
 
     @property
     def data_plane(self) -> int:

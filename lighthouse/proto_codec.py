@@ -15,7 +15,7 @@ from lighthouse import deltas
 from lighthouse.epoch_view import EpochView
 from lighthouse.errors import ValidationError
 from lighthouse.model import ACTIVE, JOINING, NO_SLOT, Endpoints, Epoch, EpochMember
-from lighthouse.rendezvous import SCHEME, namespace_of
+from lighthouse.rendezvous import HOSTING_SCHEMES, MEMBERS_SCHEME, SCHEME, namespace_of
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.validate import ENDPOINT_MAX, check_text
 
@@ -56,21 +56,28 @@ def member_from_pb(x: pb.Member) -> EpochMember:
                        x.slot if x.HasField("slot") else NO_SLOT)
 
 
-def _rendezvous_of(job_id: str, number: int, rendezvous: str) -> str:
-    return ((SCHEME if rendezvous == SCHEME else f"{rendezvous}/" if rendezvous else "")
-            + (namespace_of(job_id, number) if rendezvous else ""))
+def _rendezvous_of(job_id: str, epoch: Epoch, rendezvous: str) -> str:
+    """Where ``epoch``'s lanes rendezvous (see ``epoch_to_pb``)."""
+    if not rendezvous:
+        return ""
+    ns = namespace_of(job_id, epoch.number)
+    if rendezvous == MEMBERS_SCHEME:
+        return HOSTING_SCHEMES[epoch.hosting] + ns
+    return SCHEME + ns if rendezvous == SCHEME else f"{rendezvous}/{ns}"
 
 
 def epoch_to_pb(job_id: str, epoch: Epoch | None, rendezvous: str) -> pb.Epoch:
     """The pushed epoch (number 0 before the first one); ``rendezvous`` is where the lighthouse hosts the data
-    plane's rendezvous: ``SCHEME`` (its gRPC Rendezvous service), a TCPStore's ``host:port``, or '' (none)."""
+    plane's rendezvous: ``SCHEME`` (its gRPC Rendezvous service), ``MEMBERS_SCHEME`` (the lanes' members host it,
+    as the epoch's ``hosting`` says, with the lighthouse's service behind them), a TCPStore's ``host:port``, or ''
+    (none)."""
     if epoch is None:
         return pb.Epoch(job_id=job_id, number=0)
     return pb.Epoch(
         job_id=job_id,
         number=epoch.number,
         members=[member_to_pb(x) for x in epoch.members],
-        rendezvous=_rendezvous_of(job_id, epoch.number, rendezvous),
+        rendezvous=_rendezvous_of(job_id, epoch, rendezvous),
         created_unix=epoch.created_at,
         reason=epoch.reason,
         plane=epoch.data_plane,
@@ -108,7 +115,7 @@ def delta_to_pb(job_id: str, epoch: Epoch, rendezvous: str, d: deltas.Delta) -> 
     """The delta ``d`` that leads to ``epoch``, with the rest of ``epoch``'s fields (as ``epoch_to_pb`` has them)."""
     return pb.EpochDelta(job_id=job_id, number=d.number, base=d.base,
                          upserted=[member_to_pb(x) for x in d.upserted], removed=list(d.removed),
-                         rendezvous=_rendezvous_of(job_id, epoch.number, rendezvous), created_unix=epoch.created_at,
+                         rendezvous=_rendezvous_of(job_id, epoch, rendezvous), created_unix=epoch.created_at,
                          reason=epoch.reason, plane=epoch.data_plane)
 
 

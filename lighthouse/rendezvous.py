@@ -12,10 +12,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from lighthouse import lane_hosts
 from lighthouse.errors import ValidationError
 
 SCHEME = "lighthouse:"
 """Prefix of ``Epoch.rendezvous`` when the lighthouse's gRPC Rendezvous service hosts it."""
+MEMBERS_SCHEME = "members:"
+"""Prefix of ``Epoch.rendezvous`` when each lane meets on a store one of its members hosts (``lighthouse.lane_hosts``,
+``ftar.lane_store``), found from the addresses the members keep."""
+ANNOUNCED_SCHEME = "members+lighthouse:"
+"""The same, with each host's address also on the lighthouse's store (``lane<L>/host`` in the epoch's namespace) for
+the members that do not know it."""
 NAMESPACE_RE = re.compile(r"(?P<job>[A-Za-z0-9][A-Za-z0-9._:-]{0,127})/epoch(?P<n>[1-9][0-9]{0,18})")
 KEEP_EPOCHS = 4
 """Namespaces kept besides the current epoch's and its data plane's: members a little behind still find theirs."""
@@ -39,6 +46,20 @@ class RendezvousRefused(ValidationError):
 
 class OutOfRange(RendezvousRefused):
     """The namespace names an epoch that is not admitted (a future one, or one already dropped)."""
+
+
+HOSTING_SCHEMES = {lane_hosts.MEMBERS: MEMBERS_SCHEME, lane_hosts.ANNOUNCED: ANNOUNCED_SCHEME,
+                   lane_hosts.LIGHTHOUSE: SCHEME}
+"""An epoch's ``hosting`` -> the prefix of its rendezvous, when the lighthouse lets members host."""
+
+
+def hosting_of(rendezvous: str) -> tuple[str, str] | None:
+    """(the ``lane_hosts`` mode, the namespace) of a rendezvous on the lighthouse's service or on members' stores;
+    ``None`` for any other (a TCPStore's address, none)."""
+    for mode, scheme in HOSTING_SCHEMES.items():
+        if rendezvous.startswith(scheme):
+            return mode, rendezvous[len(scheme):]
+    return None
 
 
 def namespace_of(job_id: str, number: int) -> str:
@@ -104,12 +125,12 @@ class RendezvousTable:
         self.limits = limits or Limits()
         self.namespaces: dict[int, Namespace] = {}
 
-    def namespace(self, namespace: str, current: int, plane: int) -> tuple[int, Namespace]:
+    def namespace(self, namespace: str, current: int, plane: int, keep: int = KEEP_EPOCHS) -> tuple[int, Namespace]:
         """The namespace named (created on first use) once admitted; drops those no longer admissible."""
         n = parse_namespace(self.job_id, namespace)
-        for old in [x for x in self.namespaces if not admissible(x, current, plane)]:
+        for old in [x for x in self.namespaces if not admissible(x, current, plane, keep)]:
             del self.namespaces[old]
-        if not admissible(n, current, plane):
+        if not admissible(n, current, plane, keep):
             raise OutOfRange(f"epoch {n} is not a current or recent epoch of job {self.job_id!r} "
                              f"(current: {current})")
         return n, self.namespaces.setdefault(n, Namespace())

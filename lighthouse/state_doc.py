@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from lighthouse import lane_hosts
 from lighthouse.events import (
     DeathCause,
     Died,
@@ -72,6 +73,7 @@ def _epoch_to_doc(e: Epoch) -> dict[str, Any]:
         "reason": e.reason,
         "plane": e.data_plane,
         "events": _events_to_doc(e.events),
+        "hosting": e.hosting,
     }
 
 
@@ -91,7 +93,15 @@ def _epoch_from_doc(d: dict[str, Any]) -> Epoch:
             members.append(EpochMember(str(x), "", "", 0, Endpoints()))
     return Epoch(number=int(d["number"]), members=tuple(members), created_at=float(d["created_at"]),
                  reason=str(d["reason"]), plane=int(d.get("plane", 0)),
-                 events=tuple(event_from_doc(e) for e in d.get("events", ())))
+                 events=tuple(event_from_doc(e) for e in d.get("events", ())),
+                 hosting=_hosting(d.get("hosting", "")))
+
+
+def _hosting(value: Any) -> str:
+    """A stored epoch's ``hosting`` (one of ``lane_hosts.MODES``)."""
+    if value not in lane_hosts.MODES:
+        raise ValueError(f"unknown rendezvous hosting {str(value)[:40]!r} in a stored epoch")
+    return str(value)
 
 
 def durable_change(before: State, after: State) -> bool:

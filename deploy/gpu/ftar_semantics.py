@@ -102,7 +102,8 @@ def main() -> int:
         reg = client.start()
         if reg is not None and reg.role == m.JOINING:
             client.ready(m.JOINING)
-        engine = LaneEngine(LighthouseMembership(client, feed), 0,
+        membership = LighthouseMembership(client, feed)
+        engine = LaneEngine(membership, 0,
                             FTARConfig(backend="nccl", device=torch.device("cuda", 0), timeout_s=1.0,
                                        connect_timeout_s=30.0, epoch_wait_s=30.0))
         side = torch.cuda.Stream()
@@ -131,6 +132,7 @@ def main() -> int:
     finally:
         if engine is not None:
             engine.close()
+            membership.close()
         if client is not None:
             client.close()
         lh.terminate()

@@ -36,7 +36,7 @@ def _member(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from ftar import EpochFeed, FTARConfig, LaneEngine, LighthouseMembership
-    from ftar.store import open_store
+    from ftar.store import on_lighthouse, open_store
     from lighthouse.client import LighthouseClient
 
     torch.set_num_threads(1)
@@ -53,7 +53,7 @@ def _member(a: argparse.Namespace) -> None:
     assert epoch is not None
     membership = LighthouseMembership(client, feed)
     # The baseline: a plain Gloo group of the same processes, through the same (authenticated) rendezvous store.
-    base = open_store(epoch.rendezvous, membership.store_target(), timedelta(seconds=60))
+    base = open_store(on_lighthouse(epoch.rendezvous), membership.store_target(), timedelta(seconds=60))
     store = dist.PrefixStore("baseline", base)
     dist.init_process_group("gloo", store=store, rank=a.index, world_size=a.members, timeout=timedelta(seconds=60))
     engine = LaneEngine(membership, 0,
@@ -101,6 +101,7 @@ def _member(a: argparse.Namespace) -> None:
              attempts=r.attempts, rebuild_s=engine.last_rebuild_s)
         step += 1
     engine.close()
+    membership.close()
     client.close()
     emit(event="done")
 

@@ -47,6 +47,8 @@ class ChaosConfig:
     epoch_wait_s: float = 15.0
     """``FTHSDP_EPOCH_WAIT`` of the replicas: a replica continued after a hang finds itself out of the epoch and
     waits this long for one that has it before it exits to rejoin (the runtime's default is 60 s)."""
+    log_level: str = "WARNING"
+    """``FTHSDP_LOG_LEVEL`` of the replicas (``INFO``: the lanes' rebuilds, where they met, in the replicas' logs)."""
     last_fault_at: float = 1.0
     """No fault armed past this fraction of the steps (1.0: faults up to the last step; a replica back after the
     job finished takes its final checkpoint)."""
@@ -64,4 +66,5 @@ class ChaosConfig:
                              collective_timeout_s=self.collective_timeout_s, min_step_s=self.min_step_s,
                              compute_s=self.compute_s,
                              max_restarts=4 * faults + 4,
-                             env={i: {"FTHSDP_EPOCH_WAIT": str(self.epoch_wait_s)} for i in range(self.replicas)})
+                             env={i: {"FTHSDP_EPOCH_WAIT": str(self.epoch_wait_s), "FTHSDP_LOG_LEVEL": self.log_level}
+                                  for i in range(self.replicas)})

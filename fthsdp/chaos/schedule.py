@@ -43,6 +43,13 @@ class Fault:
     down_s: float = 0.0
     ranks: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind {self.kind!r} is not among {KINDS}")
+        wrong = [p for p in self.phases if p not in KILL_PHASES]
+        if wrong:  # a kill armed at a phase no replica passes would never fire
+            raise ValueError(f"fault phases {wrong} are not among {[str(p) for p in KILL_PHASES]}")
+
     def describe(self) -> str:
         if self.kind == "kill":
             if self.phases[-1] == "serve":

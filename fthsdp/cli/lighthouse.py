@@ -82,6 +82,7 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
         logging.getLogger("fthsdp.lighthouse").warning("store not answering at start: %s", e)
     config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job or ["default"]), policy=policy,
                               rendezvous=not a.no_rendezvous, insecure_tcp_rendezvous=a.insecure_tcp_rendezvous,
+                              member_rendezvous=a.rendezvous_on == "members",
                               security=security, advertise=a.advertise, election_ttl_s=a.election_ttl,
                               probe_timeout_s=a.probe_timeout)
     if config.probe_timeout_s < 0:
@@ -189,8 +190,13 @@ def register(sub: Subparsers) -> None:
     lh.add_argument("--insecure-tcp-rendezvous", action="store_true",
                     help="host the data-plane rendezvous on a plain TCPStore (no token, no TLS; loopback --bind "
                          "only) instead of the authenticated gRPC Rendezvous service")
+    lh.add_argument("--rendezvous-on", choices=("members", "lighthouse"), default="members",
+                    help="where each lane's ranks meet after a membership change: on a store one of the lane's "
+                         "members hosts, chosen by a rule every member computes (the lighthouse only sends the "
+                         "epoch), or every rank on the lighthouse's own service (default: members)")
     lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=R' here once serving (R: "
-                    "'lighthouse:' for the gRPC service, H:P for the opt-in TCPStore, empty when off)")
+                    "'members:' or 'lighthouse:' for the gRPC service, H:P for the opt-in TCPStore, empty when "
+                    "off)")
     lh.add_argument("--advertise", default="", help="gRPC HOST:PORT other lighthouses name as the leader's "
                     "(HA on etcd; default: the bound address)")
     lh.add_argument("--election-ttl", type=int, default=5,

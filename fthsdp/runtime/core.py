@@ -99,9 +99,9 @@ class StepCore:
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,
                                        endpoints=m.Endpoints(catchup=self.server.address),
                                        security=cfg.security, on_lost=self.on_lost, slot=self.slot, slots=self.slots)
-        self.engine = LaneEngine(LighthouseMembership(self.client, self.feed), lane=self.rank,
-                                 config=FTARConfig(backend=cfg.backend, timeout_s=cfg.timeout_s,
-                                                   epoch_wait_s=cfg.epoch_wait_s, hold=True, device=self.device))
+        self.membership = LighthouseMembership(self.client, self.feed, key=cfg.token, host=cfg.host)  # + lane store
+        self.engine = LaneEngine(self.membership, lane=self.rank, config=FTARConfig(
+            backend=cfg.backend, timeout_s=cfg.timeout_s, epoch_wait_s=cfg.epoch_wait_s, hold=True, device=self.device))
         # One session per group: rank 0 relays its epochs, and that the lighthouse dropped this incarnation.
         self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size, on_lost=self.on_lost,
                                   key=startup.group_secret(self.rank, self.device))
@@ -411,9 +411,8 @@ class StepCore:
         progress get a few seconds). An active replica that leaves at the end first ends the job (``end_of_job``)."""
         if leave and self.standing is Standing.MEMBER and not self.terminated and self._parts is not None:
             self.end_of_job()
-        self.writer.close()
-        self.siblings.close()
-        self.engine.close()
+        for part in (self.writer, self.siblings, self.engine, self.membership):
+            part.close()
         self.epochs.close()
         self.client.close(leave="finished" if leave and self.rank == 0 else None)
         self.server.close(drain_s=10.0)

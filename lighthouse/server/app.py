@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from lighthouse.config import LighthouseConfig
 from lighthouse.errors import StoreUnavailable
 from lighthouse.metrics import LighthouseMetrics
-from lighthouse.rendezvous import SCHEME
+from lighthouse.rendezvous import MEMBERS_SCHEME, SCHEME
 from lighthouse.security import Authority, SecurityConfigError, TokenInterceptor, is_loopback
 from lighthouse.server import status
 from lighthouse.server.collector import Collector
@@ -89,7 +89,7 @@ class Lighthouse:
         if self.config.rendezvous and self.config.insecure_tcp_rendezvous:
             self._host_tcp_store(host)
         elif self.config.rendezvous:
-            self.rendezvous_addr = SCHEME
+            self.rendezvous_addr = MEMBERS_SCHEME if self.config.member_rendezvous else SCHEME
         for job_id in self.config.jobs:
             check_id("job", job_id)
             self.jobs[job_id] = job = await self._load(job_id)
@@ -150,7 +150,7 @@ class Lighthouse:
         ])
         self._server.add_generic_rpc_handlers((self._service.handlers(),))
         services = [SERVICE, reflection.SERVICE_NAME]
-        if self.rendezvous_addr == SCHEME:
+        if self.rendezvous_addr in (SCHEME, MEMBERS_SCHEME):
             self._server.add_generic_rpc_handlers((self._rendezvous.handlers(),))
             services.append(RDZV_SERVICE)
         reflection.enable_server_reflection(services, self._server)

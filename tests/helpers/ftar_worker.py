@@ -80,6 +80,7 @@ def main() -> None:
         finally:
             for eng in engines:
                 eng.close()
+            membership.close()
             client.close()
         left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         out.write(json.dumps({"done": True, "threads_left": left}) + "\n")

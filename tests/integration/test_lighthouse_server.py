@@ -31,13 +31,13 @@ def test_cli_lighthouse_serves_status_and_stops_cleanly_on_sigterm(tmp_path: pat
     try:
         ports = dict(kv.split("=", 1) for kv in wait_for_file(port_file, timeout=60, proc=proc).split())
         assert int(ports["grpc"]) > 0 and int(ports["http"]) > 0
-        # Hosted by the lighthouse itself, on its authenticated gRPC port (no TCPStore).
-        assert ports["rendezvous"] == "lighthouse:"
+        # Hosted by the lanes' members, with the lighthouse's authenticated gRPC service behind them (no TCPStore).
+        assert ports["rendezvous"] == "members:"
         with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as ch:
             stub = pb_grpc.LighthouseStub(ch)
             r = register(stub, "cli-replica")
             assert r.epoch.number == 1 and r.role == pb.ROLE_ACTIVE
-            assert r.epoch.rendezvous == "lighthouse:default/epoch1"
+            assert r.epoch.rendezvous == "members+lighthouse:default/epoch1"  # the first epoch: hosts announced
             assert status(stub, "other").epoch.number == 0
             # An open watch stream must not hold up the shutdown.
             watch = stub.Watch(pb.WatchRequest(job_id=JOB), timeout=30)

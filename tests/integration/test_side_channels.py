@@ -1,12 +1,12 @@
 """No unauthenticated side channel (issue 15): with a job token, a client without it can neither read nor write the
 data-plane rendezvous (the lighthouse's gRPC Rendezvous service; no TCPStore is hosted) nor fetch a snapshot, and
 the token never crosses the wire in clear in anything the catch-up client sends (captured by a recording proxy on
-loopback). Holders of the token still build a Gloo group from the store fast."""
+loopback). Holders of the token build a Gloo group from the store (the conformance suite every rendezvous store
+passes: ``tests.helpers.store_conformance``)."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -14,10 +14,8 @@ import grpc
 import pytest
 import torch
 import torch.distributed as dist
-from torchft.process_group import ProcessGroupGloo
 
-from ftar.group import configure_with_store
-from ftar.store import LighthouseStore, StoreRefused, StoreTarget, StoreTimeout
+from ftar.store import LighthouseStore, StoreRefused, StoreTarget, on_lighthouse
 from fthsdp.catchup.client import Fetch, Source
 from fthsdp.catchup.server import CatchupServer
 from fthsdp.catchup.wire import FetchFailed
@@ -27,6 +25,7 @@ from lighthouse.model import ACTIVE, JOINING, Endpoints, EpochMember
 from lighthouse.security import ClientSecurity, ServerSecurity
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
+from tests.helpers import store_conformance
 from tests.helpers.catchup import training
 from tests.helpers.lighthouse import JOB, ServerThread, make_config
 from tests.helpers.proxy import Proxy
@@ -43,7 +42,8 @@ def lighthouse() -> Iterator[ServerThread]:
             r = pb_grpc.LighthouseStub(ch).Register(  # type: ignore[no-untyped-call]
                 pb.RegisterRequest(job_id=JOB, replica_id="a", incarnation="i1", shard_count=1), timeout=10,
                 metadata=ClientSecurity(token=TOKEN).metadata())
-        assert r.epoch.number == 1 and r.epoch.rendezvous == f"lighthouse:{JOB}/epoch1"
+        assert r.epoch.number == 1 and r.epoch.rendezvous == f"members+lighthouse:{JOB}/epoch1"
+        assert on_lighthouse(r.epoch.rendezvous) == f"lighthouse:{JOB}/epoch1"
         yield srv
     finally:
         srv.stop()
@@ -55,7 +55,7 @@ def _store(srv: ServerThread, token: str | None, wait_s: float = 2.0) -> Lightho
 
 
 def test_the_rendezvous_needs_the_token_and_no_tcpstore_is_hosted(lighthouse: ServerThread) -> None:
-    assert lighthouse.lh._tcp_store is None and lighthouse.lh.rendezvous_addr == "lighthouse:"
+    assert lighthouse.lh._tcp_store is None and lighthouse.lh.rendezvous_addr == "members:"
     good = _store(lighthouse, TOKEN)
     good.set("lane0/arrived/0", b"1")
     key = "lane0/arrived/0"
@@ -77,26 +77,12 @@ def test_the_rendezvous_needs_the_token_and_no_tcpstore_is_hosted(lighthouse: Se
     assert good.num_keys() == 1
 
 
+def test_the_lighthouse_store_follows_torchs_store_semantics(lighthouse: ServerThread) -> None:
+    store_conformance.check_semantics(lambda wait_s: _store(lighthouse, TOKEN, wait_s))
+
+
 def test_blocking_gets_wait_on_the_lighthouse_until_the_key_is_set(lighthouse: ServerThread) -> None:
-    waiters = 20
-    got: list[bytes] = []
-    lock = threading.Lock()
-
-    def get() -> None:
-        value = _store(lighthouse, TOKEN, wait_s=30).get("lane0/late")
-        with lock:
-            got.append(value)
-
-    threads = [threading.Thread(target=get, daemon=True) for _ in range(waiters)]
-    for t in threads:
-        t.start()
-    writer = _store(lighthouse, TOKEN)
-    with pytest.raises(StoreTimeout):
-        writer.wait(["lane0/never"], timedelta(seconds=0.2))  # a wait that times out says so
-    writer.set("lane0/late", b"here")
-    for t in threads:
-        t.join(30)
-    assert got == [b"here"] * waiters
+    store_conformance.check_blocking_get(lambda wait_s: _store(lighthouse, TOKEN, wait_s), waiters=20)
 
 
 def _listening_on(port: int) -> list[str]:
@@ -127,29 +113,8 @@ def test_an_insecure_tcpstore_is_only_an_explicit_loopback_opt_in() -> None:
         srv.stop()
 
 
-def test_token_holders_build_a_gloo_group_from_the_store_fast(lighthouse: ServerThread) -> None:
-    world = 3
-    took: dict[int, float] = {}
-    sums: dict[int, list[float]] = {}
-
-    def member(rank: int) -> None:
-        base = _store(lighthouse, TOKEN, wait_s=10)
-        pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
-        t0 = time.perf_counter()
-        configure_with_store(pg, dist.PrefixStore("lane0/pg", base), f"r{rank}", rank, world)
-        took[rank] = time.perf_counter() - t0
-        t = torch.full((4,), float(rank + 1))
-        pg.allreduce([t], dist.AllreduceOptions()).wait()
-        sums[rank] = t.tolist()
-        pg.abort(errored=False)
-
-    threads = [threading.Thread(target=member, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert sums == {r: [6.0] * 4 for r in range(world)}
-    assert max(took.values()) < 1.0, took
+def test_token_holders_build_a_gloo_group_from_the_store(lighthouse: ServerThread) -> None:
+    store_conformance.check_gloo_group(lambda wait_s: _store(lighthouse, TOKEN, wait_s))
 
 
 class RecordingProxy(Proxy):

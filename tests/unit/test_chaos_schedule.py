@@ -89,3 +89,11 @@ def test_kill_phases_are_the_fault_hooks_phases() -> None:
     assert set(STEP_PHASES) < set(PHASES) and "serve" not in STEP_PHASES and "fetch" not in STEP_PHASES
     # A schedule is JSON (the run's result): its phases are plain strings there.
     assert json.loads(json.dumps(schedule(3, 3, 400, ("kill", "double"), 6)[0].to_json()))["kind"] in KINDS
+
+
+def test_a_fault_at_a_phase_no_replica_passes_is_refused() -> None:
+    """A kill armed at an unknown phase would never fire: refused when the fault is made."""
+    with pytest.raises(ValueError, match="phases \\['compute'\\] are not among"):
+        Fault("kill", 5, (1,), ("compute",))
+    with pytest.raises(ValueError, match="fault kind 'explode'"):
+        Fault("explode", 5, (1,))

@@ -1,0 +1,73 @@
+"""Where a lane's members meet after a membership change (docs/design.md §5, "Lanes at scale"), as pure rules.
+
+The lighthouse sends an epoch and carries no per-rank traffic. Each lane's members rendezvous on a store that one
+of them serves (``ftar.lane_store``): the lane's **host**, the first member of the lane's *ranking* that is not
+joining. The ranking is a rendezvous (highest-random-weight) hash of the lane and the replica id, so every member
+computes it the same way from the epoch alone, the lanes' hosts spread evenly over the replicas, and a death moves
+only the lanes its replica hosted: the next epoch leaves the dead out, and the next member of the ranking hosts.
+Each member keeps the addresses of its lane's first ``CANDIDATES`` members of the ranking, learned at every
+rendezvous, so that after a death it already knows where the new host is.
+
+How an epoch's lanes rendezvous is the lighthouse's choice (``mode``), from the epoch before it:
+
+- ``MEMBERS``: on the hosts' stores, from the addresses the members keep: an epoch that only lost members (fewer
+  than ``CANDIDATES - 1`` at once) and has no joiner. The lighthouse serves nothing for it.
+- ``ANNOUNCED``: on the hosts' stores; each host also sets its address on the lighthouse, one key per lane, for the
+  members that do not know it (the first epoch, a joiner, a new incarnation): a set per lane and a get per newcomer
+  rank instead of a full rendezvous of every rank.
+- ``LIGHTHOUSE``: on the lighthouse's own store, as before member hosting. A re-formed epoch (the data plane broke
+  with every member alive: a partition, perhaps between a host and its lane) falls back to it, so a host that some
+  members cannot reach never holds the job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+from lighthouse.model import JOINING, Epoch, EpochMember
+
+CANDIDATES = 4
+"""The members of a lane's ranking whose addresses every member keeps: up to ``CANDIDATES - 1`` hosts may die at
+once (or be joining) and the members still know the next one."""
+MEMBERS = "members"
+ANNOUNCED = "announced"
+LIGHTHOUSE = ""
+"""The modes an epoch's lanes rendezvous in (``Epoch.hosting``); ``LIGHTHOUSE`` is the default of an epoch stored
+before member hosting."""
+MODES = (MEMBERS, ANNOUNCED, LIGHTHOUSE)
+
+
+def weight(lane: int, replica_id: str) -> int:
+    """The rendezvous hash of ``replica_id`` for ``lane`` (64 bits of BLAKE2b: the same on every host and run)."""
+    return int.from_bytes(hashlib.blake2b(f"{lane}\0{replica_id}".encode(), digest_size=8).digest(), "big")
+
+
+def ranking(replica_ids: Iterable[str], lane: int) -> list[str]:
+    """``replica_ids`` in the order they host ``lane``: highest weight first (ties, never seen: by id)."""
+    return sorted(replica_ids, key=lambda rid: (-weight(lane, rid), rid))
+
+
+def host(members: Sequence[EpochMember], lane: int) -> str | None:
+    """The member that hosts ``lane``'s rendezvous: the first of the ranking that is not joining (a joiner's address
+    is known to nobody yet); ``None`` when every member is joining (no epoch forms so)."""
+    joining = {m.replica_id for m in members if m.role == JOINING}
+    return next((rid for rid in ranking((m.replica_id for m in members), lane) if rid not in joining), None)
+
+
+def candidates(replica_ids: Iterable[str], lane: int, k: int = CANDIDATES) -> list[str]:
+    """The first ``k`` of ``lane``'s ranking: the members whose addresses the lane's members keep."""
+    return ranking(replica_ids, lane)[:k]
+
+
+def mode(before: Epoch | None, wanted: Sequence[EpochMember], force: bool) -> str:
+    """How the lanes of the epoch formed from ``wanted`` after ``before`` rendezvous (see the module). ``force``: a
+    re-formed epoch (same members, the data plane broken): the lighthouse's store."""
+    if force:
+        return LIGHTHOUSE
+    if before is None:
+        return ANNOUNCED
+    kept = set(before.plane_key())
+    if any((m.replica_id, m.incarnation) not in kept or m.role == JOINING for m in wanted):
+        return ANNOUNCED
+    return MEMBERS if len(kept) - len(wanted) < CANDIDATES - 1 else ANNOUNCED
