@@ -1,15 +1,14 @@
 """The FTAR lane engine (docs/design.md §5): a fault-tolerant all-reduce of one lane (shard rank s of every member
-replica).
-
-Control on the CPU, data through a torch.distributed process group (torchft's reconfigurable Gloo or NCCL
+replica). Control on the CPU, data through a torch.distributed process group (torchft's reconfigurable Gloo or NCCL
 group), rebuilt in the same process for every epoch. One worker thread per lane runs the exchanges in call
 order; ``allreduce`` returns a handle at once, so the caller can overlap.
 
 An exchange, under epoch E:
-1. (first exchange of E) rendezvous on the lighthouse-hosted store under ``<E's rendezvous>/lane<s>`` and
-   check that every member calls with the same tag (step). A member behind is served the results it lacks by a
-   member that holds them (``ftar.reconcile``), or, when none does, raises ``Misaligned``. A joiner calls with
-   ``tag=None`` and learns the step (it fetches the state itself, outside the data plane).
+1. (first exchange of E) rendezvous under ``<E's rendezvous>/lane<s>`` (on the store of the lane's host, or the
+   lighthouse's: ``ftar.group``), check that every member calls with the same tag (step), then keep the lane's
+   candidate hosts' addresses (every member took part, so every candidate announced its own). A member behind is
+   served the results it lacks by a member that holds them (``ftar.reconcile``), or, when none does, raises
+   ``Misaligned``. A joiner calls with ``tag=None`` and learns the step (it fetches the state on its own).
 2. copy the local tensors into one flat buffer (ending with the contributor count and the tag proof), all-reduce
    it, check the proof and divide, once it is known complete without error (``ftar.completion``: on NCCL a work's
    future says queued, not done).
@@ -324,6 +323,7 @@ class LaneEngine:
         """All-reduce (MAX) the alignment probe; returns the agreed tag. Members behind are served by a holder
         when there is one (``ftar.reconcile``); otherwise ``Misaligned`` if members disagree."""
         reduced = self._max(group, epoch, alignment_probe(tag))
+        group.learn()  # every member took part: each candidate host announced itself before it arrived
         highest, lowest = reduced[0], -reduced[1]
         if needs_reconciling(highest, lowest):
             probe = holder_probe(tag, highest, lowest, self._held, group.rank, group.world)

@@ -17,7 +17,6 @@ reference to the backend, so that the group's last reference, and its destructor
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -125,6 +124,10 @@ class EpochGroup:
         """Exchanges started in this group; names the failure check-in key."""
         self.aborted = False
         """Given up (``abort``): its buffers are never read again."""
+        self.hosting: LaneHosting | None = None
+        self.lane = 0
+        self.learned = False
+        """The lane's candidate hosts' addresses were read (``learn``)."""
 
     @classmethod
     def open(cls, epoch: EpochView, replica_id: str, lane: int, backend: str, connect_timeout_s: float,
@@ -140,36 +143,36 @@ class EpochGroup:
         ids = epoch.replica_ids
         rank = ids.index(replica_id)
         timeout = timedelta(seconds=connect_timeout_s)
-        store: Any = None
-        host = ""
+        met: list[Any] = []
         try:
-            if member_hosted(epoch):
-                if hosting is None:
-                    raise StoreRefused(f"epoch {epoch.number} meets on its members' stores, and this member "
-                                       "serves none")
-                base, host = hosting.open(epoch, lane, store_target, timeout, superseded)
-            else:
-                base = open_store(epoch.rendezvous, store_target, timeout)
-            store = dist.PrefixStore(f"lane{lane}", base)
-            if hosting is not None:
-                hosting.announce(epoch, lane, store)
-            store.set(f"{ARRIVED}/{rank}", b"1")
+            base, store, host = meet(epoch, replica_id, lane, timeout, superseded, store_target, hosting, met)
             pg_cls = ProcessGroupGloo if backend == "gloo" else ProcessGroupNCCL
             # The group's own timeout bounds its rendezvous; each collective gets its timeout through its options.
             pg = pg_cls(timeout=timeout)
             # The C++ group holds the store but not its Python object (a Python store): the group keeps it alive.
             pg.fthsdp_rendezvous_store = base
             _configure(pg, dist.PrefixStore("pg", store), replica_id, rank, len(ids), lane, reaper, superseded)
-            if hosting is not None:
-                hosting.learn(epoch, lane, store)
         except Abandoned:
             raise
         except Exception as e:
-            absent = missing(ids, replica_id, _present(store, ARRIVED, rank, len(ids)) if store is not None else None)
-            on = f" on {host}'s store" if host else ""
+            absent = missing(ids, replica_id, _present(met[0], ARRIVED, rank, len(ids)) if met else None)
+            on = f" on {met[1]}'s store" if met and met[1] else ""
             raise PeerFailure(f"rendezvous of epoch {epoch.number}{on} failed ({e}); not arrived: {absent}") from e
-        return cls(epoch, rank, store, pg, Staging(device_for(backend)), backend,
-                   f"{host}'s lane store" if host else "the lighthouse")
+        group = cls(epoch, rank, store, pg, Staging(device_for(backend)), backend,
+                    f"{host}'s lane store" if host else "the lighthouse")
+        group.hosting, group.lane = hosting, lane
+        return group
+
+    def learn(self) -> None:
+        """Keep the lane's candidate hosts' addresses (``LaneHosting.learn``), once every member is known to have
+        arrived: after the group's first collective (a Gloo lane connects lazily, so building it waits for
+        nobody)."""
+        if self.hosting is not None and not self.learned:
+            self.learned = True
+            try:
+                self.hosting.learn(self.epoch, self.lane, self.store)
+            except Exception:  # the next rendezvous falls back to the lighthouse for what it did not learn
+                log.debug("lane %d: could not learn the lane's hosts", self.lane, exc_info=True)
 
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, timeout_s: float) -> Any:
         """Start an all-reduce of ``tensor`` with a deadline (Gloo's; torchft's NCCL option hook clears it, so there
@@ -251,6 +254,29 @@ class EpochGroup:
         self.abort(reaper)
 
 
+def meet(epoch: EpochView, replica_id: str, lane: int, timeout: timedelta, superseded: Callable[[], bool],
+         store_target: StoreTarget | Callable[[], StoreTarget] | None, hosting: LaneHosting | None,
+         met: list[Any] | None = None) -> tuple[Any, Any, str]:
+    """The first half of a lane's rendezvous, before the backend's own: the store ``lane`` meets on in ``epoch``
+    (see ``EpochGroup.open``), on which this member announced its lane store (if it is one of the lane's candidates,
+    ``ftar.lane_hosting``) and arrived. Returns (the base store, the lane's store on it, the host: '' for the
+    lighthouse); ``met`` gets (the lane's store, the host) as soon as there is one, for the blame of a failure."""
+    host = ""
+    if member_hosted(epoch):
+        if hosting is None:
+            raise StoreRefused(f"epoch {epoch.number} meets on its members' stores, and this member serves none")
+        base, host = hosting.open(epoch, lane, store_target, timeout, superseded)
+    else:
+        base = open_store(epoch.rendezvous, store_target, timeout)
+    store = dist.PrefixStore(f"lane{lane}", base)
+    if met is not None:
+        met[:] = [store, host]
+    if hosting is not None:
+        hosting.announce(epoch, lane, store)
+    store.set(f"{ARRIVED}/{epoch.replica_ids.index(replica_id)}", "1")
+    return base, store, host
+
+
 def _present(store: Any, key: str, rank: int, world: int) -> set[int] | None:
     present: set[int] = set()
     for r in range(world):
@@ -270,8 +296,8 @@ def configure_with_store(pg: Any, store: Any, replica_id: str, rank: int, world:
     pg._replica_id, pg._rank = replica_id, rank
     pg._quorum_id = pg._group_rank = pg._group_world_size = pg._global_ranks = None
     pg.abort(errored=False)
-    # An NCCL lane's settings are in force while c10d builds the backend (it reads them then).
-    with nccl_env.lane_settings() if isinstance(pg, ProcessGroupNCCL) else contextlib.nullcontext():
+    # A lane's settings are in force while c10d builds the backend (it reads them then).
+    with nccl_env.lane_settings(settings=nccl_env.LANE if isinstance(pg, ProcessGroupNCCL) else nccl_env.GLOO_LANE):
         pg._pg = pg._create_pg(store, rank, world)
 
 

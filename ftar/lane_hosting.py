@@ -115,14 +115,23 @@ class LaneHosting:
         if self.replica_id in lane_hosts.candidates(epoch.replica_ids, lane):
             store.set(f"{HOST_KEY}/{self.replica_id}", self.address())
 
-    def learn(self, epoch: EpochView, lane: int, store: Any) -> None:
-        """Keep the addresses the lane's other candidates announced on ``store`` (those that did: no wait), and
-        forget those of the lane's former members."""
-        found: dict[tuple[int, str], tuple[str, str]] = {}
+    def unknown(self, epoch: EpochView, lane: int) -> list[str]:
+        """The lane's other candidates in ``epoch`` whose addresses (these incarnations') this member lacks."""
+        out = []
         for rid in lane_hosts.candidates(epoch.replica_ids, lane):
+            member = epoch.member(rid)
+            if rid != self.replica_id and member is not None and self.known(lane, rid, member.incarnation) is None:
+                out.append(rid)
+        return out
+
+    def learn(self, epoch: EpochView, lane: int, store: Any) -> None:
+        """Keep the addresses the lane's other candidates announced on ``store`` (those this member lacks, and that
+        did announce: no wait), and forget those of the lane's former members."""
+        found: dict[tuple[int, str], tuple[str, str]] = {}
+        for rid in self.unknown(epoch, lane):
             key = f"{HOST_KEY}/{rid}"
             member = epoch.member(rid)
-            if rid != self.replica_id and member is not None and store.check([key]):
+            if member is not None and store.check([key]):
                 found[(lane, rid)] = (member.incarnation, bytes(store.get(key)).decode())
         with self._lock:
             for k in [k for k in self._known if k[0] == lane and epoch.member(k[1]) is None]:

@@ -31,6 +31,9 @@ class LighthouseMetrics:
                             registry=r)
         self.store_errors = Counter("fthsdp_lighthouse_store_errors", "Store writes that failed",
                                     ["job", "kind"], registry=r)
+        self.rendezvous_calls = Counter("fthsdp_lighthouse_rendezvous_calls", "Data-plane rendezvous calls served "
+                                        "(per-rank traffic: none after a death when the lanes' members host it)",
+                                        ["job"], registry=r)
         self.membership_events = Counter("fthsdp_lighthouse_membership_events", "Replica failures, rejoins, "
                                          "leaves and joins named by the epochs formed", ["job", "kind"], registry=r)
 

@@ -215,17 +215,24 @@ def auto_interval(n: int, budget: float = HEARTBEAT_BUDGET_PER_S) -> float:
 
 def bench_lighthouse(replicas: list[int], deaths: int = 5, window_s: float = 5.0,
                      interval: float = 1.0, rejoins: bool = True, ranks: int = 8,
-                     vs_torchft: bool = False) -> LighthouseResult:
+                     vs_torchft: bool = False, lanes: int | None = 0, lane_backend: str = "lazy",
+                     lane_deaths: int = 3) -> LighthouseResult:
     """``interval`` 0: automatic (``auto_interval``) per replica count; ``ranks`` per emulated replica group;
-    ``vs_torchft``: then torchft's lighthouse at each size, with heartbeats at the same interval."""
+    ``vs_torchft``: then torchft's lighthouse at each size, with heartbeats at the same interval; ``lanes``: lanes
+    emulated whole at each size for the lane rebuild after a death (``fthsdp.bench.lane_rebuild``; 0: about 240
+    emulated ranks' worth; None: no lane part)."""
+    from fthsdp.bench.lane_rebuild import bench_lanes
+
     results = [asyncio.run(_bench_one(n, deaths, window_s, interval or auto_interval(n), rejoins, ranks))
                for n in replicas]
+    lane_runs = None if lanes is None else [bench_lanes(n, ranks, lane_deaths, lanes, lane_backend)
+                                            for n in replicas]
     torchft = None
     if vs_torchft:
         from fthsdp.bench.baselines.torchft_lighthouse import bench_torchft_lighthouse
 
         torchft = [bench_torchft_lighthouse(n, interval or auto_interval(n)) for n in replicas]
-    return LighthouseResult(cpus=os.cpu_count(), sizes=results, torchft=torchft)
+    return LighthouseResult(cpus=os.cpu_count(), sizes=results, torchft=torchft, lanes=lane_runs)
 
 
 async def _saturation_one(n: int, interval: float, window_s: float) -> dict[str, Any]:

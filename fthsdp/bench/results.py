@@ -76,11 +76,16 @@ class LighthouseResult(_AsJson):
     benchmark: str = "lighthouse"
     torchft: list[dict[str, Any]] | None = None
     """``--vs torchft``: torchft's lighthouse at the same sizes (``fthsdp.bench.baselines.torchft_lighthouse``)."""
+    lanes: list[dict[str, Any]] | None = None
+    """Per size, the lanes' rebuild after a death, on their members' stores and on the lighthouse
+    (``fthsdp.bench.lane_rebuild.bench_lanes``): ``lane_rebuild_p99_s`` and its baseline."""
 
     def to_json(self) -> dict[str, Any]:
         out = {"benchmark": self.benchmark, "cpus": self.cpus, "sizes": [r.to_json() for r in self.sizes]}
         if self.torchft is not None:
             out["torchft"] = self.torchft
+        if self.lanes is not None:
+            out["lanes"] = self.lanes
         return out
 
 
@@ -94,6 +99,15 @@ def format_lighthouse(r: LighthouseResult) -> str:
                      f"{x.detect_p50_s:>10} {x.push_p99_s:>9} "
                      f"{x.death_to_all_p50_s:>9}/{x.death_to_all_p99_s:<9} {x.rejoin_to_all_p99_s!s:>15} "
                      f"{x.cancelled_calls:>9} {x.healthy_evicted:>7}")
+    for lane in r.lanes or ():
+        mine, base = lane["members"], lane["lighthouse"]
+        errors = mine["errors"] + base["errors"]
+        lines.append(f"lanes {lane['replicas']} x {lane['ranks_per_group']} ({mine['lanes_sampled']} of "
+                     f"{mine['lanes_total']} lanes emulated, {mine['backend']}): rebuild p99 "
+                     f"{mine['lane_rebuild_p99_s']} s on the members ({mine['lighthouse_calls_per_change']:g} "
+                     f"lighthouse calls per death), {base['lane_rebuild_p99_s']} s on the lighthouse "
+                     f"({base['lighthouse_calls_per_change_projected']:g} calls per death for every lane: at least "
+                     f"{base['lighthouse_rebuild_projected_s']} s){'; ERRORS ' + str(errors) if errors else ''}")
     for t in r.torchft or ():
         if t.get("skipped"):
             lines.append(f"torchft {t['replicas']:>8}: {t['skipped']}")

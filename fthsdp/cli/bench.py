@@ -20,7 +20,9 @@ def cmd_bench_lighthouse(a: argparse.Namespace) -> None:
     from fthsdp.bench.results import format_lighthouse
 
     result = bench_lighthouse(a.replicas, deaths=a.deaths, window_s=a.window, interval=a.heartbeat_interval,
-                              rejoins=not a.no_rejoins, ranks=a.ranks, vs_torchft=a.vs == "torchft")
+                              rejoins=not a.no_rejoins, ranks=a.ranks, vs_torchft=a.vs == "torchft",
+                              lanes=None if a.no_lanes else a.lanes, lane_backend=a.lane_backend,
+                              lane_deaths=a.lane_deaths)
     emit(result, a.json, format_lighthouse)
 
 
@@ -108,8 +110,18 @@ def register(sub: Subparsers) -> None:
     bl.add_argument("--heartbeat-interval", type=float, default=0.0,
                     help="seconds; 0 (default): max(1, replicas/1000), about what one lighthouse keeps up with here")
     bl.add_argument("--no-rejoins", action="store_true", help="skip bringing the dead replicas back")
-    bl.add_argument("--ranks", type=int, default=8,
-                    help="ranks per emulated replica group (its session's holder hands epochs to the others)")
+    bl.add_argument("--ranks", "--ranks-per-group", dest="ranks", type=int, default=8,
+                    help="ranks per emulated replica group (its session's holder hands epochs to the others), so "
+                         "lanes per job")
+    bl.add_argument("--lanes", type=int, default=0,
+                    help="lanes emulated whole (every member of each: the real rendezvous, stores and "
+                         "authentication, no tensors) for the rebuild after a death, on the members' stores and, as "
+                         "the baseline, on the lighthouse; 0 (default): about 240 emulated ranks' worth")
+    bl.add_argument("--lane-backend", choices=["lazy", "mesh", "nccl"], default="lazy",
+                    help="the backend's own connect the emulated lanes make: Gloo's lazy pairs (the lanes' "
+                         "default), a Gloo full mesh, or NCCL's unique id")
+    bl.add_argument("--lane-deaths", type=int, default=3, help="deaths measured for the lanes")
+    bl.add_argument("--no-lanes", action="store_true", help="skip the lanes' rebuild")
     bl.add_argument("--vs", choices=["torchft"], default=None,
                     help="also run torchft's lighthouse at each size (one death each, heartbeats at the same budget)")
     bl.add_argument("--json", action="store_true")

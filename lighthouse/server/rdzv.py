@@ -52,6 +52,7 @@ class RendezvousService:
             live = self._tables.get(job.job_id)
             if live is None:
                 live = self._tables[job.job_id] = LiveTable(job.job_id)
+            self.metrics.rendezvous_calls.labels(job.job_id).inc()
             epoch = job.state.epoch
             ns = live.namespace(req, job.number, epoch.data_plane if epoch is not None else 0)
             return await live.call(name, req, ns)
