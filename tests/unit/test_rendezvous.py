@@ -112,3 +112,28 @@ def test_old_namespaces_are_dropped_and_future_ones_refused() -> None:
         t.namespace("job/epoch1", 20, 20)
     with pytest.raises(RendezvousRefused, match="another job"):
         t.namespace("other/epoch20", 20, 20)
+
+
+def test_a_write_wakes_only_the_waiters_of_its_key_and_a_drop_wakes_all() -> None:
+    """A lane of N members waits for N keys: each write must wake its key's waiters only (O(N) wake-ups for the
+    lane, not N per write), and dropping a namespace must end its waiters at once."""
+    import asyncio
+
+    from lighthouse.rendezvous_ops import LiveTable, Req
+
+    async def main() -> None:
+        live = LiveTable("job")
+        ns = live.namespace(Req(namespace="job/epoch1"), 1, 1)
+        waiters = [asyncio.create_task(live.call("Get", Req(keys=[f"k{i}"], timeout_s=30), ns)) for i in range(50)]
+        await asyncio.sleep(0)  # let every waiter block
+        events = dict(live._waiting[id(ns)])
+        assert set(events) == {f"k{i}" for i in range(50)}
+        await live.call("Set", Req(keys=["k7"], value=b"v"), ns)
+        assert (await asyncio.wait_for(waiters[7], 5)).value == b"v"
+        assert not any(w.done() for i, w in enumerate(waiters) if i != 7)
+        assert all(live._waiting[id(ns)][k] is e and not e.is_set() for k, e in events.items() if k != "k7")
+        live.namespace(Req(namespace="job/epoch9"), 9, 9)  # epoch 1 is dropped with its keys
+        results = await asyncio.gather(*(w for i, w in enumerate(waiters) if i != 7))
+        assert all(not r.ok for r in results)
+
+    asyncio.run(main())
