@@ -17,6 +17,7 @@ reference to the backend, so that the group's last reference, and its destructor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -296,8 +297,11 @@ def configure_with_store(pg: Any, store: Any, replica_id: str, rank: int, world:
     pg._replica_id, pg._rank = replica_id, rank
     pg._quorum_id = pg._group_rank = pg._group_world_size = pg._global_ranks = None
     pg.abort(errored=False)
-    # A lane's settings are in force while c10d builds the backend (it reads them then).
-    with nccl_env.lane_settings(settings=nccl_env.LANE if isinstance(pg, ProcessGroupNCCL) else nccl_env.GLOO_LANE):
+    # An NCCL lane's settings are in force while c10d builds the backend (it reads them then). A Gloo lane connects
+    # every pair as it is built (c10d's full mesh): with its pairs connecting lazily (TORCH_GLOO_LAZY_INIT), a
+    # collective's worker thread reads this Python store, and a store error there aborts the process (SIGABRT:
+    # pybind11's "restore() called a second time"), seen when a joiner's peer died mid-connect.
+    with nccl_env.lane_settings() if isinstance(pg, ProcessGroupNCCL) else contextlib.nullcontext():
         pg._pg = pg._create_pg(store, rank, world)
 
 

@@ -13,8 +13,7 @@ Two layers:
   no dump-and-die on a timeout, torchft's nonblocking-init timeout set up front, and the keys the lane layer
   changes present with the trainer's values.
 - ``LANE``, in force only while FTAR constructs a lane's group (``lane_settings``, under a lock): no asynchronous
-  error handling (the watchdog records the error, FTAR reads it and aborts) and no blocking ``wait()``; for a Gloo
-  lane, ``GLOO_LANE``: pairs connect lazily (ring neighbours only, not a full mesh).
+  error handling (the watchdog records the error, FTAR reads it and aborts) and no blocking ``wait()``.
 
 The trainer's own groups (init_process_group's, FSDP2's, a device mesh's) keep c10d's error handling: an NCCL error
 inside a replica still ends the process, and torchrun restarts the replica as a unit.
@@ -35,21 +34,15 @@ BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
 DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 NONBLOCKING_TIMEOUT = "TORCH_NCCL_NONBLOCKING_TIMEOUT"
 
-GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
-C10D_DEFAULTS = {ASYNC_ERROR_HANDLING: "3", BLOCKING_WAIT: "0", GLOO_LAZY_INIT: "0"}
-"""c10d's values when a key is unset (3: SkipCleanUp, tear the process down on an error; wait() does not block;
-a Gloo group connects every pair of ranks when it is built)."""
+C10D_DEFAULTS = {ASYNC_ERROR_HANDLING: "3", BLOCKING_WAIT: "0"}
+"""c10d's values when a key is unset (3: SkipCleanUp, tear the process down on an error; wait() does not block)."""
 
 PROCESS = {DUMP_ON_TIMEOUT: "0", NONBLOCKING_TIMEOUT: "10"}
 """Set before any group exists, unless the environment already says otherwise (then a warning). The nonblocking
 timeout is FTAR's connect timeout (torchft would otherwise set it from its first group, after groups exist)."""
 
 LANE = {ASYNC_ERROR_HANDLING: "0", BLOCKING_WAIT: "0"}
-"""In force while a lane's NCCL group is built: the watchdog records an error and does nothing else."""
-GLOO_LANE = {GLOO_LAZY_INIT: "1"}
-"""In force while a lane's Gloo group is built: each pair of members connects when a collective first needs it,
-so a member reads the addresses of its ring neighbours (2) instead of every member's (docs/design.md §5, "Lanes at
-scale"): a lane of N members costs its host 2N reads, not N²."""
+"""In force while a lane's group is built: the watchdog records an error and does nothing else."""
 
 _lock = threading.Lock()
 
@@ -57,7 +50,7 @@ _lock = threading.Lock()
 def process_settings(environ: MutableMapping[str, str]) -> dict[str, str]:
     """What ``prepare_process`` adds to ``environ`` (pure: nothing is changed): ``PROCESS`` where unset, and the keys
     ``LANE`` changes, at c10d's defaults, where unset."""
-    wanted = {**PROCESS, **{k: C10D_DEFAULTS[k] for k in (*LANE, *GLOO_LANE)}}
+    wanted = {**PROCESS, **{k: C10D_DEFAULTS[k] for k in LANE}}
     return {k: v for k, v in wanted.items() if k not in environ}
 
 
@@ -82,15 +75,14 @@ def prepare_process(environ: MutableMapping[str, str] | None = None) -> dict[str
 
 
 @contextlib.contextmanager
-def lane_settings(environ: MutableMapping[str, str] | None = None,
-                  settings: dict[str, str] = LANE) -> Iterator[None]:
-    """``settings`` (``LANE``, or ``GLOO_LANE`` for a Gloo lane) in force in ``environ`` for the duration (one lane at
-    a time), the previous values back after. The keys already exist (``prepare_process``), so the change replaces
-    values in place, never grows the environment under another thread's ``getenv``."""
+def lane_settings(environ: MutableMapping[str, str] | None = None) -> Iterator[None]:
+    """``LANE`` in force in ``environ`` for the duration (one lane at a time), the previous values back after. The
+    keys already exist (``prepare_process``), so the change replaces values in place, never grows the environment
+    under another thread's ``getenv``."""
     env = os.environ if environ is None else environ
     with _lock:
-        before = {k: env.get(k) for k in settings}
-        env.update(settings)
+        before = {k: env.get(k) for k in LANE}
+        env.update(LANE)
         try:
             yield
         finally:

@@ -180,7 +180,7 @@ def sample_size(n: int, ranks: int, sample_ranks: int = SAMPLE_RANKS) -> int:
     return max(1, min(ranks, sample_ranks // max(1, n)))
 
 
-def bench_lanes(n: int, ranks: int, deaths: int = 3, lanes: int = 0, backend: str = "lazy") -> dict[str, Any]:
+def bench_lanes(n: int, ranks: int, deaths: int = 3, lanes: int = 0, backend: str = "mesh") -> dict[str, Any]:
     """Both ways of meeting at one size, members first then the baseline, in this invocation."""
     lanes = lanes or sample_size(n, ranks)
     runs = [asyncio.run(_one(n, ranks, lanes, deaths, backend, on)) for on in ("members", "lighthouse")]

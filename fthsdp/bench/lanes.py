@@ -4,13 +4,14 @@ protocol and no tensors, driven by the real lighthouse's epochs.
 An emulated rank of lane L in replica R does what a real one does in ``ftar.group.EpochGroup.open``, with the same
 code: it finds where the lane meets (``ftar.group.meet``: the lane host's store, whose address it kept, or looked up
 on the lighthouse, or the lighthouse's own store), announces its lane store if it is one of the lane's candidates,
-arrives, then makes the store calls of the backend's own connect, which are the only part emulated: a Gloo lane's
-pairs connect lazily (``ftar.nccl_env.GLOO_LANE``), so a member sets its address and waits for and reads its two
-ring neighbours' (``lazy``; ``mesh``: every member's, as a Gloo group built eagerly does; ``nccl``: rank 0 sets the
-unique id and the others read it); then it learns its lane's candidates (``LaneHosting.learn``; the runtime does
-after the group's first collective, the emulator once the candidates announced themselves). The stores are the real
-ones (the lighthouse's service, each replica's ``LaneStoreServer``), with the real keys and authentication (the job
-token on the lighthouse, request MACs under the catch-up key on the lane stores).
+arrives, then makes the store calls of the backend's own connect, which are the only part emulated: ``mesh``, a Gloo
+lane's (every pair connects as the group is built: a member sets its address and waits for and reads every
+member's); ``nccl`` (rank 0 sets the unique id and the others read it); ``lazy`` (Gloo's pairs connecting on first
+use: each member reads its two ring neighbours'; the lanes do not do it, ``docs/design.md`` §5). Then it learns its
+lane's candidates (``LaneHosting.learn``; the runtime does after the group's first collective, the emulator once the
+candidates announced themselves). The stores are the real ones (the lighthouse's service, each replica's
+``LaneStoreServer``), with the real keys and authentication (the job token on the lighthouse, request MACs under the
+catch-up key on the lane stores).
 
 Each emulated replica is one ``LaneHosting`` (one lane store for all its emulated lanes: a real replica has one per
 rank, so this is the harder case for the host), in one of a few worker processes (``processes``: the stores and
@@ -37,7 +38,7 @@ from lighthouse.proto_codec import epoch_from_pb, view_to_pb
 from lighthouse.security import ClientSecurity
 from lighthouse.v1 import lighthouse_pb2 as pb
 
-BACKENDS = ("lazy", "mesh", "nccl")
+BACKENDS = ("mesh", "nccl", "lazy")
 """How the backend's own connect uses the lane's store (see the module)."""
 
 
@@ -52,6 +53,7 @@ def backend_calls(store: Any, rank: int, world: int, backend: str) -> None:
         return
     pg.set(f"0/{rank}", "a" * 64)  # the member's address (Gloo: its pair listener)
     peers = range(world) if backend == "mesh" else sorted({(rank - 1) % world, (rank + 1) % world} - {rank})
+    # (``lazy``: Gloo's pairs connecting on first use, which the lanes do not do: ``ftar.group.configure_with_store``)
     for r in peers:
         pg.wait([f"0/{r}"])
         pg.get(f"0/{r}")
@@ -62,7 +64,7 @@ class _Lanes:
     rendezvous as soon as it holds a new epoch (``on_epoch``, from the replica's session), as a real replica's lanes
     do."""
 
-    def __init__(self, lanes: list[int], job_id: str, key: str, lighthouse: StoreTarget, backend: str = "lazy",
+    def __init__(self, lanes: list[int], job_id: str, key: str, lighthouse: StoreTarget, backend: str = "mesh",
                  timeout_s: float = 60.0, workers: int = 256) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")
@@ -185,7 +187,7 @@ class LaneEmulator:
     a process of its own). Each replica's ranks start their rendezvous as soon as its session holds a new epoch
     (``on_epoch``)."""
 
-    def __init__(self, lanes: list[int], job_id: str, key: str, lighthouse: StoreTarget, backend: str = "lazy",
+    def __init__(self, lanes: list[int], job_id: str, key: str, lighthouse: StoreTarget, backend: str = "mesh",
                  timeout_s: float = 60.0, workers: int = 256, processes: int = 2) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {backend!r}")

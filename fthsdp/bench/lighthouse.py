@@ -215,7 +215,7 @@ def auto_interval(n: int, budget: float = HEARTBEAT_BUDGET_PER_S) -> float:
 
 def bench_lighthouse(replicas: list[int], deaths: int = 5, window_s: float = 5.0,
                      interval: float = 1.0, rejoins: bool = True, ranks: int = 8,
-                     vs_torchft: bool = False, lanes: int | None = 0, lane_backend: str = "lazy",
+                     vs_torchft: bool = False, lanes: int | None = 0, lane_backend: str = "mesh",
                      lane_deaths: int = 3) -> LighthouseResult:
     """``interval`` 0: automatic (``auto_interval``) per replica count; ``ranks`` per emulated replica group;
     ``vs_torchft``: then torchft's lighthouse at each size, with heartbeats at the same interval; ``lanes``: lanes

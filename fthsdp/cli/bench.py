@@ -117,9 +117,9 @@ def register(sub: Subparsers) -> None:
                     help="lanes emulated whole (every member of each: the real rendezvous, stores and "
                          "authentication, no tensors) for the rebuild after a death, on the members' stores and, as "
                          "the baseline, on the lighthouse; 0 (default): about 240 emulated ranks' worth")
-    bl.add_argument("--lane-backend", choices=["lazy", "mesh", "nccl"], default="lazy",
-                    help="the backend's own connect the emulated lanes make: Gloo's lazy pairs (the lanes' "
-                         "default), a Gloo full mesh, or NCCL's unique id")
+    bl.add_argument("--lane-backend", choices=["mesh", "nccl", "lazy"], default="mesh",
+                    help="the backend's own connect the emulated lanes make: Gloo's full mesh (a Gloo lane's), "
+                         "NCCL's unique id, or Gloo's lazy pairs (not what a lane does: docs/design.md §5)")
     bl.add_argument("--lane-deaths", type=int, default=3, help="deaths measured for the lanes")
     bl.add_argument("--no-lanes", action="store_true", help="skip the lanes' rebuild")
     bl.add_argument("--vs", choices=["torchft"], default=None,

@@ -277,31 +277,11 @@ def test_a_lanes_group_is_built_with_the_watchdog_recording_errors_only(monkeypa
     assert {k: os.environ.get(k) for k in env} == env  # the trainer's groups keep theirs
 
 
-def test_a_gloo_lanes_group_connects_its_pairs_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lane's Gloo group is built with lazy pair connections (ring neighbours only: 2 rendezvous reads per member,
-    not one per member); the trainer's own groups keep c10d's full mesh."""
-    from torchft.process_group import ProcessGroupGloo
-
-    monkeypatch.setenv(nccl_env.GLOO_LAZY_INIT, "0")
-    pg = ProcessGroupGloo()
-    seen: dict[str, str | None] = {}
-
-    def create(store: Any, rank: int, world: int) -> object:  # where c10d reads it
-        seen.update({k: os.environ.get(k) for k in nccl_env.GLOO_LANE})
-        return object()
-
-    monkeypatch.setattr(pg, "_create_pg", create)
-    group_mod.configure_with_store(pg, object(), "r0", 0, 2)
-    assert seen == nccl_env.GLOO_LANE
-    assert os.environ[nccl_env.GLOO_LAZY_INIT] == "0"
-
-
 def test_the_process_settings_fill_in_and_never_override() -> None:
     environ: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     added = nccl_env.prepare_process(environ)
     assert environ == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-                       "TORCH_NCCL_NONBLOCKING_TIMEOUT": "10", "TORCH_NCCL_BLOCKING_WAIT": "0",
-                       "TORCH_GLOO_LAZY_INIT": "0"}
+                       "TORCH_NCCL_NONBLOCKING_TIMEOUT": "10", "TORCH_NCCL_BLOCKING_WAIT": "0"}
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in added
     assert nccl_env.prepare_process(environ) == {}  # twice is once
     assert nccl_env.conflicts({"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}) and not nccl_env.conflicts(environ)
@@ -319,7 +299,7 @@ def test_every_rank_has_the_settings_before_init_process_group(monkeypatch: pyte
     from fthsdp.runtime import core
     from fthsdp.runtime.config import RuntimeConfig
 
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_NCCL_", "TORCH_GLOO_"))}
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NCCL_")}
     monkeypatch.setattr(os, "environ", environ)
     seen: dict[str, str] = {}
 
@@ -327,7 +307,7 @@ def test_every_rank_has_the_settings_before_init_process_group(monkeypatch: pyte
         pass
 
     def init(backend: str) -> None:
-        seen.update({k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL_", "TORCH_GLOO_"))})
+        seen.update({k: v for k, v in os.environ.items() if k.startswith("TORCH_NCCL_")})
         raise Stop
 
     monkeypatch.setattr(core.dist, "is_initialized", lambda: False)
@@ -342,8 +322,7 @@ def test_fthsdp_run_gives_every_rank_the_settings(tmp_path: Any, monkeypatch: py
     """``fthsdp run`` starts the ranks with them (a script that builds its groups before the runtime is safe too)."""
     from fthsdp.launch.config import ClusterConfig
 
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
-                                        if not k.startswith(("TORCH_NCCL_", "TORCH_GLOO_"))})
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("TORCH_NCCL_")})
     env = ClusterConfig(replicas=2).replica_env(1, "127.0.0.1:1", tmp_path / "p", tmp_path, None)
     wanted = nccl_env.process_settings({})
     assert {k: env.get(k) for k in wanted} == wanted
