@@ -21,7 +21,11 @@ runs, e.g. ``out/bench/``) over them. Known files:
   shape, torchft with FSDP2 inside each group; optional);
 - ``recovery-double.json``: ``fthsdp bench recovery --kill 1@20 --kill 2@20 --json`` (optional);
 - ``straggler.json``: ``fthsdp bench straggler --json`` (optional);
-- ``checkpoint.json``: ``fthsdp bench checkpoint --json`` (optional).
+- ``checkpoint.json``: ``fthsdp bench checkpoint --json`` (optional);
+- ``lanes-12x8192.json``, ``lanes-12x8192-4lanes.json``, ``lanes-12x8192-nccl.json``, ``lanes-1000x8-nccl.json``:
+  ``fthsdp bench lighthouse --replicas 12 --ranks-per-group 8192 [--lanes 4 | --lane-backend nccl] --json`` and
+  ``--replicas 1000 --ranks-per-group 8 --lane-backend nccl`` (their ``lanes``: the lanes' rebuild after a death;
+  optional).
 
 The simulator section is computed here (``fthsdp.bench.sim``) from the measured stalls.
 """
@@ -38,10 +42,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 from fthsdp.bench.sim import SimConfig, simulate  # noqa: E402
 
+LANES = ("lanes-12x8192.json", "lanes-12x8192-4lanes.json", "lanes-12x8192-nccl.json", "lanes-1000x8-nccl.json")
 KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
          "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json", "checkpoint.json",
          "recovery-cold.json", "recovery-warm.json", "catchup.json", "recovery-spares.json",
-         "recovery-spares-warm.json", "recovery-vs-hsdp.json")
+         "recovery-spares-warm.json", "recovery-vs-hsdp.json") + LANES
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -612,6 +617,41 @@ def section_checkpoint(doc: dict[str, Any] | None, notes: dict[str, Any] | None)
     return out
 
 
+def section_lanes(docs: list[dict[str, Any]], notes: dict[str, Any] | None) -> list[str]:
+    """The lanes' rebuild after a death (``fthsdp bench lighthouse --ranks-per-group R``: ``lanes``)."""
+    rows = [lane for doc in docs for lane in doc.get("lanes") or []]
+    if not rows:
+        return []
+    out = ["## Lanes after a death: on their members' stores, or on the lighthouse", "",
+           "`fthsdp bench lighthouse --replicas N --ranks-per-group R [--lane-backend nccl] --json` (data: "
+           f"`docs/bench-data/{{{','.join(LANES)}}}`, their `lanes`; `fthsdp/bench/lane_rebuild.py`): a real "
+           "lighthouse process with a job token, N emulated replica groups, and a sample of the job's R lanes "
+           "emulated whole (`fthsdp/bench/lanes.py`: every member of each runs the runtime's own rendezvous code "
+           "against the real stores with their real authentication, and the store calls of the backend's own "
+           "connect, no tensors), over two worker processes. Each death SIGKILLs the replica hosting lane 0 (with "
+           "member hosting its lanes move); *rebuild* = kill -> the sampled lane's last survivor done, over every "
+           "sampled lane and death; *lighthouse calls* = rendezvous calls the lighthouse served per death, for the "
+           "sample and projected to every lane; *at least* = those calls at the lighthouse's measured CPU per call, "
+           "one at a time. Both ways of meeting run in the same invocation, members first.", "",
+           "| N x R | backend | lanes emulated | members: rebuild p50 / p99 (s) | members: lighthouse calls | "
+           "lighthouse: rebuild p99 of the sample (s) | lighthouse: calls (sample / every lane) | lighthouse: at "
+           "least (s) | errors | load (1 min) |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for lane in rows:
+        mine, base = lane["members"], lane["lighthouse"]
+        out.append(f"| {lane['replicas']:,} x {lane['ranks_per_group']:,} | {mine['backend']} | "
+                   f"{mine['lanes_sampled']} of {mine['lanes_total']:,} | {fmt(mine['lane_rebuild_p50_s'], '.2f')} / "
+                   f"{fmt(mine['lane_rebuild_p99_s'], '.2f')} | {fmt(mine['lighthouse_calls_per_change'], '.0f')} | "
+                   f"{fmt(base['lane_rebuild_p99_s'], '.2f')} | {fmt(base['lighthouse_calls_per_change'], '.0f')} / "
+                   f"{fmt(base['lighthouse_calls_per_change_projected'], ',.0f')} | "
+                   f"{fmt(base['lighthouse_rebuild_projected_s'], '.0f')} | "
+                   f"{len(mine['errors']) + len(base['errors'])} | {lane.get('loadavg_1min', '–')} |")
+    out.append("")
+    for para in (notes or {}).get("lanes", []):
+        out += [para, ""]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--import", dest="import_dir", default="", help="copy known JSONs from here first")
@@ -652,6 +692,7 @@ def main(argv: list[str] | None = None) -> None:
                                    load(data, "recovery-spares.json"), load(data, "recovery-spares-warm.json"))
     lines += section_catchup(load(data, "catchup.json"), notes)
     lines += section_lighthouse(load(data, "lighthouse.json"), load(data, "saturation.json"), notes, img)
+    lines += section_lanes([d for d in (load(data, name) for name in LANES) if d], notes)
     lines += section_sim(rec, base, img)
     lines += section_other(load(data, "overhead.json"), load(data, "ftar.json"))
     lines += section_straggler(load(data, "straggler.json"), notes)
@@ -668,6 +709,14 @@ def main(argv: list[str] | None = None) -> None:
               "> out/bench/recovery-spares-warm.json",
               ".venv/bin/fthsdp bench lighthouse --replicas 1000 5000 10000 --vs torchft --json "
               "> out/bench/lighthouse.json",
+              ".venv/bin/fthsdp bench lighthouse --replicas 12 --ranks-per-group 8192 --deaths 1 --json "
+              "> out/bench/lanes-12x8192.json",
+              ".venv/bin/fthsdp bench lighthouse --replicas 12 --ranks-per-group 8192 --deaths 1 --lanes 4 --json "
+              "> out/bench/lanes-12x8192-4lanes.json",
+              ".venv/bin/fthsdp bench lighthouse --replicas 12 --ranks-per-group 8192 --deaths 1 --lane-backend nccl "
+              "--json > out/bench/lanes-12x8192-nccl.json",
+              ".venv/bin/fthsdp bench lighthouse --replicas 1000 --ranks-per-group 8 --deaths 1 --lane-deaths 2 "
+              "--lane-backend nccl --json > out/bench/lanes-1000x8-nccl.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
               ".venv/bin/fthsdp bench catchup --mb 512 --json > out/bench/catchup.json",
               ".venv/bin/fthsdp bench checkpoint --rounds 2 --json > out/bench/checkpoint.json",

@@ -29,6 +29,7 @@ from typing import Any
 from ftar.store import StoreTarget
 from fthsdp.bench.emulate import EmulatedReplica, Emulator, collector_paused
 from fthsdp.bench.lanes import LaneEmulator
+from fthsdp.bench.lighthouse import _cpu_seconds, _pct
 from fthsdp.bench.results import _AsJson
 from fthsdp.launch.lighthouse_process import start_lighthouse_process
 from fthsdp.launch.procutil import stop_process
@@ -68,22 +69,12 @@ class LaneRebuild(_AsJson):
     errors: list[str]
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _rendezvous_calls(http: str, token: str) -> float:
     req = urllib.request.Request(f"http://{http}/metrics", headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 (loopback)
         text = resp.read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("fthsdp_lighthouse_rendezvous_calls_total{"))
-
-
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] if s else float("nan")
 
 
 async def _one(n: int, ranks: int, lanes: int, deaths: int, backend: str, rendezvous_on: str) -> LaneRebuild:

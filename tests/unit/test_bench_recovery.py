@@ -69,3 +69,21 @@ def test_the_restart_table_has_a_row_per_invocation_given() -> None:
         "cold start", "warm standby", "hot spare (+1 group), cold restart", "hot spare (+1 group), warm standby"]
     assert [r.split(" | ")[1] for r in rows] == ["20.00", "4.50", "30.00", "4.00"]
     assert len(section_warm_restarts(doc(20.0), None, None)) > 0 and section_warm_restarts(None, None, None) == []
+
+
+def test_the_lanes_table_has_a_row_per_size_and_counts_errors() -> None:
+    from fthsdp.bench.docs import section_lanes
+
+    def way(on: str, calls: float, errors: list[str]) -> dict[str, object]:
+        return {"rendezvous_on": on, "lanes_total": 8192, "lanes_sampled": 20, "members_per_lane": 11,
+                "backend": "mesh", "deaths": 3, "lane_rebuild_p50_s": 0.5, "lane_rebuild_p99_s": 0.9,
+                "lighthouse_calls_per_change": calls, "lighthouse_calls_per_change_projected": calls * 409.6,
+                "lighthouse_cpu_s_per_change": 1.0, "lighthouse_cpu_us_per_call": 400.0 if calls else None,
+                "lighthouse_rebuild_projected_s": calls * 409.6 * 4e-4 if calls else None, "errors": errors}
+
+    doc = {"lanes": [{"replicas": 12, "ranks_per_group": 8192, "members": way("members", 0.0, []),
+                      "lighthouse": way("lighthouse", 3000.0, ["x"]), "loadavg_1min": 1.5}]}
+    lines = section_lanes([doc], {"lanes": ["A note."]})
+    rows = [line for line in lines if line.startswith("| 12 x 8,192")]
+    assert len(rows) == 1 and "| 20 of 8,192 |" in rows[0] and "| 1 | 1.5 |" in rows[0], rows
+    assert "A note." in lines and section_lanes([], None) == []
