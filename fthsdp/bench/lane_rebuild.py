@@ -29,7 +29,7 @@ from typing import Any
 from ftar.store import StoreTarget
 from fthsdp.bench.emulate import EmulatedReplica, Emulator, collector_paused
 from fthsdp.bench.lanes import LaneEmulator
-from fthsdp.bench.lighthouse import _cpu_seconds, _pct
+from fthsdp.bench.procstat import cpu_seconds, pct
 from fthsdp.bench.results import _AsJson
 from fthsdp.launch.lighthouse_process import start_lighthouse_process
 from fthsdp.launch.procutil import stop_process
@@ -117,7 +117,7 @@ async def _one(n: int, ranks: int, lanes: int, deaths: int, backend: str, rendez
                     victim = next(r for r in alive if r.replica_id == host)
                     reporter = next(r for r in alive if r is not victim)
                     before = now.number
-                    calls0, cpu0 = await asyncio.to_thread(_rendezvous_calls, http, secret), _cpu_seconds(proc.pid)
+                    calls0, cpu0 = await asyncio.to_thread(_rendezvous_calls, http, secret), cpu_seconds(proc.pid)
                     killed_at = time.time()
                     emu_lanes.kill(victim.replica_id)
                     await emu.kill(victim)
@@ -134,7 +134,7 @@ async def _one(n: int, ranks: int, lanes: int, deaths: int, backend: str, rendez
                     done = await asyncio.to_thread(emu_lanes.finished, epoch.number, len(epoch.members), 120.0)
                     rebuild += [t - killed_at for t in done.values()]
                     calls.append(await asyncio.to_thread(_rendezvous_calls, http, secret) - calls0)
-                    cpu.append(_cpu_seconds(proc.pid) - cpu0)
+                    cpu.append(cpu_seconds(proc.pid) - cpu0)
                     # Back as a new incarnation, its lanes rebuilt with it (the members learn the hosts again).
                     back = await emu.restart(victim)
                     rid = back.replica_id
@@ -157,7 +157,7 @@ async def _one(n: int, ranks: int, lanes: int, deaths: int, backend: str, rendez
     return LaneRebuild(
         rendezvous_on=rendezvous_on, lanes_total=ranks, lanes_sampled=lanes, members_per_lane=n - 1,
         backend=backend, deaths=deaths,
-        lane_rebuild_p50_s=round(_pct(rebuild, 0.5), 4), lane_rebuild_p99_s=round(_pct(rebuild, 0.99), 4),
+        lane_rebuild_p50_s=round(pct(rebuild, 0.5), 4), lane_rebuild_p99_s=round(pct(rebuild, 0.99), 4),
         lighthouse_calls_per_change=round(statistics.mean(calls), 1) if calls else 0.0,
         lighthouse_calls_per_change_projected=round(projected, 1),
         lighthouse_cpu_s_per_change=round(statistics.mean(cpu), 4) if cpu else 0.0,

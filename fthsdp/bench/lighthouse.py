@@ -24,23 +24,13 @@ import urllib.request
 from typing import Any
 
 from fthsdp.bench.emulate import Emulator, collector_paused
+from fthsdp.bench.procstat import cpu_seconds as _cpu_seconds
+from fthsdp.bench.procstat import pct as _pct
 from fthsdp.bench.results import LighthouseResult, LighthouseRun
 from fthsdp.launch.lighthouse_process import start_lighthouse_process
 from fthsdp.launch.procutil import stop_process
 
 log = logging.getLogger("fthsdp.bench")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def _own_cpu_seconds() -> float:
