@@ -166,8 +166,8 @@ class EpochGroup:
 
     def learn(self) -> None:
         """Keep the lane's candidate hosts' addresses (``LaneHosting.learn``), once every member is known to have
-        arrived: after the group's first collective (a Gloo lane connects lazily, so building it waits for
-        nobody)."""
+        arrived: after the group's first collective (building a group does not wait for every member everywhere:
+        NCCL's rank 0 returns once it set the unique id)."""
         if self.hosting is not None and not self.learned:
             self.learned = True
             try:

@@ -3,8 +3,8 @@
 and, per lane, the addresses of the members likely to host it next.
 
 At every rendezvous, whatever its mode, each of the lane's ``CANDIDATES`` announces its store's address on the
-lane's store (``host/<replica>``) before it arrives, and once the group is built every member reads the others'
-(at most ``CANDIDATES - 1`` reads, none blocking: they arrived before the group could form). After a death the
+lane's store (``host/<replica>``) before it arrives, and once the group's first collective completed every member
+reads those it lacks (at most ``CANDIDATES - 1`` reads, none blocking: every member had arrived). After a death the
 next host is one of them, so the members meet on it without asking anyone (``MEMBERS``). A member that does not
 know the host (a joiner, a new incarnation) reads its address on the lighthouse, where the host sets it
 (``ANNOUNCED``); one that should know it and does not fails its rendezvous, and the re-formed epoch that follows
