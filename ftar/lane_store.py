@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from ftar import store_mac
 from ftar.devices import start_thread
@@ -118,7 +119,7 @@ class LaneStoreServer:
                 assert self._live is not None
                 ns = self._live.namespace(req, current + AHEAD, plane, KEEP_EPOCHS + AHEAD)
                 return await self._live.call(name, req, ns)
-            except (ValidationError, ValueError) as e:
+            except (ValidationError, ValueError, DecodeError) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"lane store: {e}")
             raise AssertionError("unreachable")  # pragma: no cover: abort raises
 

@@ -106,6 +106,13 @@ def test_bad_input_is_refused_with_a_clear_error(server: LaneStoreServer) -> Non
     with pytest.raises(StoreRefused, match="INVALID_ARGUMENT.*is not '<job>/epoch<N>'"):
         _store(server, ns="garbage").set("k", b"v")
     assert not _store(server).check(["big"])
+    body = b"\xff\xff not a request"  # signed, so it is the body, not the MAC, that is refused
+    with grpc.insecure_channel(server.address) as ch:
+        call = ch.unary_unary(f"/{SERVICE}/Set", request_serializer=None,
+                              response_deserializer=pb.RendezvousResponse.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            call(body, metadata=store_mac.sign(KEY, f"/{SERVICE}/Set", body, time.time()), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # A member a few epochs ahead of this one (it heard of the epoch first) is admitted.
     _store(server, ns=f"{JOB}/epoch5").set("k", b"v")
 
