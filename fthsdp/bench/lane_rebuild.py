@@ -51,7 +51,9 @@ class LaneRebuild(_AsJson):
     lanes_total: int
     lanes_sampled: int
     members_per_lane: int
+    """A lane's members after a death: the replica groups less the dead one."""
     backend: str
+    """The backend's own connect the emulated ranks make (``fthsdp.bench.lanes.BACKENDS``)."""
     deaths: int
     lane_rebuild_p50_s: float
     lane_rebuild_p99_s: float
