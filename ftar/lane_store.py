@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 from ftar import store_mac
 from ftar.devices import start_thread
 from ftar.errors import FTARError
-from ftar.store import RPC_MARGIN_S, LighthouseStore, StoreRefused, StoreTarget
+from ftar.store import RPC_MARGIN_S, LighthouseStore, StoreTarget
 from lighthouse.epoch_view import EpochView
 from lighthouse.errors import ValidationError
 from lighthouse.rendezvous import KEEP_EPOCHS, Limits
@@ -141,10 +141,7 @@ class MemberStore(LighthouseStore):
         self._calls: dict[str, Any] = {}
 
     def _rpc(self, method: str, timeout_s: float = 0.0, **fields: Any) -> pb.RendezvousResponse:
-        req = pb.RendezvousRequest(job_id=self.target.job_id, namespace=self.namespace, **fields)
-        if timeout_s:
-            req.timeout_s = timeout_s
-        body = req.SerializeToString()
+        body = self._request(timeout_s, **fields).SerializeToString()
         path = f"/{SERVICE}/{method}"
         with self._lock:
             if self._channel is None:
@@ -159,10 +156,7 @@ class MemberStore(LighthouseStore):
                                                metadata=store_mac.sign(self._key, path, body, time.time()))
             return resp
         except grpc.RpcError as e:
-            code = e.code().name if hasattr(e, "code") else "UNKNOWN"
-            details = e.details() if hasattr(e, "details") else str(e)
-            raise StoreRefused(f"lane store {method} at {self._address} ({self.namespace}): {code}: {details}") \
-                from None
+            raise self._refused("lane store", method, e) from None
 
     def _reconnect(self, address: str) -> None:
         with self._lock:

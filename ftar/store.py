@@ -67,10 +67,21 @@ class LighthouseStore(dist.Store):
         self._stub: Any = None
         self._clones: list[LighthouseStore] = []
 
-    def _rpc(self, method: str, timeout_s: float = 0.0, **fields: Any) -> pb.RendezvousResponse:
+    def _request(self, timeout_s: float, **fields: Any) -> pb.RendezvousRequest:
+        """A request on this store's namespace (``timeout_s``: how long a ``Get``/``Wait`` may block)."""
         req = pb.RendezvousRequest(job_id=self.target.job_id, namespace=self.namespace, **fields)
         if timeout_s:
             req.timeout_s = timeout_s
+        return req
+
+    def _refused(self, what: str, method: str, e: grpc.RpcError) -> StoreRefused:
+        """The store's error for a failed call."""
+        code = e.code().name if hasattr(e, "code") else "UNKNOWN"
+        details = e.details() if hasattr(e, "details") else str(e)
+        return StoreRefused(f"{what} {method} at {self._address} ({self.namespace}): {code}: {details}")
+
+    def _rpc(self, method: str, timeout_s: float = 0.0, **fields: Any) -> pb.RendezvousResponse:
+        req = self._request(timeout_s, **fields)
         for attempt in (1, 2):  # a second only after a follower named the leader
             with self._lock:
                 if self._stub is None:
@@ -86,10 +97,7 @@ class LighthouseStore(dist.Store):
                 if attempt == 1 and leader and leader != self._address:
                     self._reconnect(leader)
                     continue
-                code = e.code().name if hasattr(e, "code") else "UNKNOWN"
-                details = e.details() if hasattr(e, "details") else str(e)
-                raise StoreRefused(f"rendezvous {method} at {self._address} ({self.namespace}): {code}: "
-                                   f"{details}") from None
+                raise self._refused("rendezvous", method, e) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _reconnect(self, address: str) -> None:
