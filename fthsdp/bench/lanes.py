@@ -39,6 +39,8 @@ from lighthouse.security import ClientSecurity
 from lighthouse.v1 import lighthouse_pb2 as pb
 
 BACKENDS = ("mesh", "nccl", "lazy")
+REPLY_GRACE_S = 30.0
+"""How long past its deadline a worker process may take to report an epoch's rendezvous."""
 """How the backend's own connect uses the lane's store (see the module)."""
 
 
@@ -240,6 +242,9 @@ class LaneEmulator:
         done = {lane: 0.0 for lane in self.lanes}
         for w in asked:
             while True:
+                # The worker answers by the deadline it was given; a worker that does not is stuck or dead.
+                if not self._conns[w].poll(max(0.0, deadline - time.monotonic()) + REPLY_GRACE_S):
+                    raise TimeoutError(f"lane worker {w} did not report epoch {number}")
                 msg = self._conns[w].recv()
                 if msg[0] == "finished" and msg[1] == number:
                     break
