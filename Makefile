@@ -24,13 +24,15 @@ setup: $(STAMP)
 
 demo: setup
 	mkdir -p out
-	$(PY) -m fthsdp --log-level WARNING demo --report out/demo-report.json --plot out/demo-timeline.png
+	$(PY) -m fthsdp --log-level WARNING demo --report out/demo-report.json --plot out/demo-timeline.png \
+		--trace out/demo-trace.json
 
 # The unit tests (no processes, seconds): the inner loop.
 test-fast: setup
 	$(PY) -m pytest -q -n $(UNIT_JOBS) tests/unit
 
-# ruff (style, imports, bug patterns) and mypy (strict on fthsdp.runtime, fthsdp.catchup, fthsdp.launch, ftar, lighthouse).
+# ruff (style, imports, bug patterns) and mypy (strict on fthsdp.runtime, fthsdp.catchup, fthsdp.launch, fthsdp.trace,
+# ftar, lighthouse).
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy

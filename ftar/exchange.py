@@ -3,6 +3,7 @@ handle the caller waits on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,11 @@ class Handle:
 
     def done(self) -> bool:
         return self._future.done()
+
+    def when_done(self, fn: Callable[[bool], None]) -> None:
+        """Call ``fn(failed)`` once the exchange ends (at once if it has; else on the thread that ends it): a
+        timeline's end of the exchange, without waiting for it."""
+        self._future.add_done_callback(lambda f: fn(f.cancelled() or f.exception() is not None))
 
     def wait(self, timeout: float | None = None) -> ExchangeResult:
         """The result; raises the exchange's ``FTARError``, or ``TimeoutError`` at the deadline. On CUDA the

@@ -5,7 +5,10 @@ are excluded from its median. The ratio is the median over rounds of each round'
 step over the baseline run just before it): identical runs drift 10-15% apart on a shared machine, over minutes,
 and a ratio of neighbours cancels most of it. The lighthouse runs with its own defaults
 (``lighthouse.model.Policy``: heartbeats every 0.5 s), as a user's would; the test launcher's faster heartbeats
-(0.1 s) are a setting for tests."""
+(0.1 s) are a setting for tests.
+
+``against="timeline-off"``: the baseline is fthsdp itself with its step timeline off (``FTHSDP_TIMELINE=0``,
+``fthsdp.runtime.timeline``), what keeping every rank's phases costs."""
 
 from __future__ import annotations
 
@@ -41,10 +44,12 @@ def _baseline(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: s
     return statistics.median(_median_step(progress, warmup, r) for r in range(replicas))
 
 
-def _fthsdp(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: str, batch: int, warmup: int) -> float:
+def _fthsdp(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: str, batch: int, warmup: int,
+            env: dict[str, str] | None = None) -> float:
     work = tmp / f"fthsdp{len(list(tmp.glob('fthsdp*')))}"
     Cluster(at_lighthouse_defaults(ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model,
-                                                 batch=batch, timeout_s=1800)), work).run()
+                                                 batch=batch, timeout_s=1800,
+                                                 env={r: dict(env or {}) for r in range(replicas)})), work).run()
     return statistics.median(_median_step(progress_path(work, r), warmup) for r in range(replicas))
 
 
@@ -56,8 +61,15 @@ def paired_ratios(base: list[float], ft: list[float]) -> tuple[float, list[float
     return statistics.median(ratios), ratios
 
 
+AGAINST = {"plain": "plain FSDP2-HSDP (replicate x shard mesh, one torchrun)",
+           "timeline-off": "fthsdp with its step timeline off (FTHSDP_TIMELINE=0)"}
+"""The baselines ``bench_overhead`` measures against."""
+
+
 def bench_overhead(replicas: int = 3, ranks: int = 2, steps: int = 60, model: str = "reference", batch: int = 8,
-                   warmup: int = 5, rounds: int = 3) -> OverheadResult:
+                   warmup: int = 5, rounds: int = 3, against: str = "plain") -> OverheadResult:
+    if against not in AGAINST:
+        raise ValueError(f"--against must be one of {', '.join(AGAINST)}, not {against!r}")
     if steps <= warmup:
         raise ValueError(f"--steps must exceed the {warmup} warm-up steps")
     if rounds < 1:
@@ -66,7 +78,8 @@ def bench_overhead(replicas: int = 3, ranks: int = 2, steps: int = 60, model: st
     with tempfile.TemporaryDirectory(prefix="fthsdp-bench-overhead-") as tmp:
         t = pathlib.Path(tmp)
         for _ in range(rounds):
-            base.append(_baseline(t, replicas, ranks, steps, model, batch, warmup))
+            base.append(_baseline(t, replicas, ranks, steps, model, batch, warmup) if against == "plain" else
+                        _fthsdp(t, replicas, ranks, steps, model, batch, warmup, {"FTHSDP_TIMELINE": "0"}))
             ft.append(_fthsdp(t, replicas, ranks, steps, model, batch, warmup))
     b, f = statistics.median(base), statistics.median(ft)
     ratio, ratios = paired_ratios(base, ft)
@@ -74,4 +87,4 @@ def bench_overhead(replicas: int = 3, ranks: int = 2, steps: int = 60, model: st
                           rounds=rounds, heartbeat_interval_s=Policy().heartbeat_interval_s,
                           baseline_step_s=round(b, 4), fthsdp_step_s=round(f, 4), step_time_ratio=round(ratio, 3),
                           round_ratios=[round(r, 3) for r in ratios], baseline_runs_s=[round(x, 4) for x in base],
-                          fthsdp_runs_s=[round(x, 4) for x in ft])
+                          fthsdp_runs_s=[round(x, 4) for x in ft], baseline=AGAINST[against])

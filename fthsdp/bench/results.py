@@ -192,7 +192,8 @@ class OverheadResult(_AsJson):
 def format_overhead(r: OverheadResult) -> str:
     return "\n".join([
         f"{r.replicas} replicas x {r.ranks_per_replica} ranks, {r.model} model, median of steps >= {r.warmup_steps}",
-        f"  plain FSDP2-HSDP {r.baseline_step_s}s/step  fthsdp {r.fthsdp_step_s}s/step  ratio {r.step_time_ratio}"])
+        f"  {r.baseline}: {r.baseline_step_s}s/step  fthsdp {r.fthsdp_step_s}s/step  ratio {r.step_time_ratio}",
+        f"  per round: {r.round_ratios}"])
 
 
 # --- bench recovery -------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import hashlib
 import hmac
 import secrets
 
-from fthsdp.catchup.wire import Hello
+from fthsdp.catchup.wire import Hello, TraceRequest
 from lighthouse.epoch_view import EpochView
 from lighthouse.model import JOINING
 from lighthouse.security import is_loopback
@@ -24,6 +24,8 @@ CONTEXT = b"fthsdp-catchup-v2"
 """Binds a proof to this protocol (no other use of the token yields the same MAC)."""
 SOURCE_CONTEXT = b"fthsdp-catchup-source-v1"
 """Binds a source's proof (a joiner's proof can never be replayed as a source's, nor the other way round)."""
+TRACE_CONTEXT = b"fthsdp-timeline-v1"
+"""Binds a timeline reader's proof (it opens a rank's timeline, never a snapshot)."""
 NONCE_BYTES = 32
 
 
@@ -75,6 +77,29 @@ def verify_source(token: str, hello: Hello, source: str, proof: str) -> bool:
     if not token:
         return True
     return hmac.compare_digest(proof.encode("ascii", "replace"), source_proof(token, hello, source).encode())
+
+
+def trace_proof(token: str, nonce: str, request: TraceRequest) -> str:
+    """A timeline reader's answer to ``nonce``: hex HMAC-SHA256 of the nonce, job and ``since`` under the job
+    token ('' without one). Good for one session only."""
+    if not token:
+        return ""
+    fields = (nonce, request.job, str(request.since))
+    if any("\0" in f for f in fields):
+        raise ValueError("a timeline request field holds a NUL character")
+    return hmac.new(token.encode(), b"\0".join([TRACE_CONTEXT, *(f.encode() for f in fields)]),
+                    hashlib.sha256).hexdigest()
+
+
+def verify_trace(token: str, nonce: str, request: TraceRequest) -> bool:
+    """Whether ``request.proof`` answers ``nonce`` with ``token`` (always true without one: loopback only)."""
+    if not token:
+        return True
+    try:
+        expected = trace_proof(token, nonce, request)
+    except ValueError:
+        return False
+    return hmac.compare_digest(request.proof.encode("ascii", "replace"), expected.encode())
 
 
 def admit(epoch: EpochView | None, job: str, hello: Hello) -> tuple[str, str] | None:

@@ -17,7 +17,8 @@ in its manifest. Until it has answered, a connection holds one of ``max_pending`
 ``handshake_s``, never one of the ``max_sessions`` sessions; when every place is taken, the connection that has
 held one longest is closed to make room: a joiner answers its challenge within milliseconds, so idle connections,
 however many and from wherever, cannot keep it out. Without a token the server listens on loopback only, and says
-so.
+so. A session that answers the challenge with ``TRACE`` instead reads the rank's step timeline (``fthsdp trace``:
+``fthsdp.catchup.timeline``), proven the same way.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from ftar.devices import start_thread
 from fthsdp.catchup import auth, wire
+from fthsdp.catchup.timeline import Reader, answer
 from fthsdp.catchup.wire import CatchupError, Entry, Kind, Manifest, ProtocolError
 from lighthouse.epoch_view import EpochView
 
@@ -58,20 +60,6 @@ SealFn = Callable[[list[tuple[str, torch.Tensor]]], Sequence[tuple[str, torch.Te
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a CPU contiguous tensor, without a copy."""
     return t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
-
-
-def _linger_close(conn: socket.socket) -> None:
-    """Close so that an ERROR frame just sent reaches the peer: closing with unread input would reset the
-    connection and drop it. Reads (and discards) at most 1 MiB for at most half a second."""
-    try:
-        conn.shutdown(socket.SHUT_WR)
-        conn.settimeout(0.5)
-        for _ in range(16):
-            if not conn.recv(65536):
-                break
-    except OSError:
-        pass
-    conn.close()
 
 
 @dataclass
@@ -130,6 +118,9 @@ class CatchupServer:
         self._closed = False
         self.directory: list[str] = []
         """Every rank's address (index = rank), for redirecting a joiner that asked the wrong rank."""
+        self.incarnation = ""
+        self.timeline: Reader | None = None
+        """This incarnation's step timeline, for a timeline read (``fthsdp trace``); None: none to give."""
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(0.2)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
@@ -290,7 +281,11 @@ class CatchupServer:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             nonce = auth.new_nonce()
             wire.send_control(conn, Kind.CHALLENGE, {"nonce": nonce})
-            _, obj = wire.recv_control(conn, (Kind.HELLO,))
+            kind, obj = wire.recv_control(conn, (Kind.HELLO, Kind.TRACE))
+            if kind == Kind.TRACE:  # a timeline read (fthsdp trace), not a joiner
+                return answer(conn, wire.parse_trace(obj), nonce, self._token, self.job, self.timeline, {
+                    "replica": self.replica_id, "incarnation": self.incarnation, "rank": self.rank,
+                    "directory": self.directory})
             hello = wire.parse_hello(obj)
             problem = self._check(hello, nonce)
             if problem is not None:
@@ -328,7 +323,7 @@ class CatchupServer:
             log.info("catchup replica=%s rank=%d step=%d joiner session ended: %s", self.replica_id, self.rank,
                      self._step, e)
         finally:
-            _linger_close(conn)
+            wire.linger_close(conn)
             with self._lock:
                 if admitted:
                     self._sessions -= 1

@@ -17,6 +17,13 @@ A session (joiner rank s to source rank s)::
                                           <-  DATA ... DATA END
     BYE                                     ->
     (any error)                           <-  ERROR {code, message}
+
+A timeline read (``fthsdp trace``, any rank, nothing registered or copied)::
+
+    reader                                  source
+                                          <-  CHALLENGE {nonce}
+    TRACE {job, since, proof}               ->   (``fthsdp.catchup.auth.trace_proof``)
+                                          <-  TIMELINE {replica, incarnation, rank, directory, timeline}
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ class Kind(IntEnum):
     ERROR = 8
     CHALLENGE = 9
     QUEUED = 10
+    TRACE = 11
+    TIMELINE = 12
 
 
 class CatchupError(RuntimeError):
@@ -117,6 +126,16 @@ class Hello:
     step: int
     proof: str = ""
     nonce: str = ""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """A timeline reader's request: the job, the events it wants (after sequence number ``since``) and its
+    ``proof`` of the job token for this session's nonce (``fthsdp.catchup.auth.trace_proof``)."""
+
+    job: str
+    since: int = 0
+    proof: str = ""
 
 
 @dataclass(frozen=True)
@@ -206,6 +225,20 @@ def recv_control(sock: socket.socket, expect: tuple[Kind, ...]) -> tuple[Kind, d
     return kind, obj
 
 
+def linger_close(conn: socket.socket) -> None:
+    """Close so that an ERROR frame just sent reaches the peer: closing with unread input would reset the
+    connection and drop it. Reads (and discards) at most 1 MiB for at most half a second."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(0.5)
+        for _ in range(16):
+            if not conn.recv(65536):
+                break
+    except OSError:
+        pass
+    conn.close()
+
+
 def send_error(sock: socket.socket, code: str, message: str) -> None:
     with contextlib.suppress(CatchupError):  # the peer is gone; nothing to tell
         send_control(sock, Kind.ERROR, {"code": code, "message": message[:4096]})
@@ -237,6 +270,14 @@ def parse_hello(obj: dict[str, Any]) -> Hello:
     return Hello(str_field(obj, "job", 256), str_field(obj, "replica", 256), str_field(obj, "incarnation", 256),
                  _int(obj, "rank", 0, 1 << 20), _int(obj, "step"), str_field(obj, "proof", 128),
                  str_field(obj, "nonce", 128))
+
+
+def trace_doc(t: TraceRequest) -> dict[str, Any]:
+    return {"job": t.job, "since": t.since, "proof": t.proof}
+
+
+def parse_trace(obj: dict[str, Any]) -> TraceRequest:
+    return TraceRequest(str_field(obj, "job", 256), _int(obj, "since"), str_field(obj, "proof", 128))
 
 
 def parse_queued(obj: dict[str, Any]) -> int:

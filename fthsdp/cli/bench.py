@@ -48,7 +48,11 @@ def cmd_bench_overhead(a: argparse.Namespace) -> None:
     from fthsdp.bench.overhead import bench_overhead
     from fthsdp.bench.results import format_overhead
 
-    result = bench_overhead(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model, rounds=a.rounds)
+    try:
+        result = bench_overhead(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model, rounds=a.rounds,
+                                against=a.against)
+    except ValueError as e:
+        sys.exit(f"fthsdp bench overhead: {e}")
     emit(result, a.json, format_overhead)
 
 
@@ -140,6 +144,8 @@ def register(sub: Subparsers) -> None:
     bo.add_argument("--model", default="reference")
     bo.add_argument("--rounds", type=int, default=3,
                     help="baseline/fthsdp alternations (the ratio is the median of the rounds' ratios)")
+    bo.add_argument("--against", default="plain", choices=["plain", "timeline-off"],
+                    help="the baseline: plain FSDP2-HSDP, or fthsdp with its step timeline off (FTHSDP_TIMELINE=0)")
     bo.add_argument("--json", action="store_true")
     bo.set_defaults(fn=cmd_bench_overhead)
     bk = bsub.add_parser("checkpoint", help="the step while a periodic checkpoint is written, on the training "

@@ -13,8 +13,10 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from fthsdp.cli.trace import write as write_trace
 from fthsdp.launch.cluster import Cluster, converged
-from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed
+from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed, credential_path
+from fthsdp.trace.pull import Collector, Follower
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
@@ -50,14 +52,32 @@ class LiveView:
         print(f"[{now - self.t0:6.1f}s] " + " | ".join(cells), flush=True)
 
 
+def trace_follower(config: ClusterConfig, cluster: Cluster) -> Follower:
+    """Reads every rank's timeline about once a second while the demo runs (``fthsdp.trace.pull``)."""
+    from lighthouse.security import read_catchup_key
+
+    key = read_catchup_key(credential_path(config.credentials, 0), "default") if config.credentials else ""
+    return Follower(Collector("default", key), cluster.status)
+
+
 def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path: pathlib.Path | None,
-             keep_logs: pathlib.Path | None = None) -> dict[str, Any]:
+             keep_logs: pathlib.Path | None = None, trace_path: pathlib.Path | None = None) -> dict[str, Any]:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="fthsdp-demo-"))
     try:
         kills = ", ".join(f"replica {k.replica} at step {k.step} ({k.phase})" for k in config.kills) or "none"
         print(f"fthsdp demo: {config.replicas} replicas x {config.ranks} ranks, {config.model} model, "
               f"{config.steps} steps; kills: {kills}; restart after {config.restart_delay_s}s", flush=True)
-        cluster = Cluster(config, workdir, on_tick=LiveView())
+        live = LiveView()
+        follower: Follower | None = None
+
+        def tick(c: Cluster) -> None:
+            live(c)
+            if follower is not None:
+                follower.tick()
+
+        cluster = Cluster(config, workdir, on_tick=tick)
+        if trace_path is not None:
+            follower = trace_follower(config, cluster)
         report = cluster.run()
         report["resumed"] = [{"replica": x.replica, "from_step": x.resumed_from, "t": x.t}
                              for g in cluster.groups for x in cluster.progress(g)
@@ -90,6 +110,12 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
     if plot_path is not None:
         plot_timeline(report, plot_path)
         print(f"timeline: {plot_path}")
+    if follower is not None and trace_path is not None:
+        exits = [{"t": e["t"], "name": f"replica {e['replica']} " + ("killed" if e.get("killed") else
+                                                                      f"exited ({e.get('code')})")}
+                 for e in report["events"] if e["event"] == "exit"]
+        write_trace(follower.collector, follower.history, trace_path, trace_path.with_suffix(".png"), exits)
+        print(f"trace: {trace_path} (Perfetto, chrome://tracing), {trace_path.with_suffix('.png')}")
     return report
 
 
@@ -187,7 +213,8 @@ def cmd_demo(a: argparse.Namespace) -> None:
                                checkpoint_every=a.checkpoint_every, warm_restarts=a.warm_restarts,
                                spares=a.spares)
         report = run_demo(config, pathlib.Path(a.report) if a.report else None,
-                          pathlib.Path(a.plot) if a.plot else None, pathlib.Path(a.keep_logs) if a.keep_logs else None)
+                          pathlib.Path(a.plot) if a.plot else None, pathlib.Path(a.keep_logs) if a.keep_logs else None,
+                          pathlib.Path(a.trace) if a.trace else None)
     except (ValueError, ReplicaFailed, TimeoutError) as e:
         sys.exit(f"fthsdp demo: {e}")
     for problem in failures(report):
@@ -220,6 +247,9 @@ def register(sub: Subparsers) -> None:
                     "restart releases it instead of starting cold")
     dm.add_argument("--report", default="", help="write the JSON report here")
     dm.add_argument("--plot", default="", help="write the PNG timeline here")
+    dm.add_argument("--trace", default="",
+                    help="read every rank's step timeline each second and write the job's trace here (Chrome "
+                    "trace-event JSON for Perfetto or chrome://tracing; a PNG beside it)")
     dm.add_argument("--keep-logs", default="", help="copy the replicas' logs and progress files here")
     dm.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     dm.set_defaults(fn=cmd_demo)

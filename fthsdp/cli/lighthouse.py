@@ -16,6 +16,7 @@ from fthsdp.cli.common import add_client_security_args, client_security, run_unt
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
+    from lighthouse.security import ClientSecurity
 
 
 def confirm_age_risk(confirm_age_s: float, heartbeat_interval_s: float) -> str:
@@ -98,16 +99,17 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
     logging.getLogger("fthsdp.lighthouse").info("lighthouse stopped")
 
 
-def cmd_status(a: argparse.Namespace) -> None:
-    sec = client_security(a)
+def fetch_status(http: str, sec: ClientSecurity, timeout: float) -> tuple[dict[str, Any] | None, list[str]]:
+    """The ``/status`` of the lighthouses at ``http`` (comma-separated; the leader's answer wins), and what went
+    wrong asking each."""
     ctx = sec.ssl_context()
     status: dict[str, Any] | None = None
     errors: list[str] = []
-    for addr in [x.strip() for x in a.http.split(",") if x.strip()]:  # the leader's answer wins
+    for addr in [x.strip() for x in http.split(",") if x.strip()]:
         url = f"{'https' if ctx else 'http'}://{addr}/status"
         try:
             req = urllib.request.Request(url, headers=sec.http_headers())
-            with urllib.request.urlopen(req, timeout=a.timeout, context=ctx) as r:
+            with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
                 got = json.load(r)
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:200]
@@ -120,6 +122,11 @@ def cmd_status(a: argparse.Namespace) -> None:
             status = got
         if got.get("leader"):
             break
+    return status, errors
+
+
+def cmd_status(a: argparse.Namespace) -> None:
+    status, errors = fetch_status(a.http, client_security(a), a.timeout)
     if status is None:
         sys.exit("fthsdp status: cannot reach any lighthouse: " + "; ".join(errors))
     if a.json:

@@ -1,11 +1,11 @@
 """The ``fthsdp`` command: one module per command group (``lighthouse`` and ``status``, ``emulate``, ``run``, ``demo``,
-``chaos``, ``sim``, ``bench``), each adding its subcommands to the parser built here."""
+``chaos``, ``sim``, ``bench``, ``trace``), each adding its subcommands to the parser built here."""
 
 from __future__ import annotations
 
 import argparse
 
-from fthsdp.cli import bench, chaos, demo, emulate, lighthouse, run, secrets, sim
+from fthsdp.cli import bench, chaos, demo, emulate, lighthouse, run, secrets, sim, trace
 from fthsdp.cli.common import setup_logging
 
 
@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fthsdp", description="Fault-tolerant HSDP training runtime.")
     p.add_argument("--log-level", default="INFO")
     sub = p.add_subparsers(dest="command", required=True)
-    for group in (lighthouse, emulate, run, demo, chaos, sim, bench, secrets):
+    for group in (lighthouse, emulate, run, demo, chaos, sim, bench, secrets, trace):
         group.register(sub)
     return p
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from fthsdp.runtime import digest, grad_scale
 from fthsdp.runtime.commit import CommitProtocol, Exchanged, Failed, Failure
 from fthsdp.runtime.errors import RejoinRequired
 from fthsdp.runtime.state import local_tensor
+from fthsdp.runtime.timeline import OFF, Timeline
 
 T = TypeVar("T")
 
@@ -159,6 +161,8 @@ class BucketExchange:
         """This replica's state digest for the step being exchanged (None: not a checked step)."""
         self.alias = False
         """``install`` makes the results the gradients, without a copy (set when ``grads_untouched``)."""
+        self.timeline: Timeline = OFF
+        """Where each exchange's span goes, issue to done (the step core's)."""
         engine.tag_label = functools.partial(BucketTag.label, buckets=self.width)  # its logs: step, bucket
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
@@ -237,7 +241,15 @@ class BucketExchange:
                                        new_epoch_ok=k == 0 and not self.posts, ready=devices.record(self.device))
         self._pending[k] = handle
         self._launched = k + 1
+        self._timed(handle, f"bucket {k}", -1 if step is None else step)
         return handle
+
+    def _timed(self, handle: Handle, name: str, step: int) -> None:
+        """The exchange's span on the timeline, from now until FTAR's lane ends it."""
+        if self.timeline.enabled:
+            t0 = time.perf_counter()
+            handle.when_done(lambda failed: self.timeline.span(name, "exchange", step, t0, time.perf_counter(),
+                                                               failed=failed))
 
     def barrier(self, step: int, again: bool = False) -> Handle:
         """The end of the job: an exchange of zeros shaped like ``step``'s first bucket, tagged with it and counted
@@ -272,6 +284,7 @@ class BucketExchange:
         handle = self.engine.allreduce([torch.tensor(words, dtype=torch.float32, device=self.device)],
                                        contribute=factor is not None,
                                        tag=None if step is None else self.post_tag(step), redo=False)
+        self._timed(handle, "post", -1 if step is None else step)
         if step is not None:
             self.posted, self._last_post = step, (step, factor, loss)
             if factor is not None:

@@ -154,6 +154,9 @@ class RuntimeConfig:
     step_log: bool = True
     """``FTHSDP_STEP_LOG``: rank 0 logs one line per committed step at INFO (logger ``fthsdp.runtime``: step,
     loss, epoch, contributors, attempts); 0: off."""
+    timeline_events: int = 4096
+    """``FTHSDP_TIMELINE``: this rank keeps its last N events (the phases of each step, marks) in a ring that
+    ``fthsdp trace`` reads over the catch-up port (``fthsdp.runtime.timeline``); 0: keeps none."""
     local_rank: int | None = None
     """``LOCAL_RANK`` (torchrun): the rank on this host (None: unset); picks the GPU (default: ``rank``)."""
     metrics_port: int | None = None
@@ -229,6 +232,9 @@ class RuntimeConfig:
         rank_timeout = _float(e, "FTHSDP_RANK_TIMEOUT", str(min(3.0, timeout)))
         if rank_timeout < 0 or timeout <= 0:
             raise ConfigError(f"FTHSDP_TIMEOUT={timeout:g} must be > 0 and FTHSDP_RANK_TIMEOUT={rank_timeout:g} >= 0")
+        timeline = _int(e, "FTHSDP_TIMELINE", "4096")
+        if timeline < 0:
+            raise ConfigError(f"FTHSDP_TIMELINE={timeline} must be >= 0 (events kept; 0: none)")
         spare_early = _float(e, "FTHSDP_SPARE_EARLY", "0.5")
         if not 0 <= spare_early <= 1:
             raise ConfigError(f"FTHSDP_SPARE_EARLY={spare_early:g} must be between 0 and 1")
@@ -256,6 +262,7 @@ class RuntimeConfig:
             join_warmup=_int(e, "FTHSDP_JOIN_WARMUP", "1") != 0,
             digest_every=digest_every,
             step_log=_int(e, "FTHSDP_STEP_LOG", "1") != 0,
+            timeline_events=timeline,
             local_rank=local_rank,
             metrics_port=_metrics_port(e, local_rank),
             standby_gate=e.get("FTHSDP_STANDBY_GATE", ""),

@@ -29,15 +29,7 @@ from fthsdp.runtime import checkpoint, ending, grad_scale, siblings, startup
 from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange, failure_of
 from fthsdp.runtime.checkpoint_writer import CheckpointWriter
-from fthsdp.runtime.commit import (
-    MAX_ATTEMPTS,
-    Commit,
-    CommitProtocol,
-    Rejoin,
-    Tally,
-    advance_cursors,
-    contributing_slots,
-)
+from fthsdp.runtime.commit import Commit, CommitProtocol, Rejoin, Tally, advance_cursors, contributing_slots
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.epoch_relay import GroupEpochs
 from fthsdp.runtime.errors import JobFinished, NoStateToResume, RejoinRequired, Terminated
@@ -48,6 +40,7 @@ from fthsdp.runtime.metrics import ReplicaMetrics
 from fthsdp.runtime.pace import PaceWindow
 from fthsdp.runtime.standing import Standing
 from fthsdp.runtime.state import ShardState
+from fthsdp.runtime.timeline import Timeline
 from fthsdp.runtime.trainer_state import TrainerState
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
@@ -88,12 +81,15 @@ class StepCore:
         self.state = TrainerState()  # param groups and registered objects: they travel with the tensors
         self.terminated = False  # stopped by SIGTERM
         self.feed = EpochFeed()
+        self.timeline = Timeline(max(1, cfg.timeline_events), enabled=cfg.timeline_events > 0,
+                                 epoch=lambda: e.number if (e := self.feed.current()) is not None else 0)
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, host=cfg.host, snapshot=self._snapshot,
                                     seal=ShardState.seal, device=self.device, epoch=self.feed.current,
                                     token=cfg.token, wait_s=cfg.epoch_wait_s, on_chunk_sent=self.faults.on_chunk_sent,
                                     corrupt=self.faults.corrupter())
         self.server.directory = startup.gather_strings(self.server.address, self.world_size, self.device)
+        self.server.incarnation, self.server.timeline = self.incarnation, self.timeline.read  # for fthsdp trace
         self.metrics = ReplicaMetrics(cfg.replica_id, self.rank, port=cfg.metrics_port, addr=cfg.host)
         self.client = LighthouseClient(cfg.lighthouse, cfg.job_id, cfg.replica_id, shard_count=cfg.world_size,
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,
@@ -130,6 +126,7 @@ class StepCore:
         the step core is whole. A registered replica takes its place now (``take_place``)."""
         self.model, self.opt = model, opt
         self._parts = ShardState(params, opt, self.device, self.state), buckets
+        buckets.timeline = self.timeline
         if self.standing is not Standing.STANDBY:
             self.take_place()
 
@@ -297,7 +294,8 @@ class StepCore:
         its own."""
         ballot = (protocol or self.protocol).ballot(self.engine.asking, self.seen_slot())
         ctrl = torch.tensor(ballot.encode(), dtype=torch.int64, device=self.device)
-        dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
+        with self.timeline.timed("vote", "vote", self.step):
+            dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
         return Tally.decode(ctrl.tolist())
 
     def commit(self, step: int, results: list[ExchangeResult], installed: bool = False) -> tuple[tuple[int, int], ...]:
@@ -322,7 +320,8 @@ class StepCore:
         self.lr_factor = factor
         self.faults.at(step, Phase.OPTIMIZER)
         self.server.before_update(step)  # a snapshot of this step's state in progress finishes first
-        shards.optimizer_step(factor)
+        with self.timeline.timed("optimizer", "optimizer", step):
+            shards.optimizer_step(factor)
         if not joining and self.faults.corrupts(step):
             shards.flip_bit()
             self.log(logging.WARNING, "FTHSDP_FAULT_CORRUPT: flipped a bit of this replica's state")
@@ -358,7 +357,8 @@ class StepCore:
         ('' returned), written off the training thread with ``FTHSDP_CHECKPOINT_ASYNC`` (``checkpoint_writer``)."""
         assert self.model is not None and self.opt is not None
         write = self.writer.now if now else self.writer.periodic
-        return str(write(self.step, self.model, self.opt, self.cursors, self.parts()[0].side_state()) or "")
+        with self.timeline.timed("checkpoint" if now else "checkpoint (staged)", "checkpoint", self.step):
+            return str(write(self.step, self.model, self.opt, self.cursors, self.parts()[0].side_state()) or "")
 
     def agree(self) -> None:
         """Read the post exchange this lane sent last as a contributor and did not wait for (``finish``; the
@@ -380,7 +380,7 @@ class StepCore:
         """The step's post exchange on this rank's lane (``BucketExchange.launch_post``), waited for, with its own
         bounded retries: returns (the factor the contributors scaled the step's gradients by, their mean loss)."""
         _, buckets = self.parts()
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        for attempt in range(1, self.protocol.max_attempts + 1):
             try:
                 handle = buckets.launch_post(step, factor, loss)
                 buckets.unchecked = None  # read here
@@ -390,7 +390,7 @@ class StepCore:
                     raise RejoinRequired(f"step {step}'s post exchange: {e}") from e
                 self.log(logging.WARNING, "step %d: post exchange failed (attempt %d): %s", step, attempt, e)
                 self.engine.reset()
-        raise RejoinRequired(f"step {step}'s post exchange failed {MAX_ATTEMPTS} times")
+        raise RejoinRequired(f"step {step}'s post exchange failed {self.protocol.max_attempts} times")
 
     def end_of_job(self) -> None:
         """Before leaving after the last step: wait until every member of the epoch is at this step too (a member

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from ftar import ExchangeResult
 from fthsdp.runtime import grad_scale, roles
+from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.commit import Commit
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.core import StepCore
@@ -51,6 +53,8 @@ class Iteration:
     optimizer_step: bool = False
     """A joiner's warm-up steps the optimizer (its state is overwritten by the snapshot); a standby's does not."""
     t_backward: float = 0.0
+    t_forward: tuple[float, float] = (0.0, 0.0)
+    """The last forward's start and end (the root module's hooks; the timeline's compute spans)."""
     t_computed: float = 0.0
     slowed: float = 0.0
     settled: tuple[Commit, list[ExchangeResult]] | None = None
@@ -78,9 +82,30 @@ class Steps(StepCore):
         """Called with every step's result as it commits (in the loop: those committed inside ``zero_grad`` too, a
         spare's, which may stay there for many steps, and a joiner's): a trainer's progress log."""
 
+    def attach(self, model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer,
+               buckets: BucketExchange) -> None:
+        super().attach(model, params, opt, buckets)
+        model.register_forward_pre_hook(self._forward_begins)  # the timeline's forward and backward spans
+        model.register_forward_hook(self._forward_ends)
+
+    def _forward_begins(self, *_: object) -> None:
+        """A forward of the step's model begins: the micro-batch before's backward (accumulation) ended."""
+        if (it := self._iter) is not None and it.trains and not it.settled:
+            now = time.perf_counter()
+            if it.t_forward[1]:
+                self.timeline.span("backward", "compute", it.step, it.t_forward[1], now, micro_batch=True)
+            it.t_forward = (now, 0.0)
+
+    def _forward_ends(self, *_: object) -> None:
+        if (it := self._iter) is not None and it.trains and it.t_forward[0] and not it.t_forward[1]:
+            it.t_forward = (it.t_forward[0], time.perf_counter())
+            self.timeline.span("forward", "compute", it.step, *it.t_forward)
+
     def become(self, role: roles.Role) -> None:
         """Take ``role`` (a role's turn names the next one). A standby leaving its role was registered: the step core
         takes its place then (``StepCore.registered``)."""
+        if type(role) is not type(self.role):
+            self.timeline.mark(f"role {type(role).__name__.lower()}", self.step)
         was, self.role, self.standing = self.standing, role, role.standing
         self.metrics.on_joining(self.joining)
         if was is Standing.STANDBY and role.standing is not Standing.STANDBY:
@@ -116,6 +141,9 @@ class Steps(StepCore):
         t_computed = time.perf_counter()
         commit, results = self.settle(handles, contribute=True)
         exchange_s = time.perf_counter() - t0
+        self.timeline.span("forward", "compute", commit.step, t_compute, t0)
+        self.timeline.span("backward", "compute", commit.step, t0, t_computed)
+        self.timeline.span("wait", "wait", commit.step, t_computed, t0 + exchange_s, attempts=commit.attempts)
         self.own_compute_s = t_computed - t_compute - slowed
         self.pace(commit.attempts, commit.step, t_computed - t_compute, time.perf_counter() - t_computed)
         batches = self.commit(commit.step, results)
@@ -217,8 +245,11 @@ class Steps(StepCore):
             buckets.disarm()
             it.t_computed = time.perf_counter()
             it.t_backward = it.t_backward or it.t_computed
+            self.timeline.span("backward", "compute", it.step, it.t_forward[1] or it.t0, it.t_computed)
             it.settled = self.settle(handles, contribute=True)
             self.agree()  # the post exchange of the step before came back before this step's buckets
+            self.timeline.span("wait", "wait", it.step, it.t_computed, time.perf_counter(),
+                               attempts=it.settled[0].attempts)
             buckets.install(it.settled[1])
         except BaseException as e:  # noqa: BLE001 - handed to finish(), which raises it outside autograd
             it.error = e

@@ -32,6 +32,8 @@ class MemberRow:
     """Its latest pace report (compute and exchange wait per step; ``lighthouse.stragglers``); None: none."""
     slot: int = NO_SLOT
     """The data slot it trains (``lighthouse.slots``); ``NO_SLOT``: none (a spare, or not in the data plane)."""
+    catchup: str = ""
+    """Its rank 0's catch-up address (joiners fetch there; ``fthsdp trace`` reads its ranks' timelines there)."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,8 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
             MemberRow(x.replica_id, x.incarnation, x.role, x.replica_id in in_epoch,
                       max(0.0, now - last_seen.get(x.replica_id, x.registered_at)), steps.get(x.replica_id, 0),
                       *digests_of.get(x.replica_id, (0, "")),
-                      paces_of[x.replica_id][-1] if x.replica_id in paces_of else None, x.slot)
+                      paces_of[x.replica_id][-1] if x.replica_id in paces_of else None, x.slot,
+                      x.endpoints.catchup)
             for x in sorted(state.members.values(), key=lambda x: x.replica_id)),
         history=tuple(HistoryRow(e.number, e.created_at, e.reason, e.replica_ids(), tuple(replica_kinds(e.events)))
                       for e in state.history[-STATUS_HISTORY:]),
@@ -158,7 +161,7 @@ def to_json(view: StatusView) -> dict[str, Any]:
         "heartbeat_timeout_s": view.heartbeat_timeout_s,
         "members": [
             {"replica_id": x.replica_id, "incarnation": x.incarnation, "role": x.role, "in_epoch": x.in_epoch,
-             "slot": None if x.slot == NO_SLOT else x.slot,
+             "slot": None if x.slot == NO_SLOT else x.slot, "catchup": x.catchup,
              "last_heartbeat_age_s": round(x.last_heartbeat_age_s, 3), "step": x.step,
              "digest_step": x.digest_step, "digest": x.digest,
              "pace": None if x.pace is None else {"step": x.pace.step, "compute_s": round(x.pace.compute_s, 4),
