@@ -267,7 +267,9 @@ class LighthouseRpc:
         return pb.HeartbeatRequest(
             job_id=self.job_id, replica_id=self.replica_id, incarnation=self.incarnation, step=step, epoch=epoch,
             digest_step=digest_step, digest=digest, pace_step=pace.step if pace else 0,
-            compute_s=pace.compute_s if pace else 0.0, wait_s=pace.wait_s if pace else 0.0)
+            compute_s=pace.compute_s if pace else 0.0, wait_s=pace.wait_s if pace else 0.0,
+            busiest_rank=pace.busiest_rank if pace else 0, busiest_s=pace.busiest_s if pace else 0.0,
+            siblings_busy_s=pace.siblings_busy_s if pace else 0.0)
 
     async def heartbeat(self, step: int = 0, epoch: int = 0) -> int:
         """One unary heartbeat, with the step, the epoch, the latest state digest (``digest``) and pace (``pace``);

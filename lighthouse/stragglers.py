@@ -14,6 +14,13 @@ the others' (the median of their latest reports) and at least ``MIN_EXCESS_S`` l
 flag that does not hold for ``confirm`` reports in a row is no flag: one noisy window raises nothing. What the
 lighthouse does with a straggler is its policy: ``report`` (the status, the page and ``fthsdp status`` name it with
 its evidence) or ``eject`` (``lighthouse.ejection``).
+
+Inside the straggler, the rank: each report also carries the replica's busiest rank in the steps' compute, the
+median of its busy time and that of the median of its siblings' (every rank's rides the replica's vote,
+``fthsdp.runtime.commit.Tally``). The siblings of a slow rank wait for it in their collectives and burn nothing
+meanwhile, so a rank busy ``factor`` times its siblings (and ``MIN_EXCESS_S`` more) in each of the straggler's
+last ``confirm`` reports is where the slowness comes from, and the straggler names it (``Pace.slow_rank``); ranks
+alike (a slow host) name none.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ costs the others at most that per step. A straggler worth naming (a thermal-thro
 a share of a real step, far more."""
 MAX_SECONDS = 86_400.0
 """A reported time above this (or negative, or not finite) is malformed."""
+MAX_RANKS = 1 << 20
+"""A reported rank at or above this is malformed."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,19 @@ class Pace:
     step: int
     compute_s: float
     wait_s: float
+    busiest_rank: int = 0
+    busiest_s: float = 0.0
+    siblings_busy_s: float = 0.0
+    """The rank of the replica busiest in the steps' compute (on CPU, its process's CPU time: a rank that waits in
+    a collective for a sibling burns none), the median of its busy time and of its siblings' (the median of the
+    others' each step; 0: none)."""
+
+    def slow_rank(self, factor: float) -> int | None:
+        """The rank the replica's slowness comes from: its busy time is at least ``factor`` times its siblings' and
+        ``MIN_EXCESS_S`` more; None when its ranks are alike (or it has one)."""
+        if self.busiest_s >= factor * self.siblings_busy_s and self.busiest_s - self.siblings_busy_s >= MIN_EXCESS_S:
+            return self.busiest_rank
+        return None
 
 
 @dataclass(frozen=True)
@@ -63,10 +85,16 @@ class Straggler:
     """The step of the first report of its current run of slow ones."""
     reports: int
     """Reports in that run (at least ``confirm``)."""
+    rank: int | None = None
+    """The rank of it the slowness comes from (``Pace.slow_rank``); None: its ranks are alike."""
+    rank_busy_ratio: float = 0.0
+    """That rank's busy time over its siblings'."""
 
     def text(self) -> str:
-        return (f"{self.replica_id} is {self.slowdown:.2f}x slower than the others since step {self.since_step}; "
-                f"they wait {self.others_wait_s:.3f}s per step on it")
+        where = "" if self.rank is None else \
+            f" (rank {self.rank}: {self.rank_busy_ratio:.2f}x its siblings' compute)"
+        return (f"{self.replica_id}{where} is {self.slowdown:.2f}x slower than the others since step "
+                f"{self.since_step}; they wait {self.others_wait_s:.3f}s per step on it")
 
 
 def valid_seconds(x: float) -> bool:
@@ -76,7 +104,8 @@ def valid_seconds(x: float) -> bool:
 
 def valid(pace: Pace) -> bool:
     """Whether a reported pace is well formed: a step, and ``valid_seconds`` times."""
-    return pace.step >= 0 and valid_seconds(pace.compute_s) and valid_seconds(pace.wait_s)
+    return pace.step >= 0 and valid_seconds(pace.compute_s) and valid_seconds(pace.wait_s) and \
+        0 <= pace.busiest_rank < MAX_RANKS and valid_seconds(pace.busiest_s) and valid_seconds(pace.siblings_busy_s)
 
 
 def remember(history: tuple[Pace, ...], pace: Pace, keep: int = KEEP) -> tuple[Pace, ...]:
@@ -114,8 +143,11 @@ def assess(histories: Mapping[str, Sequence[Pace]], factor: float, confirm: int)
             run += 1
         mine = history[-1]
         if run >= confirm and waited >= WAIT_SHARE * (mine.compute_s - base):
-            out.append(Straggler(rid, round(mine.compute_s / base, 3), round(waited, 4),
-                                 history[-run].step, run))
+            ranks = {p.slow_rank(factor) for p in history[-confirm:]}  # one rank, in each of the last reports
+            rank = ranks.pop() if len(ranks) == 1 else None
+            out.append(Straggler(rid, round(mine.compute_s / base, 3), round(waited, 4), history[-run].step, run,
+                                 rank, round(mine.busiest_s / max(mine.siblings_busy_s, 1e-3), 3) if rank is not None
+                                 else 0.0))
     return tuple(sorted(out, key=lambda s: (-s.slowdown, s.replica_id)))
 
 

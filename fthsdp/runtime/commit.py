@@ -81,7 +81,9 @@ class Ballot:
     """One rank's vote: whether its lane failed, the newest and oldest epoch its buckets went in, the step
     they agreed on (-1: none), whether it got SIGTERM, the epoch its lane's failure reports ask the lighthouse
     to move past (0: none; ``LaneEngine.asking``), and the data slot the newest epoch it saw gives its replica
-    (``NO_SLOT``: none, a spare; ``fthsdp.runtime.spares``)."""
+    (``NO_SLOT``: none, a spare; ``fthsdp.runtime.spares``). It also carries the rank's busy time in the step's
+    compute, in milliseconds, in its own column of ``ranks`` (the replica's size; 0: none carried): the tally has
+    every rank's (fail-slow evidence per rank, ``fthsdp.runtime.pace``)."""
 
     failed: bool
     newest: int
@@ -90,11 +92,19 @@ class Ballot:
     stop: bool
     asking: int = 0
     slot: int = NO_SLOT
+    busy_ms: int = 0
+    rank: int = 0
+    ranks: int = 0
 
     def encode(self) -> list[int]:
         """The ints whose element-wise MAX over the replica's ranks is the tally (minima ride negated)."""
+        if self.ranks and not 0 <= self.rank < self.ranks:
+            raise ValueError(f"rank {self.rank} outside the replica's {self.ranks} ranks")
+        busy = [0] * self.ranks
+        if self.ranks:
+            busy[self.rank] = max(0, self.busy_ms)
         return [int(self.failed), self.newest, -self.oldest, self.step, -self.step, int(self.stop), self.asking,
-                self.slot]
+                self.slot, *busy]
 
 
 @dataclass(frozen=True)
@@ -115,12 +125,14 @@ class Tally:
     slot: int = NO_SLOT
     """The replica's data slot as the rank that saw the newest epoch knows it (a live member's slot only goes from
     none to one, so the MAX is the newest): every rank trains it from the next step on."""
+    busy_ms: tuple[int, ...] = ()
+    """Every rank's busy time in the step's compute, in milliseconds (index: rank; empty: not carried)."""
 
     @classmethod
     def decode(cls, maxed: Sequence[int]) -> Tally:
         """From the element-wise MAX of every rank's ``Ballot.encode()``."""
-        failed, newest, oldest, highest, lowest, stop, asking, slot = (int(x) for x in maxed)
-        return cls(failed != 0, newest, -oldest, highest, -lowest, stop != 0, asking, slot)
+        failed, newest, oldest, highest, lowest, stop, asking, slot, *busy = (int(x) for x in maxed)
+        return cls(failed != 0, newest, -oldest, highest, -lowest, stop != 0, asking, slot, tuple(busy))
 
     @classmethod
     def of(cls, ballots: Sequence[Ballot]) -> Tally:
@@ -208,11 +220,13 @@ class CommitProtocol:
         failed = len(done) != len(self._lanes) or agreed < 0
         return failed, tuple(e.epoch for e in done) or (0,), agreed
 
-    def ballot(self, asking: int = 0, slot: int = NO_SLOT) -> Ballot:
+    def ballot(self, asking: int = 0, slot: int = NO_SLOT, busy_ms: int = 0, rank: int = 0,
+               ranks: int = 0) -> Ballot:
         """This rank's vote on the attempt whose buckets were reported; ``asking``: ``LaneEngine.asking``;
-        ``slot``: its replica's slot in the newest epoch this rank saw."""
+        ``slot``: its replica's slot in the newest epoch this rank saw; ``busy_ms``: its busy time in the step's
+        compute, as ``rank`` of ``ranks``."""
         failed, epochs, agreed = self._summary()
-        return Ballot(failed, max(epochs), min(epochs), agreed, self._stop, asking, slot)
+        return Ballot(failed, max(epochs), min(epochs), agreed, self._stop, asking, slot, busy_ms, rank, ranks)
 
     def vote(self, tally: Tally) -> Decision:
         """The replica's vote is in: commit, redo, or give up. The next attempt's buckets are reported afresh."""

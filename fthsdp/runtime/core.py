@@ -76,6 +76,7 @@ class StepCore:
         self.cursors = torch.zeros(cfg.num_replicas, dtype=torch.int64)  # per slot, batches trained (the job's)
         self.protocol = CommitProtocol()
         self.pace_window, self.own_compute_s = PaceWindow(), 0.0  # fail-slow evidence; last step's compute, unslowed
+        self.busy_ms, self.tally = 0, Tally(False, 0, 0, -1, -1, False)  # this rank's busy compute; the last vote's
         self.lr_factor = 1.0
         self.scales: dict[int, float] = {}  # a zero contributor's: per step, the factor the trainers scaled it by
         self.state = TrainerState()  # param groups and registered objects: they travel with the tensors
@@ -244,12 +245,6 @@ class StepCore:
 
     # --- the step core ------------------------------------------------------------------------------------------
 
-    def pace(self, attempts: int, step: int, compute_s: float, wait_s: float) -> None:
-        """Fail-slow evidence: a step's compute and wait to Prometheus; a failure-free one's to the lighthouse too."""
-        self.metrics.on_pace(compute_s, wait_s)
-        if attempts == 1 and (pace := self.pace_window.add(step, compute_s, wait_s)) is not None and self.rank == 0:
-            self.client.set_pace(pace)
-
     def settle(self, handles: list[Handle | None], contribute: bool,
                redo: Callable[[Tally], list[Handle | None]] | None = None) -> tuple[Commit, list[ExchangeResult]]:
         """Wait for the step's buckets and vote, redoing the exchange (``redo``'s, if given) until it commits."""
@@ -291,12 +286,14 @@ class StepCore:
     def vote(self, protocol: CommitProtocol | None = None) -> Tally:
         """The replica-local vote: one MAX all-reduce of every rank's ballot (``protocol``'s, the step's by
         default). It carries SIGTERM too, so every rank stops at the same commit boundary without a collective of
-        its own."""
-        ballot = (protocol or self.protocol).ballot(self.engine.asking, self.seen_slot())
+        its own, and this rank's busy time in the step's compute (``busy_ms``: the tally has every rank's)."""
+        ballot = (protocol or self.protocol).ballot(self.engine.asking, self.seen_slot(), self.busy_ms, self.rank,
+                                                    self.world_size)
         ctrl = torch.tensor(ballot.encode(), dtype=torch.int64, device=self.device)
         with self.timeline.timed("vote", "vote", self.step):
             dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
-        return Tally.decode(ctrl.tolist())
+        self.tally = Tally.decode(ctrl.tolist())
+        return self.tally
 
     def commit(self, step: int, results: list[ExchangeResult], installed: bool = False) -> tuple[tuple[int, int], ...]:
         """Apply a step's averaged gradients (bound already with ``installed``, and changed by the trainer's loop

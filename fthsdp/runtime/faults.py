@@ -13,9 +13,10 @@ Every rank's catch-up server also takes two test hooks: ``FTHSDP_FAULT_SLOW_SERV
 long after every chunk sent) and ``FTHSDP_FAULT_CORRUPT_CHUNKS=N`` (flip a byte in the first N chunks sent; the
 joiner must detect them and fetch them again).
 
-``FTHSDP_FAULT_SLOW=STEP:FACTOR`` (set for one replica group) makes every rank of it compute FACTOR times as long
-from STEP on (fail-slow): after each forward it sleeps FACTOR - 1 times its previous step's own compute time, so
-its buckets reach FTAR that much later and the others wait for them.
+``FTHSDP_FAULT_SLOW=STEP:FACTOR[:RANK]`` (set for one replica group) makes every rank of it, or only rank RANK,
+compute FACTOR times as long from STEP on (fail-slow): as its backward begins it computes (spins on its CPU, as a
+slow device's rank is busy) FACTOR - 1 times its previous step's own compute time, so its buckets reach FTAR that
+much later and the others wait for them (its siblings in their collectives with it).
 
 ``FTHSDP_FAULT_CORRUPT=STEP`` (set for one replica group) makes its rank 0 flip the lowest bit of one byte of its
 first parameter shard right after committing STEP (not while replaying it as a joiner): silent corruption, which
@@ -73,7 +74,8 @@ class FaultSettings:
     kill_agent: bool = False
     """Under torchrun (``TORCHELASTIC_RUN_ID`` set): a fault kills the agent too (its workers follow)."""
     slow: str = ""
-    """``FTHSDP_FAULT_SLOW``: ``STEP:FACTOR``, every rank computes FACTOR times as long from STEP on."""
+    """``FTHSDP_FAULT_SLOW``: ``STEP:FACTOR[:RANK]``, every rank (or rank RANK) computes FACTOR times as long from
+    STEP on."""
 
 
 @dataclass(frozen=True)
@@ -99,19 +101,24 @@ class FaultInjector:
         """Rank 0 fires faults (``spec``, ``path``); every rank's catch-up server takes the serve hooks."""
         armed = bool(settings.spec) and rank == 0
         step, phase = _parse(settings.spec) if armed else (-1, "")
-        slow_from, slow_factor = parse_slow(settings.slow) if settings.slow else (-1, 1.0)
+        slow_from, slow_factor, slow_rank = parse_slow(settings.slow) if settings.slow else (-1, 1.0, None)
+        if slow_rank is not None and slow_rank != rank:
+            slow_from = -1
         return cls(step, phase, armed, settings.path if rank == 0 else "", kill_agent=settings.kill_agent,
                    slow_serve_s=settings.slow_serve_s, corrupt_chunks=settings.corrupt_chunks,
                    corrupt_step=settings.corrupt_step if rank == 0 else -1, slow_from=slow_from,
                    slow_factor=slow_factor)
 
     def slow_down(self, step: int, compute_s: float) -> float:
-        """``FTHSDP_FAULT_SLOW``: after the forward of ``step``, sleep ``slow_factor - 1`` times ``compute_s`` (the
-        previous step's own compute time) once ``step`` is past ``slow_from``. Returns the seconds slept."""
+        """``FTHSDP_FAULT_SLOW``: as the backward of ``step`` begins, compute (spin) ``slow_factor - 1`` times
+        ``compute_s`` (the previous step's own compute time) once ``step`` is past ``slow_from``. Returns the
+        seconds spent."""
         if self.slow_from < 0 or step < self.slow_from or compute_s <= 0:
             return 0.0
         extra = (self.slow_factor - 1.0) * compute_s
-        time.sleep(extra)  # emulated slow compute, not synchronisation
+        end = time.perf_counter() + extra
+        while time.perf_counter() < end:  # emulated slow compute: busy, as a slow device's rank is
+            pass
         return extra
 
     def corrupts(self, step: int) -> bool:
@@ -172,16 +179,19 @@ class FaultInjector:
         return corrupt
 
 
-def parse_slow(spec: str) -> tuple[int, float]:
-    """``STEP:FACTOR`` of ``FTHSDP_FAULT_SLOW`` (FACTOR >= 1); ``ValueError`` otherwise."""
-    step, sep, factor = spec.partition(":")
+def parse_slow(spec: str) -> tuple[int, float, int | None]:
+    """``STEP:FACTOR[:RANK]`` of ``FTHSDP_FAULT_SLOW`` (FACTOR >= 1; RANK: only that rank, else every rank);
+    ``ValueError`` otherwise."""
+    parts = spec.split(":")
     try:
-        out = int(step), float(factor)
-    except ValueError:
-        out = (-1, 0.0)
-    if not sep or out[0] < 0 or not 1.0 <= out[1] <= 100.0:
-        raise ValueError(f"FTHSDP_FAULT_SLOW={spec!r}: expected STEP:FACTOR, a step >= 0 and 1 <= FACTOR <= 100")
-    return out
+        step, factor = int(parts[0]), float(parts[1])
+        rank = int(parts[2]) if len(parts) == 3 else None
+    except (ValueError, IndexError):
+        step, factor, rank = -1, 0.0, None
+    if not 2 <= len(parts) <= 3 or step < 0 or not 1.0 <= factor <= 100.0 or (rank is not None and rank < 0):
+        raise ValueError(f"FTHSDP_FAULT_SLOW={spec!r}: expected STEP:FACTOR[:RANK], a step >= 0, 1 <= FACTOR <= 100 "
+                         "and a rank >= 0")
+    return step, factor, rank
 
 
 def _parse(spec: str) -> tuple[int, str]:

@@ -48,6 +48,8 @@ class Iteration:
     trains: bool
     """It trains a batch of the replica's slot (else a warm-up, or a last one past the job's steps: no exchange)."""
     t0: float
+    cpu0: float = 0.0
+    """This process's CPU time at ``t0``: its busy time in the step's compute (fail-slow evidence per rank)."""
     lent: bool = False
     """A spare's warm-up reads slot 0's batch (``catching_up.lent_slot``), consuming nothing."""
     optimizer_step: bool = False
@@ -101,6 +103,14 @@ class Steps(StepCore):
             it.t_forward = (it.t_forward[0], time.perf_counter())
             self.timeline.span("forward", "compute", it.step, *it.t_forward)
 
+    def pace(self, attempts: int, step: int, compute_s: float, wait_s: float) -> None:
+        """Fail-slow evidence: a step's compute and wait to Prometheus; a failure-free one's to the lighthouse too,
+        with the vote's busiest rank of the replica (``Tally``: which rank the slowness comes from)."""
+        self.metrics.on_pace(compute_s, wait_s)
+        if attempts == 1 and (pace := self.pace_window.add(step, compute_s, wait_s, self.tally.busy_ms)) is not None \
+                and self.rank == 0:
+            self.client.set_pace(pace)
+
     def become(self, role: roles.Role) -> None:
         """Take ``role`` (a role's turn names the next one). A standby leaving its role was registered: the step core
         takes its place then (``StepCore.registered``)."""
@@ -129,7 +139,7 @@ class Steps(StepCore):
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
-        t_compute = time.perf_counter()
+        t_compute, cpu0 = time.perf_counter(), time.process_time()
         with buckets.armed(self.step):  # buckets go to FTAR as FSDP2 produces their gradient shards
             loss = closure()
             slowed = self.faults.slow_down(self.step, self.own_compute_s)  # FTHSDP_FAULT_SLOW
@@ -139,6 +149,7 @@ class Steps(StepCore):
         loss_value = float(loss.detach().item())
         handles = buckets.launch_rest(self.step)  # parameters that got no gradient
         t_computed = time.perf_counter()
+        self.busy_ms = round((time.process_time() - cpu0) * 1e3)
         commit, results = self.settle(handles, contribute=True)
         exchange_s = time.perf_counter() - t0
         self.timeline.span("forward", "compute", commit.step, t_compute, t0)
@@ -209,7 +220,7 @@ class Steps(StepCore):
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
-        self._iter = Iteration(self.step, trains=True, t0=time.perf_counter())
+        self._iter = Iteration(self.step, trains=True, t0=time.perf_counter(), cpu0=time.process_time())
         buckets.arm(self.step, at_first=self._backward_begins, at_end=self._backward_ends)
         return True
 
@@ -244,6 +255,7 @@ class Steps(StepCore):
             handles = buckets.launch_rest(it.step)
             buckets.disarm()
             it.t_computed = time.perf_counter()
+            self.busy_ms = round((time.process_time() - it.cpu0) * 1e3)
             it.t_backward = it.t_backward or it.t_computed
             self.timeline.span("backward", "compute", it.step, it.t_forward[1] or it.t0, it.t_computed)
             it.settled = self.settle(handles, contribute=True)

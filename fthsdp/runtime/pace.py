@@ -1,12 +1,16 @@
 """This replica's pace, for the lighthouse's fail-slow evidence (``lighthouse.stragglers``): per committed step its
 compute time (forward and backward, until its last bucket went to FTAR) and its exchange wait (from there until
-the step's last bucket came back), summarised as medians over the last ``PACE_WINDOW`` steps.
+the step's last bucket came back), summarised as medians over the last ``PACE_WINDOW`` steps; and, from every
+rank's busy time in the step's compute (the replica's vote carries them: ``fthsdp.runtime.commit.Tally``), the
+rank whose median over the window is highest, that median, and the median of the other ranks' medians. Medians
+per rank first: siblings that jitter step to step do not make one of them look slow.
 
 Only steps that say something about speed count: committed at the first attempt (a failure's redo measures the
 failure) with this replica contributing (a joiner's zero steps compute nothing)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections import deque
 
@@ -17,12 +21,19 @@ class PaceWindow:
     """The last ``size`` steps' compute and wait times."""
 
     def __init__(self, size: int = PACE_WINDOW) -> None:
-        self._steps: deque[tuple[int, float, float]] = deque(maxlen=size)
+        self._steps: deque[tuple[int, float, float, tuple[int, ...]]] = deque(maxlen=size)
 
-    def add(self, step: int, compute_s: float, wait_s: float) -> Pace | None:
-        """Record a step; returns the report once the window is full (None before: too little to say)."""
-        self._steps.append((step, max(0.0, compute_s), max(0.0, wait_s)))
+    def add(self, step: int, compute_s: float, wait_s: float, busy_ms: tuple[int, ...] = ()) -> Pace | None:
+        """Record a step (``busy_ms``: every rank's busy time in its compute, by rank; empty: not known); returns
+        the report once the window is full (None before: too little to say)."""
+        self._steps.append((step, max(0.0, compute_s), max(0.0, wait_s), busy_ms))
         if len(self._steps) < (self._steps.maxlen or 0):
             return None
-        return Pace(step, statistics.median(c for _, c, _ in self._steps),
-                    statistics.median(w for _, _, w in self._steps))
+        pace = Pace(step, statistics.median(x[1] for x in self._steps), statistics.median(x[2] for x in self._steps))
+        ranks = {len(x[3]) for x in self._steps}
+        if len(ranks) != 1 or (n := ranks.pop()) < 2:
+            return pace  # one rank, or not known every step: no rank to name
+        medians = [statistics.median(x[3][k] for x in self._steps) / 1e3 for k in range(n)]
+        top = max(range(n), key=lambda k: (medians[k], k))
+        return dataclasses.replace(pace, busiest_rank=top, busiest_s=medians[top],
+                                   siblings_busy_s=statistics.median(m for k, m in enumerate(medians) if k != top))

@@ -165,7 +165,10 @@ def to_json(view: StatusView) -> dict[str, Any]:
              "last_heartbeat_age_s": round(x.last_heartbeat_age_s, 3), "step": x.step,
              "digest_step": x.digest_step, "digest": x.digest,
              "pace": None if x.pace is None else {"step": x.pace.step, "compute_s": round(x.pace.compute_s, 4),
-                                                  "wait_s": round(x.pace.wait_s, 4)}}
+                                                  "wait_s": round(x.pace.wait_s, 4),
+                                                  "busiest_rank": x.pace.busiest_rank,
+                                                  "busiest_s": round(x.pace.busiest_s, 4),
+                                                  "siblings_busy_s": round(x.pace.siblings_busy_s, 4)}}
             for x in view.members
         ],
         "history": [
@@ -178,7 +181,8 @@ def to_json(view: StatusView) -> dict[str, Any]:
             "step": view.agreement.step, "agree": view.agreement.agree, "differ": list(view.agreement.differ),
             "digests": dict(view.agreement.digests), "text": view.agreement.text()},
         "stragglers": [{"replica_id": x.replica_id, "slowdown": x.slowdown, "others_wait_s": x.others_wait_s,
-                        "since_step": x.since_step, "reports": x.reports, "text": x.text()}
+                        "since_step": x.since_step, "reports": x.reports, "rank": x.rank,
+                        "rank_busy_ratio": x.rank_busy_ratio, "text": x.text()}
                        for x in view.stragglers],
     }
 
@@ -191,7 +195,10 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
                                  in_epoch=x.in_epoch, last_heartbeat_age_s=x.last_heartbeat_age_s, step=x.step,
                                  digest_step=x.digest_step, digest=x.digest,
                                  pace_step=x.pace.step if x.pace else 0, compute_s=x.pace.compute_s if x.pace else 0.0,
-                                 wait_s=x.pace.wait_s if x.pace else 0.0)
+                                 wait_s=x.pace.wait_s if x.pace else 0.0,
+                                 busiest_rank=x.pace.busiest_rank if x.pace else 0,
+                                 busiest_s=x.pace.busiest_s if x.pace else 0.0,
+                                 siblings_busy_s=x.pace.siblings_busy_s if x.pace else 0.0)
                  for x in view.members],
         history=[pb.HistoryEntry(epoch=e.epoch, created_unix=e.time, reason=e.reason, members=list(e.members),
                                  events=[pb.ReplicaEvent(replica_id=rid, kind=kind) for rid, kind in e.events])
@@ -201,5 +208,6 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
         finished_step=view.finished_step or 0,
         agreement="" if view.agreement is None else view.agreement.text(),
         stragglers=[pb.Straggler(replica_id=x.replica_id, slowdown=x.slowdown, others_wait_s=x.others_wait_s,
-                                 since_step=x.since_step, reports=x.reports) for x in view.stragglers],
+                                 since_step=x.since_step, reports=x.reports, rank=x.rank,
+                                 rank_busy_ratio=x.rank_busy_ratio) for x in view.stragglers],
     )

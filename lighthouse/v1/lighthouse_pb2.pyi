@@ -103,7 +103,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., epoch: _Optional[_Union[Epoch, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., resume: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job_id", "replica_id", "incarnation", "step", "epoch", "digest_step", "digest", "pace_step", "compute_s", "wait_s")
+    __slots__ = ("job_id", "replica_id", "incarnation", "step", "epoch", "digest_step", "digest", "pace_step", "compute_s", "wait_s", "busiest_rank", "busiest_s", "siblings_busy_s")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,9 @@ class HeartbeatRequest(_message.Message):
     PACE_STEP_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    BUSIEST_RANK_FIELD_NUMBER: _ClassVar[int]
+    BUSIEST_S_FIELD_NUMBER: _ClassVar[int]
+    SIBLINGS_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica_id: str
     incarnation: str
@@ -124,7 +127,10 @@ class HeartbeatRequest(_message.Message):
     pace_step: int
     compute_s: float
     wait_s: float
-    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ..., pace_step: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    busiest_rank: int
+    busiest_s: float
+    siblings_busy_s: float
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ..., pace_step: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., busiest_rank: _Optional[int] = ..., busiest_s: _Optional[float] = ..., siblings_busy_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("epoch",)
@@ -263,7 +269,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
-    __slots__ = ("replica_id", "incarnation", "role", "in_epoch", "last_heartbeat_age_s", "step", "digest_step", "digest", "pace_step", "compute_s", "wait_s")
+    __slots__ = ("replica_id", "incarnation", "role", "in_epoch", "last_heartbeat_age_s", "step", "digest_step", "digest", "pace_step", "compute_s", "wait_s", "busiest_rank", "busiest_s", "siblings_busy_s")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +281,9 @@ class MemberStatus(_message.Message):
     PACE_STEP_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    BUSIEST_RANK_FIELD_NUMBER: _ClassVar[int]
+    BUSIEST_S_FIELD_NUMBER: _ClassVar[int]
+    SIBLINGS_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     incarnation: str
     role: Role
@@ -286,21 +295,28 @@ class MemberStatus(_message.Message):
     pace_step: int
     compute_s: float
     wait_s: float
-    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., in_epoch: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ..., pace_step: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    busiest_rank: int
+    busiest_s: float
+    siblings_busy_s: float
+    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., in_epoch: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ..., pace_step: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., busiest_rank: _Optional[int] = ..., busiest_s: _Optional[float] = ..., siblings_busy_s: _Optional[float] = ...) -> None: ...
 
 class Straggler(_message.Message):
-    __slots__ = ("replica_id", "slowdown", "others_wait_s", "since_step", "reports")
+    __slots__ = ("replica_id", "slowdown", "others_wait_s", "since_step", "reports", "rank", "rank_busy_ratio")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SLOWDOWN_FIELD_NUMBER: _ClassVar[int]
     OTHERS_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RANK_BUSY_RATIO_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     slowdown: float
     others_wait_s: float
     since_step: int
     reports: int
-    def __init__(self, replica_id: _Optional[str] = ..., slowdown: _Optional[float] = ..., others_wait_s: _Optional[float] = ..., since_step: _Optional[int] = ..., reports: _Optional[int] = ...) -> None: ...
+    rank: int
+    rank_busy_ratio: float
+    def __init__(self, replica_id: _Optional[str] = ..., slowdown: _Optional[float] = ..., others_wait_s: _Optional[float] = ..., since_step: _Optional[int] = ..., reports: _Optional[int] = ..., rank: _Optional[int] = ..., rank_busy_ratio: _Optional[float] = ...) -> None: ...
 
 class ReplicaEvent(_message.Message):
     __slots__ = ("replica_id", "kind")

@@ -1,7 +1,8 @@
-"""Fail-slow end to end: replica groups under torchrun (Gloo, CPU, the tiny model); one of them is made slow from a
-step on (``FTHSDP_FAULT_SLOW``) and the lighthouse's status must name it, and only it, within ten steps, with no
-flag before. Each forward is padded to 0.1 s (``compute_s``): a steady compute, as a real model's, where the tiny
-model's own tens of milliseconds on two shared cores jitter by more than the straggler factor."""
+"""Fail-slow end to end: replica groups under torchrun (Gloo, CPU, the tiny model); one of them, or one rank of one,
+is made slow from a step on (``FTHSDP_FAULT_SLOW``) and the lighthouse's status must name it, and only it (with
+the rank), within ten steps, with no flag before. Each forward is padded to 0.1 s (``compute_s``): a steady
+compute, as a real model's, where the tiny model's own tens of milliseconds on two shared cores jitter by more than
+the straggler factor."""
 
 from __future__ import annotations
 
@@ -47,6 +48,39 @@ def test_a_replica_three_times_slower_is_named_within_ten_steps_and_nobody_befor
     assert first_step < slow_from + 10, f"named at step {first_step}, {first_step - slow_from} steps after it slowed"
     assert all([x["replica_id"] for x in found] == ["replica-2"] for _, found in flagged), flagged
     assert first[0]["slowdown"] >= 1.5 and first[0]["others_wait_s"] > 0 and first[0]["since_step"] >= slow_from
+
+
+def test_one_slow_rank_of_a_replica_is_named_with_its_rank_within_ten_steps(tmp_path: pathlib.Path) -> None:
+    """3 x 2: rank 1 of replica 1 computes 3x as long from step 25 (its sibling waits for it in their collectives,
+    burning nothing); the status names replica-1 and its rank 1 within ten steps, and nobody before."""
+    steps, slow_from = 60, 25
+    samples: list[tuple[int, list[dict[str, Any]]]] = []
+    polled = [0.0]
+
+    def poll(cluster: Cluster) -> None:
+        if time.monotonic() - polled[0] < 0.1:
+            return
+        polled[0] = time.monotonic()
+        doc = cluster.status()
+        trained = [x["step"] for x in doc["members"] if x["role"] == "active"]
+        if len(trained) == 3:
+            samples.append((max(trained), doc["stragglers"]))
+
+    config = ClusterConfig(replicas=3, ranks=2, model="tiny", steps=steps, min_step_s=0.15, compute_s=0.1,
+                           timeout_s=240, env={1: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3:1"}})
+    report = Cluster(config, tmp_path, on_tick=poll).run()
+    check_converged(report, steps)
+    for r in range(3):
+        check_survivor(tmp_path, r, steps)
+    healthy = [found for step, found in samples if step < slow_from]
+    assert len(healthy) >= 10, "too few status samples before the slowdown: nothing was checked"
+    assert all(found == [] for found in healthy), [s for s in samples if s[0] < slow_from and s[1]]
+    flagged = [(step, x) for step, found in samples for x in found]
+    assert flagged and all(x["replica_id"] == "replica-1" and x["rank"] in (None, 1) for _, x in flagged), flagged
+    ranked = [(step, x) for step, x in flagged if x["rank"] == 1]
+    assert ranked, f"the slow rank was never named: {flagged[-1:]}"
+    assert ranked[0][0] < slow_from + 10, f"rank named at step {ranked[0][0]}, {ranked[0][0] - slow_from} steps late"
+    assert ranked[0][1]["rank_busy_ratio"] >= 1.5 and "replica-1 (rank 1: " in ranked[0][1]["text"]
 
 
 def test_under_eject_the_straggler_leaves_is_held_out_while_slow_and_the_others_go_on(tmp_path: pathlib.Path) -> None:

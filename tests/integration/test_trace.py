@@ -34,7 +34,8 @@ def test_demo_trace_has_every_rank_and_the_kill(tmp_path: pathlib.Path) -> None:
     events = doc["traceEvents"]
     kill = [e for e in events if e["ph"] == "i" and e.get("s") == "g" and e["name"] == "replica 1 killed"]
     assert len(kill) == 1, [e["name"] for e in events if e["ph"] == "i"]
-    assert any(e.get("cat") == "epoch" and "replica-1 failure" in e["name"] and e["ts"] >= kill[0]["ts"] for e in events)
+    assert any(e.get("cat") == "epoch" and "replica-1 failure" in e["name"] and e["ts"] >= kill[0]["ts"]
+               for e in events)
     pids = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
     first = [e for e in events if e["ph"] == "X" and e["pid"] == pids["replica-1"] and e["tid"] < 1000]
     assert first and max(e["ts"] for e in first) <= kill[0]["ts"]  # the killed incarnation's steps end at the kill

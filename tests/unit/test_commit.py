@@ -225,3 +225,13 @@ def test_a_redo_advances_no_cursor() -> None:
     assert isinstance(d, Commit) and d.attempts == 2
     cursors, batches = advance_cursors(cursors, contributing_slots([0.5, 0.5], 2, d.step))
     assert cursors == [5, 10] and batches == ((0, 4), (1, 9))
+
+
+def test_the_vote_carries_every_rank_busy_time_and_names_the_busiest() -> None:
+    ballots = [Ballot(False, 3, 3, 7, False, busy_ms=b, rank=k, ranks=4) for k, b in enumerate((40, 310, 55, 310))]
+    t = Tally.of(ballots)
+    assert t.busy_ms == (40, 310, 55, 310) and t.passed
+    assert Tally.of([Ballot(False, 3, 3, 7, False)]).busy_ms == ()  # none carried
+    assert CommitProtocol().ballot(busy_ms=12, rank=1, ranks=3).encode()[-3:] == [0, 12, 0]
+    with pytest.raises(ValueError):
+        Ballot(False, 3, 3, 7, False, rank=4, ranks=4).encode()

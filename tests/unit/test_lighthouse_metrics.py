@@ -65,7 +65,7 @@ def test_status_view_lists_every_event_for_grpc_and_http_alike() -> None:
     assert doc["history"][0]["events"] == [{"replica_id": f"r{N:04d}", "kind": "join"}]  # the last to register
     assert doc["history"][1]["events"] == [{"replica_id": f"r{i:04d}", "kind": "failure"} for i in range(1, N + 1)]
     assert doc["members"] == [{"replica_id": "r0000", "incarnation": "i0", "role": "active", "in_epoch": True,
-                               "slot": None, "last_heartbeat_age_s": 0.1, "step": 7, "digest_step": 5,
+                               "slot": None, "catchup": "", "last_heartbeat_age_s": 0.1, "step": 7, "digest_step": 5,
                                "digest": "00ff00ff00ff00ff", "pace": None}]
     from lighthouse.v1 import lighthouse_pb2 as pb
 

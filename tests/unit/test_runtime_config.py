@@ -3,6 +3,8 @@ they configure: the fault hooks (fthsdp/runtime/faults.py) and the joiner's choi
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from fthsdp.runtime.config import ConfigError, RuntimeConfig, TrainerSettings
@@ -45,7 +47,12 @@ def test_the_slow_fault_stretches_compute_from_its_step_on_and_refuses_bad_value
     assert faults.slow_down(19, 0.001) == 0.0 and faults.slow_down(20, 0.0) == 0.0
     assert faults.slow_down(20, 0.001) == pytest.approx(0.002)
     assert FaultInjector.for_rank(FaultSettings(), 0).slow_down(100, 1.0) == 0.0
-    for bad in ("20", "x:3", "20:0.5", "-1:2", "20:1000"):
+    one = RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_SLOW": "20:3:1"}).faults  # only rank 1 of the group
+    assert FaultInjector.for_rank(one, 1).slow_from == 20 and FaultInjector.for_rank(one, 0).slow_from == -1
+    t0 = time.thread_time()
+    assert FaultInjector.for_rank(one, 1).slow_down(20, 0.02) == pytest.approx(0.04)
+    assert time.thread_time() - t0 >= 0.03  # it computes (a slow device's rank is busy), it does not sleep
+    for bad in ("20", "x:3", "20:0.5", "-1:2", "20:1000", "20:3:-1", "20:3:x", "20:3:1:2"):
         with pytest.raises(ConfigError, match="FTHSDP_FAULT_SLOW"):
             RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_SLOW": bad})
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from fthsdp.runtime.commit import Tally
 from fthsdp.runtime.pace import PaceWindow
 from lighthouse import membership as m
 from lighthouse.ejection import HELD_OUT, held_out
@@ -124,7 +125,9 @@ def test_remember_keeps_distinct_newer_steps_only() -> None:
 
 
 @pytest.mark.parametrize("bad", [Pace(1, math.nan, 0.0), Pace(1, 0.1, -1.0), Pace(1, math.inf, 0.0),
-                                 Pace(1, 0.1, 1e9), Pace(-1, 0.1, 0.1)])
+                                 Pace(1, 0.1, 1e9), Pace(-1, 0.1, 0.1), Pace(1, 0.1, 0.1, -1),
+                                 Pace(1, 0.1, 0.1, 1 << 20), Pace(1, 0.1, 0.1, 0, math.nan),
+                                 Pace(1, 0.1, 0.1, 0, 0.1, -0.1)])
 def test_malformed_reports_are_refused(bad: Pace) -> None:
     assert not valid(bad)
     assert valid(Pace(1, 0.1, 0.0))
@@ -134,6 +137,59 @@ def test_the_window_reports_medians_once_full() -> None:
     w = PaceWindow(size=3)
     assert w.add(1, 0.1, 0.5) is None and w.add(2, 9.0, 0.5) is None  # one outlier...
     assert w.add(3, 0.2, 0.0) == Pace(3, 0.2, 0.5)  # ...counts for nothing
+    w = PaceWindow(size=3)
+    w.add(1, 0.3, 0.0, (10, 200, 30))
+    w.add(2, 0.3, 0.0, (90, 50, 20))  # one step another rank was busiest...
+    assert w.add(3, 0.3, 0.0, (20, 300, 40)) == Pace(3, 0.3, 0.0, 1, 0.2, 0.025)  # ...each rank's median counts
+    w = PaceWindow(size=2)
+    w.add(1, 0.3, 0.0, (10, 200))
+    assert w.add(2, 0.3, 0.0, ()) == Pace(2, 0.3, 0.0)  # not known every step: no rank
+
+
+def _rank_run(slow_rank: int | None, ranks: int = 2, start: int = 100,
+              seed: int = 5) -> list[tuple[int, tuple[Straggler, ...]]]:
+    """Three replicas of ``ranks`` ranks, synchronous; from ``start`` replica r1 computes twice as long, because
+    its rank ``slow_rank`` is busy twice as long (its siblings wait for it in their collectives, burning nothing),
+    or, ``slow_rank`` None, every rank of it is (a slow host). Busy times jitter +-20% (ranks doing the same work);
+    the replica's vote carries them all (``Tally``)."""
+    rng = random.Random(seed)
+    windows = [PaceWindow() for _ in range(3)]
+    histories: dict[str, tuple[Pace, ...]] = {f"r{i}": () for i in range(3)}
+    out = []
+    for step in range(300):
+        busy = [[0.1 * (1 + rng.uniform(-0.2, 0.2)) for _ in range(ranks)] for _ in range(3)]
+        if step >= start:
+            busy[1] = [b * 2 if slow_rank in (None, k) else b for k, b in enumerate(busy[1])]
+        compute = [max(b) for b in busy]
+        for i, c in enumerate(compute):
+            tally = Tally(False, 1, 1, step, step, False, busy_ms=tuple(round(b * 1e3) for b in busy[i]))
+            pace = windows[i].add(step, c, max(compute) - c + 0.002, tally.busy_ms)
+            if pace is not None:
+                histories[f"r{i}"] = remember(histories[f"r{i}"], pace)
+        out.append((step, assess(histories, FACTOR, CONFIRM)))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_rank_a_straggler_slowness_comes_from_is_named_and_no_rank_of_a_slow_host(ranks: int, seed: int) -> None:
+    trace = _rank_run(slow_rank=ranks - 1, ranks=ranks, seed=seed)
+    assert all(not found for step, found in trace if step < 100)
+    named = [(step, found[0]) for step, found in trace if found]
+    assert named and all(x.replica_id == "r1" and x.rank in (None, ranks - 1) for _, x in named)
+    with_rank = [(step, x) for step, x in named if x.rank is not None]
+    assert with_rank and with_rank[0][0] < 110 and all(x.rank_busy_ratio >= FACTOR for _, x in with_rank)
+    assert f"r1 (rank {ranks - 1}: " in with_rank[0][1].text()
+    host = [found[0] for step, found in _rank_run(slow_rank=None, ranks=ranks, seed=seed) if found]
+    assert host and all(x.replica_id == "r1" and x.rank is None for x in host)
+    assert "(rank" not in host[0].text()
+
+
+def test_a_rank_busier_than_its_siblings_by_a_few_milliseconds_is_not_the_one() -> None:
+    """Its busy time over its siblings' (the median of the others') must be ``factor`` and ``MIN_EXCESS_S``."""
+    assert Pace(1, 0.03, 0.0, 1, 0.03, 0.01).slow_rank(FACTOR) is None  # 3x, but 20 ms: a busy host's jitter
+    assert Pace(1, 0.3, 0.0, 1, 0.3, 0.1).slow_rank(FACTOR) == 1
+    assert Pace(1, 0.3, 0.0, 1, 0.3, 0.25).slow_rank(FACTOR) is None
 
 
 def _state(*ids: str, joining: str = "") -> m.State:
@@ -156,7 +212,9 @@ def test_the_status_names_stragglers_among_the_active_members_only() -> None:
     view = build(_state("a", "b", "c"), {"a": ("i-a", slow), "b": ("i-b", fast), "c": ("i-c", fast)})
     doc = status.to_json(view)
     assert [x["replica_id"] for x in doc["stragglers"]] == ["a"] and doc["stragglers"][0]["slowdown"] == 3.0
-    assert doc["members"][0]["pace"] == {"step": 13, "compute_s": 0.3, "wait_s": 0.0}
+    assert doc["members"][0]["pace"] == {"step": 13, "compute_s": 0.3, "wait_s": 0.0, "busiest_rank": 0,
+                                         "busiest_s": 0.0, "siblings_busy_s": 0.0}
+    assert doc["stragglers"][0]["rank"] is None
     answer = status.to_pb(view, pb.Epoch(job_id="job", number=1))
     assert [(s.replica_id, s.since_step) for s in answer.stragglers] == [("a", 10)]
     assert answer.members[0].pace_step == 13 and answer.members[0].compute_s == pytest.approx(0.3)
