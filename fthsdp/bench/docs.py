@@ -46,7 +46,7 @@ LANES = ("lanes-12x8192.json", "lanes-12x8192-4lanes.json", "lanes-12x8192-nccl.
 KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
          "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json", "checkpoint.json",
          "recovery-cold.json", "recovery-warm.json", "catchup.json", "recovery-spares.json",
-         "recovery-spares-warm.json", "recovery-vs-hsdp.json") + LANES
+         "recovery-spares-warm.json", "recovery-vs-hsdp.json", "overhead-timeline.json") + LANES
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -447,6 +447,24 @@ def _plot_sim(curves: list[tuple[str, float, float, bool]], path: pathlib.Path) 
     plt.close(fig)
 
 
+def section_timeline(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -> list[str]:
+    """What keeping every rank's step timeline costs (``fthsdp bench overhead --against timeline-off``)."""
+    if not doc:
+        return []
+    share = doc["span_cost_us"] * doc["spans_per_step"] / 1e6 / doc["fthsdp_step_s"]
+    out = ["## The step timeline's cost", "",
+           f"`fthsdp bench overhead --against timeline-off --json`: {doc['replicas']} replicas x "
+           f"{doc['ranks_per_replica']} ranks, {doc['model']} model, {doc['rounds']} rounds; fthsdp with its step "
+           f"timeline off (`FTHSDP_TIMELINE=0`) {doc['baseline_step_s']} s/step, on (the default) "
+           f"{doc['fthsdp_step_s']} s/step: ratio **{doc['step_time_ratio']}** (median of the rounds' ratios "
+           f"{doc['round_ratios']}). Recording one span costs {doc['span_cost_us']} µs here and a step records "
+           f"{doc['spans_per_step']} per rank: {share:.1e} of a step, far below what the end-to-end ratio can "
+           "resolve on this machine.", ""]
+    for para in (notes or {}).get("timeline", []):
+        out += [para, ""]
+    return out
+
+
 def section_other(overhead: dict[str, Any] | None, ftar: dict[str, Any] | None) -> list[str]:
     out: list[str] = []
     if overhead:
@@ -695,6 +713,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += section_lanes([d for d in (load(data, name) for name in LANES) if d], notes)
     lines += section_sim(rec, base, img)
     lines += section_other(load(data, "overhead.json"), load(data, "ftar.json"))
+    lines += section_timeline(load(data, "overhead-timeline.json"), notes)
     lines += section_straggler(load(data, "straggler.json"), notes)
     lines += section_checkpoint(load(data, "checkpoint.json"), notes)
     lines += ["## Regenerating", "", "```bash",
@@ -718,6 +737,8 @@ def main(argv: list[str] | None = None) -> None:
               ".venv/bin/fthsdp bench lighthouse --replicas 1000 --ranks-per-group 8 --deaths 1 --lane-deaths 2 "
               "--lane-backend nccl --json > out/bench/lanes-1000x8-nccl.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
+              ".venv/bin/fthsdp bench overhead --against timeline-off --rounds 5 --json "
+              "> out/bench/overhead-timeline.json",
               ".venv/bin/fthsdp bench catchup --mb 512 --json > out/bench/catchup.json",
               ".venv/bin/fthsdp bench checkpoint --rounds 2 --json > out/bench/checkpoint.json",
               "make benchmarks-doc    # copies out/bench/*.json to docs/bench-data/, rewrites this page and its plots",

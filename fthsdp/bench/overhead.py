@@ -8,7 +8,9 @@ and a ratio of neighbours cancels most of it. The lighthouse runs with its own d
 (0.1 s) are a setting for tests.
 
 ``against="timeline-off"``: the baseline is fthsdp itself with its step timeline off (``FTHSDP_TIMELINE=0``,
-``fthsdp.runtime.timeline``), what keeping every rank's phases costs."""
+``fthsdp.runtime.timeline``), what keeping every rank's phases costs; the result also gives what one recorded span
+costs, measured in this process (``span_cost_us``), and how many a step records (``spans_per_step``): their
+product over the step is the cost the end-to-end ratio cannot resolve on a noisy machine."""
 
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ import pathlib
 import statistics
 import subprocess
 import tempfile
+import time
 
 from fthsdp.bench.results import OverheadResult
 from fthsdp.launch.cluster import Cluster
 from fthsdp.launch.config import ClusterConfig, at_lighthouse_defaults
 from fthsdp.launch.procutil import child_env, torchrun
 from fthsdp.launch.progress import progress_path, read_progress, steps_of
+from fthsdp.runtime.timeline import Timeline
 from lighthouse.model import Policy
 
 
@@ -53,6 +57,26 @@ def _fthsdp(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: str
     return statistics.median(_median_step(progress_path(work, r), warmup) for r in range(replicas))
 
 
+def span_cost_us(n: int = 200_000) -> float:
+    """What recording one span costs on this machine, in microseconds (the median of 5 runs of ``n``)."""
+    costs = []
+    for _ in range(5):
+        tl = Timeline(epoch=lambda: 1)
+        t0 = time.perf_counter()
+        for k in range(n):
+            tl.span("bucket 0", "exchange", k, 1.0, 2.0)
+        costs.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(costs)
+
+
+def spans_per_step(model: str) -> int:
+    """Spans a step of the example trainer records on each rank: forward, backward, wait, vote, optimizer, the post
+    exchange, and one per bucket (each block's FSDP unit, and the root's)."""
+    from fthsdp.examples.gpt import GPTConfig
+
+    return 6 + GPTConfig.named(model).layers + 1
+
+
 def paired_ratios(base: list[float], ft: list[float]) -> tuple[float, list[float]]:
     """Each round's ratio (its fthsdp run over the baseline run beside it) and their median."""
     if not base or len(base) != len(ft):
@@ -82,9 +106,12 @@ def bench_overhead(replicas: int = 3, ranks: int = 2, steps: int = 60, model: st
                         _fthsdp(t, replicas, ranks, steps, model, batch, warmup, {"FTHSDP_TIMELINE": "0"}))
             ft.append(_fthsdp(t, replicas, ranks, steps, model, batch, warmup))
     b, f = statistics.median(base), statistics.median(ft)
+    timeline = against == "timeline-off"
     ratio, ratios = paired_ratios(base, ft)
     return OverheadResult(replicas=replicas, ranks_per_replica=ranks, model=model, steps=steps, warmup_steps=warmup,
                           rounds=rounds, heartbeat_interval_s=Policy().heartbeat_interval_s,
                           baseline_step_s=round(b, 4), fthsdp_step_s=round(f, 4), step_time_ratio=round(ratio, 3),
                           round_ratios=[round(r, 3) for r in ratios], baseline_runs_s=[round(x, 4) for x in base],
-                          fthsdp_runs_s=[round(x, 4) for x in ft], baseline=AGAINST[against])
+                          fthsdp_runs_s=[round(x, 4) for x in ft], baseline=AGAINST[against],
+                          span_cost_us=round(span_cost_us(), 3) if timeline else None,
+                          spans_per_step=spans_per_step(model) if timeline else None)

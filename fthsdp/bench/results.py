@@ -180,6 +180,10 @@ class OverheadResult(_AsJson):
     fthsdp_runs_s: list[float]
     benchmark: str = "overhead"
     baseline: str = "plain FSDP2-HSDP (replicate x shard mesh, one torchrun)"
+    span_cost_us: float | None = None
+    """Against the timeline off: what one recorded span costs here, in microseconds."""
+    spans_per_step: int | None = None
+    """Against the timeline off: spans one rank records per step."""
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -193,7 +197,10 @@ def format_overhead(r: OverheadResult) -> str:
     return "\n".join([
         f"{r.replicas} replicas x {r.ranks_per_replica} ranks, {r.model} model, median of steps >= {r.warmup_steps}",
         f"  {r.baseline}: {r.baseline_step_s}s/step  fthsdp {r.fthsdp_step_s}s/step  ratio {r.step_time_ratio}",
-        f"  per round: {r.round_ratios}"])
+        f"  per round: {r.round_ratios}"]
+        + ([f"  one span {r.span_cost_us} us, {r.spans_per_step} per step: "
+            f"{r.span_cost_us * r.spans_per_step / 1e6 / r.fthsdp_step_s:.2e} of a step"]
+           if r.span_cost_us is not None and r.spans_per_step and r.fthsdp_step_s else []))
 
 
 # --- bench recovery -------------------------------------------------------------------------------------------

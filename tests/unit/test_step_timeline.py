@@ -169,3 +169,16 @@ def test_members_come_from_the_status_document() -> None:
     status = {"members": [{"replica_id": "replica-0", "incarnation": "i0", "catchup": "127.0.0.1:5"},
                           {"replica_id": "replica-1", "incarnation": "i1"}]}
     assert members_of(status) == [("replica-0", "i0", "127.0.0.1:5"), ("replica-1", "i1", "")]
+
+
+def test_the_overhead_bench_measures_the_timeline_against_itself_off() -> None:
+    from fthsdp.bench.overhead import bench_overhead, span_cost_us, spans_per_step
+    from fthsdp.bench.results import OverheadResult, format_overhead
+
+    with pytest.raises(ValueError, match="--against"):
+        bench_overhead(against="nothing")
+    assert spans_per_step("reference") == 11 and spans_per_step("tiny") == 9  # 6 phases + a bucket per FSDP unit
+    assert 0 < span_cost_us(1000) < 1000
+    r = OverheadResult(3, 2, "reference", 60, 5, 3, 0.5, 1.0, 1.01, 1.01, [1.01], [1.0], [1.01],
+                       baseline="fthsdp with its step timeline off", span_cost_us=1.0, spans_per_step=11)
+    assert "one span 1.0 us, 11 per step: 1.09e-05 of a step" in format_overhead(r)
