@@ -122,8 +122,10 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         SlotConflict,
         StateMismatch,
         Terminated,
+        Unhealthy,
     )
     from fthsdp.runtime.config import ConfigError
+    from fthsdp.runtime.session import exit_unhealthy
 
     try:
         ft = Replica()
@@ -134,6 +136,8 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         # Restarting would not help: tell the launcher (a "fatal" line) and stop.
         Progress(a.progress, settings.rank0).write(event="fatal", error=str(e))
         raise
+    except Unhealthy as e:  # the self-check failed: this host is reported, the group kept out
+        exit_unhealthy(e)
     model = seeded_gpt(cfg, a.seed)
     ft.shard(model, blocks=model.blocks)
     inner = torch.optim.AdamW(model.parameters(), lr=a.lr)

@@ -310,6 +310,10 @@ class Cluster:
             self.event("terminated", replica=g.index, code=code)
             return
         self.event("exit", replica=g.index, code=code, killed=code == -signal.SIGKILL)
+        if sick := [x for x in rows if x.event == "unhealthy"]:  # its host is blocklisted: not started there again
+            g.finished = True
+            self.event("unhealthy", replica=g.index, reason=sick[-1].error)
+            return
         fatal = [x for x in rows if x.event == "fatal"]
         if fatal:
             raise ReplicaFailed(f"replica group {g.index} cannot go on: {fatal[-1].error} (log: {g.log_path})")
@@ -340,6 +344,7 @@ class Cluster:
             "steps": c.steps,
             "model": c.model,
             "final": finals(self),
+            "unhealthy": {str(e["replica"]): e["reason"] for e in self.events if e["event"] == "unhealthy"},
             "events": self.events + epoch_events(history),
             "median_step_s": round(median_step, 4),
             "survivor_max_stall_s": round(survivor_stall, 3),
@@ -384,9 +389,11 @@ def finals(cluster: Cluster) -> dict[str, dict[str, Any] | None]:
 
 def converged(report: dict[str, Any], steps: int) -> list[str]:
     """What is wrong with a run's end (none: it converged): every replica's final line at ``steps``, all with the
-    same state hash (docs/design.md §8.1). ``fthsdp demo`` exits non-zero on any."""
-    finals = report["final"]
-    out = [f"replica {r} did not finish at step {steps}: {f}" for r, f in sorted(finals.items())
+    same state hash (docs/design.md §8.1), but for a replica kept out after its self-check failed (``unhealthy``:
+    it has no state), as long as one replica ended. ``fthsdp demo`` exits non-zero on any."""
+    finals = {r: f for r, f in report["final"].items() if r not in report.get("unhealthy", {})}
+    out = [] if finals else ["no replica ended: every one failed its self-check"]
+    out += [f"replica {r} did not finish at step {steps}: {f}" for r, f in sorted(finals.items())
            if f is None or f["step"] != steps]
     hashes = {f["param_hash"] for f in finals.values() if f is not None}
     if len(hashes) > 1:

@@ -143,7 +143,7 @@ class ClusterConfig:
         plus the replica's settings, ``env[index]`` and the fault armed in this incarnation."""
         env = child_env(FTHSDP_LIGHTHOUSE=lighthouse, FTHSDP_REPLICA_INDEX=str(index),
                         FTHSDP_NUM_REPLICAS=str(self.replicas), FTHSDP_SPARES=str(self.spares),
-                        FTHSDP_PROGRESS=str(progress),
+                        FTHSDP_PROGRESS=str(progress), FTHSDP_BLOCKLIST=str(workdir / "blocklist.jsonl"),
                         FTHSDP_TIMEOUT=str(self.collective_timeout_s))
         # torchrun never restarts a group here (the launcher does, as a new incarnation), so the workers keep
         # sharing the agent's rendezvous store: a second store would bind a port that can be taken meanwhile.

@@ -9,9 +9,10 @@ index] pairs, ``lr_factor``, ``catchup``), ``active`` (the runtime's ``training(
 first commit as an active replica, ``step``), ``final`` (``step`` and ``param_hash``; the plain and restart
 baselines write ``local_param_hash``), ``terminated`` (stopped by SIGTERM: ``step``, ``checkpoint``),
 ``job_finished`` (back after the job completed at ``step``, with no final checkpoint to take: no final state),
-``fatal`` (``error``). The whole-job restart baseline adds ``restored``, ``kill`` and ``checkpoint``. Every row has
-``t`` (``time.time()``) and, from rank 0 of a replica, ``replica``, ``incarnation`` and ``mode``. Keys this row does
-not name are kept in ``extra``.
+``fatal`` (``error``), ``unhealthy`` (``error``: the self-check failed; the group is not started again). The
+whole-job restart baseline adds ``restored``, ``kill`` and ``checkpoint``. Every row has ``t`` (``time.time()``)
+and, from rank 0 of a replica, ``replica``, ``incarnation`` and ``mode``. Keys this row does not name are kept in
+``extra``.
 """
 
 from __future__ import annotations

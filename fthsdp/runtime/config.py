@@ -154,6 +154,14 @@ class RuntimeConfig:
     step_log: bool = True
     """``FTHSDP_STEP_LOG``: rank 0 logs one line per committed step at INFO (logger ``fthsdp.runtime``: step,
     loss, epoch, contributors, attempts); 0: off."""
+    selfcheck: bool = True
+    """``FTHSDP_SELFCHECK``: before registering, the group tests its network and devices
+    (``fthsdp.runtime.selfcheck``; about 0.1 s); 0: skipped."""
+    selfcheck_min_gflops: float = 0.0
+    """``FTHSDP_SELFCHECK_MIN_GFLOPS``: the self-check's matmul must reach this throughput (0: not checked)."""
+    blocklist: str = ""
+    """``FTHSDP_BLOCKLIST``: a file a group that fails its self-check appends its host and reason to (one JSON line;
+    a launcher starts no group on a host listed there)."""
     timeline_events: int = 4096
     """``FTHSDP_TIMELINE``: this rank keeps its last N events (the phases of each step, marks) in a ring that
     ``fthsdp trace`` reads over the catch-up port (``fthsdp.runtime.timeline``); 0: keeps none."""
@@ -263,6 +271,9 @@ class RuntimeConfig:
             digest_every=digest_every,
             step_log=_int(e, "FTHSDP_STEP_LOG", "1") != 0,
             timeline_events=timeline,
+            selfcheck=_int(e, "FTHSDP_SELFCHECK", "1") != 0,
+            selfcheck_min_gflops=_float(e, "FTHSDP_SELFCHECK_MIN_GFLOPS", "0"),
+            blocklist=e.get("FTHSDP_BLOCKLIST", ""),
             local_rank=local_rank,
             metrics_port=_metrics_port(e, local_rank),
             standby_gate=e.get("FTHSDP_STANDBY_GATE", ""),

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneEngine, LighthouseMembership, nccl_env
 from fthsdp.catchup.server import CatchupServer
-from fthsdp.runtime import checkpoint, ending, grad_scale, siblings, startup
+from fthsdp.runtime import checkpoint, ending, grad_scale, selfcheck, siblings, startup
 from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange, failure_of
 from fthsdp.runtime.checkpoint_writer import CheckpointWriter
@@ -69,6 +69,9 @@ class StepCore:
             else torch.device("cpu")
         self.mesh = init_device_mesh(self.device.type, (cfg.world_size,))
         self.faults = FaultInjector.for_rank(cfg.faults, self.rank)
+        if cfg.selfcheck:  # before anything registers or serves: a broken host is reported, not let back
+            selfcheck.run(self.rank, self.world_size, self.device, min_gflops=cfg.selfcheck_min_gflops,
+                          timeout_s=cfg.timeout_s * 6, fail=self.faults.fails_selfcheck)
         self.incarnation = startup.agree_incarnation(self.rank, self.device)
         self.step = 0  # committed steps so far (a joiner learns it at its first exchange)
         self.learned = -1
@@ -90,7 +93,8 @@ class StepCore:
                                     token=cfg.token, wait_s=cfg.epoch_wait_s, on_chunk_sent=self.faults.on_chunk_sent,
                                     corrupt=self.faults.corrupter())
         self.server.directory = startup.gather_strings(self.server.address, self.world_size, self.device)
-        self.server.incarnation, self.server.timeline = self.incarnation, self.timeline.read  # for fthsdp trace
+        self.server.incarnation = self.incarnation  # for fthsdp trace, with the timeline if this rank keeps one
+        self.server.timeline = self.timeline.read if self.timeline.enabled else None
         self.metrics = ReplicaMetrics(cfg.replica_id, self.rank, port=cfg.metrics_port, addr=cfg.host)
         self.client = LighthouseClient(cfg.lighthouse, cfg.job_id, cfg.replica_id, shard_count=cfg.world_size,
                                        on_epoch=self.feed.publish, incarnation=self.incarnation,

@@ -7,6 +7,21 @@ EXIT_REJOIN = 75
 launcher restarts it, and it catches up as a joiner."""
 
 
+EXIT_UNHEALTHY = 77
+"""Exit status of a replica group whose start-up self-check failed (``fthsdp.runtime.selfcheck``): do not restart
+it on this host (torchrun reports a worker's status as 1: a launcher reads the ``unhealthy`` progress line)."""
+
+
+class Unhealthy(RuntimeError):
+    """This replica's self-check failed before it registered: its host is reported (``FTHSDP_BLOCKLIST``) and it
+    exits ``EXIT_UNHEALTHY`` instead of joining the job. ``own``: this rank found the problem (its host is the one
+    to report), not another rank of the group."""
+
+    def __init__(self, message: str, own: bool = True) -> None:
+        super().__init__(message)
+        self.own = own
+
+
 class RejoinRequired(RuntimeError):
     """This replica's state can no longer be trusted to match the others'; restart it (exit ``EXIT_REJOIN``)."""
 

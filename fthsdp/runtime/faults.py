@@ -3,7 +3,8 @@ group (the torchrun agent, hence every worker) when it reaches PHASE of STEP or 
 replica that joins late starts past STEP). Phases (``Phase``): the step's forward, backward, exchange (its buckets
 in flight, none collected), exchange-late (half of them collected), vote, optimizer (``STEP_PHASES``); and
 catch-up's (``CATCHUP_PHASES``) ``serve`` (while this replica streams a catch-up snapshot to a joiner, STEP
-being the snapshot's step) and ``fetch`` (while this joining replica fetches one).
+being the snapshot's step) and ``fetch`` (while this joining replica fetches one). ``STEP:selfcheck`` kills
+nothing: the incarnation fails its start-up self-check (``fthsdp.runtime.selfcheck``).
 
 ``FTHSDP_FAULT_FILE=PATH`` (the chaos runner's switch) arms a fault while the replica runs: rank 0 reads
 ``STEP:PHASE`` from PATH whenever the file changes (one ``stat`` per phase) and fires as above; an absent or empty
@@ -47,6 +48,8 @@ class Phase(enum.StrEnum):
     OPTIMIZER = "optimizer"
     SERVE = "serve"
     FETCH = "fetch"
+    SELFCHECK = "selfcheck"
+    """Not a kill: the incarnation's start-up self-check fails (``fthsdp.runtime.selfcheck``)."""
 
 
 STEP_PHASES: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.EXCHANGE, Phase.EXCHANGE_LATE, Phase.VOTE,
@@ -55,6 +58,7 @@ STEP_PHASES: tuple[Phase, ...] = (Phase.FORWARD, Phase.BACKWARD, Phase.EXCHANGE,
 CATCHUP_PHASES: tuple[Phase, ...] = (Phase.SERVE, Phase.FETCH)
 """The phases of a catch-up: a source serving a snapshot, a joiner fetching it."""
 PHASES: tuple[Phase, ...] = STEP_PHASES + CATCHUP_PHASES
+"""Where a kill can fire (what the chaos runner draws from)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,11 @@ class FaultInjector:
         while time.perf_counter() < end:  # emulated slow compute: busy, as a slow device's rank is
             pass
         return extra
+
+    @property
+    def fails_selfcheck(self) -> bool:
+        """``FTHSDP_FAULT=STEP:selfcheck``: this incarnation's self-check fails (rank 0's; the ranks agree)."""
+        return self.armed and self.phase == Phase.SELFCHECK
 
     def corrupts(self, step: int) -> bool:
         """Whether to corrupt the state right after committing ``step`` (``FTHSDP_FAULT_CORRUPT``)."""
@@ -197,6 +206,7 @@ def parse_slow(spec: str) -> tuple[int, float, int | None]:
 def _parse(spec: str) -> tuple[int, str]:
     step, _, phase = spec.partition(":")
     phase = phase or "forward"
-    if phase not in PHASES:
-        raise ValueError(f"FTHSDP_FAULT phase {phase!r} is not one of {tuple(str(p) for p in PHASES)}")
+    if phase not in (*PHASES, Phase.SELFCHECK):
+        raise ValueError(f"FTHSDP_FAULT phase {phase!r} is not one of "
+                         f"{tuple(str(p) for p in (*PHASES, Phase.SELFCHECK))}")
     return int(step), phase

@@ -6,6 +6,8 @@ hand, so that a training script handles no fthsdp exception itself.
   at once with ``EXIT_REJOIN`` (closing would wait for abandoned collectives to time out; its connections close
   with it, which the lighthouse takes as its death); the launcher restarts the group, which catches up.
 - ``JobFinished`` (it came back after the job ended, with no final checkpoint to take): logged, exit status 0.
+- ``Unhealthy`` (the start-up self-check failed, ``fthsdp.runtime.selfcheck``): the host goes to
+  ``FTHSDP_BLOCKLIST``, an ``unhealthy`` line to the launcher, exit status ``EXIT_UNHEALTHY``.
 - ``Terminated`` (SIGTERM, stopped at a commit boundary) is already a ``SystemExit``; anything else propagates.
 
 Under a launcher (``FTHSDP_PROGRESS`` set: ``fthsdp run``, ``fthsdp demo``) it also writes the lines the launcher
@@ -22,18 +24,21 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from fthsdp.launch.progress import ProgressRow
+from fthsdp.runtime import selfcheck
 from fthsdp.runtime.config import ConfigError, RuntimeConfig
 from fthsdp.runtime.errors import (
     EXIT_REJOIN,
+    EXIT_UNHEALTHY,
     DigestMismatch,
     JobFinished,
     NoStateToResume,
     RejoinRequired,
     SlotConflict,
     StateMismatch,
+    Unhealthy,
 )
 from fthsdp.runtime.replica import Replica
 
@@ -70,11 +75,25 @@ def _start(config: RuntimeConfig | None) -> Replica:
     except FATAL_AT_START as e:
         _progress(event="fatal", error=f"{type(e).__name__}: {e}")
         raise
+    except Unhealthy as e:
+        exit_unhealthy(e, config)
     if ft.rank == 0:  # a warm standby once released (in its first step)
         ft.when_registered(lambda: _progress(event="start", step=ft.step, joining=ft.joining, **_common(ft)))
         # The launcher starts a group's next warm standby once its incarnation committed a step as active.
         ft.on_active = lambda: _progress(event="active", step=ft.step, **_common(ft))
     return ft
+
+
+def exit_unhealthy(e: Unhealthy, config: RuntimeConfig | None = None) -> NoReturn:
+    """The self-check failed (``Replica()`` raised ``Unhealthy``): the host to ``FTHSDP_BLOCKLIST`` (by the rank that
+    found it), an ``unhealthy`` line for the launcher (rank 0), exit ``EXIT_UNHEALTHY``."""
+    log.error("fthsdp: self-check failed: %s; not joining the job (exit status %d)", e, EXIT_UNHEALTHY)
+    if e.own:  # this rank's host is the one to keep out
+        replica = os.environ.get("FTHSDP_REPLICA_ID") or f"replica-{os.environ.get('FTHSDP_REPLICA_INDEX', '?')}"
+        selfcheck.blocklist(config.blocklist if config else os.environ.get("FTHSDP_BLOCKLIST", ""), replica, str(e))
+    if os.environ.get("RANK", "0") == "0":
+        _progress(event="unhealthy", error=str(e))
+    sys.exit(EXIT_UNHEALTHY)
 
 
 def _common(ft: Replica) -> dict[str, Any]:

@@ -1,0 +1,35 @@
+"""A restarted replica group that fails its start-up self-check (``fthsdp.runtime.selfcheck``; the fault hook
+``FTHSDP_FAULT=STEP:selfcheck`` in its second incarnation) is kept out: it never registers, its host goes to the
+blocklist, the launcher does not start it again, and the others train every step to one final state."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from fthsdp.launch.cluster import Cluster
+from fthsdp.launch.config import ClusterConfig, Kill
+from tests.helpers.cluster_checks import check_converged, check_survivor
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_a_restart_that_fails_its_self_check_is_kept_out_and_the_others_train_on(tmp_path: pathlib.Path) -> None:
+    steps = 40
+    # A group's faults arm one per incarnation in step order: the kill first, the failed self-check in the restart.
+    config = ClusterConfig(replicas=3, ranks=2, steps=steps, model="tiny", kills=(Kill(1, 5), Kill(1, 6, "selfcheck")),
+                           restart_delay_s=0.5, timeout_s=240, min_step_s=0.05)
+    report = Cluster(config, tmp_path).run()
+    assert list(report["unhealthy"]) == ["1"] and "made to fail" in report["unhealthy"]["1"], report["unhealthy"]
+    check_converged(report, steps)
+    for r in (0, 2):
+        check_survivor(tmp_path, r, steps)
+    starts = [e for e in report["events"] if e["event"] == "start" and e["replica"] == 1]
+    assert len(starts) == 2, starts  # the first incarnation and the one that failed its check: no third
+    epochs = [e for e in report["events"] if e["event"] == "epoch"]
+    after = [e for e in epochs if e["t"] > starts[1]["t"]]
+    assert all("replica-1" not in e["members"] for e in after), after  # it never registered again
+    (row,) = [json.loads(x) for x in (tmp_path / "blocklist.jsonl").read_text().splitlines()]
+    assert row["replica"] == "replica-1" and row["host"] and "made to fail" in row["reason"]
