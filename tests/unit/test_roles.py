@@ -15,6 +15,7 @@ from fthsdp.runtime.errors import JobFinished
 from fthsdp.runtime.result import StepResult
 from fthsdp.runtime.standing import Standing
 from fthsdp.runtime.startup import Role as Given
+from fthsdp.runtime.timeline import Timeline
 from lighthouse.epoch_view import EpochView
 from lighthouse.model import ACTIVE, NO_SLOT, Endpoints, EpochMember
 
@@ -141,6 +142,7 @@ class Driver(iteration.Steps):
         self.standing, self.role = Standing.STANDBY, roles.Standby()
         self.calls: list[str] = []
         self.metrics = type("M", (), {"on_joining": lambda _, joining: self.calls.append(f"joining={joining}")})()
+        self.timeline, self.step = Timeline(), 0
 
     def registered(self) -> None:
         self.calls.append("registered")
@@ -155,3 +157,5 @@ def test_a_standby_takes_its_place_once_when_it_leaves_its_role() -> None:
     d.become(roles.CaughtUp([]))
     d.become(roles.Active())
     assert d.standing is Standing.MEMBER and not d.joining and d.calls[2:] == ["joining=False", "joining=False"]
+    # Every role taken is a mark on the rank's timeline (fthsdp trace).
+    assert [e[2] for e in d.timeline.read()["events"]] == ["role joining", "role caughtup", "role active"]

@@ -178,7 +178,7 @@ def test_the_rank_a_straggler_slowness_comes_from_is_named_and_no_rank_of_a_slow
     named = [(step, found[0]) for step, found in trace if found]
     assert named and all(x.replica_id == "r1" and x.rank in (None, ranks - 1) for _, x in named)
     with_rank = [(step, x) for step, x in named if x.rank is not None]
-    assert with_rank and with_rank[0][0] < 110 and all(x.rank_busy_ratio >= FACTOR for _, x in with_rank)
+    assert with_rank and with_rank[0][0] <= 110 and all(x.rank_busy_ratio >= FACTOR for _, x in with_rank)
     assert f"r1 (rank {ranks - 1}: " in with_rank[0][1].text()
     host = [found[0] for step, found in _rank_run(slow_rank=None, ranks=ranks, seed=seed) if found]
     assert host and all(x.replica_id == "r1" and x.rank is None for x in host)
