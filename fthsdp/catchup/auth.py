@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 
 from fthsdp.catchup.wire import Hello, TraceRequest
 from lighthouse.epoch_view import EpochView
@@ -34,72 +35,59 @@ def new_nonce() -> str:
     return secrets.token_hex(NONCE_BYTES)
 
 
-def _message(nonce: str, hello: Hello) -> bytes:
-    fields = (nonce, hello.job, hello.replica, hello.incarnation, str(hello.rank), str(hello.step))
+def _mac(token: str, context: bytes, fields: tuple[str, ...]) -> str:
+    """Hex HMAC-SHA256 under ``token`` of ``context`` and ``fields``, NUL-separated ('' without a token);
+    ``ValueError`` when a field holds a NUL (two field lists must never give one message)."""
+    if not token:
+        return ""
     if any("\0" in f for f in fields):
         raise ValueError("a catch-up handshake field holds a NUL character")
-    return b"\0".join([CONTEXT, *(f.encode() for f in fields)])
+    return hmac.new(token.encode(), b"\0".join([context, *(f.encode() for f in fields)]), hashlib.sha256).hexdigest()
+
+
+def _answers(token: str, given: str, expected: Callable[[], str]) -> bool:
+    """Whether ``given`` is the MAC ``expected()`` computes (always true without a token: loopback only)."""
+    if not token:
+        return True
+    try:
+        want = expected()
+    except ValueError:
+        return False
+    return hmac.compare_digest(given.encode("ascii", "replace"), want.encode())
 
 
 def proof(token: str, nonce: str, hello: Hello) -> str:
     """The joiner's answer to ``nonce`` for ``hello`` (its ``proof`` field is ignored): hex HMAC-SHA256, or ''
     without a token."""
-    if not token:
-        return ""
-    return hmac.new(token.encode(), _message(nonce, hello), hashlib.sha256).hexdigest()
+    return _mac(token, CONTEXT, (nonce, hello.job, hello.replica, hello.incarnation, str(hello.rank),
+                                 str(hello.step)))
 
 
 def verify(token: str, nonce: str, hello: Hello) -> bool:
     """Whether ``hello.proof`` answers ``nonce`` with ``token`` (always true without a token: loopback only)."""
-    if not token:
-        return True
-    try:
-        expected = proof(token, nonce, hello)
-    except ValueError:
-        return False
-    return hmac.compare_digest(hello.proof.encode("ascii", "replace"), expected.encode())
+    return _answers(token, hello.proof, lambda: proof(token, nonce, hello))
 
 
 def source_proof(token: str, hello: Hello, source: str) -> str:
     """A source's answer to the joiner's nonce (``hello.nonce``): that replica ``source`` holds the job token and
     serves ``hello``'s rank and step; '' without a token."""
-    if not token:
-        return ""
-    fields = (hello.nonce, hello.job, source, str(hello.rank), str(hello.step))
-    if any("\0" in f for f in fields):
-        raise ValueError("a catch-up handshake field holds a NUL character")
-    return hmac.new(token.encode(), b"\0".join([SOURCE_CONTEXT, *(f.encode() for f in fields)]),
-                    hashlib.sha256).hexdigest()
+    return _mac(token, SOURCE_CONTEXT, (hello.nonce, hello.job, source, str(hello.rank), str(hello.step)))
 
 
 def verify_source(token: str, hello: Hello, source: str, proof: str) -> bool:
     """Whether a source's ``proof`` answers ``hello.nonce`` with ``token`` (always true without one)."""
-    if not token:
-        return True
-    return hmac.compare_digest(proof.encode("ascii", "replace"), source_proof(token, hello, source).encode())
+    return _answers(token, proof, lambda: source_proof(token, hello, source))
 
 
 def trace_proof(token: str, nonce: str, request: TraceRequest) -> str:
     """A timeline reader's answer to ``nonce``: hex HMAC-SHA256 of the nonce, job and ``since`` under the job
     token ('' without one). Good for one session only."""
-    if not token:
-        return ""
-    fields = (nonce, request.job, str(request.since))
-    if any("\0" in f for f in fields):
-        raise ValueError("a timeline request field holds a NUL character")
-    return hmac.new(token.encode(), b"\0".join([TRACE_CONTEXT, *(f.encode() for f in fields)]),
-                    hashlib.sha256).hexdigest()
+    return _mac(token, TRACE_CONTEXT, (nonce, request.job, str(request.since)))
 
 
 def verify_trace(token: str, nonce: str, request: TraceRequest) -> bool:
     """Whether ``request.proof`` answers ``nonce`` with ``token`` (always true without one: loopback only)."""
-    if not token:
-        return True
-    try:
-        expected = trace_proof(token, nonce, request)
-    except ValueError:
-        return False
-    return hmac.compare_digest(request.proof.encode("ascii", "replace"), expected.encode())
+    return _answers(token, request.proof, lambda: trace_proof(token, nonce, request))
 
 
 def admit(epoch: EpochView | None, job: str, hello: Hello) -> tuple[str, str] | None:

@@ -53,13 +53,6 @@ class FetchResult:
     refetched_chunks: int = 0
 
 
-def _split(host_port: str) -> tuple[str, int]:
-    host, _, port = host_port.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"bad address {host_port!r} (expected host:port)")
-    return host, int(port)
-
-
 class Fetch:
     """One fetch of a rank's snapshot; ``start()`` runs it on background threads, ``result()`` waits for it."""
 
@@ -174,7 +167,7 @@ class Fetch:
     def _connect(self, src: Source) -> socket.socket:
         address = src.address
         for _ in range(2):  # at most one redirect (rank 0 -> rank s)
-            sock = socket.create_connection(_split(address), timeout=self.connect_timeout_s)
+            sock = socket.create_connection(wire.split_address(address), timeout=self.connect_timeout_s)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             with self._lock:
                 self._socks.append(sock)

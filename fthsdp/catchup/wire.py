@@ -149,6 +149,14 @@ class Manifest:
 
 # --- framing ------------------------------------------------------------------------------------------------------
 
+def split_address(host_port: str) -> tuple[str, int]:
+    """``host:port`` (brackets around an IPv6 host allowed) as (host, port); ``ValueError`` otherwise."""
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad address {host_port!r} (expected host:port)")
+    return host.strip("[]"), int(port)
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     recv_into_exact(sock, memoryview(buf))

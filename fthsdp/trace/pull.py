@@ -41,15 +41,10 @@ class RankRead:
     """The rank's clock minus the reader's (estimated from the round trip)."""
 
 
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 def read_rank(address: str, job: str, token: str, since: int = 0, timeout_s: float = TIMEOUT_S) -> RankRead:
     """The timeline of the rank serving catch-up at ``address``, events after ``since``. Raises ``CatchupError``
     (``Refused``: a wrong token or job), ``OSError`` or ``ValueError`` on a bad answer."""
-    with socket.create_connection(_split(address), timeout=timeout_s) as sock:
+    with socket.create_connection(wire.split_address(address), timeout=timeout_s) as sock:
         sock.settimeout(timeout_s)
         _, challenge = wire.recv_control(sock, (Kind.CHALLENGE,))
         nonce = wire.parse_challenge(challenge)

@@ -19,8 +19,12 @@ from tests.helpers.cluster_checks import check_converged, check_survivor, progre
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_a_replica_three_times_slower_is_named_within_ten_steps_and_nobody_before(tmp_path: pathlib.Path) -> None:
-    steps, slow_from = 60, 25
+def _slowed_run(tmp: pathlib.Path, ranks: int, slow: dict[int, dict[str, str]],
+                slow_from: int) -> list[tuple[int, list[dict[str, Any]]]]:
+    """60 steps of 3 replicas x ``ranks`` with ``slow``'s environment; returns the status's stragglers sampled every
+    0.1 s with the job's step, once every replica is active. Every replica ends at the last step with one state,
+    and no straggler is named before ``slow_from`` (at least 10 samples before it)."""
+    steps = 60
     samples: list[tuple[int, list[dict[str, Any]]]] = []
     polled = [0.0]
 
@@ -33,15 +37,21 @@ def test_a_replica_three_times_slower_is_named_within_ten_steps_and_nobody_befor
         if len(trained) == 3:  # the job's step as the status sees it: no member is past it
             samples.append((max(trained), doc["stragglers"]))
 
-    config = ClusterConfig(replicas=3, ranks=1, model="tiny", steps=steps, min_step_s=0.15, compute_s=0.1,
-                           timeout_s=240, env={2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}})
-    report = Cluster(config, tmp_path, on_tick=poll).run()
+    config = ClusterConfig(replicas=3, ranks=ranks, model="tiny", steps=steps, min_step_s=0.15, compute_s=0.1,
+                           timeout_s=240, env=slow)
+    report = Cluster(config, tmp, on_tick=poll).run()
     check_converged(report, steps)
     for r in range(3):
-        check_survivor(tmp_path, r, steps)
+        check_survivor(tmp, r, steps)
     healthy = [found for step, found in samples if step < slow_from]
     assert len(healthy) >= 10, "too few status samples before the slowdown: nothing was checked"
     assert all(found == [] for found in healthy), [s for s in samples if s[0] < slow_from and s[1]]
+    return samples
+
+
+def test_a_replica_three_times_slower_is_named_within_ten_steps_and_nobody_before(tmp_path: pathlib.Path) -> None:
+    slow_from = 25
+    samples = _slowed_run(tmp_path, 1, {2: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3"}}, slow_from)
     flagged = [(step, found) for step, found in samples if found]
     assert flagged, "the slow replica was never named"
     first_step, first = flagged[0]
@@ -53,28 +63,8 @@ def test_a_replica_three_times_slower_is_named_within_ten_steps_and_nobody_befor
 def test_one_slow_rank_of_a_replica_is_named_with_its_rank_within_ten_steps(tmp_path: pathlib.Path) -> None:
     """3 x 2: rank 1 of replica 1 computes 3x as long from step 25 (its sibling waits for it in their collectives,
     burning nothing); the status names replica-1 and its rank 1 within ten steps, and nobody before."""
-    steps, slow_from = 60, 25
-    samples: list[tuple[int, list[dict[str, Any]]]] = []
-    polled = [0.0]
-
-    def poll(cluster: Cluster) -> None:
-        if time.monotonic() - polled[0] < 0.1:
-            return
-        polled[0] = time.monotonic()
-        doc = cluster.status()
-        trained = [x["step"] for x in doc["members"] if x["role"] == "active"]
-        if len(trained) == 3:
-            samples.append((max(trained), doc["stragglers"]))
-
-    config = ClusterConfig(replicas=3, ranks=2, model="tiny", steps=steps, min_step_s=0.15, compute_s=0.1,
-                           timeout_s=240, env={1: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3:1"}})
-    report = Cluster(config, tmp_path, on_tick=poll).run()
-    check_converged(report, steps)
-    for r in range(3):
-        check_survivor(tmp_path, r, steps)
-    healthy = [found for step, found in samples if step < slow_from]
-    assert len(healthy) >= 10, "too few status samples before the slowdown: nothing was checked"
-    assert all(found == [] for found in healthy), [s for s in samples if s[0] < slow_from and s[1]]
+    slow_from = 25
+    samples = _slowed_run(tmp_path, 2, {1: {"FTHSDP_FAULT_SLOW": f"{slow_from}:3:1"}}, slow_from)
     flagged = [(step, x) for step, found in samples for x in found]
     assert flagged and all(x["replica_id"] == "replica-1" and x["rank"] in (None, 1) for _, x in flagged), flagged
     ranked = [(step, x) for step, x in flagged if x["rank"] == 1]
