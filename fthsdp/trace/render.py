@@ -29,7 +29,7 @@ def draw(doc: dict[str, Any], path: pathlib.Path, title: str = "") -> None:
     for e in events:
         if e["ph"] == "X" and (e["pid"], e["tid"]) in row_of:
             spans.setdefault((row_of[(e["pid"], e["tid"])], e["cat"]), []).append((e["ts"] / 1e6, e["dur"] / 1e6))
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.45 * max(1, len(rows))))
+    fig, ax = plt.subplots(figsize=(14, 2.5 + 0.45 * max(1, len(rows))))
     for (row, cat), xs in spans.items():
         y = row + (0.0 if cat in LOWER else -0.4)
         ax.broken_barh(xs, (y, 0.38), facecolors=COLOURS.get(cat, "#9e9e9e"), linewidth=0)
@@ -46,6 +46,5 @@ def draw(doc: dict[str, Any], path: pathlib.Path, title: str = "") -> None:
     ax.set_title(title or "fthsdp trace: every rank's steps (upper: compute, vote, optimizer; lower: exchange)")
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper center",
               bbox_to_anchor=(0.5, -0.5 / max(1, len(rows)) - 0.08), ncol=len(COLOURS), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -4,6 +4,7 @@ merged into a Chrome trace (``fthsdp.trace.chrome``): bounded, incremental, auth
 from __future__ import annotations
 
 import json
+import pathlib
 import time
 
 import pytest
@@ -182,3 +183,30 @@ def test_the_overhead_bench_measures_the_timeline_against_itself_off() -> None:
     r = OverheadResult(3, 2, "reference", 60, 5, 3, 0.5, 1.0, 1.01, 1.01, [1.01], [1.0], [1.01],
                        baseline="fthsdp with its step timeline off", span_cost_us=1.0, spans_per_step=11)
     assert "one span 1.0 us, 11 per step: 1.09e-05 of a step" in format_overhead(r)
+
+
+def test_fthsdp_trace_reads_the_members_the_status_lists_and_writes_a_valid_trace(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from fthsdp.cli import main as cli
+    from fthsdp.cli import trace as trace_cli
+
+    srv, tl = _server(token="")  # a job without a token: loopback only
+    try:
+        srv.directory = [srv.address]
+        tl.span("forward", "compute", 3, time.perf_counter(), time.perf_counter() + 0.01)
+        member = {"replica_id": "replica-1", "incarnation": "inc-a", "catchup": srv.address}
+        status = {"job": "job", "members": [member],
+                  "history": [{"epoch": 1, "time": time.time(), "reason": "boot", "members": ["replica-1"],
+                               "events": []}]}
+        monkeypatch.setattr(trace_cli, "fetch_status", lambda *a: (status, []))
+        monkeypatch.delenv("FTHSDP_TOKEN_FILE", raising=False)
+        out = tmp_path / "t.json"
+        cli.main(["trace", "--out", str(out), "--png", str(tmp_path / "t.png")])
+        doc = json.loads(out.read_text())
+        assert chrome.problems(doc) == [] and chrome.rank_tracks(doc) == {"replica-1": ["rank 0"]}
+        assert (tmp_path / "t.png").stat().st_size > 1000 and "replica-1: rank 0" in capsys.readouterr().out
+        monkeypatch.setattr(trace_cli, "fetch_status", lambda *a: (None, ["127.0.0.1:1: refused"]))
+        with pytest.raises(SystemExit, match="cannot reach any lighthouse"):
+            cli.main(["trace", "--out", str(out)])
+    finally:
+        srv.close(drain_s=0)
