@@ -114,7 +114,10 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
         exits = [{"t": e["t"], "name": f"replica {e['replica']} " + ("killed" if e.get("killed") else
                                                                       f"exited ({e.get('code')})")}
                  for e in report["events"] if e["event"] == "exit"]
-        write_trace(follower.collector, follower.history, trace_path, trace_path.with_suffix(".png"), exits)
+        history = [{"epoch": e["epoch"], "time": e["t"], "reason": e["reason"], "members": e["members"],
+                    "events": e.get("events", [])} for e in report["events"] if e["event"] == "epoch"]
+        write_trace(follower.collector, history or follower.history, trace_path, trace_path.with_suffix(".png"),
+                    exits)
         print(f"trace: {trace_path} (Perfetto, chrome://tracing), {trace_path.with_suffix('.png')}")
     return report
 

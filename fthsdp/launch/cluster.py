@@ -403,8 +403,8 @@ def converged(report: dict[str, Any], steps: int) -> list[str]:
 
 def epoch_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The lighthouse's epoch history (``/status``) as report events."""
-    return [{"t": h["time"], "event": "epoch", "epoch": h["epoch"], "reason": h["reason"], "members": h["members"]}
-            for h in history]
+    return [{"t": h["time"], "event": "epoch", "epoch": h["epoch"], "reason": h["reason"], "members": h["members"],
+             "events": h.get("events", [])} for h in history]
 
 
 def _segments(rows: list[ProgressRow], t_start: float) -> list[list[list[float]]]:
