@@ -16,6 +16,8 @@ from fthsdp.trace.pull import Track
 
 PHASES = ("X", "i", "M")
 LIGHTHOUSE_PID = 0
+TIDS_PER_INCARNATION = 1 << 20
+"""A rank's thread id is ``incarnation index × this + rank`` (replicas of up to a million ranks stay apart)."""
 
 
 def _us(t: float, t0: float) -> float:
@@ -46,7 +48,7 @@ def build(tracks: Iterable[Track], history: Sequence[dict[str, Any]] = (),
     dropped = 0
     for t in sorted(tracks, key=lambda t: (pid[t.replica], incarnations[t.replica].index(t.incarnation), t.rank)):
         n = incarnations[t.replica].index(t.incarnation)
-        tid = n * 1000 + t.rank
+        tid = n * TIDS_PER_INCARNATION + t.rank
         label = f"rank {t.rank}" + (f", incarnation {n + 1}" if n else "")
         out.append({"name": "thread_name", "ph": "M", "pid": pid[t.replica], "tid": tid, "args": {"name": label}})
         out.append({"name": "thread_sort_index", "ph": "M", "pid": pid[t.replica], "tid": tid,

@@ -35,7 +35,8 @@ def test_demo_trace_has_every_rank_and_the_kill(tmp_path: pathlib.Path) -> None:
     kill = [e for e in events if e["ph"] == "i" and e.get("s") == "g" and e["name"] == "replica 1 killed"]
     assert len(kill) == 1, [e["name"] for e in events if e["ph"] == "i"]
     pids = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
-    first = [e for e in events if e["ph"] == "X" and e["pid"] == pids["replica-1"] and e["tid"] < 1000]
+    first = [e for e in events if e["ph"] == "X" and e["pid"] == pids["replica-1"]
+             and e["tid"] < chrome.TIDS_PER_INCARNATION]
     # The killed incarnation's steps end before the launcher saw its exit, and before the epoch that drops it (the
     # lighthouse may declare the death before the launcher notices the process gone).
     last = max(e["ts"] + e["dur"] for e in first)

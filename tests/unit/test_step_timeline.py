@@ -148,6 +148,8 @@ def test_the_chrome_trace_has_a_track_per_rank_incarnation_and_global_marks() ->
     assert chrome.problems(doc) == []
     assert chrome.rank_tracks(doc) == {"replica-0": ["rank 0", "rank 1"],
                                        "replica-1": ["rank 0", "rank 0, incarnation 2"]}
+    wide = chrome.build([_track("replica-0", "a", 1000, 100.0), _track("replica-0", "b", 0, 101.0)])
+    assert chrome.rank_tracks(wide) == {"replica-0": ["rank 1000", "rank 0, incarnation 2"]}  # thread ids apart
     marks = {e["name"]: e for e in doc["traceEvents"] if e["ph"] == "i" and e["s"] == "g"}
     assert marks["replica 1 killed"]["ts"] == pytest.approx(3.5e6) and "epoch 2: replica-1 failure" in marks
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
