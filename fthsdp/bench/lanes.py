@@ -39,9 +39,9 @@ from lighthouse.security import ClientSecurity
 from lighthouse.v1 import lighthouse_pb2 as pb
 
 BACKENDS = ("mesh", "nccl", "lazy")
+"""How the backend's own connect uses the lane's store (see the module)."""
 REPLY_GRACE_S = 30.0
 """How long past its deadline a worker process may take to report an epoch's rendezvous."""
-"""How the backend's own connect uses the lane's store (see the module)."""
 
 
 def latest(a: float, b: float) -> float:

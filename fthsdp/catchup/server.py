@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from ftar.devices import start_thread
-from fthsdp.catchup import auth, wire
-from fthsdp.catchup.timeline import Reader, answer
+from fthsdp.catchup import auth, timeline, wire
+from fthsdp.catchup.timeline import Reader
 from fthsdp.catchup.wire import CatchupError, Entry, Kind, Manifest, ProtocolError
 from lighthouse.epoch_view import EpochView
 
@@ -268,7 +268,7 @@ class CatchupServer:
             return len(self._handshaking)
 
     def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
-        log.warning("catchup replica=%s rank=%d step=%d refused a joiner: %s: %s", self.replica_id, self.rank,
+        log.warning("catchup replica=%s rank=%d step=%d refused a request: %s: %s", self.replica_id, self.rank,
                     self._step, code, message)
         wire.send_error(conn, code, message)
 
@@ -283,7 +283,11 @@ class CatchupServer:
             wire.send_control(conn, Kind.CHALLENGE, {"nonce": nonce})
             kind, obj = wire.recv_control(conn, (Kind.HELLO, Kind.TRACE))
             if kind == Kind.TRACE:  # a timeline read (fthsdp trace), not a joiner
-                return answer(conn, wire.parse_trace(obj), nonce, self._token, self.job, self.timeline, {
+                request = wire.parse_trace(obj)
+                if (why := timeline.refusal(request, nonce, self._token, self.job, self.timeline)) is not None:
+                    return self._refuse(conn, *why)
+                assert self.timeline is not None
+                return timeline.answer(conn, request.since, self.timeline, {
                     "replica": self.replica_id, "incarnation": self.incarnation, "rank": self.rank,
                     "directory": self.directory})
             hello = wire.parse_hello(obj)

@@ -15,24 +15,27 @@ Reader = Callable[[int], dict[str, Any]]
 """A rank's timeline after a sequence number (``fthsdp.runtime.timeline.Timeline.read``)."""
 
 
-def answer(conn: socket.socket, request: TraceRequest, nonce: str, token: str, job: str,
-           read: Reader | None, identity: dict[str, Any]) -> None:
-    """Send the events after ``request.since`` (``read``'s), with ``identity`` (the rank, its replica and
-    incarnation, every rank's address: a reader asks the others there), or an ERROR frame: ``unauthenticated``,
-    ``wrong_job``, ``unavailable`` (no timeline kept). The newest events that fit one control frame go."""
+def refusal(request: TraceRequest, nonce: str, token: str, job: str, read: Reader | None) -> tuple[str, str] | None:
+    """Why a timeline read is refused (code, message): ``unauthenticated``, ``wrong_job``, ``unavailable`` (no
+    timeline kept); None: answer it."""
     if not auth.verify_trace(token, nonce, request):
-        wire.send_error(conn, "unauthenticated", "wrong or missing proof of the job token")
-    elif request.job != job:
-        wire.send_error(conn, "wrong_job", f"this replica serves job {job!r}, not {request.job[:80]!r}")
-    elif read is None:
-        wire.send_error(conn, "unavailable", "this rank keeps no timeline (FTHSDP_TIMELINE=0)")
-    else:
-        doc = read(request.since)
-        while True:
-            try:
-                wire.send_control(conn, Kind.TIMELINE, {**identity, "timeline": doc})
-                return
-            except wire.ProtocolError:  # over the frame's limit: the newer half
-                if not doc["events"]:
-                    raise
-                doc = {**doc, "events": doc["events"][len(doc["events"]) // 2:]}
+        return "unauthenticated", "wrong or missing proof of the job token"
+    if request.job != job:
+        return "wrong_job", f"this replica serves job {job!r}, not {request.job[:80]!r}"
+    if read is None:
+        return "unavailable", "this rank keeps no timeline (FTHSDP_TIMELINE=0)"
+    return None
+
+
+def answer(conn: socket.socket, since: int, read: Reader, identity: dict[str, Any]) -> None:
+    """Send the events after ``since`` (``read``'s), with ``identity`` (the rank, its replica and incarnation, every
+    rank's address: a reader asks the others there): the newest events that fit one control frame."""
+    doc = read(since)
+    while True:
+        try:
+            wire.send_control(conn, Kind.TIMELINE, {**identity, "timeline": doc})
+            return
+        except wire.ProtocolError:  # over the frame's limit: the newer half
+            if not doc["events"]:
+                raise
+            doc = {**doc, "events": doc["events"][len(doc["events"]) // 2:]}

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fthsdp.cli.trace import write as write_trace
 from fthsdp.launch.cluster import Cluster, converged
 from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed, credential_path
+from fthsdp.launch.epochs import epoch_history
 from fthsdp.trace.pull import Collector, Follower
 
 if TYPE_CHECKING:
@@ -114,10 +115,7 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
         exits = [{"t": e["t"], "name": f"replica {e['replica']} " + ("killed" if e.get("killed") else
                                                                       f"exited ({e.get('code')})")}
                  for e in report["events"] if e["event"] == "exit"]
-        history = [{"epoch": e["epoch"], "time": e["t"], "reason": e["reason"], "members": e["members"],
-                    "events": e.get("events", [])} for e in report["events"] if e["event"] == "epoch"]
-        write_trace(follower.collector, history or follower.history, trace_path, trace_path.with_suffix(".png"),
-                    exits)
+        write_trace(follower.collector, epoch_history(report), trace_path, trace_path.with_suffix(".png"), exits)
         print(f"trace: {trace_path} (Perfetto, chrome://tracing), {trace_path.with_suffix('.png')}")
     return report
 

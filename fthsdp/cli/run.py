@@ -20,8 +20,9 @@ import time
 import urllib.error
 from typing import TYPE_CHECKING, Any
 
-from fthsdp.launch.cluster import Cluster, epoch_events, finals
+from fthsdp.launch.cluster import Cluster, finals
 from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed
+from fthsdp.launch.epochs import epoch_events
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers

@@ -24,6 +24,7 @@ from typing import Any
 
 from fthsdp.launch import priority
 from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed, check_credentials
+from fthsdp.launch.epochs import epoch_events
 from fthsdp.launch.lanes import lanes
 from fthsdp.launch.lighthouse_process import http_get, start_lighthouse_process
 from fthsdp.launch.priority import TreePriority
@@ -399,12 +400,6 @@ def converged(report: dict[str, Any], steps: int) -> list[str]:
     if len(hashes) > 1:
         out.append(f"replicas diverged (state hashes differ): {finals}")
     return out
-
-
-def epoch_events(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The lighthouse's epoch history (``/status``) as report events."""
-    return [{"t": h["time"], "event": "epoch", "epoch": h["epoch"], "reason": h["reason"], "members": h["members"],
-             "events": h.get("events", [])} for h in history]
 
 
 def _segments(rows: list[ProgressRow], t_start: float) -> list[list[list[float]]]:

@@ -79,7 +79,7 @@ class StepCore:
         self.cursors = torch.zeros(cfg.num_replicas, dtype=torch.int64)  # per slot, batches trained (the job's)
         self.protocol = CommitProtocol()
         self.pace_window, self.own_compute_s = PaceWindow(), 0.0  # fail-slow evidence; last step's compute, unslowed
-        self.busy_ms, self.tally = 0, Tally(False, 0, 0, -1, -1, False)  # this rank's busy compute; the last vote's
+        self.busy_ms, self.ranks_busy_ms = 0, tuple[int, ...]()  # this rank's busy compute; every rank's, last vote
         self.lr_factor = 1.0
         self.scales: dict[int, float] = {}  # a zero contributor's: per step, the factor the trainers scaled it by
         self.state = TrainerState()  # param groups and registered objects: they travel with the tensors
@@ -296,8 +296,8 @@ class StepCore:
         ctrl = torch.tensor(ballot.encode(), dtype=torch.int64, device=self.device)
         with self.timeline.timed("vote", "vote", self.step):
             dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
-        self.tally = Tally.decode(ctrl.tolist())
-        return self.tally
+        self.ranks_busy_ms = (tally := Tally.decode(ctrl.tolist())).busy_ms
+        return tally
 
     def commit(self, step: int, results: list[ExchangeResult], installed: bool = False) -> tuple[tuple[int, int], ...]:
         """Apply a step's averaged gradients (bound already with ``installed``, and changed by the trainer's loop

@@ -50,14 +50,19 @@ class Verdict:
         return not self.problems
 
 
+def _all_reduce(x: torch.Tensor, op: dist.ReduceOp.RedOpType, timeout_s: float) -> None:
+    """``dist.all_reduce`` over the group, waited for at most ``timeout_s`` (``RuntimeError`` past it)."""
+    work = dist.all_reduce(x, op=op, async_op=True)
+    assert work is not None
+    work.wait(timedelta(seconds=timeout_s))
+
+
 def network(rank: int, world_size: int, device: torch.device, timeout_s: float) -> tuple[str | None, float]:
     """All-reduce ``rank + 1`` over the group: the sum must be exact within ``timeout_s``. (the problem, seconds)"""
     t0 = time.perf_counter()
     x = torch.full((1024,), float(rank + 1), device=device)
     try:
-        work = dist.all_reduce(x, async_op=True)
-        assert work is not None
-        work.wait(timedelta(seconds=timeout_s))
+        _all_reduce(x, dist.ReduceOp.SUM, timeout_s)
     except RuntimeError as e:
         return f"network: the group's all-reduce failed: {str(e)[:200]}", time.perf_counter() - t0
     want = world_size * (world_size + 1) / 2
@@ -99,7 +104,10 @@ def run(rank: int, world_size: int, device: torch.device, *, min_gflops: float =
     problems += [dev] if dev else []
     problems += ["FTHSDP_FAULT: a self-check made to fail"] if fail else []
     verdict = torch.tensor([1 if problems else 0], dtype=torch.int64, device=device)
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    try:
+        _all_reduce(verdict, dist.ReduceOp.MAX, timeout_s)
+    except RuntimeError as e:  # a sibling that passed its network check and then went away
+        raise Unhealthy(f"rank {rank}: the group's verdict did not come: {str(e)[:200]}") from e
     if problems:
         raise Unhealthy(f"rank {rank} on {socket.gethostname()}: " + "; ".join(problems))
     if int(verdict.item()):

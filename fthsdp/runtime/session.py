@@ -88,10 +88,10 @@ def exit_unhealthy(e: Unhealthy, config: RuntimeConfig | None = None) -> NoRetur
     """The self-check failed (``Replica()`` raised ``Unhealthy``): the host to ``FTHSDP_BLOCKLIST`` (by the rank that
     found it), an ``unhealthy`` line for the launcher (rank 0), exit ``EXIT_UNHEALTHY``."""
     log.error("fthsdp: self-check failed: %s; not joining the job (exit status %d)", e, EXIT_UNHEALTHY)
+    cfg = config or RuntimeConfig.from_env()  # it was read once already: Replica() got this far
     if e.own:  # this rank's host is the one to keep out
-        replica = os.environ.get("FTHSDP_REPLICA_ID") or f"replica-{os.environ.get('FTHSDP_REPLICA_INDEX', '?')}"
-        selfcheck.blocklist(config.blocklist if config else os.environ.get("FTHSDP_BLOCKLIST", ""), replica, str(e))
-    if os.environ.get("RANK", "0") == "0":
+        selfcheck.blocklist(cfg.blocklist, cfg.replica_id, str(e))
+    if cfg.rank == 0:
         _progress(event="unhealthy", error=str(e))
     sys.exit(EXIT_UNHEALTHY)
 

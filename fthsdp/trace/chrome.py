@@ -105,12 +105,18 @@ def problems(doc: Any) -> list[str]:
     return out
 
 
+def names(doc: dict[str, Any]) -> tuple[dict[int, str], dict[tuple[int, int], str]]:
+    """The processes' names (by pid) and the threads' (by pid and tid), from the metadata events."""
+    events = doc["traceEvents"]
+    return ({e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"},
+            {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"})
+
+
 def rank_tracks(doc: dict[str, Any]) -> dict[str, list[str]]:
     """Per replica (process name), its tracks' names (thread names) that hold at least one span."""
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
-    procs = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+    procs, threads = names(doc)
     busy = {(e["pid"], e["tid"]) for e in doc["traceEvents"] if e["ph"] == "X"}
     out: dict[str, list[str]] = {}
     for key in sorted(busy):
-        out.setdefault(procs[key[0]], []).append(names[key])
+        out.setdefault(procs[key[0]], []).append(threads[key])
     return out

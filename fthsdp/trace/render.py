@@ -7,6 +7,8 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from fthsdp.trace import chrome
+
 COLOURS = {"compute": "#2e7d32", "exchange": "#1565c0", "wait": "#f9a825", "vote": "#6a1b9a",
            "optimizer": "#616161", "checkpoint": "#8d6e63"}
 """Per event category."""
@@ -21,8 +23,7 @@ def draw(doc: dict[str, Any], path: pathlib.Path, title: str = "") -> None:
     from matplotlib.patches import Patch
 
     events = doc["traceEvents"]
-    procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    procs, threads = chrome.names(doc)
     rows = sorted(threads)
     row_of = {k: n for n, k in enumerate(rows)}
     spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
