@@ -160,8 +160,9 @@ class RuntimeConfig:
     selfcheck_min_gflops: float = 0.0
     """``FTHSDP_SELFCHECK_MIN_GFLOPS``: the self-check's matmul must reach this throughput (0: not checked)."""
     blocklist: str = ""
-    """``FTHSDP_BLOCKLIST``: a file a group that fails its self-check appends its host and reason to (one JSON line;
-    a launcher starts no group on a host listed there)."""
+    """``FTHSDP_BLOCKLIST``: a file a group that fails its self-check appends its host and reason to (one JSON line),
+    for a cluster's supervisor to keep the host out; the local launcher gives such a group up by its ``unhealthy``
+    line."""
     timeline_events: int = 4096
     """``FTHSDP_TIMELINE``: this rank keeps its last N events (the phases of each step, marks) in a ring that
     ``fthsdp trace`` reads over the catch-up port (``fthsdp.runtime.timeline``); 0: keeps none."""

@@ -8,8 +8,8 @@ result is known exactly (a device that computes wrong); and the matmul's through
 ``FTHSDP_SELFCHECK_MIN_GFLOPS`` (a slow device; 0: not checked). The ranks agree on the verdict (one MAX
 all-reduce), so all of them register or none does. A failed check raises ``Unhealthy``: the trainer exits with
 ``EXIT_UNHEALTHY`` (``fthsdp.runtime.session``) after writing the host and the reason to ``FTHSDP_BLOCKLIST`` (one
-JSON line each); a launcher does not start a group on a host listed there (``fthsdp.launch.cluster``: the group is
-given up, the others train on), and an outer supervisor should read the exit status the same way.
+JSON line each), for a cluster's supervisor to keep the host out. The local launcher gives the group up on its
+``unhealthy`` line (``fthsdp.launch.cluster``: not restarted, the others train on); it does not read the file.
 """
 
 from __future__ import annotations
