@@ -47,7 +47,11 @@ class LighthouseConfig:
     advertise: str = ""
     """The gRPC address other lighthouses name as the leader's (HA); default: the bind host and bound port."""
     election_ttl_s: int = 5
-    """HA on an etcd store: the leader's lease; a dead leader is replaced within about this long."""
+    """HA on an etcd store: the leader's lease; a leader that stops answering is replaced within about this long."""
+    election_probe_s: float = 0.25
+    """HA on an etcd store: how often a follower knocks on the leader's gRPC port. Refused twice in a row by a
+    port it reached before, the leader's process is gone, and the follower takes over at once instead of waiting
+    for the lease (``lighthouse.stores.election``). 0: the lease alone."""
     probe_timeout_s: float = 1.0
     """A member whose session closed from its end gets one TCP connection to its catch-up endpoint, given this
     long: refused, it is dead at once (its process is gone; ``lighthouse.server.probe``). 0: never probe (a

@@ -25,7 +25,8 @@ runs, e.g. ``out/bench/``) over them. Known files:
 - ``lanes-12x8192.json``, ``lanes-12x8192-4lanes.json``, ``lanes-12x8192-nccl.json``, ``lanes-1000x8-nccl.json``:
   ``fthsdp bench lighthouse --replicas 12 --ranks-per-group 8192 [--lanes 4 | --lane-backend nccl] --json`` and
   ``--replicas 1000 --ranks-per-group 8 --lane-backend nccl`` (their ``lanes``: the lanes' rebuild after a death;
-  optional).
+  optional);
+- ``failover.json``: ``fthsdp bench failover --json`` (optional).
 
 The simulator section is computed here (``fthsdp.bench.sim``) from the measured stalls.
 """
@@ -46,7 +47,7 @@ LANES = ("lanes-12x8192.json", "lanes-12x8192-4lanes.json", "lanes-12x8192-nccl.
 KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
          "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json", "checkpoint.json",
          "recovery-cold.json", "recovery-warm.json", "catchup.json", "recovery-spares.json",
-         "recovery-spares-warm.json", "recovery-vs-hsdp.json", "overhead-timeline.json") + LANES
+         "recovery-spares-warm.json", "recovery-vs-hsdp.json", "overhead-timeline.json", "failover.json") + LANES
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -670,6 +671,32 @@ def section_lanes(docs: list[dict[str, Any]], notes: dict[str, Any] | None) -> l
     return out
 
 
+def section_failover(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -> list[str]:
+    """The leader lighthouse SIGKILLed (``fthsdp bench failover --json``)."""
+    if not doc:
+        return []
+    out = ["## Lighthouse failover", "",
+           "`fthsdp bench failover --json` (data: `docs/bench-data/failover.json`; `fthsdp/bench/failover.py`): two "
+           f"lighthouse processes on one loopback etcd, {doc['members']} replica clients (the runtime's "
+           "`LighthouseClient`, given both addresses) active in one epoch; the leader is SIGKILLed and at that "
+           "instant one more replica starts joining. Times from the kill, median of "
+           f"{doc['rounds']} failovers of each arm (alternating which goes first), election TTL "
+           f"{doc['election_ttl_s']} s, heartbeat timeout {doc['heartbeat_timeout_s']:g} s, 1-minute load "
+           f"{doc['loadavg_before']} before the run. *knock*: the default, a follower knocking on the leader's port "
+           f"every {doc['election_probe_s']:g} s takes over when it refuses twice; *lease*: `--election-probe 0`, "
+           "the leader's lease has to expire.", "",
+           "| arm | follower leads | every member heartbeats to it | the next epoch at every member |",
+           "| --- | ---: | ---: | ---: |"]
+    for arm, m in doc["medians"].items():
+        out.append(f"| {arm} | {fmt(m['lead_s'], '.2f')} s | {fmt(m['reconnect_s'], '.2f')} s | "
+                   f"{fmt(m['epoch_s'], '.2f')} s |")
+    out += ["", f"`failover_median_s` (the next epoch at every member, knock): **{fmt(doc['failover_median_s'], '.2f')}"
+            f" s** (target <= 2 s); knock over lease: {fmt(doc['ratio_epoch_s'])}.", ""]
+    for para in (notes or {}).get("failover", []):
+        out += [para, ""]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--import", dest="import_dir", default="", help="copy known JSONs from here first")
@@ -711,6 +738,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += section_catchup(load(data, "catchup.json"), notes)
     lines += section_lighthouse(load(data, "lighthouse.json"), load(data, "saturation.json"), notes, img)
     lines += section_lanes([d for d in (load(data, name) for name in LANES) if d], notes)
+    lines += section_failover(load(data, "failover.json"), notes)
     lines += section_sim(rec, base, img)
     lines += section_other(load(data, "overhead.json"), load(data, "ftar.json"))
     lines += section_timeline(load(data, "overhead-timeline.json"), notes)
@@ -736,6 +764,7 @@ def main(argv: list[str] | None = None) -> None:
               "--json > out/bench/lanes-12x8192-nccl.json",
               ".venv/bin/fthsdp bench lighthouse --replicas 1000 --ranks-per-group 8 --deaths 1 --lane-deaths 2 "
               "--lane-backend nccl --json > out/bench/lanes-1000x8-nccl.json",
+              ".venv/bin/fthsdp bench failover --json > out/bench/failover.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
               ".venv/bin/fthsdp bench overhead --against timeline-off --rounds 5 --json "
               "> out/bench/overhead-timeline.json",

@@ -1,6 +1,6 @@
-"""``fthsdp bench lighthouse|ftar|overhead|recovery|catchup|straggler``: the benchmarks (``fthsdp.bench``), each against
-a baseline measured in the same run; ``--json`` prints the result's document, otherwise its table
-(``fthsdp.bench.results``)."""
+"""``fthsdp bench lighthouse|ftar|overhead|recovery|catchup|straggler|failover|...``: the benchmarks
+(``fthsdp.bench``), each against a baseline measured in the same run; ``--json`` prints the result's document,
+otherwise its table (``fthsdp.bench.results``, or the benchmark's own ``format_*``)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,17 @@ def cmd_bench_catchup(a: argparse.Namespace) -> None:
     except ValueError as e:
         raise SystemExit(f"fthsdp bench catchup: {e}") from None
     emit(result, a.json, format_catchup)
+
+
+def cmd_bench_failover(a: argparse.Namespace) -> None:
+    from fthsdp.bench.failover import bench_failover, format_failover
+
+    try:
+        result = bench_failover(members=a.members, rounds=a.rounds, election_ttl_s=a.election_ttl,
+                                election_probe_s=a.election_probe)
+    except (ValueError, TimeoutError) as e:
+        sys.exit(f"fthsdp bench failover: {e}")
+    emit(result, a.json, format_failover)
 
 
 def cmd_bench_straggler(a: argparse.Namespace) -> None:
@@ -203,3 +214,11 @@ def register(sub: Subparsers) -> None:
     bs.add_argument("--workdir", default=None, help="keep the jobs' logs and progress files here")
     bs.add_argument("--json", action="store_true")
     bs.set_defaults(fn=cmd_bench_straggler)
+    bv = bsub.add_parser("failover", help="the leader lighthouse SIGKILLed: a follower serving the next epoch to "
+                                          "every member, taking over on evidence (its knock) against the lease")
+    bv.add_argument("--members", type=int, default=8, help="replica clients active in the job")
+    bv.add_argument("--rounds", type=int, default=5, help="failovers of each arm (the median of each is reported)")
+    bv.add_argument("--election-ttl", type=int, default=5, help="the leader's lease (the lighthouse's default)")
+    bv.add_argument("--election-probe", type=float, default=0.25, help="the knock period of the 'knock' arm")
+    bv.add_argument("--json", action="store_true")
+    bv.set_defaults(fn=cmd_bench_failover)

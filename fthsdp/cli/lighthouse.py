@@ -85,9 +85,12 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
                               rendezvous=not a.no_rendezvous, insecure_tcp_rendezvous=a.insecure_tcp_rendezvous,
                               member_rendezvous=a.rendezvous_on == "members",
                               security=security, advertise=a.advertise, election_ttl_s=a.election_ttl,
+                              election_probe_s=a.election_probe,
                               probe_timeout_s=a.probe_timeout)
     if config.probe_timeout_s < 0:
         sys.exit(f"fthsdp lighthouse: --probe-timeout must be >= 0, not {config.probe_timeout_s:g}")
+    if config.election_probe_s < 0:
+        sys.exit(f"fthsdp lighthouse: --election-probe must be >= 0, not {config.election_probe_s:g}")
     if config.insecure_tcp_rendezvous and not is_loopback(config.host):
         sys.exit(f"fthsdp lighthouse: --insecure-tcp-rendezvous needs a loopback --bind, not {config.host!r}")
     def ready(lh: Any) -> None:
@@ -207,7 +210,12 @@ def register(sub: Subparsers) -> None:
     lh.add_argument("--advertise", default="", help="gRPC HOST:PORT other lighthouses name as the leader's "
                     "(HA on etcd; default: the bound address)")
     lh.add_argument("--election-ttl", type=int, default=5,
-                    help="HA on etcd: seconds of the leader's lease; a dead leader is replaced within about this")
+                    help="HA on etcd: seconds of the leader's lease; a leader that stops answering is replaced "
+                    "within about this")
+    lh.add_argument("--election-probe", type=float, default=0.25,
+                    help="HA on etcd: seconds between a follower's knocks on the leader's gRPC port; refused twice "
+                    "in a row (its process is gone), the follower takes over at once instead of waiting for the "
+                    "lease (0: the lease alone)")
     lh.add_argument("--tls-cert", default="", help="TLS certificate (PEM) for the gRPC and HTTP ports")
     lh.add_argument("--tls-key", default="", help="TLS private key (PEM)")
     lh.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mTLS)")

@@ -20,6 +20,7 @@ from lighthouse.errors import StoreUnavailable
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.security import LEADER_METADATA
 from lighthouse.server.jobs import Job, clock
+from lighthouse.server.probe import knock
 from lighthouse.server.status import Leader
 from lighthouse.state_doc import state_from_doc
 from lighthouse.stores.base import Election, Store
@@ -48,7 +49,8 @@ class Leadership:
         self._tasks: list[asyncio.Task[None]] = []
 
     def view(self) -> Leader:
-        return Leader(self.leading, self.leader_address, self.address)
+        return Leader(self.leading, self.leader_address, self.address,
+                      self.election is not None and self.election.leader_reached)
 
     async def start(self, address: str, http: str) -> None:
         """Serve at ``address`` (``http``: the side port, '' when off); with an election, campaign now (a lone
@@ -69,7 +71,8 @@ class Leadership:
         def on_change(leading: bool, leader: str) -> None:  # on the election thread
             loop.call_soon_threadsafe(follow, leading, leader)
 
-        self.election = self.store.election(address, http, on_change, self.config.election_ttl_s)
+        self.election = self.store.election(address, http, on_change, self.config.election_ttl_s,
+                                            self.config.election_probe_s, knock)
         # The first round runs now, so that a lone lighthouse serves as soon as start() returns. Its change
         # was queued on this loop before the thread's result: the task exists once we resume.
         await asyncio.to_thread(self.election.first_round)

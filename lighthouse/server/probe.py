@@ -1,4 +1,4 @@
-"""Is a replica whose session closed gone? One TCP connection to its own catch-up endpoint tells.
+"""Is a replica whose session closed gone, or the leader a follower lighthouse follows? One TCP connection tells.
 
 A session that closes from the replica's end is a process that died (its kernel closed the connection) or one that
 only lost its connection to the lighthouse (a network blip, a client moving to another lighthouse). A peer's
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 
 def split(address: str) -> tuple[str, int] | None:
@@ -22,6 +23,26 @@ def split(address: str) -> tuple[str, int] | None:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         return None
     return host, int(port)
+
+
+KNOCK_TIMEOUT_S = 0.2
+"""How long a follower's knock on the leader's port waits (``knock``): loopback and LAN answer in microseconds."""
+
+
+def knock(address: str, timeout_s: float = KNOCK_TIMEOUT_S) -> bool | None:
+    """One blocking TCP connection to ``address``: True refused (nothing listens: the process is gone), False
+    answered, None no evidence (a timeout, no route, not an address). A follower lighthouse's test of its leader
+    (``lighthouse.stores.election``)."""
+    target = split(address)
+    if target is None:
+        return None
+    try:
+        with socket.create_connection(target, timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return None
 
 
 async def refused(address: str, timeout_s: float) -> bool:

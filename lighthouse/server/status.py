@@ -64,6 +64,8 @@ class StatusView:
     """Whether the members' state digests agree (``agreement``); None: no step has two digests yet."""
     stragglers: tuple[Straggler, ...] = ()
     """The members the others wait on, slowest first (``lighthouse.stragglers.assess``)."""
+    leader_reached: bool = False
+    """This lighthouse follows and has reached the leader's port (``Leader.leader_reached``)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,8 @@ class Leader:
     leading: bool
     leader_address: str
     address: str
+    leader_reached: bool = False
+    """A follower that has reached the leader's port (it takes over as soon as that port refuses connections)."""
 
 
 def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict[str, int], rendezvous: str,
@@ -145,6 +149,7 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
         finished_step=state.finished_step,
         agreement=agreement(digests_of),
         stragglers=assess(training_paces(state, paces or {}), policy.straggler_factor, policy.straggler_confirm),
+        leader_reached=leader.leader_reached,
     )
 
 
@@ -154,6 +159,7 @@ def to_json(view: StatusView) -> dict[str, Any]:
         "job": view.job,
         "leader": view.leader,
         "leader_address": view.leader_address,
+        "leader_reached": view.leader_reached,
         "address": view.address,
         "epoch": view.epoch,
         "rendezvous": view.rendezvous,

@@ -38,6 +38,12 @@ class Election(ABC):
     def leading(self) -> bool:
         """Whether this lighthouse leads now."""
 
+    @property
+    def leader_reached(self) -> bool:
+        """Whether this follower has reached the leader's port, so that it can take over as soon as that port
+        refuses connections (False while leading, or where no knock is done)."""
+        return False
+
     @abstractmethod
     def first_round(self) -> None:
         """One campaign on the caller's thread (before ``start``), so the outcome is known at once."""
@@ -74,9 +80,10 @@ class Store(ABC):
         store in the process."""
         return None
 
-    def election(self, address: str, http: str, on_change: Callable[[bool, str], None],
-                 ttl_s: int) -> Election:
-        """An election among the lighthouses on this store (only where ``capabilities.election``)."""
+    def election(self, address: str, http: str, on_change: Callable[[bool, str], None], ttl_s: int,
+                 probe_s: float = 0.0, knock: Callable[[str], bool | None] | None = None) -> Election:
+        """An election among the lighthouses on this store (only where ``capabilities.election``). ``knock``
+        (every ``probe_s``; ``lighthouse.stores.election``): does the leader's port refuse connections?"""
         raise NotImplementedError(f"{type(self).__name__} does not support leader election")
 
     @abstractmethod

@@ -111,10 +111,11 @@ class EtcdStore(Store):
     def check_access(self) -> None:
         failing_over(self.client, "access check", lambda: self.client.get(self.key("leader")))
 
-    def election(self, address: str, http: str, on_change: Callable[[bool, str], None],
-                 ttl_s: int) -> Election:
+    def election(self, address: str, http: str, on_change: Callable[[bool, str], None], ttl_s: int,
+                 probe_s: float = 0.0, knock: Callable[[str], bool | None] | None = None) -> Election:
         """Leadership among the lighthouses on this prefix; while it leads, every write is fenced on it."""
-        return EtcdElection(self.client, self.key("leader"), self.set_guard, address, http, on_change, ttl_s)
+        return EtcdElection(self.client, self.key("leader"), self.set_guard, address, http, on_change, ttl_s,
+                            probe_s, knock)
 
     def close(self) -> None:
         try:

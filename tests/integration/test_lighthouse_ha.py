@@ -172,8 +172,10 @@ def test_sigkilled_leader_is_replaced_and_numbers_never_go_back(
         tmp_path: pathlib.Path, etcd_server: Any, procs: list[subprocess.Popen[bytes]]) -> None:
     url = etcd_server.url()
     # b below registers by hand and never heartbeats: a long timeout keeps deaths out of the numbering here
-    # (members surviving a failover on a short timeout is the in-process test's business).
-    args = ["--store", url, "--election-ttl", str(TTL), "--heartbeat-timeout", "30", "--no-rendezvous"]
+    # (members surviving a failover on a short timeout is the in-process test's business). No knock: the lease
+    # has to expire (the knock's takeover is the next test's).
+    args = ["--store", url, "--election-ttl", str(TTL), "--heartbeat-timeout", "30", "--no-rendezvous",
+            "--election-probe", "0"]
 
     def launch(name: str) -> tuple[subprocess.Popen[bytes], str, str]:
         d = tmp_path / name
@@ -229,6 +231,28 @@ def test_sigkilled_leader_is_replaced_and_numbers_never_go_back(
         assert hist == sorted(set(hist)) and hist[-1] == after
     finally:
         client.close()
+
+
+def test_a_follower_takes_over_from_a_sigkilled_leader_on_its_refused_port_long_before_the_lease(
+        tmp_path: pathlib.Path, etcd_server: Any) -> None:
+    """The default: the follower knocks on the leader's port; refused twice by a port it reached before, it
+    deposes the leader and leads. With a 30 s lease, leading sooner than that is only possible that way; the
+    members follow, and a replica that joins at the kill gets exactly the next epoch, at every member, from the
+    new leader (``fthsdp bench failover`` measures how soon: its ``knock`` arm, run here)."""
+    from fthsdp.bench.failover import run_once
+
+    ttl = 30
+    clients: list[LighthouseClient] = []
+    try:
+        run = run_once(etcd_server, tmp_path, "knock", 2, ttl, 0.25, 3.0, clients)
+    finally:
+        for c in clients:
+            c.close()
+    follower_log = (tmp_path / "follower" / "lighthouse.log").read_text()
+    assert "refuses connections (its process is gone)" in follower_log
+    assert run.lead_s < ttl  # before the killed leader's lease could have expired: it was deposed
+    assert run.lead_s <= run.reconnect_s and run.lead_s <= run.epoch_s
+    assert run.epoch_after == run.epoch_before + 1
 
 
 def test_no_lighthouse_answering_keeps_the_epoch_and_a_restart_continues_numbering(
