@@ -320,13 +320,15 @@ class BucketExchange:
             self._launch(self._launched, step, True)
         return list(self._pending)
 
-    def exchange_all(self, step: int | None, contribute: bool,
-                     redo: bool = False) -> tuple[list[Handle | None], int | None]:
+    def exchange_all(self, step: int | None, contribute: bool, redo: bool = False,
+                     learned_at: Callable[[int], None] | None = None) -> tuple[list[Handle | None], int | None]:
         """Exchange every bucket in order from the gradients at hand (a redo, or a joiner's zeros). A joiner that
-        does not know the step yet (``step`` None) learns it from its first exchange; the others then carry it.
-        With ``posts`` the step's exchange begins with the post exchange of the step before where this lane has not
-        launched it yet, and always in a ``redo`` (it is what a lane exchanges first in a newer epoch). Returns (the
-        handles, None where a bucket was not launched; the step learned, if it was)."""
+        does not know the step yet (``step`` None) learns it from its first exchange; the others then carry it, and
+        ``learned_at(step)`` runs first if a bucket of the step is still held back then (so the others cannot have
+        committed it yet: a joiner's fetch of that step's state registers there). With ``posts`` the step's
+        exchange begins with the post exchange of the step before where this lane has not launched it yet, and
+        always in a ``redo`` (it is what a lane exchanges first in a newer epoch). Returns (the handles, None where
+        a bucket was not launched; the step learned, if it was)."""
         self._pending = [None] * len(self.buckets)
         self._launched = 0
         learned = None
@@ -348,6 +350,8 @@ class BucketExchange:
                 step = learned = BucketTag.decode(first.wait(self.wait_s).tag, self.width).step
             except FTARError:
                 return list(self._pending), None  # collecting the handles reports it
+        if learned is not None and learned_at is not None and self._launched < len(self.buckets):
+            learned_at(learned)
         for k in range(self._launched, len(self.buckets)):
             self._launch(k, step, contribute)
         return list(self._pending), learned

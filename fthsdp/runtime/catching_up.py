@@ -70,7 +70,8 @@ def catch_up(rep: StepCore, closure: Callable[[], torch.Tensor] | None) -> tuple
     shards, _ = rep.parts()
     with lent_slot(rep):  # a spare group's restart warms up too
         entered = rep.joiner.enter(shards.opt, closure, shards.layout())
-    handles, got, intervals, t_in, replayed, at = rep.exchange_all(contribute=False), None, [], 0.0, 0, -1
+    handles = rep.exchange_all(contribute=False, learned_at=rep.joiner.fetch_from)  # the fetch starts at once
+    got, intervals, t_in, replayed, at = None, [], 0.0, 0, -1
     t_last = time.perf_counter()
     while True:
         t0 = time.perf_counter()

@@ -277,12 +277,12 @@ class StepCore:
             self.engine.reset(after=tally.newest, reform=tally.reform)
             handles = redo(tally) if redo is not None else self.exchange_all(contribute, redo=True)
 
-    def exchange_all(self, contribute: bool, redo: bool = False) -> list[Handle | None]:
+    def exchange_all(self, contribute: bool, redo: bool = False,
+                     learned_at: Callable[[int], None] | None = None) -> list[Handle | None]:
         """Exchange every bucket of the step from the gradients at hand (a ``redo``, or a joiner's zeros). A joiner
-        that has not learned the step yet learns it from its first exchange."""
-        _, buckets = self.parts()
+        that has not learned the step yet learns it from its first exchange (``BucketExchange.exchange_all``)."""
         step = self.step if not self.joining or self.learned >= 0 else None
-        handles, learned = buckets.exchange_all(step, contribute, redo=redo)
+        handles, learned = self.parts()[1].exchange_all(step, contribute, redo=redo, learned_at=learned_at)
         if learned is not None:
             self.learned = self.step = learned
         return handles

@@ -141,19 +141,25 @@ class Joiner:
         self.member_unix = self.member_unix or time.time()
         self.attempts += attempts
         self.kept[step] = results
-        if self.fetch is None:
-            # The others hold step+1's state until its optimizer update, which waits for our zeros of step+1:
-            # once the sources have registered the request (before those go out), each one serves that state.
-            self.target = step + 1
-            self.fetch = self._start_fetch(self.target)
-            self.fetches += 1
-            self.fetch.wait_registered(REGISTER_WAIT_S)
+        if self.fetch is None:  # not started at the first exchange (``fetch_from``), or dropped after a failure
+            self.fetch_from(step + 1)
         for s in [s for s in self.kept if s < self.target]:
             del self.kept[s]
         if len(self.kept) > self.config.max_replay:
             raise RejoinRequired(f"the catch-up fetch is {len(self.kept)} steps behind (FTHSDP_CATCHUP_MAX_REPLAY="
                                  f"{self.config.max_replay})")
         return self._collect()
+
+    def fetch_from(self, step: int) -> None:
+        """Fetch the snapshot of ``step``, a step whose zeros this replica has not all sent yet: the others hold
+        its state until its optimizer update, which waits for them, so once the sources have registered the
+        request (before those zeros go out) each one serves that state. A catch-up calls it as soon as its first
+        exchange names the step (``StepCore.exchange_all``'s ``learned_at``): the snapshot then travels while the
+        others compute that step, and may be in when its exchange settles, a step sooner than a fetch of the next."""
+        self.target = step
+        self.fetch = self._start_fetch(step)
+        self.fetches += 1
+        self.fetch.wait_registered(REGISTER_WAIT_S)
 
     def early(self, exchanged: Callable[[], bool]) -> FetchResult | None:
         """While this replica's zeros of the next step are in flight (``exchanged()``: that exchange is in), wait

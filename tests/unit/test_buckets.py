@@ -69,6 +69,10 @@ class FakeEngine:
     epoch: int = 3
     learn: int = 11
     fail_first: bool = False
+    width: int = 4
+    """The tag width of the exchange under test (``BucketExchange.width``: its buckets + 1)."""
+    index: int = 1
+    """The tag index a learning caller is answered with: 1, bucket 0; 0, the post exchange of the step before."""
     calls: list[dict[str, Any]] = field(default_factory=list)
 
     def allreduce(self, tensors: Sequence[torch.Tensor], **kw: Any) -> Handle:
@@ -77,7 +81,7 @@ class FakeEngine:
         if self.fail_first and len(self.calls) == 1:
             future.set_exception(Interrupted("peer died", self.epoch))
         else:
-            tag = kw["tag"] if kw["tag"] is not None else self.learn * 4 + 1  # bucket 0 of step ``learn`` (width 4)
+            tag = kw["tag"] if kw["tag"] is not None else self.learn * self.width + self.index
             future.set_result(ExchangeResult([t.clone() for t in tensors], self.epoch, 1, 1, tag))
         return Handle(future)
 
@@ -158,9 +162,41 @@ def test_a_joiner_learns_the_step_from_its_first_bucket() -> None:
 def test_a_joiner_that_cannot_learn_the_step_launches_nothing_more() -> None:
     model, engine = Model(), FakeEngine(fail_first=True)
     buckets = exchange(model, engine)
-    handles, learned = buckets.exchange_all(None, contribute=False)
+    told: list[int] = []
+    handles, learned = buckets.exchange_all(None, contribute=False, learned_at=told.append)
     assert learned is None and len(engine.calls) == 1
     assert handles[0] is not None and handles[1:] == [None, None]
+    assert told == []  # no step learned: a joiner's fetch starts after the step settles instead
+
+
+def test_a_joiner_is_told_the_step_while_the_rest_of_its_zeros_are_held_back() -> None:
+    """The others cannot commit the step before these buckets go out, so a fetch of its state registered in
+    ``learned_at`` is served (``Joiner.fetch_from``)."""
+    model, engine = Model(), FakeEngine(learn=11)
+    buckets = exchange(model, engine)
+    told: list[tuple[int, int]] = []
+    _, learned = buckets.exchange_all(None, contribute=False, learned_at=lambda s: told.append((s, len(engine.calls))))
+    assert learned == 11 and told == [(11, 1)]  # only the bucket that named the step was out
+    assert len(engine.calls) == 3
+    # In the trainer's loop the step is named by the post exchange of the step before: every bucket is held back.
+    engine2 = FakeEngine(learn=11, index=0)
+    looped = exchange(Model(), engine2)
+    looped.posts, told = True, []
+    _, learned = looped.exchange_all(None, contribute=False, learned_at=lambda s: told.append((s, len(engine2.calls))))
+    assert learned == 11 and told == [(11, 1)] and len(engine2.calls) == 1 + len(looped)
+
+
+def test_a_joiner_whose_only_bucket_named_the_step_is_not_told() -> None:
+    """Every zero of the step is out once it is learned: the others may commit it before a fetch registers."""
+    model, engine = Model(), FakeEngine(learn=11, width=2)
+    one = BucketExchange(list(model.parameters()), [], engine, slot=lambda: 1, slots=3,  # type: ignore[arg-type]
+                         device=CPU, wait_s=5.0)
+    assert len(one) == 1
+    told: list[int] = []
+    _, learned = one.exchange_all(None, contribute=False, learned_at=told.append)
+    assert learned == 11 and told == []
+    learned_step = one.exchange_all(5, contribute=False, learned_at=told.append)[1]
+    assert learned_step is None and told == []  # a step known already is not learned again
 
 
 def test_the_step_digest_rides_the_last_bucket_in_this_slot_and_again_on_a_redo() -> None:

@@ -126,3 +126,43 @@ def test_early_drops_a_failed_fetch_and_its_kept_steps(monkeypatch: Any) -> None
     joiner.kept = {7: []}
     assert joiner.early(lambda: False) is None
     assert joiner.fetch is None and not joiner.kept
+
+
+def test_a_fetch_started_at_the_first_exchange_keeps_that_step_and_is_not_started_again(monkeypatch: Any) -> None:
+    """``fetch_from(t)`` at the first exchange (its zeros of t still held back): the snapshot is of t itself, so
+    t's averaged gradients are kept for the replay, and the step's settle collects that fetch, not a new one."""
+    joiner = _joiner(monkeypatch)
+    started: list[int] = []
+    registered: list[float] = []
+    snapshot = object()
+
+    def start(step: int) -> FakeFetch:
+        started.append(step)
+        fetch = FakeFetch(snapshot)
+        fetch.wait_registered = registered.append  # type: ignore[attr-defined]
+        return fetch
+
+    monkeypatch.setattr(joiner, "_start_fetch", start)
+    joiner.fetch_from(11)
+    assert started == [11] and joiner.target == 11 and joiner.fetches == 1 and len(registered) == 1
+    assert joiner.exchanged(11, [], 0) is None  # still fetching
+    assert 11 in joiner.kept and started == [11]
+    assert joiner.fetch is not None
+    joiner.fetch.finished = True  # type: ignore[attr-defined]
+    assert joiner.exchanged(12, [], 0) is snapshot
+    assert sorted(joiner.kept) == [11, 12]  # both replayed on top of the snapshot of 11
+
+
+def test_without_an_early_fetch_the_first_settled_step_starts_one_of_the_next(monkeypatch: Any) -> None:
+    joiner = _joiner(monkeypatch)
+    started: list[int] = []
+
+    def start(step: int) -> FakeFetch:
+        started.append(step)
+        fetch = FakeFetch(object())
+        fetch.wait_registered = lambda timeout: None  # type: ignore[attr-defined]
+        return fetch
+
+    monkeypatch.setattr(joiner, "_start_fetch", start)
+    assert joiner.exchanged(11, [], 0) is None
+    assert started == [12] and joiner.target == 12 and not joiner.kept  # 11 is in the snapshot of 12
