@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 # The unit tests are pure and share nothing: they run in this many pytest-xdist workers. The integration tests run
-# one at a time (each already fills the machine's cores with real processes).
+# in two lanes (tests/integration/conftest.py): those that train, one at a time (each already fills the machine's
+# cores with real processes), and beside them the control-plane ones, one at a time (mostly waiting on deadlines).
 UNIT_JOBS ?= 2
 
 .PHONY: setup demo test test-fast lint proto bench benchmarks-doc clean
@@ -39,7 +40,7 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q -n $(UNIT_JOBS) tests/unit
-	$(PY) -m pytest -q tests/integration
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests/integration
 
 proto: setup
 	$(PY) scripts/gen_protos.py
