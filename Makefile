@@ -40,7 +40,7 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q -n $(UNIT_JOBS) tests/unit
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests/integration
+	$(PY) -m pytest -q -n 2 tests/integration
 
 proto: setup
 	$(PY) scripts/gen_protos.py
