@@ -145,11 +145,10 @@ def run_once(etcd: EtcdCluster, workdir: pathlib.Path, arm: str, members: int, t
         beats = [c.aio.heartbeats for c in mine]
         joiner = LighthouseClient(addresses, JOB, "joiner")
         clients.append(joiner)
-        joined: list[int] = []
 
         def join() -> None:
             joiner.start(deadline_s=DEADLINE_S)
-            joined.append(joiner.ready(m.JOINING))
+            joiner.ready(m.JOINING)
 
         t0 = time.monotonic()
         leader.send_signal(signal.SIGKILL)

@@ -12,7 +12,6 @@ route) proves nothing, and the death waits for a report or for silence, as befor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 
 
@@ -46,17 +45,5 @@ def knock(address: str, timeout_s: float = KNOCK_TIMEOUT_S) -> bool | None:
 
 
 async def refused(address: str, timeout_s: float) -> bool:
-    """True only when a TCP connection to ``address`` is refused within ``timeout_s``."""
-    target = split(address)
-    if target is None:
-        return False
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(*target), timeout_s)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return False
+    """True only when a TCP connection to ``address`` is refused within ``timeout_s`` (``knock``, off the loop)."""
+    return await asyncio.to_thread(knock, address, timeout_s) is True
