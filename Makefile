@@ -7,7 +7,8 @@ TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 # The unit tests are pure and share nothing: they run in this many pytest-xdist workers. The integration tests run
 # in two lanes (tests/integration/conftest.py): those that train, one at a time (each already fills the machine's
-# cores with real processes), and beside them the control-plane ones, one at a time (mostly waiting on deadlines).
+# cores with real processes), and beside them the light ones, one at a time (the control plane's, mostly waiting on
+# deadlines, and paced trainings of one rank per group).
 UNIT_JOBS ?= 2
 
 .PHONY: setup demo test test-fast lint proto bench benchmarks-doc clean

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
 from ftar import ExchangeResult
@@ -30,7 +31,7 @@ from fthsdp.runtime.commit import Commit
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.core import StepCore
 from fthsdp.runtime.faults import Phase
-from fthsdp.runtime.loop import SlotLoader
+from fthsdp.runtime.loop import SlotLoader, data_split
 from fthsdp.runtime.result import StepResult
 from fthsdp.runtime.standing import Standing
 from lighthouse import membership as m
@@ -355,10 +356,13 @@ class Steps(StepCore):
         return out
 
     def dataloader(self, dataset: Dataset[Any], batch_size: int, *, micro_batches: int = 1, seed: int = 0,
-                   shuffle: bool = True, **loader_kwargs: Any) -> SlotLoader:
+                   shuffle: bool = True, mesh: DeviceMesh | None = None, **loader_kwargs: Any) -> SlotLoader:
         """A ``torch.utils.data.DataLoader`` over ``dataset`` (map-style) that yields this rank's next batches of
         the replica's data slot, ``micro_batches`` per step, by the slot's cursor: every batch is trained exactly
-        once across failures, and the position follows a catch-up or a resume (``loop.SlotLoader``). Other
-        keyword arguments go to the ``DataLoader`` (``num_workers``, ``collate_fn``, ``pin_memory``, ...)."""
+        once across failures, and the position follows a catch-up or a resume (``loop.SlotLoader``). ``mesh``: the
+        1-D mesh of the replica's ranks that split the slot's batch (its data-parallel dimension, e.g.
+        ``mesh["dp"]`` of a tensor-parallel replica, whose TP ranks then read the same batch); by default every
+        rank of the replica. Other keyword arguments go to the ``DataLoader`` (``num_workers``, ``collate_fn``,
+        ``pin_memory``, ...)."""
         return SlotLoader(self, dataset, batch_size, micro_batches=micro_batches, seed=seed, shuffle=shuffle,
-                          **loader_kwargs)
+                          split=data_split(mesh, self.world_size), **loader_kwargs)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
@@ -206,7 +207,8 @@ class SlotLoader:
     workers persist). Take a step's batches after ``zero_grad()``."""
 
     def __init__(self, ft: Position, dataset: Dataset[Any], batch_size: int, *, micro_batches: int = 1,
-                 seed: int = 0, shuffle: bool = True, **loader_kwargs: Any) -> None:
+                 seed: int = 0, shuffle: bool = True, split: tuple[int, int] | None = None,
+                 **loader_kwargs: Any) -> None:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         for key in ("sampler", "batch_sampler", "batch_size", "shuffle", "drop_last"):
@@ -214,8 +216,9 @@ class SlotLoader:
                 raise ValueError(f"{key}= is the slot loader's to set: it samples by the replica's slot and cursor")
         self.ft, self.micro_batches = ft, micro_batches
         size = len(dataset)  # type: ignore[arg-type]
+        rank, ranks = split or (ft.rank, ft.world_size)  # who shares the slot's batch: data_split
         self.sampler = CursorSampler(SlotSampler(size, batch_size, seed=seed, shuffle=shuffle), micro_batches,
-                                     ft.rank, ft.world_size, ft.slots)
+                                     rank, ranks, ft.slots)
         if loader_kwargs.get("num_workers", 0) > 0:
             loader_kwargs.setdefault("persistent_workers", True)  # the workers outlive a restart of the position
             if "multiprocessing_context" not in loader_kwargs:
@@ -249,6 +252,21 @@ class SlotLoader:
         slot, cursor, micro = want
         self._next = (slot, cursor, micro + 1) if micro + 1 < self.micro_batches else (slot, cursor + 1, 0)
         return batch
+
+
+def data_split(mesh: DeviceMesh | None, world_size: int) -> tuple[int, int] | None:
+    """(this rank's part, parts) of a slot's batch split over ``mesh``, the replica's data-parallel ranks (None:
+    over all its ``world_size`` ranks). Raises ``ValueError`` for a mesh that cannot be that dimension."""
+    if mesh is None:
+        return None
+    if mesh.ndim != 1:
+        raise ValueError(f"the data's mesh must be 1-D (the replica's data-parallel dimension, e.g. mesh['dp']), "
+                         f"got {mesh.ndim}-D {mesh.mesh_dim_names or ''}")
+    if mesh.size() > world_size or world_size % mesh.size():
+        raise ValueError(f"the data's mesh has {mesh.size()} ranks: not a dimension of this replica's {world_size}")
+    rank = mesh.get_local_rank()
+    assert isinstance(rank, int)
+    return rank, mesh.size()
 
 
 def indices_of(sampler: SlotSampler, slot: int, cursor: int, rank: int, micro: int, *, slots: int, ranks: int,

@@ -1,7 +1,8 @@
 """The integration tests run in two lanes (``make test``: ``-n 2``): the tests that train (real replica groups
-filling the machine's cores) one at a time in one pytest-xdist worker, and the control-plane tests (lighthouses,
-etcd, manifests, a browser, emulated replicas: mostly waiting on deadlines) one at a time in the other, beside
-them. Without pytest-xdist this changes nothing."""
+filling the machine's cores) one at a time in one pytest-xdist worker, and the light ones one at a time in the
+other, beside them: the control-plane tests (lighthouses, etcd, manifests, a browser, emulated replicas: mostly
+waiting on deadlines) and the trainings of one rank per group whose steps are paced (their processes mostly sleep,
+and what they check counts steps, not seconds). Without pytest-xdist this changes nothing."""
 
 from __future__ import annotations
 
@@ -12,12 +13,23 @@ CONTROL_PLANE = frozenset({
     "test_lighthouse_security.py", "test_lighthouse_server.py", "test_lighthouse_evidence.py",
     "test_side_channels.py", "test_sim.py", "test_gpu_checks.py",
 })
-"""The files of the control-plane lane: none of their tests trains a model."""
+"""The files of the control-plane tests: none of them trains a model."""
+
+PACED_ONE_RANK = frozenset({
+    "test_state_travels.py",
+    "test_chaos.py::test_ha_leader_lighthouse_killed_training_goes_on",
+    "test_chaos.py::test_replica_back_after_the_job_finished_ends_cleanly",
+})
+"""Files (or single tests) that train one rank per replica group with paced steps: light beside a training."""
 
 
 def lane(nodeid: str) -> str:
-    """The lane of the test ``nodeid``."""
-    return "control-plane" if nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in CONTROL_PLANE else "training"
+    """The lane of the test ``nodeid``: "light" (``CONTROL_PLANE``, ``PACED_ONE_RANK``) or "training"."""
+    path, _, name = nodeid.partition("::")
+    file = path.rsplit("/", 1)[-1]
+    test = f"{file}::{name.split('[', 1)[0]}"
+    light = file in CONTROL_PLANE or file in PACED_ONE_RANK or test in PACED_ONE_RANK
+    return "light" if light else "training"
 
 
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:

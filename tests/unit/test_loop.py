@@ -20,7 +20,7 @@ from ftar import ExchangeResult, Handle, Interrupted
 from fthsdp.runtime import grad_scale, iteration
 from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.data import SlotSampler
-from fthsdp.runtime.loop import LoopOptimizer, SlotLoader, absorb_step, fsdp_units, indices_of
+from fthsdp.runtime.loop import LoopOptimizer, SlotLoader, absorb_step, data_split, fsdp_units, indices_of
 from fthsdp.runtime.trainer_state import TrainerState
 
 CPU = torch.device("cpu")
@@ -339,6 +339,40 @@ def test_the_loader_yields_the_slots_batches_by_cursor_and_restarts_where_the_cu
     assert take() == want(2, 5, 0) and loader.restarts == 2
     with pytest.raises(ValueError, match="sampler"):
         SlotLoader(ft, Items(), 4, sampler=None)  # type: ignore[arg-type]
+
+
+@dataclass
+class Mesh:
+    """A stand-in for a ``DeviceMesh``: what ``data_split`` reads."""
+
+    ndim: int
+    ranks: int
+    local: int
+    mesh_dim_names: tuple[str, ...] | None = None
+
+    def size(self) -> int:
+        return self.ranks
+
+    def get_local_rank(self) -> int:
+        return self.local
+
+
+def test_a_data_mesh_splits_the_slots_batch_over_its_ranks_alone() -> None:
+    """A tensor-parallel replica of 4 ranks hands the loader its data-parallel dimension (2 ranks): the batch is
+    split in 2, and rank 3 (data rank 1) reads what data rank 1 of a 2-rank replica would."""
+    ft = Position()
+    ft.rank, ft.world_size = 3, 4
+    assert data_split(None, 4) is None  # every rank of the replica
+    dp = Mesh(ndim=1, ranks=2, local=1, mesh_dim_names=("dp",))
+    assert data_split(dp, 4) == (1, 2)  # type: ignore[arg-type]
+    loader = SlotLoader(ft, Items(), 4, micro_batches=1, split=data_split(dp, 4))  # type: ignore[arg-type]
+    ft.iteration = 1
+    sampler = SlotSampler(50, 4, seed=0)
+    assert [int(x) for x in next(loader)] == list(indices_of(sampler, 1, 0, 1, 0, slots=3, ranks=2, micro_batches=1))
+    with pytest.raises(ValueError, match="1-D"):
+        data_split(Mesh(ndim=2, ranks=4, local=0, mesh_dim_names=("dp", "tp")), 4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not a dimension"):
+        data_split(Mesh(ndim=1, ranks=3, local=0), 4)  # type: ignore[arg-type]
 
 
 class Checkpointed(Model):
