@@ -157,6 +157,8 @@ class BucketExchange:
         self._at_first: Callable[[], None] | None = None
         self._at_end: Callable[[], None] | None = None
         """``arm``'s callbacks: before the step's first bucket goes out, and once backward has ended."""
+        self._end_at_last = False
+        """``at_end`` runs once the last bucket is out (gradients reduced outside a backward pass)."""
         self.digest: bytes | None = None
         """This replica's state digest for the step being exchanged (None: not a checked step)."""
         self.alias = False
@@ -197,15 +199,18 @@ class BucketExchange:
         """From now on gradient shards that FSDP2 finishes go out as buckets of ``step`` (until ``disarm``).
         ``at_first`` runs before the first bucket goes out; ``at_end`` once the backward pass that produced it has
         ended (an autograd final callback: after FSDP2's own, which finishes every reduce-scatter), still inside
-        ``backward()``, so the trainer's code after it sees what ``at_end`` did."""
+        ``backward()``, so the trainer's code after it sees what ``at_end`` did; when FSDP2 reduces outside a
+        backward pass (a pipeline schedule's reduce step), once the step's last bucket is out."""
         self._pending = [None] * len(self.buckets)
         self._filled = [0] * len(self.buckets)
         self._launched = 0
         self._armed = step
         self._at_first, self._at_end = at_first, at_end
+        self._end_at_last = False
 
     def disarm(self) -> None:
         self._armed, self._at_first, self._at_end = None, None, None
+        self._end_at_last = False
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """FSDP2 finished this parameter's gradient shard: launch every bucket that is now complete, in order."""
@@ -221,11 +226,20 @@ class BucketExchange:
             if self._at_first is not None:
                 self._at_first()
             if self._at_end is not None:
-                torch.autograd.Variable._execution_engine.queue_callback(self._at_end)
+                if torch._C._current_graph_task_id() >= 0:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._at_end)
+                else:
+                    self._end_at_last = True
         self._filled[k] += 1
         while self._launched < len(self.buckets) and \
                 self._filled[self._launched] == len(self.buckets[self._launched]):
             self._launch(self._launched, self._armed, True)
+        if self._end_at_last and self._launched == len(self.buckets) and self._at_end is not None:
+            # No backward to end (torch.distributed.pipelining reduces every stage's gradients after its
+            # schedule's last backward): the step settles once its last bucket is out, before the schedule scales
+            # the gradients, so that scaling is the trainer's, applied to the averaged gradients as clipping is.
+            self._end_at_last = False
+            self._at_end()
 
     def _launch(self, k: int, step: int | None, contribute: bool) -> Handle:
         bucket = self.buckets[k]

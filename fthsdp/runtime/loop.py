@@ -121,17 +121,23 @@ def absorb_step(scheduler: Any) -> Callable[[], None]:
 def fsdp_units(model: nn.Module) -> tuple[list[nn.Parameter], list[list[nn.Parameter]]]:
     """A model the trainer sharded with ``fully_shard``: its (sharded) parameters, and per FSDP2 unit other than
     the root, in module order, the parameters that unit manages (not those of a unit inside it). Each unit's
-    gradient shards form one bucket of the exchange. Raises ``TypeError`` for a model not sharded with FSDP2."""
-    if not isinstance(model, FSDPModule):
+    gradient shards form one bucket of the exchange. ``model`` may also hold several roots (a container that is
+    not itself sharded, e.g. an ``nn.ModuleList`` of a rank's pipeline stages): then every unit is a bucket, and
+    every parameter must be in one. Raises ``TypeError`` for a model not sharded with FSDP2."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
         raise TypeError(f"{type(model).__name__} is not sharded with FSDP2: apply torch.distributed.fsdp.fully_shard "
                         "to its blocks and to the model itself (or let ft.shard(model, blocks) do it)")
     owner: dict[int, nn.Module] = {}
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:  # pre-order: an inner unit comes after the units around it, and takes its parameters
         for p in unit.parameters():
             owner[id(p)] = unit
     params = list(model.parameters())
-    blocks = [[p for p in params if owner[id(p)] is unit] for unit in units if unit is not model]
+    if outside := [name for name, p in model.named_parameters() if id(p) not in owner]:
+        raise TypeError(f"{type(model).__name__}: parameters in no FSDP2 unit ({', '.join(outside[:3])}): shard "
+                        "every stage with fully_shard")
+    root = model if isinstance(model, FSDPModule) else None
+    blocks = [[p for p in params if owner[id(p)] is unit] for unit in units if unit is not root]
     return params, [b for b in blocks if b]
 
 
