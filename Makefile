@@ -41,7 +41,7 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q -n $(UNIT_JOBS) tests/unit
-	$(PY) -m pytest -q -n 2 tests/integration
+	$(PY) -m pytest -q -n 2 --durations=80 tests/integration
 
 proto: setup
 	$(PY) scripts/gen_protos.py

@@ -19,8 +19,11 @@ PACED_ONE_RANK = frozenset({
     "test_state_travels.py",
     "test_chaos.py::test_ha_leader_lighthouse_killed_training_goes_on",
     "test_chaos.py::test_replica_back_after_the_job_finished_ends_cleanly",
+    "test_user_script.py::test_fthsdp_run_one_group_per_host_against_a_shared_lighthouse",
+    "test_catchup_e2e.py::test_every_replica_dies_job_resumes_from_checkpoint",
 })
-"""Files (or single tests) that train one rank per replica group with paced steps: light beside a training."""
+"""Files (or single tests) that train one rank per replica group with paced steps, or wait out a restart delay:
+light beside a training."""
 
 
 def lane(nodeid: str) -> str:

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 USER = pathlib.Path(__file__).resolve().parent.parent / "helpers" / "user"
 ACCUM, BATCH, ITEMS = 2, 4, 4096  # as loop_layouts.py has them
 LOSS_TOLERANCE = 1e-5
-"""Per-rank loss, fthsdp against plain HSDP of the same layout, relative (docs/design.md §14): the cross-replica
+"""Per-rank loss, fthsdp against plain HSDP of the same layout, relative (docs/design.md §3b): the cross-replica
 sums are taken in another order (FTAR's lane against HSDP's all-reduce), nothing else differs."""
 
 

@@ -128,6 +128,23 @@ def test_backward_hands_buckets_to_ftar_in_order_tagged_with_the_step() -> None:
     assert buckets.mask_of(results) == [0.0, 1.0, 0.0]
 
 
+def test_gradients_reduced_outside_a_backward_settle_once_the_last_bucket_is_out() -> None:
+    """A pipeline schedule reduces each stage's gradients after its last backward, outside any backward pass
+    (torch.distributed.pipelining's reduce step calls FSDP2's post-backward, which runs the hooks): no autograd
+    final callback can be queued, so the step's end runs as its last bucket goes out, and only then."""
+    model, engine = Model(), FakeEngine()
+    buckets = exchange(model, engine)
+    ended: list[int] = []
+    buckets.arm(4, at_end=lambda: ended.append(len(engine.calls)))
+    params = [p for bucket in buckets.buckets for p in bucket]  # in bucket order, as FSDP2 reduces them
+    for i, p in enumerate(params):
+        p.grad = torch.ones_like(p)
+        for hook in p._post_accumulate_grad_hooks.values():  # as FSDP2's foreach_reduce runs them
+            hook(p)
+        assert ended == ([] if i < len(params) - 1 else [3]), (i, ended)
+    assert [c["tag"] for c in engine.calls] == [buckets.tag(4, k) for k in range(3)]
+
+
 def test_the_hook_does_nothing_unless_armed() -> None:
     model, engine = Model(), FakeEngine()
     exchange(model, engine)

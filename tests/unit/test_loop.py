@@ -160,6 +160,20 @@ def test_fsdp_units_are_the_buckets_of_a_model_the_trainer_sharded(sharded: Mode
         fsdp_units(nn.Linear(2, 2))
 
 
+def test_a_ranks_several_fsdp2_roots_are_one_model_every_unit_a_bucket(one_rank_group: None) -> None:
+    """A rank of an interleaved pipeline holds several stages, each its own FSDP2 root, handed over as one
+    container: every unit is a bucket (no root takes the rest), and a parameter in no unit is refused."""
+    from torch.distributed.fsdp import fully_shard
+
+    stages = nn.ModuleList([fully_shard(nn.Linear(2, 2)), fully_shard(nn.Linear(2, 3))])
+    params, blocks = fsdp_units(stages)
+    assert len(params) == 4 and [len(b) for b in blocks] == [2, 2]
+    assert {id(p) for b in blocks for p in b} == {id(p) for p in params}
+    stages.append(nn.Linear(1, 1))
+    with pytest.raises(TypeError, match="no FSDP2 unit"):
+        fsdp_units(stages)
+
+
 # --- the scale -----------------------------------------------------------------------------------------------
 
 
