@@ -65,19 +65,6 @@ class BucketTag:
         return f"step={t.step - 1} post" if t.bucket == 0 else f"step={t.step} bucket={t.bucket - 1}"
 
 
-def grads_untouched(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt`` is known never to change ``.grad`` in place (so a step's results can be the gradients):
-    torch's Adam and AdamW, and SGD without Nesterov (which adds the momentum into ``.grad``), none of them
-    ``differentiable``. Anything else is not known, so its gradients are copied. (Version counters cannot tell:
-    an in-place op on a DTensor does not move its local tensor's counter.)"""
-    groups = opt.param_groups
-    if any(g.get("differentiable", False) for g in groups):
-        return False
-    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
-        return True
-    return type(opt) is torch.optim.SGD and not any(g.get("nesterov", False) for g in groups)
-
-
 def _bind_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     """Make ``g`` (shaped like ``p``'s local shard) ``p``'s gradient, without a copy. FSDP2's gradient DTensor is
     kept and its local tensor swapped, as FSDP2 itself accumulates into it (``DTensor.from_local`` per parameter

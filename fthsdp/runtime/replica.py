@@ -28,12 +28,25 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from fthsdp.runtime import roles
-from fthsdp.runtime.buckets import BucketExchange, grads_untouched
+from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.iteration import Steps
 from fthsdp.runtime.loop import LoopOptimizer, absorb_step, fsdp_units
 from fthsdp.runtime.state import replica_hash
 from fthsdp.runtime.trainer_state import Scheduler, Stateful
+
+
+def grads_untouched(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` is known never to change ``.grad`` in place (so a step's results can be the gradients):
+    torch's Adam and AdamW, and SGD without Nesterov (which adds the momentum into ``.grad``), none of them
+    ``differentiable``. Anything else is not known, so its gradients are copied. (Version counters cannot tell:
+    an in-place op on a DTensor does not move its local tensor's counter.)"""
+    groups = opt.param_groups
+    if any(g.get("differentiable", False) for g in groups):
+        return False
+    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+        return True
+    return type(opt) is torch.optim.SGD and not any(g.get("nesterov", False) for g in groups)
 
 
 class Replica(Steps):

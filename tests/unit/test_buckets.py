@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from ftar import ExchangeResult, Handle, Interrupted
-from fthsdp.runtime.buckets import BucketExchange, BucketTag, grads_untouched, plan_buckets, slot_mask
+from fthsdp.runtime.buckets import BucketExchange, BucketTag, plan_buckets, slot_mask
 from fthsdp.runtime.digest import WORDS, pack
+from fthsdp.runtime.replica import grads_untouched
 
 CPU = torch.device("cpu")
 
