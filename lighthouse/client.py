@@ -38,7 +38,8 @@ class LighthouseClient:
                  endpoints: Endpoints = NO_ENDPOINTS, rpc_timeout_s: float = 2.0,
                  on_epoch: Callable[[EpochView], None] | None = None,
                  on_lost: Callable[[str], None] | None = None, incarnation: str | None = None,
-                 security: ClientSecurity | None = None, slot: int = NO_SLOT, slots: int = 0) -> None:
+                 security: ClientSecurity | None = None, slot: int = NO_SLOT, slots: int = 0,
+                 layout: str = "") -> None:
         self._on_epoch = on_epoch
         self._on_lost = on_lost
         self._cond = threading.Condition()
@@ -53,7 +54,7 @@ class LighthouseClient:
         # The channel is made lazily, on the loop thread, by the first call.
         self.aio = AsyncLighthouseClient(addresses, job_id, replica_id, shard_count=shard_count,
                                          endpoints=endpoints, rpc_timeout_s=rpc_timeout_s, incarnation=incarnation,
-                                         security=security, slot=slot, slots=slots)
+                                         security=security, slot=slot, slots=slots, layout=layout)
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)

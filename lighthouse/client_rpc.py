@@ -125,7 +125,7 @@ class LighthouseRpc:
     def __init__(self, addresses: str | Sequence[str], job_id: str, replica_id: str, *, shard_count: int = 1,
                  endpoints: Endpoints = NO_ENDPOINTS, incarnation: str | None = None,
                  rpc_timeout_s: float = 2.0, security: ClientSecurity | None = None, slot: int = NO_SLOT,
-                 slots: int = 0) -> None:
+                 slots: int = 0, layout: str = "") -> None:
         self.addresses = parse_addresses(addresses)
         self.security = security or ClientSecurity()
         self._metadata = self.security.metadata()
@@ -141,6 +141,8 @@ class LighthouseRpc:
         self.pace: Pace | None = None
         """The replica's latest pace report, sent with every heartbeat (fail-slow evidence)."""
         self.slot, self.slots = slot, slots
+        self.layout = layout
+        """This replica's parallel layout, as its device mesh names it ('': none named)."""
         """The data slot a registration asks for (the one held in the newest epoch, once in one; ``NO_SLOT``: none,
         a spare) and the job's slot count (0: none named; ``lighthouse.slots``)."""
         self.role = ""
@@ -253,7 +255,7 @@ class LighthouseRpc:
             job_id=self.job_id, replica_id=self.replica_id, shard_count=self.shard_count,
             incarnation=self.incarnation, role=ROLE_TO_PB[claim] if claim else pb.ROLE_UNSPECIFIED,
             last_epoch=last_epoch, endpoints=endpoints_to_pb(self.endpoints),
-            slot=None if self.slot == NO_SLOT else self.slot, slots=self.slots))
+            slot=None if self.slot == NO_SLOT else self.slot, slots=self.slots, layout=self.layout))
         assert isinstance(resp, pb.RegisterResponse)
         self.role = ROLE_FROM_PB.get(resp.role, JOINING)
         self.heartbeat_interval_s = resp.heartbeat_interval_s or self.heartbeat_interval_s

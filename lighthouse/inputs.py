@@ -27,6 +27,8 @@ class Register:
     registering again; ``NO_SLOT``: none (a spare)."""
     slots: int = 0
     """The job's data slots as this replica knows them (``FTHSDP_NUM_REPLICAS``); 0: it names none."""
+    layout: str = ""
+    """The replica's parallel layout as its device mesh names it (``dp2xtp2``); '' : it names none."""
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,10 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
                        f"shard_count {ev.shard_count} differs from the job's {job_shards}")
     if (why := slots.check(state, ev.slot, ev.slots)) is not None:
         return _reject(state, "INVALID_ARGUMENT", why)
+    if ev.layout and state.layout and ev.layout != state.layout:
+        return _reject(state, "INVALID_ARGUMENT",
+                       f"replica layout {ev.layout} differs from the job's {state.layout}: every replica must build "
+                       "the same device mesh (rank r of each exchanges its shards with rank r of the others)")
     if ev.claim not in ("", *ROLES):
         return _reject(state, "INVALID_ARGUMENT", f"claim must be one of {ROLES} or empty, got {ev.claim!r}")
     if state.is_departed(ev.replica_id, ev.incarnation):
@@ -189,7 +193,8 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
     suspicions = {k: v for k, v in state.suspicions.items() if k != ev.replica_id}
     suspected_at = {k: v for k, v in state.suspected_at.items() if k != ev.replica_id}
     new = dataclasses.replace(state, members=members, suspicions=suspicions, suspected_at=suspected_at,
-                              last_number=max(state.last_number, ev.last_epoch), slots=state.slots or ev.slots)
+                              last_number=max(state.last_number, ev.last_epoch), slots=state.slots or ev.slots,
+                              layout=state.layout or ev.layout)
     known = state.known_in_epoch_count()
     if known is not None and not reclaim:  # one member more: count on, instead of counting every member again
         new.seed_in_epoch_count(known + members[ev.replica_id].in_epoch)

@@ -204,6 +204,9 @@ class State:
     slots: int = 0
     """The job's data slots (``FTHSDP_NUM_REPLICAS``), from its first registration that named them; 0: none named
     (no slot is handed out: ``lighthouse.slots``). Durable."""
+    layout: str = ""
+    """The job's replica layout (``dp2xtp2``: a replica's mesh, by dimension), from its first registration that
+    named one; a registration naming another is refused. '' : none named. Durable."""
 
     @functools.cached_property
     def in_epoch_count(self) -> int:

@@ -108,10 +108,10 @@ def durable_change(before: State, after: State) -> bool:
     """Whether ``after`` changes what the document holds, so the store must be written: a new epoch; the counter
     alone (a member that came back to a lighthouse that lost it names the epochs it saw: the store's fence is the
     stored number); the end of the job; an incarnation that became over for good (a hung one back after a
-    restart must be refused); the job's slot count, once named."""
+    restart must be refused); the job's slot count and replica layout, once named."""
     return (after.epoch is not before.epoch or after.last_number != before.last_number
             or after.finished_step != before.finished_step or after.departed is not before.departed
-            or after.slots != before.slots)
+            or after.slots != before.slots or after.layout != before.layout)
 
 
 def state_to_doc(state: State) -> dict[str, Any]:
@@ -131,6 +131,7 @@ def state_to_doc(state: State) -> dict[str, Any]:
         "finished_step": state.finished_step,
         "departed": [[rid, list(incs)] for rid, incs in state.departed.items()],  # a list: in departure order
         "slots": state.slots,
+        "layout": state.layout,
     }
 
 
@@ -159,4 +160,5 @@ def state_from_doc(doc: dict[str, Any] | None, now: float) -> State:
         finished_step=None if doc.get("finished_step") is None else int(doc["finished_step"]),
         departed=departed,
         slots=int(doc.get("slots") or 0),
+        layout=str(doc.get("layout") or ""),
     )

@@ -40,6 +40,17 @@ def check_text(field: str, value: str, limit: int = REASON_MAX) -> str:
     return value
 
 
+LAYOUT = re.compile(r"[A-Za-z0-9_]{0,256}")
+"""A replica layout: its mesh's dimensions, each name and size (``dp2xtp2``); letters, digits and ``_``."""
+
+
+def check_layout(value: str) -> str:
+    """``value`` if it can name a replica layout (empty: none named)."""
+    if not LAYOUT.fullmatch(value):
+        raise ValidationError(f"layout must be at most 256 letters, digits or '_' (like 'dp2xtp2'), got {value[:80]!r}")
+    return value
+
+
 def check_shard_count(value: int) -> int:
     """``value`` if it is a usable shard count."""
     if not 1 <= value <= SHARD_MAX:

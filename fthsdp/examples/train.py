@@ -26,6 +26,7 @@ import torch.distributed as dist
 from fthsdp.examples.data import batch
 from fthsdp.examples.gpt import GPTConfig
 from fthsdp.examples.hsdp import local_param_hash, plain_hsdp, seeded_gpt
+from fthsdp.examples.layouts import LAYOUTS, Built, layout_gpt, mesh_for
 from fthsdp.launch.progress import ProgressRow
 from fthsdp.runtime.config import SCHEDULERS, TrainerSettings
 from fthsdp.runtime.result import StepResult
@@ -45,6 +46,9 @@ def _args(argv: list[str] | None, settings: TrainerSettings) -> argparse.Namespa
     p.add_argument("--scheduler", default=settings.scheduler, choices=SCHEDULERS,
                    help="LR scheduler: cosine (CosineAnnealingLR over --steps), lambda (LambdaLR, x0.97 per step), "
                    "none (default: FTHSDP_SCHEDULER)")
+    p.add_argument("--layout", default="fsdp", choices=LAYOUTS,
+                   help="the replica's layout: fsdp (FSDP2 over its ranks), tp2 (tensor parallel 2 x FSDP2), pp2 (2 "
+                   "pipeline stages, 1F1B, FSDP2 inside each): fthsdp.examples.layouts; with --plain too")
     p.add_argument("--api", default="loop", choices=("loop", "closure"),
                    help="fthsdp: the trainer's own loop (zero_grad/backward/step on ft.optimizer's result; default) or "
                    "ft.train_step(closure)")
@@ -55,7 +59,10 @@ def _args(argv: list[str] | None, settings: TrainerSettings) -> argparse.Namespa
                    help="pad each training forward to at least this long: a stand-in for a bigger model's steady "
                    "compute (tests of the fail-slow detector: a tiny model's tens of milliseconds on a shared CPU "
                    "jitter by more than any straggler factor)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.api == "closure" and a.layout != "fsdp":
+        p.error(f"--layout {a.layout} trains in the loop (--api loop): its backward is the layout's")
+    return a
 
 
 class Progress:
@@ -91,18 +98,31 @@ def _scheduler(name: str, opt: torch.optim.Optimizer, steps: int) -> torch.optim
 
 
 def run_plain(a: argparse.Namespace, cfg: GPTConfig) -> None:
-    job = plain_hsdp(cfg, a.seed, a.hsdp_replicas)
-    model, slot, srank, shards = job.model, job.slot, job.shard_rank, job.shards
+    built: Built | None = None
+    model: torch.nn.Module
+    if a.layout == "fsdp":
+        job = plain_hsdp(cfg, a.seed, a.hsdp_replicas)
+        model, slot, srank, shards, first = job.model, job.slot, job.shard_rank, job.shards, job.shard_rank == 0
+    else:  # the layout's mesh with a replicate dimension: plain HSDP of that layout
+        dist.init_process_group("gloo")
+        ranks = dist.get_world_size() // a.hsdp_replicas
+        mesh = mesh_for(a.layout, ranks, a.hsdp_replicas)
+        built = layout_gpt(cfg, a.seed, a.layout, mesh, ("replicate", "dp"))
+        model, srank, shards = built.model, built.data_rank, built.data_ranks
+        slot, first = dist.get_rank() // ranks, dist.get_rank() % ranks == 0
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     scheduler = _scheduler(a.scheduler, opt, a.steps)
-    progress = Progress(a.progress, srank == 0, replica=slot, mode="plain")
+    progress = Progress(a.progress, first, replica=slot, mode="plain")
     per_rank = a.batch // shards
     for step in range(a.steps):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         data = batch(a.seed, step, slot, srank, per_rank, cfg.seq_len, cfg.vocab)
-        loss = _computed(a.compute_s, lambda: model.loss(data))  # noqa: B023 - called within this iteration
-        loss.backward()
+        if built is None:
+            loss = _computed(a.compute_s, lambda: job.model.loss(data))  # noqa: B023 - called within this iteration
+            loss.backward()
+        else:
+            loss = _computed(a.compute_s, lambda: built.train(data))  # noqa: B023 - called within this iteration
         opt.step()
         if scheduler is not None:
             scheduler.step()
@@ -127,8 +147,12 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
     from fthsdp.runtime.config import ConfigError
     from fthsdp.runtime.session import exit_unhealthy
 
+    mesh = None
+    if a.layout != "fsdp":  # the replica's mesh first: its layout is registered (CPU, Gloo: the examples' layouts)
+        dist.init_process_group("gloo")
+        mesh = mesh_for(a.layout, dist.get_world_size())
     try:
-        ft = Replica()
+        ft = Replica(mesh=mesh)
     except JobFinished as e:  # back after the job completed, with no final checkpoint: nothing to do
         Progress(a.progress, settings.rank0).write(event="job_finished", step=e.step, error=str(e))
         return
@@ -138,22 +162,32 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         raise
     except Unhealthy as e:  # the self-check failed: this host is reported, the group kept out
         exit_unhealthy(e)
-    model = seeded_gpt(cfg, a.seed)
-    ft.shard(model, blocks=model.blocks)
+    built: Built | None = None
+    model: torch.nn.Module
+    if mesh is None:
+        model = gpt = seeded_gpt(cfg, a.seed)
+        ft.shard(gpt, blocks=gpt.blocks)
+        data_rank, data_ranks = ft.rank, ft.world_size
+    else:
+        built = layout_gpt(cfg, a.seed, a.layout, mesh, ("dp",))
+        model, data_rank, data_ranks = built.model, built.data_rank, built.data_ranks
     inner = torch.optim.AdamW(model.parameters(), lr=a.lr)
-    opt = ft.optimizer(inner, scheduler=_scheduler(a.scheduler, inner, a.steps))  # stepped by the runtime per commit
+    opt = ft.optimizer(inner, scheduler=_scheduler(a.scheduler, inner, a.steps),  # stepped by the runtime per commit
+                       model=None if built is None else model)
     slot, rank = ft.config.replica_index, ft.rank
     progress = Progress(a.progress, rank == 0, replica=slot, incarnation=ft.incarnation, mode="fthsdp")
     # Once registered: at once, or for a warm standby once released (in its first train_step).
     ft.when_registered(lambda: progress.write(event="start", joining=ft.joining, resumed_from=ft.resumed_from,
                                               step=ft.step))
-    per_rank = a.batch // ft.world_size
+    per_rank = a.batch // data_ranks
 
-    def forward() -> torch.Tensor:
+    def tokens() -> torch.Tensor:
         # Data by the slot's cursor, not by step: a batch is trained once, even across failures. The slot is the one
         # the lighthouse gives this replica now (a spare's is taken over from a dead replica).
-        return _computed(a.compute_s, lambda: model.loss(
-            batch(a.seed, ft.cursor, ft.slot, rank, per_rank, cfg.seq_len, cfg.vocab).to(ft.device)))
+        return batch(a.seed, ft.cursor, ft.slot, data_rank, per_rank, cfg.seq_len, cfg.vocab).to(ft.device)
+
+    def forward() -> torch.Tensor:
+        return _computed(a.compute_s, lambda: gpt.loss(tokens()))
 
     def write(r: StepResult, loss: float | None, step_s: float) -> None:
         progress.write(event="step", step=r.step, loss=loss, epoch=r.epoch, contributors=r.contributors,
@@ -175,8 +209,11 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         for _ in ft.steps(a.steps):  # the trainer's own loop (zero_grad begins a step, step commits)
             t0 = time.perf_counter()
             opt.zero_grad()  # a joiner catches up here, a spare shadows the others
-            loss = forward()
-            loss.backward()  # the exchange runs as FSDP2 produces each gradient shard
+            if built is None:
+                loss = forward()
+                loss.backward()  # the exchange runs as FSDP2 produces each gradient shard
+            else:  # the layout's forward and backward (a pipeline's schedule: the exchange settles inside it)
+                loss = _computed(a.compute_s, lambda: built.train(tokens()))  # noqa: B023 - called within this iteration
             trained = opt.step()  # commits (None: a warm-up, which trained nothing)
             if trained is not None:
                 write(trained, float(loss.item()), time.perf_counter() - t0)

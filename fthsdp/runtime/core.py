@@ -8,9 +8,9 @@ role is made of.
 
 The roles (``fthsdp.runtime.roles``: active, joining, spare, standby, ...) and the trainer's drivers
 (``fthsdp.runtime.iteration``) are built on these public methods and nothing else of the replica; the core knows of
-a role only what its state is (``Standing``). The replica learns
-its epochs in one place, ``feed`` (FTAR's membership interface; the lighthouse client publishes into it, and a
-follower rank's epochs come from rank 0 through ``epochs``).
+a role only what its state is (``Standing``). The replica learns its epochs in one place, ``feed`` (FTAR's
+membership interface; the lighthouse client publishes into it, and a follower rank's epochs come from rank 0
+through ``epochs``).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ log = logging.getLogger("fthsdp.runtime")
 
 class StepCore:
     """One rank's context and step core. Built whole here (the process group, the catch-up server, the lighthouse
-    session, FTAR's lane); the model and optimizer join it at ``attach`` (``Replica.optimizer``)."""
+    session registering ``layout``: ``loop.layout_of``; FTAR's lane); the model and optimizer join it at ``attach``."""
 
-    def __init__(self, config: RuntimeConfig) -> None:
+    def __init__(self, config: RuntimeConfig, layout: str = "") -> None:
         self.config = cfg = config
         startup.die_with_parent(cfg.under_torchrun)
         if cfg.backend == "nccl":
@@ -97,7 +97,7 @@ class StepCore:
         self.server.timeline = self.timeline.read if self.timeline.enabled else None
         self.metrics = ReplicaMetrics(cfg.replica_id, self.rank, port=cfg.metrics_port, addr=cfg.host)
         self.client = LighthouseClient(cfg.lighthouse, cfg.job_id, cfg.replica_id, shard_count=cfg.world_size,
-                                       on_epoch=self.feed.publish, incarnation=self.incarnation,
+                                       on_epoch=self.feed.publish, incarnation=self.incarnation, layout=layout,
                                        endpoints=m.Endpoints(catchup=self.server.address),
                                        security=cfg.security, on_lost=self.on_lost, slot=self.slot, slots=self.slots)
         self.membership = LighthouseMembership(self.client, self.feed, key=cfg.token, host=cfg.host)  # + lane store

@@ -70,8 +70,8 @@ class Iteration:
 class Steps(StepCore):
     """The replica's step drivers, on its step core (a base of ``Replica``)."""
 
-    def __init__(self, config: RuntimeConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: RuntimeConfig, layout: str = "") -> None:
+        super().__init__(config, layout)
         self.role: roles.Role = roles.Standby()
         """What this replica does at the start of its next step (``fthsdp.runtime.roles``)."""
         self._iter: Iteration | None = None

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ftar.devices import start_thread
+from fthsdp.runtime.config import ConfigError
 from fthsdp.runtime.data import ReplicaLike, SlotSampler, batch_index
 from fthsdp.runtime.result import StepResult
 
@@ -258,6 +259,20 @@ class SlotLoader:
         slot, cursor, micro = want
         self._next = (slot, cursor, micro + 1) if micro + 1 < self.micro_batches else (slot, cursor + 1, 0)
         return batch
+
+
+def layout_of(mesh: DeviceMesh | None, world_size: int) -> str:
+    """How the lighthouse names a replica's layout: its device mesh's dimensions, name and size each, joined by
+    ``x`` (``dp2xtp2``; an unnamed dimension is ``d<i>``); '' for no mesh. Every replica of a job must register the
+    same (rank r of each exchanges its shards with rank r of the others). Raises ``ConfigError`` for a mesh that
+    is not over the replica's ``world_size`` ranks."""
+    if mesh is None:
+        return ""
+    if mesh.size() != world_size:
+        raise ConfigError(f"the replica's mesh has {mesh.size()} ranks, its process group {world_size}: hand the "
+                          "runtime the mesh of the whole replica")
+    names = mesh.mesh_dim_names or tuple(f"d{i}" for i in range(mesh.ndim))
+    return "x".join(f"{name}{size}" for name, size in zip(names, mesh.shape, strict=True))
 
 
 def data_split(mesh: DeviceMesh | None, world_size: int) -> tuple[int, int] | None:

@@ -25,13 +25,14 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from fthsdp.runtime import roles
 from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.iteration import Steps
-from fthsdp.runtime.loop import LoopOptimizer, absorb_step, fsdp_units
+from fthsdp.runtime.loop import LoopOptimizer, absorb_step, fsdp_units, layout_of
 from fthsdp.runtime.state import replica_hash
 from fthsdp.runtime.trainer_state import Scheduler, Stateful
 
@@ -52,10 +53,13 @@ def grads_untouched(opt: torch.optim.Optimizer) -> bool:
 class Replica(Steps):
     """One rank's handle on fault-tolerant HSDP. Create it after torchrun has set the environment: it joins the
     replica's process group, registers with the lighthouse (a warm standby once released) and takes the role the
-    lighthouse gives it (``fthsdp.runtime.roles``)."""
+    lighthouse gives it (``fthsdp.runtime.roles``). ``mesh``: the device mesh the trainer built over the
+    replica's ranks, if any (tensor or pipeline parallelism inside: docs/design.md §3b); its layout is registered,
+    and a replica whose layout differs from the job's is refused (``ConfigError``)."""
 
-    def __init__(self, config: RuntimeConfig | None = None) -> None:
-        super().__init__(config or RuntimeConfig.from_env())
+    def __init__(self, config: RuntimeConfig | None = None, mesh: DeviceMesh | None = None) -> None:
+        cfg = config or RuntimeConfig.from_env()
+        super().__init__(cfg, layout_of(mesh, cfg.world_size))
         self._sharded: list[nn.Parameter] = []
         self._buckets: BucketExchange | None = None
         if not self.config.standby_gate:

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, NoReturn
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from fthsdp.launch.progress import ProgressRow
 from fthsdp.runtime import selfcheck
 from fthsdp.runtime.config import ConfigError, RuntimeConfig
@@ -61,12 +63,12 @@ def _progress(**kv: Any) -> None:
             f.write(ProgressRow.from_json({**kv, "t": time.time()}).line())
 
 
-def _start(config: RuntimeConfig | None) -> Replica:
+def _start(config: RuntimeConfig | None, mesh: DeviceMesh | None = None) -> Replica:
     """``Replica(config)`` with the start-up exits: back after the job finished (exit 0), or a ``fatal`` line for
     an error a restart would meet again."""
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        ft = Replica(config)
+        ft = Replica(config, mesh)
     except JobFinished as e:
         log.warning("fthsdp: %s", e)
         if rank0:
@@ -125,13 +127,14 @@ def _end(ft: Replica) -> None:
     ft.close()
 
 
-def init(config: RuntimeConfig | None = None) -> Replica:
+def init(config: RuntimeConfig | None = None, mesh: DeviceMesh | None = None) -> Replica:
     """The replica of this training process, for a trainer that keeps its own loop with no block around it:
     ``training()``'s exits become the process's. An uncaught ``RejoinRequired`` ends the process with status
     ``EXIT_REJOIN`` (the launcher restarts the group, which catches up) and ``JobFinished`` with 0 (a
     ``sys.excepthook``); the loop over ``ft.steps(total)`` closes the replica when it ends (the job's end with the
-    others, the final checkpoint, the final line for a launcher)."""
-    ft = _start(config)
+    others, the final checkpoint, the final line for a launcher). ``mesh``: the replica's device mesh, if the trainer
+    built one (``Replica``)."""
+    ft = _start(config, mesh)
     previous = sys.excepthook
 
     def excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
@@ -150,10 +153,10 @@ def init(config: RuntimeConfig | None = None) -> Replica:
 
 
 @contextmanager
-def training(config: RuntimeConfig | None = None) -> Iterator[Replica]:
-    """The replica of this training process (``Replica(config)``), closed at the end of the block; the rejoin
+def training(config: RuntimeConfig | None = None, mesh: DeviceMesh | None = None) -> Iterator[Replica]:
+    """The replica of this training process (``Replica(config, mesh)``), closed at the end of the block; the rejoin
     and end-of-job exits handled (see the module's doc)."""
-    ft = _start(config)
+    ft = _start(config, mesh)
     try:
         yield ft
     except (JobFinished, RejoinRequired, *FATAL) as e:

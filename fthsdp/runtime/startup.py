@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 
 from fthsdp.runtime import checkpoint
+from fthsdp.runtime.config import ConfigError
 from fthsdp.runtime.epoch_relay import GroupEpochs
 from fthsdp.runtime.errors import JobFinished, NoStateToResume
 from fthsdp.runtime.filewait import wait_until_exists
 from lighthouse import membership as m
+from lighthouse.errors import InvalidRequest
 
 TEXT_BYTES = 256
 """Longest text a rank may share with ``gather_strings`` (a catch-up address ``host:port``, a ``host pid``)."""
@@ -98,7 +100,10 @@ def register(epochs: GroupEpochs, rank: int, wait_s: float, device: torch.device
     on the role the lighthouse gave the replica. Returns (the role, the step the job finished at: 0 unless
     ``Role.FINISHED``)."""
     role, finished_step = Role.ACTIVE, 0
-    reg = epochs.start(wait_s)
+    try:
+        reg = epochs.start(wait_s)
+    except InvalidRequest as e:  # a restart would be refused again: a setting or layout that differs from the job's
+        raise ConfigError(f"the lighthouse refused to register this replica: {e}") from e
     if rank == 0:
         assert reg is not None
         role = Role.JOINING if reg.role == m.JOINING else Role.ACTIVE

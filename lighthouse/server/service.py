@@ -25,7 +25,7 @@ from lighthouse.server.jobs import Job, Waker, clock
 from lighthouse.server.leadership import Leadership
 from lighthouse.stragglers import Pace
 from lighthouse.v1 import lighthouse_pb2 as pb
-from lighthouse.validate import check_digest, check_epoch, check_id, check_shard_count, check_text
+from lighthouse.validate import check_digest, check_epoch, check_id, check_layout, check_shard_count, check_text
 
 log = logging.getLogger("fthsdp.lighthouse")
 SERVICE = "fthsdp.v1.Lighthouse"
@@ -135,7 +135,7 @@ class LighthouseService:
         out = await self.edge.apply(job, m.Register(req.replica_id, req.incarnation, req.shard_count, endpoints,
                                                     clock(), claim=claim, last_epoch=last_epoch,
                                                     slot=req.slot if req.HasField("slot") else m.NO_SLOT,
-                                                    slots=req.slots))
+                                                    slots=req.slots, layout=check_layout(req.layout)))
         if out.rejection is not None:
             await self._refuse(out.rejection, context, "Register")
         if out.finished_step is not None:

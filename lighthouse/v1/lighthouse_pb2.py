@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1elighthouse/v1/lighthouse.proto\x12\tfthsdp.v1\">\n\tEndpoints\x12\x12\n\ndata_plane\x18\x01 \x01(\t\x12\x0f\n\x07\x63\x61tchup\x18\x02 \x01(\t\x12\x0c\n\x04http\x18\x03 \x01(\t\"\xaa\x01\n\x06Member\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\'\n\tendpoints\x18\x05 \x01(\x0b\x32\x14.fthsdp.v1.Endpoints\x12\x11\n\x04slot\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_slot\"\x94\x01\n\x05\x45poch\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06number\x18\x02 \x01(\x04\x12\"\n\x07members\x18\x03 \x03(\x0b\x32\x11.fthsdp.v1.Member\x12\x12\n\nrendezvous\x18\x04 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05plane\x18\x07 \x01(\x04\"\xe6\x01\n\x0fRegisterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bshard_count\x18\x03 \x01(\r\x12\'\n\tendpoints\x18\x04 \x01(\x0b\x32\x14.fthsdp.v1.Endpoints\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x1d\n\x04role\x18\x06 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x12\n\nlast_epoch\x18\x07 \x01(\x04\x12\x11\n\x04slot\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05slots\x18\t \x01(\rB\x07\n\x05_slot\"\xdb\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x1f\n\x05\x65poch\x18\x03 \x01(\x0b\x32\x10.fthsdp.v1.Epoch\x12\x1c\n\x14heartbeat_interval_s\x18\x04 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x05 \x01(\x01\x12\x0e\n\x06resume\x18\x06 \x01(\x08\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\x15\n\rfinished_step\x18\x08 \x01(\x04\"\x85\x02\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x13\n\x0b\x64igest_step\x18\x06 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x07 \x01(\t\x12\x11\n\tpace_step\x18\x08 \x01(\x04\x12\x11\n\tcompute_s\x18\t \x01(\x01\x12\x0e\n\x06wait_s\x18\n \x01(\x01\x12\x14\n\x0c\x62usiest_rank\x18\x0b \x01(\r\x12\x11\n\tbusiest_s\x18\x0c \x01(\x01\x12\x17\n\x0fsiblings_busy_s\x18\r \x01(\x01\"\"\n\x11HeartbeatResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\\\n\x0cWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x66ter_epoch\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\xa4\x01\n\rFailureReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1b\n\x13reporter_replica_id\x18\x02 \x01(\t\x12\x1c\n\x14reporter_incarnation\x18\x03 \x01(\t\x12\x1a\n\x12suspect_replica_id\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05\x65\x61rly\x18\x07 \x01(\x08\"I\n\x15\x46\x61ilureReportResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x7f\n\x0cReadyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x1d\n\x04role\x18\x04 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x17\n\x0fprobe_compute_s\x18\x05 \x01(\x01\"\x1e\n\rReadyResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"e\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x04\"\x1e\n\rLeaveResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"t\n\x0eSessionRequest\x12.\n\theartbeat\x18\x01 \x01(\x0b\x32\x1b.fthsdp.v1.HeartbeatRequest\x12\x13\n\x0b\x61\x66ter_epoch\x18\x02 \x01(\x04\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12\r\n\x05ranks\x18\x04 \x01(\r\"\xb9\x01\n\nEpochDelta\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06number\x18\x02 \x01(\x04\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\x04\x12#\n\x08upserted\x18\x04 \x03(\x0b\x32\x11.fthsdp.v1.Member\x12\x0f\n\x07removed\x18\x05 \x03(\t\x12\x12\n\nrendezvous\x18\x06 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x01\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\r\n\x05plane\x18\t \x01(\x04\"z\n\rSessionUpdate\x12!\n\x05\x65poch\x18\x01 \x01(\x0b\x32\x10.fthsdp.v1.EpochH\x00\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x15.fthsdp.v1.EpochDeltaH\x00\x12\x14\n\nepoch_zlib\x18\x03 \x01(\x0cH\x00\x42\x08\n\x06update\"\x1f\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xb1\x02\n\x0cMemberStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x10\n\x08in_epoch\x18\x04 \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\x05 \x01(\x01\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x13\n\x0b\x64igest_step\x18\x07 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x08 \x01(\t\x12\x11\n\tpace_step\x18\t \x01(\x04\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12\x0e\n\x06wait_s\x18\x0b \x01(\x01\x12\x14\n\x0c\x62usiest_rank\x18\x0c \x01(\r\x12\x11\n\tbusiest_s\x18\r \x01(\x01\x12\x17\n\x0fsiblings_busy_s\x18\x0e \x01(\x01\"\xa2\x01\n\tStraggler\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08slowdown\x18\x02 \x01(\x01\x12\x15\n\rothers_wait_s\x18\x03 \x01(\x01\x12\x12\n\nsince_step\x18\x04 \x01(\x04\x12\x0f\n\x07reports\x18\x05 \x01(\r\x12\x11\n\x04rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0frank_busy_ratio\x18\x07 \x01(\x01\x42\x07\n\x05_rank\"0\n\x0cReplicaEvent\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\"}\n\x0cHistoryEntry\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\'\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x17.fthsdp.v1.ReplicaEvent\"\xfb\x01\n\x0eStatusResponse\x12\x1f\n\x05\x65poch\x18\x01 \x01(\x0b\x32\x10.fthsdp.v1.Epoch\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.fthsdp.v1.MemberStatus\x12(\n\x07history\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.HistoryEntry\x12\x0e\n\x06leader\x18\x04 \x01(\x08\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinished_step\x18\x06 \x01(\x04\x12\x11\n\tagreement\x18\x07 \x01(\t\x12(\n\nstragglers\x18\x08 \x03(\x0b\x32\x14.fthsdp.v1.Straggler\"\x88\x01\n\x11RendezvousRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x05 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x03\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"?\n\x12RendezvousResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_JOINING\x10\x01\x12\x0f\n\x0bROLE_ACTIVE\x10\x02\x32\x97\x04\n\nLighthouse\x12\x43\n\x08Register\x12\x1a.fthsdp.v1.RegisterRequest\x1a\x1b.fthsdp.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.fthsdp.v1.HeartbeatRequest\x1a\x1c.fthsdp.v1.HeartbeatResponse\x12\x34\n\x05Watch\x12\x17.fthsdp.v1.WatchRequest\x1a\x10.fthsdp.v1.Epoch0\x01\x12\x42\n\x07Session\x12\x19.fthsdp.v1.SessionRequest\x1a\x18.fthsdp.v1.SessionUpdate(\x01\x30\x01\x12K\n\rReportFailure\x12\x18.fthsdp.v1.FailureReport\x1a .fthsdp.v1.FailureReportResponse\x12:\n\x05Ready\x12\x17.fthsdp.v1.ReadyRequest\x1a\x18.fthsdp.v1.ReadyResponse\x12:\n\x05Leave\x12\x17.fthsdp.v1.LeaveRequest\x1a\x18.fthsdp.v1.LeaveResponse\x12=\n\x06Status\x12\x18.fthsdp.v1.StatusRequest\x1a\x19.fthsdp.v1.StatusResponse2\xc0\x04\n\nRendezvous\x12\x42\n\x03Set\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x42\n\x03Get\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x42\n\x03\x41\x64\x64\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12I\n\nCompareSet\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x44\n\x05\x43heck\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x43\n\x04Wait\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12H\n\tDeleteKey\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x46\n\x07NumKeys\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1elighthouse/v1/lighthouse.proto\x12\tfthsdp.v1\">\n\tEndpoints\x12\x12\n\ndata_plane\x18\x01 \x01(\t\x12\x0f\n\x07\x63\x61tchup\x18\x02 \x01(\t\x12\x0c\n\x04http\x18\x03 \x01(\t\"\xaa\x01\n\x06Member\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x13\n\x0bshard_count\x18\x04 \x01(\r\x12\'\n\tendpoints\x18\x05 \x01(\x0b\x32\x14.fthsdp.v1.Endpoints\x12\x11\n\x04slot\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_slot\"\x94\x01\n\x05\x45poch\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06number\x18\x02 \x01(\x04\x12\"\n\x07members\x18\x03 \x03(\x0b\x32\x11.fthsdp.v1.Member\x12\x12\n\nrendezvous\x18\x04 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x05 \x01(\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05plane\x18\x07 \x01(\x04\"\xf6\x01\n\x0fRegisterRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bshard_count\x18\x03 \x01(\r\x12\'\n\tendpoints\x18\x04 \x01(\x0b\x32\x14.fthsdp.v1.Endpoints\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x1d\n\x04role\x18\x06 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x12\n\nlast_epoch\x18\x07 \x01(\x04\x12\x11\n\x04slot\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05slots\x18\t \x01(\r\x12\x0e\n\x06layout\x18\n \x01(\tB\x07\n\x05_slot\"\xdb\x01\n\x10RegisterResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x1f\n\x05\x65poch\x18\x03 \x01(\x0b\x32\x10.fthsdp.v1.Epoch\x12\x1c\n\x14heartbeat_interval_s\x18\x04 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x05 \x01(\x01\x12\x0e\n\x06resume\x18\x06 \x01(\x08\x12\x10\n\x08\x66inished\x18\x07 \x01(\x08\x12\x15\n\rfinished_step\x18\x08 \x01(\x04\"\x85\x02\n\x10HeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x13\n\x0b\x64igest_step\x18\x06 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x07 \x01(\t\x12\x11\n\tpace_step\x18\x08 \x01(\x04\x12\x11\n\tcompute_s\x18\t \x01(\x01\x12\x0e\n\x06wait_s\x18\n \x01(\x01\x12\x14\n\x0c\x62usiest_rank\x18\x0b \x01(\r\x12\x11\n\tbusiest_s\x18\x0c \x01(\x01\x12\x17\n\x0fsiblings_busy_s\x18\r \x01(\x01\"\"\n\x11HeartbeatResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"\\\n\x0cWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x66ter_epoch\x18\x02 \x01(\x04\x12\x12\n\nreplica_id\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\"\xa4\x01\n\rFailureReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1b\n\x13reporter_replica_id\x18\x02 \x01(\t\x12\x1c\n\x14reporter_incarnation\x18\x03 \x01(\t\x12\x1a\n\x12suspect_replica_id\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05\x65\x61rly\x18\x07 \x01(\x08\"I\n\x15\x46\x61ilureReportResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x7f\n\x0cReadyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x1d\n\x04role\x18\x04 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x17\n\x0fprobe_compute_s\x18\x05 \x01(\x01\"\x1e\n\rReadyResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"e\n\x0cLeaveRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x04\"\x1e\n\rLeaveResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\"t\n\x0eSessionRequest\x12.\n\theartbeat\x18\x01 \x01(\x0b\x32\x1b.fthsdp.v1.HeartbeatRequest\x12\x13\n\x0b\x61\x66ter_epoch\x18\x02 \x01(\x04\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12\r\n\x05ranks\x18\x04 \x01(\r\"\xb9\x01\n\nEpochDelta\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06number\x18\x02 \x01(\x04\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\x04\x12#\n\x08upserted\x18\x04 \x03(\x0b\x32\x11.fthsdp.v1.Member\x12\x0f\n\x07removed\x18\x05 \x03(\t\x12\x12\n\nrendezvous\x18\x06 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x01\x12\x0e\n\x06reason\x18\x08 \x01(\t\x12\r\n\x05plane\x18\t \x01(\x04\"z\n\rSessionUpdate\x12!\n\x05\x65poch\x18\x01 \x01(\x0b\x32\x10.fthsdp.v1.EpochH\x00\x12&\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x15.fthsdp.v1.EpochDeltaH\x00\x12\x14\n\nepoch_zlib\x18\x03 \x01(\x0cH\x00\x42\x08\n\x06update\"\x1f\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xb1\x02\n\x0cMemberStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x1d\n\x04role\x18\x03 \x01(\x0e\x32\x0f.fthsdp.v1.Role\x12\x10\n\x08in_epoch\x18\x04 \x01(\x08\x12\x1c\n\x14last_heartbeat_age_s\x18\x05 \x01(\x01\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x13\n\x0b\x64igest_step\x18\x07 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x08 \x01(\t\x12\x11\n\tpace_step\x18\t \x01(\x04\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12\x0e\n\x06wait_s\x18\x0b \x01(\x01\x12\x14\n\x0c\x62usiest_rank\x18\x0c \x01(\r\x12\x11\n\tbusiest_s\x18\r \x01(\x01\x12\x17\n\x0fsiblings_busy_s\x18\x0e \x01(\x01\"\xa2\x01\n\tStraggler\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08slowdown\x18\x02 \x01(\x01\x12\x15\n\rothers_wait_s\x18\x03 \x01(\x01\x12\x12\n\nsince_step\x18\x04 \x01(\x04\x12\x0f\n\x07reports\x18\x05 \x01(\r\x12\x11\n\x04rank\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0frank_busy_ratio\x18\x07 \x01(\x01\x42\x07\n\x05_rank\"0\n\x0cReplicaEvent\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\"}\n\x0cHistoryEntry\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\x02 \x01(\x01\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0f\n\x07members\x18\x04 \x03(\t\x12\'\n\x06\x65vents\x18\x05 \x03(\x0b\x32\x17.fthsdp.v1.ReplicaEvent\"\xfb\x01\n\x0eStatusResponse\x12\x1f\n\x05\x65poch\x18\x01 \x01(\x0b\x32\x10.fthsdp.v1.Epoch\x12(\n\x07members\x18\x02 \x03(\x0b\x32\x17.fthsdp.v1.MemberStatus\x12(\n\x07history\x18\x03 \x03(\x0b\x32\x17.fthsdp.v1.HistoryEntry\x12\x0e\n\x06leader\x18\x04 \x01(\x08\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinished_step\x18\x06 \x01(\x04\x12\x11\n\tagreement\x18\x07 \x01(\t\x12(\n\nstragglers\x18\x08 \x03(\x0b\x32\x14.fthsdp.v1.Straggler\"\x88\x01\n\x11RendezvousRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\t\x12\r\n\x05value\x18\x04 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x05 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x03\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"?\n\x12RendezvousResponse\x12\r\n\x05value\x18\x01 \x01(\x0c\x12\x0e\n\x06number\x18\x02 \x01(\x03\x12\n\n\x02ok\x18\x03 \x01(\x08*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_JOINING\x10\x01\x12\x0f\n\x0bROLE_ACTIVE\x10\x02\x32\x97\x04\n\nLighthouse\x12\x43\n\x08Register\x12\x1a.fthsdp.v1.RegisterRequest\x1a\x1b.fthsdp.v1.RegisterResponse\x12\x46\n\tHeartbeat\x12\x1b.fthsdp.v1.HeartbeatRequest\x1a\x1c.fthsdp.v1.HeartbeatResponse\x12\x34\n\x05Watch\x12\x17.fthsdp.v1.WatchRequest\x1a\x10.fthsdp.v1.Epoch0\x01\x12\x42\n\x07Session\x12\x19.fthsdp.v1.SessionRequest\x1a\x18.fthsdp.v1.SessionUpdate(\x01\x30\x01\x12K\n\rReportFailure\x12\x18.fthsdp.v1.FailureReport\x1a .fthsdp.v1.FailureReportResponse\x12:\n\x05Ready\x12\x17.fthsdp.v1.ReadyRequest\x1a\x18.fthsdp.v1.ReadyResponse\x12:\n\x05Leave\x12\x17.fthsdp.v1.LeaveRequest\x1a\x18.fthsdp.v1.LeaveResponse\x12=\n\x06Status\x12\x18.fthsdp.v1.StatusRequest\x1a\x19.fthsdp.v1.StatusResponse2\xc0\x04\n\nRendezvous\x12\x42\n\x03Set\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x42\n\x03Get\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x42\n\x03\x41\x64\x64\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12I\n\nCompareSet\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x44\n\x05\x43heck\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x43\n\x04Wait\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12H\n\tDeleteKey\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponse\x12\x46\n\x07NumKeys\x12\x1c.fthsdp.v1.RendezvousRequest\x1a\x1d.fthsdp.v1.RendezvousResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lighthouse.v1.lighthouse_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=3391
-  _globals['_ROLE']._serialized_end=3454
+  _globals['_ROLE']._serialized_start=3407
+  _globals['_ROLE']._serialized_end=3470
   _globals['_ENDPOINTS']._serialized_start=45
   _globals['_ENDPOINTS']._serialized_end=107
   _globals['_MEMBER']._serialized_start=110
@@ -40,51 +40,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EPOCH']._serialized_start=283
   _globals['_EPOCH']._serialized_end=431
   _globals['_REGISTERREQUEST']._serialized_start=434
-  _globals['_REGISTERREQUEST']._serialized_end=664
-  _globals['_REGISTERRESPONSE']._serialized_start=667
-  _globals['_REGISTERRESPONSE']._serialized_end=886
-  _globals['_HEARTBEATREQUEST']._serialized_start=889
-  _globals['_HEARTBEATREQUEST']._serialized_end=1150
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1152
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1186
-  _globals['_WATCHREQUEST']._serialized_start=1188
-  _globals['_WATCHREQUEST']._serialized_end=1280
-  _globals['_FAILUREREPORT']._serialized_start=1283
-  _globals['_FAILUREREPORT']._serialized_end=1447
-  _globals['_FAILUREREPORTRESPONSE']._serialized_start=1449
-  _globals['_FAILUREREPORTRESPONSE']._serialized_end=1522
-  _globals['_READYREQUEST']._serialized_start=1524
-  _globals['_READYREQUEST']._serialized_end=1651
-  _globals['_READYRESPONSE']._serialized_start=1653
-  _globals['_READYRESPONSE']._serialized_end=1683
-  _globals['_LEAVEREQUEST']._serialized_start=1685
-  _globals['_LEAVEREQUEST']._serialized_end=1786
-  _globals['_LEAVERESPONSE']._serialized_start=1788
-  _globals['_LEAVERESPONSE']._serialized_end=1818
-  _globals['_SESSIONREQUEST']._serialized_start=1820
-  _globals['_SESSIONREQUEST']._serialized_end=1936
-  _globals['_EPOCHDELTA']._serialized_start=1939
-  _globals['_EPOCHDELTA']._serialized_end=2124
-  _globals['_SESSIONUPDATE']._serialized_start=2126
-  _globals['_SESSIONUPDATE']._serialized_end=2248
-  _globals['_STATUSREQUEST']._serialized_start=2250
-  _globals['_STATUSREQUEST']._serialized_end=2281
-  _globals['_MEMBERSTATUS']._serialized_start=2284
-  _globals['_MEMBERSTATUS']._serialized_end=2589
-  _globals['_STRAGGLER']._serialized_start=2592
-  _globals['_STRAGGLER']._serialized_end=2754
-  _globals['_REPLICAEVENT']._serialized_start=2756
-  _globals['_REPLICAEVENT']._serialized_end=2804
-  _globals['_HISTORYENTRY']._serialized_start=2806
-  _globals['_HISTORYENTRY']._serialized_end=2931
-  _globals['_STATUSRESPONSE']._serialized_start=2934
-  _globals['_STATUSRESPONSE']._serialized_end=3185
-  _globals['_RENDEZVOUSREQUEST']._serialized_start=3188
-  _globals['_RENDEZVOUSREQUEST']._serialized_end=3324
-  _globals['_RENDEZVOUSRESPONSE']._serialized_start=3326
-  _globals['_RENDEZVOUSRESPONSE']._serialized_end=3389
-  _globals['_LIGHTHOUSE']._serialized_start=3457
-  _globals['_LIGHTHOUSE']._serialized_end=3992
-  _globals['_RENDEZVOUS']._serialized_start=3995
-  _globals['_RENDEZVOUS']._serialized_end=4571
+  _globals['_REGISTERREQUEST']._serialized_end=680
+  _globals['_REGISTERRESPONSE']._serialized_start=683
+  _globals['_REGISTERRESPONSE']._serialized_end=902
+  _globals['_HEARTBEATREQUEST']._serialized_start=905
+  _globals['_HEARTBEATREQUEST']._serialized_end=1166
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1168
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1202
+  _globals['_WATCHREQUEST']._serialized_start=1204
+  _globals['_WATCHREQUEST']._serialized_end=1296
+  _globals['_FAILUREREPORT']._serialized_start=1299
+  _globals['_FAILUREREPORT']._serialized_end=1463
+  _globals['_FAILUREREPORTRESPONSE']._serialized_start=1465
+  _globals['_FAILUREREPORTRESPONSE']._serialized_end=1538
+  _globals['_READYREQUEST']._serialized_start=1540
+  _globals['_READYREQUEST']._serialized_end=1667
+  _globals['_READYRESPONSE']._serialized_start=1669
+  _globals['_READYRESPONSE']._serialized_end=1699
+  _globals['_LEAVEREQUEST']._serialized_start=1701
+  _globals['_LEAVEREQUEST']._serialized_end=1802
+  _globals['_LEAVERESPONSE']._serialized_start=1804
+  _globals['_LEAVERESPONSE']._serialized_end=1834
+  _globals['_SESSIONREQUEST']._serialized_start=1836
+  _globals['_SESSIONREQUEST']._serialized_end=1952
+  _globals['_EPOCHDELTA']._serialized_start=1955
+  _globals['_EPOCHDELTA']._serialized_end=2140
+  _globals['_SESSIONUPDATE']._serialized_start=2142
+  _globals['_SESSIONUPDATE']._serialized_end=2264
+  _globals['_STATUSREQUEST']._serialized_start=2266
+  _globals['_STATUSREQUEST']._serialized_end=2297
+  _globals['_MEMBERSTATUS']._serialized_start=2300
+  _globals['_MEMBERSTATUS']._serialized_end=2605
+  _globals['_STRAGGLER']._serialized_start=2608
+  _globals['_STRAGGLER']._serialized_end=2770
+  _globals['_REPLICAEVENT']._serialized_start=2772
+  _globals['_REPLICAEVENT']._serialized_end=2820
+  _globals['_HISTORYENTRY']._serialized_start=2822
+  _globals['_HISTORYENTRY']._serialized_end=2947
+  _globals['_STATUSRESPONSE']._serialized_start=2950
+  _globals['_STATUSRESPONSE']._serialized_end=3201
+  _globals['_RENDEZVOUSREQUEST']._serialized_start=3204
+  _globals['_RENDEZVOUSREQUEST']._serialized_end=3340
+  _globals['_RENDEZVOUSRESPONSE']._serialized_start=3342
+  _globals['_RENDEZVOUSRESPONSE']._serialized_end=3405
+  _globals['_LIGHTHOUSE']._serialized_start=3473
+  _globals['_LIGHTHOUSE']._serialized_end=4008
+  _globals['_RENDEZVOUS']._serialized_start=4011
+  _globals['_RENDEZVOUS']._serialized_end=4587
 # @@protoc_insertion_point(module_scope)

@@ -61,7 +61,7 @@ class Epoch(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., plane: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("job_id", "replica_id", "shard_count", "endpoints", "incarnation", "role", "last_epoch", "slot", "slots")
+    __slots__ = ("job_id", "replica_id", "shard_count", "endpoints", "incarnation", "role", "last_epoch", "slot", "slots", "layout")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class RegisterRequest(_message.Message):
     LAST_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica_id: str
     shard_count: int
@@ -80,7 +81,8 @@ class RegisterRequest(_message.Message):
     last_epoch: int
     slot: int
     slots: int
-    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., last_epoch: _Optional[int] = ..., slot: _Optional[int] = ..., slots: _Optional[int] = ...) -> None: ...
+    layout: str
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., last_epoch: _Optional[int] = ..., slot: _Optional[int] = ..., slots: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("incarnation", "role", "epoch", "heartbeat_interval_s", "heartbeat_timeout_s", "resume", "finished", "finished_step")

@@ -45,7 +45,8 @@ def data_ranks(layout: str) -> int:
     return LAYOUTS[layout][1] // 2
 
 
-def fthsdp_run(tmp_path: pathlib.Path, layout: str, steps: int, extra: list[str], pace: float) -> tuple[dict, list]:
+def fthsdp_run(tmp_path: pathlib.Path, layout: str, steps: int, extra: list[str], pace: float,
+               script: tuple[str, ...] = (), ok: bool = True) -> tuple[dict, list, str]:
     work, out = tmp_path / "w", tmp_path / "w" / "out"
     out.mkdir(parents=True)
     shutil.copy(USER / "loop_layouts.py", work / "train.py")
@@ -55,10 +56,11 @@ def fthsdp_run(tmp_path: pathlib.Path, layout: str, steps: int, extra: list[str]
          str(LAYOUTS[layout][1]), *extra,
          "--collective-timeout", "15", "--restart-delay", "0.5", "--timeout", "300", "--workdir",
          str(tmp_path / "logs"), "--report", str(report_path),
-         "train.py", "--layout", layout, "--steps", str(steps), "--out", str(out), "--pace", str(pace)],
+         "train.py", "--layout", layout, "--steps", str(steps), "--out", str(out), "--pace", str(pace), *script],
         cwd=work, env=child_env(), capture_output=True, text=True, timeout=340)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(report_path.read_text()), rows(out, "steps-*.jsonl")
+    assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    return report, rows(out, "steps-*.jsonl"), proc.stdout + proc.stderr
 
 
 def slot_of(row: dict) -> int:
@@ -79,7 +81,7 @@ def test_replicas_of_a_layout_through_a_kill(tmp_path: pathlib.Path, layout: str
     """Replica 1 SIGKILLed at step 10: it restarts, catches up (every rank of it from its peer rank of the source: a
     TP shard of an FSDP shard, or a stage's) and trains its slot again."""
     steps, slots = 120, LAYOUTS[layout][0]
-    report, got = fthsdp_run(tmp_path, layout, steps, ["--kill", "1@10"], pace=0.1)
+    report, got, _ = fthsdp_run(tmp_path, layout, steps, ["--kill", "1@10"], pace=0.1)
     finals = report["final"]
     assert set(finals) == {str(s) for s in range(slots)}, finals
     assert all(f and f["step"] == steps for f in finals.values()), finals
@@ -113,7 +115,7 @@ def test_losses_are_plain_hsdps_of_the_same_layout(tmp_path: pathlib.Path, layou
     """Without failures, a layout's replicas under fthsdp reach, rank by rank and step by step, the losses of the
     same model and batches on plain PyTorch HSDP of the same layout (no fthsdp)."""
     steps, (replicas, ranks) = 12, LAYOUTS[layout]
-    _, ft = fthsdp_run(tmp_path / "ft", layout, steps, [], pace=0.0)
+    _, ft, _ = fthsdp_run(tmp_path / "ft", layout, steps, [], pace=0.0)
     plain_out = tmp_path / "plain"
     plain_out.mkdir()
     proc = subprocess.run(
@@ -129,3 +131,13 @@ def test_losses_are_plain_hsdps_of_the_same_layout(tmp_path: pathlib.Path, layou
         assert ours[key]["ids"] == base["ids"], key  # the same batches
         assert ours[key]["loss"] == pytest.approx(base["loss"], rel=LOSS_TOLERANCE), key
     assert len({r["loss"] for r in plain.values()}) > steps  # the losses move: the comparison has teeth
+
+
+def test_a_replica_of_another_layout_is_refused_with_a_clear_error(tmp_path: pathlib.Path) -> None:
+    """Replica 1 builds a 4 x 1 mesh where replica 0 builds 2 x 2 (the same 4 ranks): whichever registers second
+    is refused by the lighthouse, naming both layouts; that is fatal (a restart would be refused again), so the
+    job stops before any step trains instead of exchanging shards that do not match."""
+    report, got, output = fthsdp_run(tmp_path, "tp2xfsdp2", 10, [], pace=0.0, script=("--odd-layout",), ok=False)
+    assert "differs from the job's" in output and "dp4xtp1" in output and "dp2xtp2" in output, output[-3000:]
+    assert not [r for r in got if r["step"] is not None], "a step trained with mismatched layouts"
+    assert not any(f for f in report.get("final", {}).values()), report

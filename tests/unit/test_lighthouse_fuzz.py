@@ -132,7 +132,7 @@ LONG = st.text(min_size=validate.ENDPOINT_MAX + 1, max_size=validate.ENDPOINT_MA
 
 
 @FAST
-@given(data=st.data(), bad=st.sampled_from(["replica_id", "incarnation", "shard_count", "endpoint"]))
+@given(data=st.data(), bad=st.sampled_from(["replica_id", "incarnation", "shard_count", "endpoint", "layout"]))
 def test_register_with_an_invalid_field_is_invalid_argument(target: Target, data: st.DataObject, bad: str) -> None:
     req = pb.RegisterRequest(job_id=JOB, replica_id=data.draw(VALID_ID), incarnation=data.draw(VALID_ID),
                              shard_count=data.draw(st.integers(1, validate.SHARD_MAX)))
@@ -140,6 +140,10 @@ def test_register_with_an_invalid_field_is_invalid_argument(target: Target, data
         setattr(req, bad, data.draw(BAD_ID))
     elif bad == "shard_count":
         req.shard_count = data.draw(st.one_of(st.just(0), st.integers(validate.SHARD_MAX + 1, 2**32 - 1)))
+    elif bad == "layout":
+        req.layout = data.draw(st.one_of(st.text(string.ascii_letters, min_size=257, max_size=400),
+                                         st.text(min_size=1, max_size=40).filter(
+                                             lambda s: not validate.LAYOUT.fullmatch(s))))
     else:
         setattr(req.endpoints, data.draw(st.sampled_from(["data_plane", "catchup", "http"])), data.draw(LONG))
     before = target.state()

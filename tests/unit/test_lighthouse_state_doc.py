@@ -3,6 +3,7 @@ membership events, and stays small whatever the history."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from lighthouse import membership as m
@@ -120,3 +121,11 @@ def test_10000_registrations_that_go_silent_leave_a_document_etcd_accepts() -> N
     assert list(back.departed) == kept  # the order survives the store's sorted keys
     legacy = {**state_doc.state_to_doc(state), "departed": {"a": ["a1"], "b": ["b1", "b2"]}}  # before the order
     assert state_doc.state_from_doc(legacy, now=1.0).departed == {"a": ("a1",), "b": ("b1", "b2")}
+
+
+def test_the_jobs_layout_is_durable() -> None:
+    """A lighthouse that takes over (or restarts on its store) refuses the same layouts as the one before."""
+    state = dataclasses.replace(m.State(), layout="pp2xdp1")
+    assert state_doc.durable_change(m.State(), state)
+    assert state_doc.state_from_doc(state_doc.state_to_doc(state), now=0.0).layout == "pp2xdp1"
+    assert state_doc.state_from_doc({**state_doc.state_to_doc(m.State()), "layout": None}, now=0.0).layout == ""

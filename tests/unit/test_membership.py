@@ -1244,3 +1244,18 @@ def test_a_job_at_its_member_limit_refuses_a_new_replica_id_and_changes_nothing(
     assert register(left.state, "d", 5.0, policy=pol).rejection is None
     with pytest.raises(ValueError, match="max_members"):
         m.Policy(max_members=0)
+
+
+def test_a_replica_of_another_layout_is_refused_and_changes_nothing() -> None:
+    """Every replica of a job builds the same device mesh (rank r of each exchanges with rank r of the others):
+    the first registration that names a layout sets the job's; one naming another is refused INVALID_ARGUMENT,
+    with both layouts in the message, and the state is the same object; one naming none is not checked."""
+    state = apply(m.State(), m.Register("a", inc("a"), 4, EP, 0.0, layout="dp2xtp2")).state
+    assert state.layout == "dp2xtp2"
+    out = m.decide(state, m.Register("b", inc("b"), 4, EP, 1.0, layout="dp4"), P)
+    assert out.rejection is not None and out.rejection.code == "INVALID_ARGUMENT"
+    assert "dp4" in out.rejection.message and "dp2xtp2" in out.rejection.message
+    assert out.state is state
+    same = apply(state, m.Register("b", inc("b"), 4, EP, 1.0, layout="dp2xtp2"))
+    assert "b" in same.state.members
+    assert apply(state, m.Register("c", inc("c"), 4, EP, 1.0)).state.layout == "dp2xtp2"

@@ -148,6 +148,7 @@ def main() -> None:
                    "interleaved 1F1B (FSDP2 inside every stage)")
     p.add_argument("--plain-replicas", type=int, default=0, help="plain PyTorch HSDP over this many replicas")
     p.add_argument("--pace", type=float, default=0.0, help="seconds of sleep per step")
+    p.add_argument("--odd-layout", action="store_true", help="replica 1 builds another mesh (a test of the refusal)")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -166,8 +167,10 @@ def main() -> None:
         shard_dims: tuple[str, ...] = ("replicate", "dp")
     else:
         import fthsdp.runtime
-        ft = fthsdp.runtime.init()
+        if args.odd_layout and os.environ.get("FTHSDP_REPLICA_INDEX") == "1":
+            shape = (world, 1)  # a test's mistake: this replica's mesh differs from the others'
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        ft = fthsdp.runtime.init(mesh=mesh)  # the layout is registered: the job's replicas must all have it
         shard_dims = ("dp",)
     pipe = Pipeline(mesh, shard_dims, 2 if args.layout == "pp2v2" else 1, PP_MICRO) if pipelined else None
     model = pipe.model if pipe is not None else build(mesh, shard_dims)
