@@ -55,7 +55,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lighthouse import lane_hosts, slots
+from lighthouse import lane_hosts, shape, slots
 from lighthouse.ejection import eject
 from lighthouse.escalation import credible, deaths, hung_verdict, lone_blames
 from lighthouse.events import (
@@ -149,16 +149,8 @@ def _register(state: State, ev: Register, policy: Policy) -> Outcome:
             # The job completed: nobody new trains (a replica that comes back would train the last steps alone
             # from an old checkpoint). Only a reconnect of a member still in the job is answered as before.
             return Outcome(state=state, finished_step=state.finished_step)
-    job_shards = next(iter(state.members.values())).shard_count if state.members else None
-    if job_shards is not None and ev.shard_count != job_shards:
-        return _reject(state, "INVALID_ARGUMENT",
-                       f"shard_count {ev.shard_count} differs from the job's {job_shards}")
-    if (why := slots.check(state, ev.slot, ev.slots)) is not None:
+    if (why := shape.check(state, ev.shard_count, ev.layout) or slots.check(state, ev.slot, ev.slots)) is not None:
         return _reject(state, "INVALID_ARGUMENT", why)
-    if ev.layout and state.layout and ev.layout != state.layout:
-        return _reject(state, "INVALID_ARGUMENT",
-                       f"replica layout {ev.layout} differs from the job's {state.layout}: every replica must build "
-                       "the same device mesh (rank r of each exchanges its shards with rank r of the others)")
     if ev.claim not in ("", *ROLES):
         return _reject(state, "INVALID_ARGUMENT", f"claim must be one of {ROLES} or empty, got {ev.claim!r}")
     if state.is_departed(ev.replica_id, ev.incarnation):

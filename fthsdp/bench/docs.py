@@ -47,7 +47,8 @@ LANES = ("lanes-12x8192.json", "lanes-12x8192-4lanes.json", "lanes-12x8192-nccl.
 KNOWN = ("recovery.json", "recovery-hsdp.json", "recovery-double.json", "baselines.json", "lighthouse.json",
          "saturation.json", "overhead.json", "ftar.json", "notes.json", "straggler.json", "checkpoint.json",
          "recovery-cold.json", "recovery-warm.json", "catchup.json", "recovery-spares.json",
-         "recovery-spares-warm.json", "recovery-vs-hsdp.json", "overhead-timeline.json", "failover.json") + LANES
+         "recovery-spares-warm.json", "recovery-vs-hsdp.json", "overhead-timeline.json", "failover.json",
+         "overhead-tp2.json", "overhead-pp2.json") + LANES
 PLACEHOLDER = "**(placeholder: run `fthsdp bench recovery --vs torchft --json > out/bench/recovery.json`, then " \
               "`make benchmarks-doc`)**"
 
@@ -466,6 +467,27 @@ def section_timeline(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -
     return out
 
 
+def section_layouts(docs: list[dict[str, Any]], notes: dict[str, Any] | None) -> list[str]:
+    """The step of replicas laid out as tensor or pipeline parallel groups, over plain HSDP of the same layout
+    (``fthsdp bench overhead --layout``)."""
+    if not docs:
+        return []
+    out = ["## Layouts inside a replica", "",
+           "`fthsdp bench overhead --layout L --json`: each replica built as layout L (`fthsdp/examples/layouts.py`; "
+           "docs/design.md §3b), the baseline plain FSDP2-HSDP of the same layout (a `replicate` dimension added to "
+           "its mesh), alternating in one invocation; the ratio is the median of the rounds' ratios.", "",
+           "| layout | replicas x ranks | model | plain HSDP s/step | fthsdp s/step | ratio | per round |",
+           "|---|---|---|---|---|---|---|"]
+    for d in docs:
+        out.append(f"| {d['layout']} | {d['replicas']} x {d['ranks_per_replica']} | {d['model']} | "
+                   f"{d['baseline_step_s']} | {d['fthsdp_step_s']} | **{d['step_time_ratio']}** | "
+                   f"{d['round_ratios']} |")
+    out.append("")
+    for para in (notes or {}).get("layouts", []):
+        out += [para, ""]
+    return out
+
+
 def section_other(overhead: dict[str, Any] | None, ftar: dict[str, Any] | None) -> list[str]:
     out: list[str] = []
     if overhead:
@@ -742,6 +764,7 @@ def main(argv: list[str] | None = None) -> None:
     lines += section_sim(rec, base, img)
     lines += section_other(load(data, "overhead.json"), load(data, "ftar.json"))
     lines += section_timeline(load(data, "overhead-timeline.json"), notes)
+    lines += section_layouts([d for d in (load(data, f"overhead-{x}.json") for x in ("tp2", "pp2")) if d], notes)
     lines += section_straggler(load(data, "straggler.json"), notes)
     lines += section_checkpoint(load(data, "checkpoint.json"), notes)
     lines += ["## Regenerating", "", "```bash",
@@ -768,6 +791,9 @@ def main(argv: list[str] | None = None) -> None:
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
               ".venv/bin/fthsdp bench overhead --against timeline-off --rounds 5 --json "
               "> out/bench/overhead-timeline.json",
+              ".venv/bin/fthsdp bench overhead --layout tp2 --replicas 2 --ranks 4 --json "
+              "> out/bench/overhead-tp2.json",
+              ".venv/bin/fthsdp bench overhead --layout pp2 --json > out/bench/overhead-pp2.json",
               ".venv/bin/fthsdp bench catchup --mb 512 --json > out/bench/catchup.json",
               ".venv/bin/fthsdp bench checkpoint --rounds 2 --json > out/bench/checkpoint.json",
               "make benchmarks-doc    # copies out/bench/*.json to docs/bench-data/, rewrites this page and its plots",

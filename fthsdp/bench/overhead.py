@@ -7,6 +7,9 @@ and a ratio of neighbours cancels most of it. The lighthouse runs with its own d
 (``lighthouse.model.Policy``: heartbeats every 0.5 s), as a user's would; the test launcher's faster heartbeats
 (0.1 s) are a setting for tests.
 
+``layout`` (``fsdp``, ``tp2``, ``pp2``: ``fthsdp.examples.layouts``): each replica built as that layout, in the
+baseline too (plain HSDP of the same layout: a ``replicate`` dimension added to its mesh).
+
 ``against="timeline-off"``: the baseline is fthsdp itself with its step timeline off (``FTHSDP_TIMELINE=0``,
 ``fthsdp.runtime.timeline``), what keeping every rank's phases costs; the result also gives what one recorded span
 costs, measured in this process (``span_cost_us``), and how many a step records (``spans_per_step``): their
@@ -21,6 +24,7 @@ import tempfile
 import time
 
 from fthsdp.bench.results import OverheadResult
+from fthsdp.examples.layouts import LAYOUTS
 from fthsdp.launch.cluster import Cluster
 from fthsdp.launch.config import ClusterConfig, at_lighthouse_defaults
 from fthsdp.launch.procutil import child_env, torchrun
@@ -38,21 +42,22 @@ def _median_step(progress: pathlib.Path, warmup: int, replica: int | None = None
     return statistics.median(times)
 
 
-def _baseline(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: str, batch: int, warmup: int) -> float:
+def _baseline(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: str, batch: int, warmup: int,
+              layout: str) -> float:
     progress = tmp / "baseline.jsonl"
     progress.unlink(missing_ok=True)
     subprocess.run([*torchrun(replicas * ranks), "-m", "fthsdp.examples.train", "--plain", "--hsdp-replicas",
                     str(replicas), "--model", model, "--steps", str(steps), "--batch", str(batch),
-                    "--progress", str(progress)],
+                    "--layout", layout, "--progress", str(progress)],
                    check=True, timeout=1800, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return statistics.median(_median_step(progress, warmup, r) for r in range(replicas))
 
 
 def _fthsdp(tmp: pathlib.Path, replicas: int, ranks: int, steps: int, model: str, batch: int, warmup: int,
-            env: dict[str, str] | None = None) -> float:
+            layout: str, env: dict[str, str] | None = None) -> float:
     work = tmp / f"fthsdp{len(list(tmp.glob('fthsdp*')))}"
     Cluster(at_lighthouse_defaults(ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model,
-                                                 batch=batch, timeout_s=1800,
+                                                 batch=batch, timeout_s=1800, layout=layout,
                                                  env={r: dict(env or {}) for r in range(replicas)})), work).run()
     return statistics.median(_median_step(progress_path(work, r), warmup) for r in range(replicas))
 
@@ -91,9 +96,13 @@ AGAINST = {"plain": "plain FSDP2-HSDP (replicate x shard mesh, one torchrun)",
 
 
 def bench_overhead(replicas: int = 3, ranks: int = 2, steps: int = 60, model: str = "reference", batch: int = 8,
-                   warmup: int = 5, rounds: int = 3, against: str = "plain") -> OverheadResult:
+                   warmup: int = 5, rounds: int = 3, against: str = "plain", layout: str = "fsdp") -> OverheadResult:
     if against not in AGAINST:
         raise ValueError(f"--against must be one of {', '.join(AGAINST)}, not {against!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"--layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    if layout != "fsdp" and ranks % 2:
+        raise ValueError(f"--layout {layout} needs an even --ranks (2 model-parallel ranks), got {ranks}")
     if steps <= warmup:
         raise ValueError(f"--steps must exceed the {warmup} warm-up steps")
     if rounds < 1:
@@ -102,9 +111,9 @@ def bench_overhead(replicas: int = 3, ranks: int = 2, steps: int = 60, model: st
     with tempfile.TemporaryDirectory(prefix="fthsdp-bench-overhead-") as tmp:
         t = pathlib.Path(tmp)
         for _ in range(rounds):
-            base.append(_baseline(t, replicas, ranks, steps, model, batch, warmup) if against == "plain" else
-                        _fthsdp(t, replicas, ranks, steps, model, batch, warmup, {"FTHSDP_TIMELINE": "0"}))
-            ft.append(_fthsdp(t, replicas, ranks, steps, model, batch, warmup))
+            base.append(_baseline(t, replicas, ranks, steps, model, batch, warmup, layout) if against == "plain"
+                        else _fthsdp(t, replicas, ranks, steps, model, batch, warmup, layout, {"FTHSDP_TIMELINE": "0"}))
+            ft.append(_fthsdp(t, replicas, ranks, steps, model, batch, warmup, layout))
     b, f = statistics.median(base), statistics.median(ft)
     timeline = against == "timeline-off"
     ratio, ratios = paired_ratios(base, ft)
@@ -112,6 +121,8 @@ def bench_overhead(replicas: int = 3, ranks: int = 2, steps: int = 60, model: st
                           rounds=rounds, heartbeat_interval_s=Policy().heartbeat_interval_s,
                           baseline_step_s=round(b, 4), fthsdp_step_s=round(f, 4), step_time_ratio=round(ratio, 3),
                           round_ratios=[round(r, 3) for r in ratios], baseline_runs_s=[round(x, 4) for x in base],
-                          fthsdp_runs_s=[round(x, 4) for x in ft], baseline=AGAINST[against],
+                          fthsdp_runs_s=[round(x, 4) for x in ft],
+                          baseline=AGAINST[against] if layout == "fsdp" or timeline else
+                          f"plain FSDP2-HSDP of the {layout} layout (a replicate dimension added to its mesh)",
                           span_cost_us=round(span_cost_us(), 3) if timeline else None,
-                          spans_per_step=spans_per_step(model) if timeline else None)
+                          spans_per_step=spans_per_step(model) if timeline else None, layout=layout)

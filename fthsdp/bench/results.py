@@ -180,6 +180,8 @@ class OverheadResult(_AsJson):
     fthsdp_runs_s: list[float]
     benchmark: str = "overhead"
     baseline: str = "plain FSDP2-HSDP (replicate x shard mesh, one torchrun)"
+    layout: str = "fsdp"
+    """The replica's layout, the same in the baseline (``fthsdp.examples.layouts``)."""
     span_cost_us: float | None = None
     """Against the timeline off: what one recorded span costs here, in microseconds."""
     spans_per_step: int | None = None
@@ -188,14 +190,15 @@ class OverheadResult(_AsJson):
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         head = {"benchmark": d.pop("benchmark")}
-        head.update((k, d.pop(k)) for k in ("replicas", "ranks_per_replica", "model", "steps", "warmup_steps",
-                                            "rounds", "baseline", "heartbeat_interval_s"))
+        head.update((k, d.pop(k)) for k in ("replicas", "ranks_per_replica", "layout", "model", "steps",
+                                            "warmup_steps", "rounds", "baseline", "heartbeat_interval_s"))
         return {**head, **d}
 
 
 def format_overhead(r: OverheadResult) -> str:
     return "\n".join([
-        f"{r.replicas} replicas x {r.ranks_per_replica} ranks, {r.model} model, median of steps >= {r.warmup_steps}",
+        f"{r.replicas} replicas x {r.ranks_per_replica} ranks ({r.layout}), {r.model} model, median of steps >= "
+        f"{r.warmup_steps}",
         f"  {r.baseline}: {r.baseline_step_s}s/step  fthsdp {r.fthsdp_step_s}s/step  ratio {r.step_time_ratio}",
         f"  per round: {r.round_ratios}"]
         + ([f"  one span {r.span_cost_us} us, {r.spans_per_step} per step: "

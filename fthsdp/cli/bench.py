@@ -50,7 +50,7 @@ def cmd_bench_overhead(a: argparse.Namespace) -> None:
 
     try:
         result = bench_overhead(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model, rounds=a.rounds,
-                                against=a.against)
+                                against=a.against, layout=a.layout)
     except ValueError as e:
         sys.exit(f"fthsdp bench overhead: {e}")
     emit(result, a.json, format_overhead)
@@ -157,6 +157,9 @@ def register(sub: Subparsers) -> None:
                     help="baseline/fthsdp alternations (the ratio is the median of the rounds' ratios)")
     bo.add_argument("--against", default="plain", choices=["plain", "timeline-off"],
                     help="the baseline: plain FSDP2-HSDP, or fthsdp with its step timeline off (FTHSDP_TIMELINE=0)")
+    bo.add_argument("--layout", default="fsdp",
+                    help="each replica's layout, the baseline's too: fsdp (FSDP2 over its ranks), tp2 (tensor parallel "
+                    "2 x FSDP2), pp2 (2 pipeline stages, 1F1B, FSDP2 inside each)")
     bo.add_argument("--json", action="store_true")
     bo.set_defaults(fn=cmd_bench_overhead)
     bk = bsub.add_parser("checkpoint", help="the step while a periodic checkpoint is written, on the training "

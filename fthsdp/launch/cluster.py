@@ -114,7 +114,7 @@ class Cluster:
         cmd = [*torchrun(c.ranks), *c.command] if c.command else \
             [*torchrun(c.ranks), "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
              "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s),
-             "--compute-s", str(c.compute_s)]
+             "--compute-s", str(c.compute_s), "--layout", c.layout]
         with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
             return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

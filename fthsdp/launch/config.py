@@ -58,6 +58,8 @@ class ClusterConfig:
     """``reference`` (the benchmark workload) or ``tiny``."""
     batch: int = 8
     """Sequences per replica per step."""
+    layout: str = "fsdp"
+    """The replica's layout (``fthsdp.examples.train --layout``: fsdp, tp2, pp2; ``fthsdp.examples.layouts``)."""
     lr: float = 3e-4
     seed: int = 0
     """The model's initial weights and the data."""

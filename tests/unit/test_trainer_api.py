@@ -72,7 +72,7 @@ def run(monkeypatch: pytest.MonkeyPatch, body_error: BaseException | None = None
         start_error: BaseException | None = None, rank: int = 1) -> tuple[FakeReplica, int | None]:
     made = FakeReplica(rank=rank)
 
-    def make(config: object = None) -> FakeReplica:
+    def make(config: object = None, mesh: object = None) -> FakeReplica:
         if start_error is not None:
             raise start_error
         return made
