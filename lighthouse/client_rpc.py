@@ -19,6 +19,7 @@ import grpc
 from lighthouse.ejection import HELD_OUT
 from lighthouse.epoch_view import EpochView
 from lighthouse.errors import (
+    AtCapacity,
     Busy,
     FencedOut,
     HeldOut,
@@ -47,7 +48,7 @@ NO_ENDPOINTS = Endpoints()
 
 _ERRORS: dict[grpc.StatusCode, type[LighthouseError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: AtCapacity,
     grpc.StatusCode.NOT_FOUND: UnknownTarget,
     grpc.StatusCode.FAILED_PRECONDITION: FencedOut,
     grpc.StatusCode.ABORTED: Busy,

@@ -11,6 +11,11 @@ class InvalidRequest(LighthouseError):
     """The lighthouse refused the request as malformed (INVALID_ARGUMENT, RESOURCE_EXHAUSTED)."""
 
 
+class AtCapacity(InvalidRequest):
+    """The request exceeds a limit of the lighthouse (RESOURCE_EXHAUSTED: a job at its members' limit, a message
+    too large); unlike a malformed one, the same registration may be taken later (members that fall silent go)."""
+
+
 class UnknownTarget(LighthouseError):
     """Unknown job, or a replica that is not (or no longer) registered (NOT_FOUND)."""
 

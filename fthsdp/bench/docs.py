@@ -58,6 +58,11 @@ PAPER = {"gpus": 98304, "replica_gpus": 8192, "mtbf_min": 18.0, "sync_recovery_m
          "rejoin_min": 10.0}
 
 
+def paragraphs(notes: dict[str, Any] | None, *keys: str) -> list[str]:
+    """The prose of ``notes.json`` under ``keys`` (in order), each paragraph followed by a blank line."""
+    return [line for key in keys for para in (notes or {}).get(key, []) for line in (para, "")]
+
+
 def _read(f: pathlib.Path) -> dict[str, Any] | None:
     """The JSON in ``f``, or None when it is missing, empty or not JSON (a run still writing it, a failed one)."""
     try:
@@ -198,8 +203,7 @@ def section_recovery_vs_hsdp(doc: dict[str, Any] | None, notes: dict[str, Any] |
             "state dict mid-forward). The same lighthouse settings and timeouts as the table above"
             + (f" (`--join_timeout_ms {tft.get('join_timeout_ms')}`, timeouts {tft.get('timeout_s')} s, "
                "asynchronous quorum)" if tft else "") + ".", ""]
-    for para in (notes or {}).get("vs_hsdp", []):
-        out += [para, ""]
+    out += paragraphs(notes, "vs_hsdp")
     return out
 
 
@@ -462,8 +466,7 @@ def section_timeline(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -
            f"{doc['round_ratios']}). Recording one span costs {doc['span_cost_us']} µs here and a step records "
            f"{doc['spans_per_step']} per rank: {share:.1e} of a step, far below what the end-to-end ratio can "
            "resolve on this machine.", ""]
-    for para in (notes or {}).get("timeline", []):
-        out += [para, ""]
+    out += paragraphs(notes, "timeline")
     return out
 
 
@@ -483,8 +486,7 @@ def section_layouts(docs: list[dict[str, Any]], notes: dict[str, Any] | None) ->
                    f"{d['baseline_step_s']} | {d['fthsdp_step_s']} | **{d['step_time_ratio']}** | "
                    f"{d['round_ratios']} |")
     out.append("")
-    for para in (notes or {}).get("layouts", []):
-        out += [para, ""]
+    out += paragraphs(notes, "layouts")
     return out
 
 
@@ -583,8 +585,7 @@ def section_warm_restarts(cold: dict[str, Any] | None, warm: dict[str, Any] | No
                    f"{fmt(f.get('effective_training_time'))} | {fmt(f.get('ett_common_step'))} | "
                    f"{fmt(f.get('final_equal'))} |")
     out.append("")
-    for para in (notes or {}).get("warm", []) + (notes or {}).get("spares", []):
-        out += [para, ""]
+    out += paragraphs(notes, "warm", "spares")
     return out
 
 
@@ -611,8 +612,7 @@ def section_catchup(doc: dict[str, Any] | None, notes: dict[str, Any] | None) ->
            f"{fmt(doc.get('copying_step_s'))} s, while sending {fmt(doc.get('sending_step_s'))} s; target <= 1.05 |",
            f"| request -> manifest (the snapshot's copy and digest) | "
            f"{', '.join(fmt(x, '.2f') for x in doc['snapshot_wait_s'])} s | per fetch |", ""]
-    for para in (notes or {}).get("catchup", []):
-        out += [para, ""]
+    out += paragraphs(notes, "catchup")
     return out
 
 
@@ -634,8 +634,7 @@ def section_straggler(doc: dict[str, Any] | None, notes: dict[str, Any] | None) 
            f"{fmt(doc.get('settle_s'), '.0f')} s after its next incarnation registered; target >= 0.9 |",
            f"| ejected, its restart on these 2 cores included | {fmt(doc.get('throughput_after_incl_restart_ratio'))} "
            "| from the third step without it |", ""]
-    for para in (notes or {}).get("straggler", []):
-        out += [para, ""]
+    out += paragraphs(notes, "straggler")
     return out
 
 
@@ -653,8 +652,7 @@ def section_checkpoint(doc: dict[str, Any] | None, notes: dict[str, Any] | None)
     out += [f"| {x['mode']} | {fmt(x['during_s'], '.3f')} s | {fmt(x['steady_s'], '.3f')} s | {fmt(x['ratio'])} | "
             f"{x['checkpoints']} |" for x in doc["runs"]]
     out.append("")
-    for para in (notes or {}).get("checkpoint", []):
-        out += [para, ""]
+    out += paragraphs(notes, "checkpoint")
     return out
 
 
@@ -688,8 +686,7 @@ def section_lanes(docs: list[dict[str, Any]], notes: dict[str, Any] | None) -> l
                    f"{fmt(base['lighthouse_rebuild_projected_s'], '.0f')} | "
                    f"{len(mine['errors']) + len(base['errors'])} | {lane.get('loadavg_1min', '–')} |")
     out.append("")
-    for para in (notes or {}).get("lanes", []):
-        out += [para, ""]
+    out += paragraphs(notes, "lanes")
     return out
 
 
@@ -714,8 +711,7 @@ def section_failover(doc: dict[str, Any] | None, notes: dict[str, Any] | None) -
                    f"{fmt(m['epoch_s'], '.2f')} s |")
     out += ["", f"`failover_median_s` (the next epoch at every member, knock): **{fmt(doc['failover_median_s'], '.2f')}"
             f" s** (target <= 2 s); knock over lease: {fmt(doc['ratio_epoch_s'])}.", ""]
-    for para in (notes or {}).get("failover", []):
-        out += [para, ""]
+    out += paragraphs(notes, "failover")
     return out
 
 

@@ -23,7 +23,7 @@ from fthsdp.runtime.epoch_relay import GroupEpochs
 from fthsdp.runtime.errors import JobFinished, NoStateToResume
 from fthsdp.runtime.filewait import wait_until_exists
 from lighthouse import membership as m
-from lighthouse.errors import InvalidRequest
+from lighthouse.errors import AtCapacity, InvalidRequest
 
 TEXT_BYTES = 256
 """Longest text a rank may share with ``gather_strings`` (a catch-up address ``host:port``, a ``host pid``)."""
@@ -102,6 +102,8 @@ def register(epochs: GroupEpochs, rank: int, wait_s: float, device: torch.device
     role, finished_step = Role.ACTIVE, 0
     try:
         reg = epochs.start(wait_s)
+    except AtCapacity:
+        raise  # the job is full now: a restart may find room
     except InvalidRequest as e:  # a restart would be refused again: a setting or layout that differs from the job's
         raise ConfigError(f"the lighthouse refused to register this replica: {e}") from e
     if rank == 0:

@@ -20,11 +20,11 @@ import pytest
 from fthsdp.launch.procutil import child_env
 from fthsdp.runtime.data import SlotSampler
 from fthsdp.runtime.loop import indices_of
+from tests.helpers.user.loop_layouts import ACCUM, BATCH, ITEMS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(360)]
 
 USER = pathlib.Path(__file__).resolve().parent.parent / "helpers" / "user"
-ACCUM, BATCH, ITEMS = 2, 4, 4096  # as loop_layouts.py has them
 LOSS_TOLERANCE = 1e-5
 """Per-rank loss, fthsdp against plain HSDP of the same layout, relative (docs/design.md §3b): the cross-replica
 sums are taken in another order (FTAR's lane against HSDP's all-reduce), nothing else differs."""

@@ -9,9 +9,12 @@ import pathlib
 import threading
 
 import pytest
+import torch
 
+from fthsdp.runtime.config import ConfigError
 from fthsdp.runtime.errors import JobFinished, NoStateToResume
-from fthsdp.runtime.startup import Role, hold_as_standby, start_from
+from fthsdp.runtime.startup import Role, hold_as_standby, register, start_from
+from lighthouse.errors import AtCapacity, InvalidRequest
 
 
 def checkpoint(root: pathlib.Path, step: int, slot: int = 0) -> pathlib.Path:
@@ -68,3 +71,24 @@ def test_a_standby_is_held_until_its_gate_file_exists(tmp_path: pathlib.Path) ->
     waiter.join(30)
     t.join(30)
     assert held and held[0] >= 0.3
+
+
+class Refused:
+    """A session whose registration the lighthouse refuses with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def start(self, wait_s: float) -> None:
+        raise self.error
+
+
+def test_a_refused_registration_is_a_configuration_error_unless_the_job_is_only_full() -> None:
+    """A malformed or mismatched registration (a layout or slot count that differs from the job's) would be
+    refused again after a restart: a ConfigError, which stops the job. A job at its members' limit may have room
+    later: that error is left to the launcher's restarts."""
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match="refused to register this replica: replica layout"):
+        register(Refused(InvalidRequest("replica layout dp4 differs")), 0, 1.0, cpu)  # type: ignore[arg-type]
+    with pytest.raises(AtCapacity):
+        register(Refused(AtCapacity("the job is at its limit")), 0, 1.0, cpu)  # type: ignore[arg-type]
