@@ -141,9 +141,8 @@ class LaneEngine:
         return Handle(future)
 
     def forget_before(self, tag: int) -> None:
-        """The results of exchanges tagged below ``tag`` will never be asked for again: stop holding them. Until
-        then a lane keeps every result it acted on, so that a member that lost them can be served (step
-        reconciliation, ``ftar.reconcile``)."""
+        """Results tagged below ``tag`` will never be asked for again: stop holding them (until then a lane keeps
+        every result it acted on, to serve a member that lost them: step reconciliation, ``ftar.reconcile``)."""
         self._held.forget_before(tag)
 
     @property
@@ -165,9 +164,8 @@ class LaneEngine:
                 self._reports.reform(current, self.replica_id, time.monotonic())
 
     def exclude(self, reason: str) -> None:
-        """The lighthouse no longer knows this replica (declared dead while alive, e.g. after a hang): end the
-        exchange in flight and every later one with ``Excluded`` at once, instead of waiting for an epoch
-        that will never include it."""
+        """The lighthouse no longer knows this replica (declared dead while alive, e.g. after a hang): end the exchange
+        in flight and every later one with ``Excluded`` at once, not waiting for an epoch that never includes it."""
         self._state.exclude(reason)
         self._signal()
 
@@ -406,6 +404,7 @@ class LaneEngine:
         packed = pack(req.tensors, contribute=req.contribute, keep_inputs=req.keep_inputs, staging=group.staging,
                       proof=tag_proof(tag), world=group.world)
         self._direct = packed.direct
+        t0 = self.config.starting(tag)  # the time in the collective: who arrives last waits least (a slow link)
         for work in group.start_exchange(packed.buffers(), self.config.timeout_s):
             self._wait(work, epoch)
         if not proof_holds(tag, packed.proof(), group.world):
@@ -417,4 +416,5 @@ class LaneEngine:
         if self.config.hold:
             kept = tuple(t.clone() for t in out) if req.inplace else tuple(out)  # the caller may change its own
             self._held.record(tag, Held(kept, epoch.number, contributors))
-        return ExchangeResult(out, epoch.number, contributors, attempt, tag, devices.record(self.device))
+        return ExchangeResult(out, epoch.number, contributors, attempt, tag, devices.record(self.device),
+                              time.perf_counter() - t0)

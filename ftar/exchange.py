@@ -3,6 +3,7 @@ handle the caller waits on."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -41,6 +42,15 @@ class FTARConfig:
     device: torch.device | None = None
     """The CUDA device of this lane (``nccl``); ``None``: the current device of the thread that makes the engine.
     Every thread of the lane sets it (the current device is per thread)."""
+    before_collective: Callable[[int], None] | None = None
+    """A fault hook: called on the lane's thread with the exchange's tag before each collective it starts (a test's
+    slow link sleeps there; ``fthsdp.runtime.faults``). None: nothing."""
+
+    def starting(self, tag: int) -> float:
+        """A collective tagged ``tag`` starts: run ``before_collective``, then return the clock it starts at."""
+        if self.before_collective is not None:
+            self.before_collective(tag)
+        return time.perf_counter()
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,10 @@ class ExchangeResult:
     ready: Any = None
     """On CUDA, the event after which ``tensors`` hold the result (they were written on the lane's stream):
     ``Handle.wait`` makes the caller's current stream wait for it. ``None`` on the CPU."""
+    in_collective_s: float = 0.0
+    """Seconds this member spent inside the collective that produced it, from starting it to its end (0: served
+    from a partner's kept result). The member the others wait for arrives last and waits least: a slow link's
+    evidence (``lighthouse.stragglers.assess_links``)."""
 
 
 class Handle:

@@ -38,7 +38,7 @@ from lighthouse.proto_codec import (
     epoch_from_pb,
 )
 from lighthouse.security import LEADER_METADATA, ClientSecurity
-from lighthouse.stragglers import Pace
+from lighthouse.stragglers import Pace, pack_lanes
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from lighthouse.validate import REASON_MAX
@@ -272,7 +272,8 @@ class LighthouseRpc:
             digest_step=digest_step, digest=digest, pace_step=pace.step if pace else 0,
             compute_s=pace.compute_s if pace else 0.0, wait_s=pace.wait_s if pace else 0.0,
             busiest_rank=pace.busiest_rank if pace else 0, busiest_s=pace.busiest_s if pace else 0.0,
-            siblings_busy_s=pace.siblings_busy_s if pace else 0.0)
+            siblings_busy_s=pace.siblings_busy_s if pace else 0.0,
+            lane_wait_ms=pack_lanes(pace.lane_wait_s) if pace else b"")
 
     async def heartbeat(self, step: int = 0, epoch: int = 0) -> int:
         """One unary heartbeat, with the step, the epoch, the latest state digest (``digest``) and pace (``pace``);

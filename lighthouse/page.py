@@ -46,7 +46,8 @@ def _fallback(status: dict[str, Any]) -> str:
         for e in reversed(status.get("history", [])))
     finished = status.get("finished_step")
     agreement = status.get("agreement")
-    slow = "; ".join(str(x.get("text", "")) for x in status.get("stragglers") or [])
+    slow = "; ".join(str(x.get("text", "")) for x in [*(status.get("stragglers") or []),
+                                                       *(status.get("slow_links") or [])])
     return (f"<p>job {html.escape(str(status.get('job', '')))} · epoch {int(status.get('epoch', 0))}"
             + (f" · job finished at step {int(finished)}" if finished is not None else "")
             + (f" · state: {html.escape(str(agreement.get('text', '')))}" if agreement else "")
@@ -125,6 +126,9 @@ _SCRIPT = r"""
     var slow = s.stragglers || [];
     item("stragglers", slow.length ? slow.map(function (x) { return x.replica_id + " " + x.slowdown + "x"; })
                                             .join(", ") : "none", "stragglers");
+    var links = s.slow_links || [];
+    item("slow links", links.length ? links.map(function (x) { return x.replica_id + " rank " + x.rank; })
+                                           .join(", ") : "none", "slow-links");
     item("leader", s.leader ? "this lighthouse"
                             : ("no" + (s.leader_address ? " (leader: " + s.leader_address + ")" : "")), "leader");
     var upd = el("span", {"class": "muted", "id": "updated"},

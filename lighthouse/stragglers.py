@@ -21,12 +21,22 @@ median of its busy time and that of the median of its siblings' (every rank's ri
 meanwhile, so a rank busy ``factor`` times its siblings (and ``MIN_EXCESS_S`` more) in each of the straggler's
 last ``confirm`` reports is where the slowness comes from, and the straggler names it (``Pace.slow_rank``); ranks
 alike (a slow host) name none.
+
+A slow link (``assess_links``): each report also carries, per rank, the median time that rank's lane spent inside
+the steps' collectives (``Pace.lane_wait_s``). In a collective the member that arrives last waits least, and the
+others wait for it. A replica whose link on lane ``k`` is slow arrives last on that lane only, so in every other
+replica lane ``k`` waits longer than their other lanes, in the same steps (one report), while in it lane ``k`` does
+not stand out. A slow replica, or a slow rank (its siblings wait for it inside the replica, in FSDP2's collectives),
+arrives late on every lane alike: no lane stands out, and it is a straggler, not a slow link. Comparing lanes within
+one report needs no two replicas' windows of steps to line up (their reports reach the lighthouse at different
+steps; compared across replicas, a slowdown's first steps looked like a slow link).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +58,9 @@ MAX_SECONDS = 86_400.0
 """A reported time above this (or negative, or not finite) is malformed."""
 MAX_RANKS = 1 << 20
 """A reported rank at or above this is malformed."""
+MAX_LANES = 1 << 14
+"""A report with more lane times than this (a replica of more ranks) is malformed: they travel as two bytes each
+(``pack_lanes``), 32 KiB at most, well inside a heartbeat's 64 KiB."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,8 @@ class Pace:
     """The rank of the replica busiest in the steps' compute (on CPU, its process's CPU time: a rank that waits in
     a collective for a sibling burns none), the median of its busy time and of its siblings' (the median of the
     others' each step; 0: none)."""
+    lane_wait_s: tuple[float, ...] = ()
+    """Per rank, the median time its lane spent inside the steps' collectives (empty: not measured)."""
 
     def slow_rank(self, factor: float) -> int | None:
         """The rank the replica's slowness comes from: its busy time is at least ``factor`` times its siblings' and
@@ -97,6 +112,18 @@ class Straggler:
                 f"{self.since_step}; they wait {self.others_wait_s:.3f}s per step on it")
 
 
+def pack_lanes(seconds: Sequence[float]) -> bytes:
+    """Lane times as they travel: milliseconds, little-endian uint16 each (rounded, at most 65,535)."""
+    return struct.pack(f"<{len(seconds)}H", *(min(65_535, max(0, round(x * 1e3))) for x in seconds))
+
+
+def unpack_lanes(data: bytes) -> tuple[float, ...] | None:
+    """``pack_lanes``'s lane times in seconds; None when malformed (an odd length, more than ``MAX_LANES``)."""
+    if len(data) % 2 or len(data) > 2 * MAX_LANES:
+        return None
+    return tuple(x / 1e3 for x in struct.unpack(f"<{len(data) // 2}H", data))
+
+
 def valid_seconds(x: float) -> bool:
     """Whether a reported time is finite, non-negative and not absurd (at most ``MAX_SECONDS``)."""
     return math.isfinite(x) and 0.0 <= x <= MAX_SECONDS
@@ -105,7 +132,8 @@ def valid_seconds(x: float) -> bool:
 def valid(pace: Pace) -> bool:
     """Whether a reported pace is well formed: a step, and ``valid_seconds`` times."""
     return pace.step >= 0 and valid_seconds(pace.compute_s) and valid_seconds(pace.wait_s) and \
-        0 <= pace.busiest_rank < MAX_RANKS and valid_seconds(pace.busiest_s) and valid_seconds(pace.siblings_busy_s)
+        0 <= pace.busiest_rank < MAX_RANKS and valid_seconds(pace.busiest_s) and valid_seconds(pace.siblings_busy_s) \
+        and len(pace.lane_wait_s) <= MAX_LANES and all(valid_seconds(x) for x in pace.lane_wait_s)
 
 
 def remember(history: tuple[Pace, ...], pace: Pace, keep: int = KEEP) -> tuple[Pace, ...]:
@@ -149,6 +177,62 @@ def assess(histories: Mapping[str, Sequence[Pace]], factor: float, confirm: int)
                                  rank, round(mine.busiest_s / max(mine.siblings_busy_s, 1e-3), 3) if rank is not None
                                  else 0.0))
     return tuple(sorted(out, key=lambda s: (-s.slowdown, s.replica_id)))
+
+
+@dataclass(frozen=True)
+class SlowLink:
+    """A replica's lane the others wait for while its compute is on time, with the evidence."""
+
+    replica_id: str
+    rank: int
+    """The rank whose lane is slow (lane ``rank`` joins rank ``rank`` of every replica)."""
+    own_wait_s: float
+    """Its lane's median time inside the steps' collectives (it arrives last: little)."""
+    others_wait_s: float
+    """How much longer the other replicas' same lane waits than their other lanes (the median of theirs): what the
+    slow link costs each of them per step."""
+    since_step: int
+    """The first step of the reports that show it."""
+    reports: int
+    """How many reports of each of the others show it (``confirm``)."""
+
+    def text(self) -> str:
+        return (f"{self.replica_id} rank {self.rank}'s link is slow since step {self.since_step}: the other replicas' "
+                f"rank {self.rank} wait {self.others_wait_s:.3f}s more per step in the exchange than their other "
+                f"ranks (it waits {self.own_wait_s:.3f}s there)")
+
+
+def _stands_out(pace: Pace, lane: int) -> float:
+    """How much longer ``lane`` waited inside the collectives than the median of the replica's other lanes."""
+    others = [w for k, w in enumerate(pace.lane_wait_s) if k != lane]
+    return pace.lane_wait_s[lane] - statistics.median(others)
+
+
+def assess_links(histories: Mapping[str, Sequence[Pace]], confirm: int) -> tuple[SlowLink, ...]:
+    """The slow links among the members whose reports are in ``histories`` (as for ``assess``). Each member's
+    lanes are compared with each other, in the same steps (one report's medians): lane ``k`` of replica X is slow
+    when, in each of the last ``confirm`` reports of every other member, their lane ``k`` waited at least
+    ``MIN_EXCESS_S`` longer than the median of their other lanes, and in X's latest it did not. A slow replica or a
+    slow rank (its siblings wait for it inside the replica) makes every lane of it late alike, so no lane stands
+    out. Needs at least two members with at least two lanes (a one-rank replica's link and compute look alike)."""
+    if confirm < 1:
+        raise ValueError(f"need confirm >= 1, got {confirm}")
+    lanes = {len(h[-1].lane_wait_s) for h in histories.values() if h}
+    if len(histories) < 2 or len(lanes) != 1 or (n := lanes.pop()) < 2:
+        return ()
+    if any(len(p.lane_wait_s) != n for h in histories.values() for p in h[-confirm:]):
+        return ()
+    out: list[SlowLink] = []
+    for k in range(n):
+        waiting = {rid: h[-confirm:] for rid, h in histories.items()
+                   if len(h) >= confirm and all(_stands_out(p, k) >= MIN_EXCESS_S for p in h[-confirm:])}
+        quiet = [rid for rid, h in histories.items()
+                 if rid not in waiting and h and _stands_out(h[-1], k) < MIN_EXCESS_S]
+        if len(quiet) == 1 and len(waiting) == len(histories) - 1:
+            extra = statistics.median(_stands_out(h[-1], k) for h in waiting.values())
+            out.append(SlowLink(quiet[0], k, round(histories[quiet[0]][-1].lane_wait_s[k], 4), round(extra, 4),
+                                min(h[0].step for h in waiting.values()), confirm))
+    return tuple(sorted(out, key=lambda x: (-x.others_wait_s, x.replica_id, x.rank)))
 
 
 def training_paces(state: State, paces: Mapping[str, tuple[str, tuple[Pace, ...]]]) -> dict[str, tuple[Pace, ...]]:

@@ -150,6 +150,8 @@ def cmd_status(a: argparse.Namespace) -> None:
     print("state: " + (agreement["text"] if agreement else "not compared yet (no step has two digests)"))
     slow = status.get("stragglers") or []
     print("stragglers: " + ("; ".join(x["text"] for x in slow) if slow else "none"))
+    links = status.get("slow_links") or []
+    print("slow links: " + ("; ".join(x["text"] for x in links) if links else "none"))
     if status["history"]:
         print("\nrecent epochs:")
         for h in status["history"][-a.history:]:

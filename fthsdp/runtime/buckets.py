@@ -380,7 +380,7 @@ class BucketExchange:
                     raise RejoinRequired(f"{rejoin.reason}: {e}") from e
             else:
                 results.append(r)
-                protocol.lane(Exchanged(r.epoch, self.step_of(r)))
+                protocol.lane(Exchanged(r.epoch, self.step_of(r), r.in_collective_s))
         return results
 
     def step_of(self, result: ExchangeResult) -> int:

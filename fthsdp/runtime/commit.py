@@ -60,10 +60,12 @@ class Failure(enum.Enum):
 
 @dataclass(frozen=True)
 class Exchanged:
-    """A bucket exchanged in ``epoch``, under the tag of ``step``."""
+    """A bucket exchanged in ``epoch``, under the tag of ``step``, after ``in_collective_s`` inside the collective
+    (``ftar.ExchangeResult.in_collective_s``: a slow link's evidence)."""
 
     epoch: int
     step: int
+    in_collective_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ class Ballot:
     to move past (0: none; ``LaneEngine.asking``), and the data slot the newest epoch it saw gives its replica
     (``NO_SLOT``: none, a spare; ``fthsdp.runtime.spares``). It also carries the rank's busy time in the step's
     compute, in milliseconds, in its own column of ``ranks`` (the replica's size; 0: none carried): the tally has
-    every rank's (fail-slow evidence per rank, ``fthsdp.runtime.pace``)."""
+    every rank's (fail-slow evidence per rank, ``fthsdp.runtime.pace``), and likewise its lane's time inside the
+    step's collectives (``lane_ms``: the member the others wait for arrives last and waits least, a slow link)."""
 
     failed: bool
     newest: int
@@ -95,16 +98,17 @@ class Ballot:
     busy_ms: int = 0
     rank: int = 0
     ranks: int = 0
+    lane_ms: int = 0
 
     def encode(self) -> list[int]:
         """The ints whose element-wise MAX over the replica's ranks is the tally (minima ride negated)."""
         if self.ranks and not 0 <= self.rank < self.ranks:
             raise ValueError(f"rank {self.rank} outside the replica's {self.ranks} ranks")
-        busy = [0] * self.ranks
+        busy, lanes = [0] * self.ranks, [0] * self.ranks
         if self.ranks:
-            busy[self.rank] = max(0, self.busy_ms)
+            busy[self.rank], lanes[self.rank] = max(0, self.busy_ms), max(0, self.lane_ms)
         return [int(self.failed), self.newest, -self.oldest, self.step, -self.step, int(self.stop), self.asking,
-                self.slot, *busy]
+                self.slot, *busy, *lanes]
 
 
 @dataclass(frozen=True)
@@ -127,12 +131,18 @@ class Tally:
     none to one, so the MAX is the newest): every rank trains it from the next step on."""
     busy_ms: tuple[int, ...] = ()
     """Every rank's busy time in the step's compute, in milliseconds (index: rank; empty: not carried)."""
+    lane_ms: tuple[int, ...] = ()
+    """Every rank's lane's time inside the step's collectives, in milliseconds (index: rank; empty: not carried)."""
 
     @classmethod
     def decode(cls, maxed: Sequence[int]) -> Tally:
         """From the element-wise MAX of every rank's ``Ballot.encode()``."""
-        failed, newest, oldest, highest, lowest, stop, asking, slot, *busy = (int(x) for x in maxed)
-        return cls(failed != 0, newest, -oldest, highest, -lowest, stop != 0, asking, slot, tuple(busy))
+        failed, newest, oldest, highest, lowest, stop, asking, slot, *columns = (int(x) for x in maxed)
+        if len(columns) % 2:
+            raise ValueError(f"a tally's per-rank columns come in two halves, got {len(columns)}")
+        ranks = len(columns) // 2
+        return cls(failed != 0, newest, -oldest, highest, -lowest, stop != 0, asking, slot, tuple(columns[:ranks]),
+                   tuple(columns[ranks:]))
 
     @classmethod
     def of(cls, ballots: Sequence[Ballot]) -> Tally:
@@ -224,9 +234,12 @@ class CommitProtocol:
                ranks: int = 0) -> Ballot:
         """This rank's vote on the attempt whose buckets were reported; ``asking``: ``LaneEngine.asking``;
         ``slot``: its replica's slot in the newest epoch this rank saw; ``busy_ms``: its busy time in the step's
-        compute, as ``rank`` of ``ranks``."""
+        compute, as ``rank`` of ``ranks``. The lane's time inside the attempt's collectives comes from the
+        reported buckets."""
         failed, epochs, agreed = self._summary()
-        return Ballot(failed, max(epochs), min(epochs), agreed, self._stop, asking, slot, busy_ms, rank, ranks)
+        lane_ms = round(sum(e.in_collective_s for e in self._lanes if isinstance(e, Exchanged)) * 1e3)
+        return Ballot(failed, max(epochs), min(epochs), agreed, self._stop, asking, slot, busy_ms, rank, ranks,
+                      lane_ms)
 
     def vote(self, tally: Tally) -> Decision:
         """The replica's vote is in: commit, redo, or give up. The next attempt's buckets are reported afresh."""

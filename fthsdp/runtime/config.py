@@ -70,16 +70,18 @@ def _metrics_port(e: dict[str, str], local_rank: int | None) -> int | None:
 def _faults(e: dict[str, str]) -> FaultSettings:
     """The fault hooks' settings (``fthsdp.runtime.faults``: tests and demos only)."""
     slow, corrupt = "FTHSDP_FAULT_SLOW_SERVE_S", "FTHSDP_FAULT_CORRUPT_CHUNKS"
-    if e.get("FTHSDP_FAULT_SLOW"):
-        try:
-            parse_slow(e["FTHSDP_FAULT_SLOW"])
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    for name, link in (("FTHSDP_FAULT_SLOW", False), ("FTHSDP_FAULT_SLOW_LINK", True)):
+        if e.get(name):
+            try:
+                parse_slow(e[name], link=link)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
     return FaultSettings(spec=e.get("FTHSDP_FAULT", ""), path=e.get("FTHSDP_FAULT_FILE", ""),
                          slow_serve_s=_float(e, slow, "0") if e.get(slow) else 0.0,
                          corrupt_chunks=_int(e, corrupt) if e.get(corrupt) else 0,
                          corrupt_step=_int(e, "FTHSDP_FAULT_CORRUPT") if e.get("FTHSDP_FAULT_CORRUPT") else -1,
-                         kill_agent="TORCHELASTIC_RUN_ID" in e, slow=e.get("FTHSDP_FAULT_SLOW", ""))
+                         kill_agent="TORCHELASTIC_RUN_ID" in e, slow=e.get("FTHSDP_FAULT_SLOW", ""),
+                         slow_link=e.get("FTHSDP_FAULT_SLOW_LINK", ""))
 
 
 @dataclass(frozen=True)

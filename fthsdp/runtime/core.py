@@ -74,12 +74,11 @@ class StepCore:
                           timeout_s=cfg.timeout_s * 6, fail=self.faults.fails_selfcheck)
         self.incarnation = startup.agree_incarnation(self.rank, self.device)
         self.step = 0  # committed steps so far (a joiner learns it at its first exchange)
-        self.learned = -1
-        """A joiner: the step it learned from its first exchange (-1: not yet)."""
+        self.learned = -1  # a joiner: the step it learned from its first exchange (-1: not yet)
         self.cursors = torch.zeros(cfg.num_replicas, dtype=torch.int64)  # per slot, batches trained (the job's)
         self.protocol = CommitProtocol()
         self.pace_window, self.own_compute_s = PaceWindow(), 0.0  # fail-slow evidence; last step's compute, unslowed
-        self.busy_ms, self.ranks_busy_ms = 0, tuple[int, ...]()  # this rank's busy compute; every rank's, last vote
+        self.busy_ms, self.ranks_busy_ms, self.ranks_lane_ms = 0, tuple[int, ...](), tuple[int, ...]()  # fail-slow
         self.lr_factor = 1.0
         self.scales: dict[int, float] = {}  # a zero contributor's: per step, the factor the trainers scaled it by
         self.state = TrainerState()  # param groups and registered objects: they travel with the tensors
@@ -102,7 +101,8 @@ class StepCore:
                                        security=cfg.security, on_lost=self.on_lost, slot=self.slot, slots=self.slots)
         self.membership = LighthouseMembership(self.client, self.feed, key=cfg.token, host=cfg.host)  # + lane store
         self.engine = LaneEngine(self.membership, lane=self.rank, config=FTARConfig(
-            backend=cfg.backend, timeout_s=cfg.timeout_s, epoch_wait_s=cfg.epoch_wait_s, hold=True, device=self.device))
+            backend=cfg.backend, timeout_s=cfg.timeout_s, epoch_wait_s=cfg.epoch_wait_s, hold=True, device=self.device,
+            before_collective=self.faults.link_hook))
         # One session per group: rank 0 relays its epochs, and that the lighthouse dropped this incarnation.
         self.epochs = GroupEpochs(self.client, self.feed, self.rank, self.world_size, on_lost=self.on_lost,
                                   key=startup.group_secret(self.rank, self.device))
@@ -296,7 +296,7 @@ class StepCore:
         ctrl = torch.tensor(ballot.encode(), dtype=torch.int64, device=self.device)
         with self.timeline.timed("vote", "vote", self.step):
             dist.all_reduce(ctrl, op=dist.ReduceOp.MAX)
-        self.ranks_busy_ms = (tally := Tally.decode(ctrl.tolist())).busy_ms
+        self.ranks_busy_ms, self.ranks_lane_ms = (tally := Tally.decode(ctrl.tolist())).busy_ms, tally.lane_ms
         return tally
 
     def commit(self, step: int, results: list[ExchangeResult], installed: bool = False) -> tuple[tuple[int, int], ...]:

@@ -19,6 +19,10 @@ compute FACTOR times as long from STEP on (fail-slow): as its backward begins it
 slow device's rank is busy) FACTOR - 1 times its previous step's own compute time, so its buckets reach FTAR that
 much later and the others wait for them (its siblings in their collectives with it).
 
+``FTHSDP_FAULT_SLOW_LINK=STEP:SECONDS[:RANK]`` (set for one replica group) makes the lane of every rank of it, or
+of rank RANK only, a slow link from STEP on: its FTAR thread sleeps SECONDS before each collective it starts, so
+that lane's members wait for it inside the collective while its compute is as fast as ever.
+
 ``FTHSDP_FAULT_CORRUPT=STEP`` (set for one replica group) makes its rank 0 flip the lowest bit of one byte of its
 first parameter shard right after committing STEP (not while replaying it as a joiner): silent corruption, which
 the replicas' periodic state-digest check (``FTHSDP_DIGEST_EVERY``) must find within K steps.
@@ -80,6 +84,9 @@ class FaultSettings:
     slow: str = ""
     """``FTHSDP_FAULT_SLOW``: ``STEP:FACTOR[:RANK]``, every rank (or rank RANK) computes FACTOR times as long from
     STEP on."""
+    slow_link: str = ""
+    """``FTHSDP_FAULT_SLOW_LINK``: ``STEP:SECONDS[:RANK]``, every rank's lane (or rank RANK's) waits SECONDS before
+    each collective from STEP on."""
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,14 @@ class FaultInjector:
     slow_from: int = -1
     slow_factor: float = 1.0
     """``FTHSDP_FAULT_SLOW``: from step ``slow_from`` on (-1: never), compute ``slow_factor`` times as long."""
+    link_from: int = -1
+    link_delay_s: float = 0.0
+    """``FTHSDP_FAULT_SLOW_LINK``: from step ``link_from`` on (-1: never), each collective of this rank's lane
+    starts ``link_delay_s`` late."""
     _file: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What ``path`` held when last read: its inode, mtime and size, and the fault parsed from it (or None)."""
+    _seen: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    """The step the training thread last reached a phase of (``at``): the lane's thread reads it."""
 
     @classmethod
     def for_rank(cls, settings: FaultSettings, rank: int) -> FaultInjector:
@@ -108,10 +121,14 @@ class FaultInjector:
         slow_from, slow_factor, slow_rank = parse_slow(settings.slow) if settings.slow else (-1, 1.0, None)
         if slow_rank is not None and slow_rank != rank:
             slow_from = -1
+        link_from, link_delay_s, link_rank = parse_slow(settings.slow_link, link=True) if settings.slow_link \
+            else (-1, 0.0, None)
+        if link_rank is not None and link_rank != rank:
+            link_from = -1
         return cls(step, phase, armed, settings.path if rank == 0 else "", kill_agent=settings.kill_agent,
                    slow_serve_s=settings.slow_serve_s, corrupt_chunks=settings.corrupt_chunks,
                    corrupt_step=settings.corrupt_step if rank == 0 else -1, slow_from=slow_from,
-                   slow_factor=slow_factor)
+                   slow_factor=slow_factor, link_from=link_from, link_delay_s=link_delay_s)
 
     def slow_down(self, step: int, compute_s: float) -> float:
         """``FTHSDP_FAULT_SLOW``: as the backward of ``step`` begins, compute (spin) ``slow_factor - 1`` times
@@ -124,6 +141,15 @@ class FaultInjector:
         while time.perf_counter() < end:  # emulated slow compute: busy, as a slow device's rank is
             pass
         return extra
+
+    @property
+    def link_hook(self) -> Callable[[int], None] | None:
+        """The lane engine's ``before_collective`` hook for ``FTHSDP_FAULT_SLOW_LINK`` (None: no slow link here)."""
+        return self._slow_link if self.link_from >= 0 else None
+
+    def _slow_link(self, tag: int) -> None:
+        if self._seen.get("step", -1) >= self.link_from:
+            time.sleep(self.link_delay_s)  # a simulated slow link, not synchronisation
 
     @property
     def fails_selfcheck(self) -> bool:
@@ -155,6 +181,7 @@ class FaultInjector:
         return self._file.get("fault")
 
     def at(self, step: int, phase: Phase) -> None:
+        self._seen["step"] = step
         fault = self._from_file() if self.path else None
         if fault is not None and step >= fault[0] and phase == fault[1]:
             self._kill()
@@ -188,19 +215,22 @@ class FaultInjector:
         return corrupt
 
 
-def parse_slow(spec: str) -> tuple[int, float, int | None]:
-    """``STEP:FACTOR[:RANK]`` of ``FTHSDP_FAULT_SLOW`` (FACTOR >= 1; RANK: only that rank, else every rank);
-    ``ValueError`` otherwise."""
+def parse_slow(spec: str, link: bool = False) -> tuple[int, float, int | None]:
+    """``STEP:FACTOR[:RANK]`` of ``FTHSDP_FAULT_SLOW`` (1 <= FACTOR <= 100), or with ``link`` ``STEP:SECONDS[:RANK]``
+    of ``FTHSDP_FAULT_SLOW_LINK`` (0 < SECONDS <= 10); RANK: only that rank, else every rank. ``ValueError``
+    otherwise."""
     parts = spec.split(":")
     try:
-        step, factor = int(parts[0]), float(parts[1])
+        step, value = int(parts[0]), float(parts[1])
         rank = int(parts[2]) if len(parts) == 3 else None
     except (ValueError, IndexError):
-        step, factor, rank = -1, 0.0, None
-    if not 2 <= len(parts) <= 3 or step < 0 or not 1.0 <= factor <= 100.0 or (rank is not None and rank < 0):
-        raise ValueError(f"FTHSDP_FAULT_SLOW={spec!r}: expected STEP:FACTOR[:RANK], a step >= 0, 1 <= FACTOR <= 100 "
-                         "and a rank >= 0")
-    return step, factor, rank
+        step, value, rank = -1, 0.0, None
+    ok = 0.0 < value <= 10.0 if link else 1.0 <= value <= 100.0
+    if not 2 <= len(parts) <= 3 or step < 0 or not ok or (rank is not None and rank < 0):
+        name, unit, bound = ("FTHSDP_FAULT_SLOW_LINK", "SECONDS", "0 < SECONDS <= 10") if link else \
+            ("FTHSDP_FAULT_SLOW", "FACTOR", "1 <= FACTOR <= 100")
+        raise ValueError(f"{name}={spec!r}: expected STEP:{unit}[:RANK], a step >= 0, {bound} and a rank >= 0")
+    return step, value, rank
 
 
 def _parse(spec: str) -> tuple[int, str]:

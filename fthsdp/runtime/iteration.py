@@ -106,10 +106,11 @@ class Steps(StepCore):
 
     def pace(self, attempts: int, step: int, compute_s: float, wait_s: float) -> None:
         """Fail-slow evidence: a step's compute and wait to Prometheus; a failure-free one's to the lighthouse too,
-        with every rank's busy time from the step's vote (``ranks_busy_ms``: which rank the slowness comes from)."""
+        with every rank's busy time and lane time from the step's vote (``ranks_busy_ms``: which rank the slowness
+        comes from; ``ranks_lane_ms``: which lane is slow)."""
         self.metrics.on_pace(compute_s, wait_s)
-        if attempts == 1 and (pace := self.pace_window.add(step, compute_s, wait_s, self.ranks_busy_ms)) is not None \
-                and self.rank == 0:
+        if attempts == 1 and (pace := self.pace_window.add(step, compute_s, wait_s, self.ranks_busy_ms,
+                                                           self.ranks_lane_ms)) is not None and self.rank == 0:
             self.client.set_pace(pace)
 
     def become(self, role: roles.Role) -> None:

@@ -165,12 +165,14 @@ class LighthouseService:
             return rej
         if req.digest and not check_digest(req.digest):
             return m.Rejection("INVALID_ARGUMENT", "digest: at most 64 hexadecimal digits")
-        pace = Pace(req.pace_step, req.compute_s, req.wait_s, req.busiest_rank, req.busiest_s, req.siblings_busy_s) \
-            if req.pace_step else None
-        if pace is not None and not stragglers.valid(pace):
+        lanes = stragglers.unpack_lanes(req.lane_wait_ms) if req.pace_step else ()
+        pace = Pace(req.pace_step, req.compute_s, req.wait_s, req.busiest_rank, req.busiest_s, req.siblings_busy_s,
+                    lanes or ()) if req.pace_step else None
+        if pace is not None and (lanes is None or not stragglers.valid(pace)):
             return m.Rejection("INVALID_ARGUMENT",
                                f"compute_s, wait_s, busiest_s, siblings_busy_s: finite, in [0, "
-                               f"{stragglers.MAX_SECONDS:g}] seconds; busiest_rank under {stragglers.MAX_RANKS}")
+                               f"{stragglers.MAX_SECONDS:g}] seconds; busiest_rank under {stragglers.MAX_RANKS}; "
+                               f"lane_wait_ms: two bytes per rank, at most {stragglers.MAX_LANES} ranks")
         job.last_seen[req.replica_id] = clock()
         job.steps[req.replica_id] = req.step
         if req.digest:

@@ -10,7 +10,7 @@ from typing import Any
 from lighthouse.events import replica_kinds
 from lighthouse.model import NO_SLOT, Policy, State
 from lighthouse.proto_codec import ROLE_TO_PB
-from lighthouse.stragglers import Pace, Straggler, assess, training_paces
+from lighthouse.stragglers import Pace, SlowLink, Straggler, assess, assess_links, pack_lanes, training_paces
 from lighthouse.v1 import lighthouse_pb2 as pb
 
 STATUS_HISTORY = 32
@@ -66,6 +66,8 @@ class StatusView:
     """The members the others wait on, slowest first (``lighthouse.stragglers.assess``)."""
     leader_reached: bool = False
     """This lighthouse follows and has reached the leader's port (``Leader.leader_reached``)."""
+    slow_links: tuple[SlowLink, ...] = ()
+    """The members' lanes the others wait for while their compute is on time (``stragglers.assess_links``)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,7 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
         agreement=agreement(digests_of),
         stragglers=assess(training_paces(state, paces or {}), policy.straggler_factor, policy.straggler_confirm),
         leader_reached=leader.leader_reached,
+        slow_links=assess_links(training_paces(state, paces or {}), policy.straggler_confirm),
     )
 
 
@@ -174,7 +177,8 @@ def to_json(view: StatusView) -> dict[str, Any]:
                                                   "wait_s": round(x.pace.wait_s, 4),
                                                   "busiest_rank": x.pace.busiest_rank,
                                                   "busiest_s": round(x.pace.busiest_s, 4),
-                                                  "siblings_busy_s": round(x.pace.siblings_busy_s, 4)}}
+                                                  "siblings_busy_s": round(x.pace.siblings_busy_s, 4),
+                                                  "lane_wait_s": [round(w, 4) for w in x.pace.lane_wait_s]}}
             for x in view.members
         ],
         "history": [
@@ -190,6 +194,9 @@ def to_json(view: StatusView) -> dict[str, Any]:
                         "since_step": x.since_step, "reports": x.reports, "rank": x.rank,
                         "rank_busy_ratio": x.rank_busy_ratio, "text": x.text()}
                        for x in view.stragglers],
+        "slow_links": [{"replica_id": x.replica_id, "rank": x.rank, "own_wait_s": x.own_wait_s,
+                        "others_wait_s": x.others_wait_s, "since_step": x.since_step, "reports": x.reports,
+                        "text": x.text()} for x in view.slow_links],
     }
 
 
@@ -204,7 +211,8 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
                                  wait_s=x.pace.wait_s if x.pace else 0.0,
                                  busiest_rank=x.pace.busiest_rank if x.pace else 0,
                                  busiest_s=x.pace.busiest_s if x.pace else 0.0,
-                                 siblings_busy_s=x.pace.siblings_busy_s if x.pace else 0.0)
+                                 siblings_busy_s=x.pace.siblings_busy_s if x.pace else 0.0,
+                                 lane_wait_ms=pack_lanes(x.pace.lane_wait_s) if x.pace else b"")
                  for x in view.members],
         history=[pb.HistoryEntry(epoch=e.epoch, created_unix=e.time, reason=e.reason, members=list(e.members),
                                  events=[pb.ReplicaEvent(replica_id=rid, kind=kind) for rid, kind in e.events])
@@ -216,4 +224,7 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
         stragglers=[pb.Straggler(replica_id=x.replica_id, slowdown=x.slowdown, others_wait_s=x.others_wait_s,
                                  since_step=x.since_step, reports=x.reports, rank=x.rank,
                                  rank_busy_ratio=x.rank_busy_ratio) for x in view.stragglers],
+        slow_links=[pb.SlowLink(replica_id=x.replica_id, rank=x.rank, own_wait_s=x.own_wait_s,
+                                others_wait_s=x.others_wait_s, since_step=x.since_step, reports=x.reports)
+                    for x in view.slow_links],
     )

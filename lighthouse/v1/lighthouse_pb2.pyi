@@ -105,7 +105,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., epoch: _Optional[_Union[Epoch, _Mapping]] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., resume: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("job_id", "replica_id", "incarnation", "step", "epoch", "digest_step", "digest", "pace_step", "compute_s", "wait_s", "busiest_rank", "busiest_s", "siblings_busy_s")
+    __slots__ = ("job_id", "replica_id", "incarnation", "step", "epoch", "digest_step", "digest", "pace_step", "compute_s", "wait_s", "busiest_rank", "busiest_s", "siblings_busy_s", "lane_wait_ms")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class HeartbeatRequest(_message.Message):
     BUSIEST_RANK_FIELD_NUMBER: _ClassVar[int]
     BUSIEST_S_FIELD_NUMBER: _ClassVar[int]
     SIBLINGS_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    LANE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     replica_id: str
     incarnation: str
@@ -132,7 +133,8 @@ class HeartbeatRequest(_message.Message):
     busiest_rank: int
     busiest_s: float
     siblings_busy_s: float
-    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ..., pace_step: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., busiest_rank: _Optional[int] = ..., busiest_s: _Optional[float] = ..., siblings_busy_s: _Optional[float] = ...) -> None: ...
+    lane_wait_ms: bytes
+    def __init__(self, job_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ..., pace_step: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., busiest_rank: _Optional[int] = ..., busiest_s: _Optional[float] = ..., siblings_busy_s: _Optional[float] = ..., lane_wait_ms: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("epoch",)
@@ -271,7 +273,7 @@ class StatusRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class MemberStatus(_message.Message):
-    __slots__ = ("replica_id", "incarnation", "role", "in_epoch", "last_heartbeat_age_s", "step", "digest_step", "digest", "pace_step", "compute_s", "wait_s", "busiest_rank", "busiest_s", "siblings_busy_s")
+    __slots__ = ("replica_id", "incarnation", "role", "in_epoch", "last_heartbeat_age_s", "step", "digest_step", "digest", "pace_step", "compute_s", "wait_s", "busiest_rank", "busiest_s", "siblings_busy_s", "lane_wait_ms")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +288,7 @@ class MemberStatus(_message.Message):
     BUSIEST_RANK_FIELD_NUMBER: _ClassVar[int]
     BUSIEST_S_FIELD_NUMBER: _ClassVar[int]
     SIBLINGS_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    LANE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     incarnation: str
     role: Role
@@ -300,7 +303,8 @@ class MemberStatus(_message.Message):
     busiest_rank: int
     busiest_s: float
     siblings_busy_s: float
-    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., in_epoch: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ..., pace_step: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., busiest_rank: _Optional[int] = ..., busiest_s: _Optional[float] = ..., siblings_busy_s: _Optional[float] = ...) -> None: ...
+    lane_wait_ms: bytes
+    def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., in_epoch: _Optional[bool] = ..., last_heartbeat_age_s: _Optional[float] = ..., step: _Optional[int] = ..., digest_step: _Optional[int] = ..., digest: _Optional[str] = ..., pace_step: _Optional[int] = ..., compute_s: _Optional[float] = ..., wait_s: _Optional[float] = ..., busiest_rank: _Optional[int] = ..., busiest_s: _Optional[float] = ..., siblings_busy_s: _Optional[float] = ..., lane_wait_ms: _Optional[bytes] = ...) -> None: ...
 
 class Straggler(_message.Message):
     __slots__ = ("replica_id", "slowdown", "others_wait_s", "since_step", "reports", "rank", "rank_busy_ratio")
@@ -319,6 +323,22 @@ class Straggler(_message.Message):
     rank: int
     rank_busy_ratio: float
     def __init__(self, replica_id: _Optional[str] = ..., slowdown: _Optional[float] = ..., others_wait_s: _Optional[float] = ..., since_step: _Optional[int] = ..., reports: _Optional[int] = ..., rank: _Optional[int] = ..., rank_busy_ratio: _Optional[float] = ...) -> None: ...
+
+class SlowLink(_message.Message):
+    __slots__ = ("replica_id", "rank", "own_wait_s", "others_wait_s", "since_step", "reports")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OWN_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    rank: int
+    own_wait_s: float
+    others_wait_s: float
+    since_step: int
+    reports: int
+    def __init__(self, replica_id: _Optional[str] = ..., rank: _Optional[int] = ..., own_wait_s: _Optional[float] = ..., others_wait_s: _Optional[float] = ..., since_step: _Optional[int] = ..., reports: _Optional[int] = ...) -> None: ...
 
 class ReplicaEvent(_message.Message):
     __slots__ = ("replica_id", "kind")
@@ -343,7 +363,7 @@ class HistoryEntry(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("epoch", "members", "history", "leader", "finished", "finished_step", "agreement", "stragglers")
+    __slots__ = ("epoch", "members", "history", "leader", "finished", "finished_step", "agreement", "stragglers", "slow_links")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +372,7 @@ class StatusResponse(_message.Message):
     FINISHED_STEP_FIELD_NUMBER: _ClassVar[int]
     AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_LINKS_FIELD_NUMBER: _ClassVar[int]
     epoch: Epoch
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     history: _containers.RepeatedCompositeFieldContainer[HistoryEntry]
@@ -360,7 +381,8 @@ class StatusResponse(_message.Message):
     finished_step: int
     agreement: str
     stragglers: _containers.RepeatedCompositeFieldContainer[Straggler]
-    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., agreement: _Optional[str] = ..., stragglers: _Optional[_Iterable[_Union[Straggler, _Mapping]]] = ...) -> None: ...
+    slow_links: _containers.RepeatedCompositeFieldContainer[SlowLink]
+    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., agreement: _Optional[str] = ..., stragglers: _Optional[_Iterable[_Union[Straggler, _Mapping]]] = ..., slow_links: _Optional[_Iterable[_Union[SlowLink, _Mapping]]] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("job_id", "namespace", "keys", "value", "expected", "amount", "timeout_s")

@@ -129,10 +129,11 @@ def register(stub: pb_grpc.LighthouseStub, replica_id: str, *, incarnation: str 
 
 def heartbeat(stub: pb_grpc.LighthouseStub, replica_id: str, incarnation: str, job: str = JOB,
               step: int = 0, digest: tuple[int, str] = (0, ""),
-              pace: tuple[int, float, float] = (0, 0.0, 0.0)) -> pb.HeartbeatResponse:
+              pace: tuple[int, float, float] = (0, 0.0, 0.0),
+              lane_wait_ms: bytes = b"") -> pb.HeartbeatResponse:
     return stub.Heartbeat(pb.HeartbeatRequest(job_id=job, replica_id=replica_id, incarnation=incarnation,
                                               step=step, digest_step=digest[0], digest=digest[1], pace_step=pace[0],
-                                              compute_s=pace[1], wait_s=pace[2]), timeout=5)
+                                              compute_s=pace[1], wait_s=pace[2], lane_wait_ms=lane_wait_ms), timeout=5)
 
 
 def status(stub: pb_grpc.LighthouseStub, job: str = JOB) -> pb.StatusResponse:

@@ -232,6 +232,6 @@ def test_the_vote_carries_every_rank_busy_time_and_names_the_busiest() -> None:
     t = Tally.of(ballots)
     assert t.busy_ms == (40, 310, 55, 310) and t.passed
     assert Tally.of([Ballot(False, 3, 3, 7, False)]).busy_ms == ()  # none carried
-    assert CommitProtocol().ballot(busy_ms=12, rank=1, ranks=3).encode()[-3:] == [0, 12, 0]
+    assert CommitProtocol().ballot(busy_ms=12, rank=1, ranks=3).encode()[-6:] == [0, 12, 0, 0, 0, 0]  # busy, lanes
     with pytest.raises(ValueError):
         Ballot(False, 3, 3, 7, False, rank=4, ranks=4).encode()

@@ -20,6 +20,7 @@ from lighthouse import membership as m
 from lighthouse import validate
 from lighthouse.client import LighthouseClient
 from lighthouse.stores.memory import InMemoryStore
+from lighthouse.stragglers import MAX_LANES, pack_lanes
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
 from tests.helpers.lighthouse import JOB, ServerThread, heartbeat, register, status, wait_until
@@ -432,6 +433,33 @@ def test_a_malformed_pace_is_invalid_argument_and_changes_nothing(pair: Any, pac
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "compute_s" in detail
     after = json.loads(http_get(s.http, "/status")[2])["members"]
     assert [(x["step"], x["pace"]) for x in after] == [(x["step"], x["pace"]) for x in before]
+
+
+@pytest.mark.parametrize("lanes", [b"\x01\x02\x03", b"\x00" * (2 * MAX_LANES + 2)], ids=["odd", "too-many"])
+def test_malformed_lane_times_are_invalid_argument_and_change_nothing(pair: Any, lanes: bytes) -> None:
+    s, stub, incs = pair
+    heartbeat(stub, "a", incs["a"], pace=(10, 0.1, 0.05), lane_wait_ms=pack_lanes((0.01, 0.02)))
+    before = json.loads(http_get(s.http, "/status")[2])["members"]
+    code, detail = details_of(lambda: heartbeat(stub, "a", incs["a"], step=99, pace=(11, 0.1, 0.05),
+                                                lane_wait_ms=lanes))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "lane_wait_ms" in detail
+    after = json.loads(http_get(s.http, "/status")[2])["members"]
+    assert [(x["step"], x["pace"]) for x in after] == [(x["step"], x["pace"]) for x in before]
+    assert before[0]["pace"]["lane_wait_s"] == [0.01, 0.02]
+
+
+def test_lane_times_name_the_slow_link_with_its_rank(pair: Any) -> None:
+    """Two members of two ranks: rank 1 of 'b' waits 0.2 s less inside its lane's collectives than rank 1 of 'a',
+    with the same compute: after three reports, 'b' rank 1's link is named, in /status and gRPC Status."""
+    s, stub, incs = pair
+    for step in (10, 11, 12):
+        heartbeat(stub, "a", incs["a"], pace=(step, 0.1, 0.21), lane_wait_ms=pack_lanes((0.01, 0.21)))
+        heartbeat(stub, "b", incs["b"], pace=(step, 0.1, 0.21), lane_wait_ms=pack_lanes((0.01, 0.01)))
+    doc = json.loads(http_get(s.http, "/status")[2])
+    assert doc["stragglers"] == []
+    assert [(x["replica_id"], x["rank"], x["reports"]) for x in doc["slow_links"]] == [("b", 1, 3)]
+    assert "b rank 1's link is slow" in doc["slow_links"][0]["text"]
+    assert [(x.replica_id, x.rank) for x in status(stub).slow_links] == [("b", 1)]
 
 
 def test_paces_name_the_replica_the_others_wait_on(pair: Any) -> None:

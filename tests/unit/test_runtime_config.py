@@ -60,6 +60,27 @@ def test_the_slow_fault_stretches_compute_from_its_step_on_and_refuses_bad_value
             RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_SLOW": bad})
 
 
+def test_the_slow_link_fault_delays_its_lanes_collectives_from_its_step_on_and_refuses_bad_values() -> None:
+    cfg = RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_SLOW_LINK": "20:0.05:1"})  # rank 1's lane only
+    assert cfg.faults.slow_link == "20:0.05:1"
+    assert FaultInjector.for_rank(cfg.faults, 0).link_hook is None
+    assert FaultInjector.for_rank(FaultSettings(), 1).link_hook is None
+    faults = FaultInjector.for_rank(cfg.faults, 1)
+    hook = faults.link_hook
+    assert hook is not None and (faults.link_from, faults.link_delay_s) == (20, 0.05)
+    faults.at(19, Phase.EXCHANGE)  # the training thread's step, as the lane's thread sees it
+    t0 = time.monotonic()
+    hook(0)
+    assert time.monotonic() - t0 < 0.05
+    faults.at(20, Phase.EXCHANGE)
+    t0 = time.monotonic()
+    hook(0)
+    assert time.monotonic() - t0 >= 0.05
+    for bad in ("20", "x:0.1", "20:0", "20:11", "-1:0.1", "20:0.1:-1", "20:0.1:x", "20:0.1:1:2"):
+        with pytest.raises(ConfigError, match="FTHSDP_FAULT_SLOW_LINK"):
+            RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_SLOW_LINK": bad})
+
+
 def test_trainer_settings() -> None:
     assert TrainerSettings.from_env({}) == TrainerSettings("", "WARNING", True)
     s = TrainerSettings.from_env({"FTHSDP_PROGRESS": "/p", "FTHSDP_LOG_LEVEL": "INFO", "RANK": "1"})

@@ -213,7 +213,7 @@ def test_the_status_names_stragglers_among_the_active_members_only() -> None:
     doc = status.to_json(view)
     assert [x["replica_id"] for x in doc["stragglers"]] == ["a"] and doc["stragglers"][0]["slowdown"] == 3.0
     assert doc["members"][0]["pace"] == {"step": 13, "compute_s": 0.3, "wait_s": 0.0, "busiest_rank": 0,
-                                         "busiest_s": 0.0, "siblings_busy_s": 0.0}
+                                         "busiest_s": 0.0, "siblings_busy_s": 0.0, "lane_wait_s": []}
     assert doc["stragglers"][0]["rank"] is None
     answer = status.to_pb(view, pb.Epoch(job_id="job", number=1))
     assert [(s.replica_id, s.since_step) for s in answer.stragglers] == [("a", 10)]
