@@ -1,5 +1,9 @@
 """The settings of a local job (``ClusterConfig``) and of its faults (``Kill``): what ``fthsdp run``, ``fthsdp demo``,
-the benchmarks and the tests hand the launcher (``fthsdp.launch.cluster``)."""
+the benchmarks and the tests hand the launcher (``fthsdp.launch.cluster``).
+
+The launcher, and every ``fthsdp`` command, never imports torch (about 2.5 s of CPU per process here): ``ftar`` and
+``fthsdp.runtime`` do as packages, so the two names taken from them are imported where they are used. A test keeps
+it so (``tests/unit/test_layout.py``)."""
 
 from __future__ import annotations
 
@@ -7,9 +11,7 @@ import dataclasses
 import pathlib
 from dataclasses import dataclass, field
 
-from ftar import nccl_env
 from fthsdp.launch.procutil import child_env
-from fthsdp.runtime.faults import PHASES
 from lighthouse.model import Policy
 
 
@@ -34,6 +36,8 @@ class Kill:
             kill = cls(int(replica), int(step), phase or "forward")
         except ValueError:
             raise ValueError(f"--kill {spec!r}: expected REPLICA@STEP[:PHASE]") from None
+        from fthsdp.runtime.faults import PHASES  # here: importing the runtime imports torch (see the module's doc)
+
         if kill.phase not in PHASES:
             raise ValueError(f"--kill {spec!r}: phase must be one of {PHASES}")
         return kill
@@ -156,6 +160,8 @@ class ClusterConfig:
         if self.credentials:
             env["FTHSDP_TOKEN_FILE"] = str(credential_path(self.credentials, index))
         env.update(self.env.get(index, {}))
+        from ftar import nccl_env  # here: importing ftar imports torch (see the module's doc)
+
         env.update(nccl_env.process_settings(env))  # before the trainer builds any group (ftar.nccl_env)
         env.pop("FTHSDP_FAULT", None)
         if fault is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -77,6 +79,15 @@ def test_the_harness_never_imports_the_benchmarks() -> None:
     wrong = sorted(f"{a} -> {b}" for a, deps in _graph().items() if _in(a, ("fthsdp.testing",))
                    for b in deps if _in(b, ("fthsdp.bench", "fthsdp.chaos")))
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_command_and_the_launcher_never_import_torch() -> None:
+    """``fthsdp lighthouse``, ``status`` and the launcher behind ``run``/``demo`` start in a fifth of a second, not the
+    2.5 s of CPU that importing torch costs (every test's lighthouse process paid it)."""
+    code = ("import sys, fthsdp.cli.main, fthsdp.launch.cluster, lighthouse.server.app; "
+            "sys.exit('torch imported' if 'torch' in sys.modules else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_lighthouse_never_imports_ftar() -> None:
