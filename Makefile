@@ -8,8 +8,8 @@ STAMP := $(VENV)/.installed
 # The unit tests are pure and share nothing: they run in this many pytest-xdist workers. The integration tests run
 # in two lanes (tests/integration/conftest.py): those that train, one at a time (each already fills the machine's
 # cores with real processes), and beside them the light ones, one at a time (the control plane's, mostly waiting on
-# deadlines, paced trainings of one rank per group, and last the trainings without a fault to outrun). The order is
-# in tests/integration/conftest.py: the tests that judge times run last in theirs, with the machine to themselves.
+# deadlines, and paced trainings of one rank per group); the tests that judge times run last in the training lane,
+# with the machine to themselves (tests/integration/conftest.py).
 UNIT_JOBS ?= 2
 
 .PHONY: setup demo test test-fast lint proto bench benchmarks-doc clean

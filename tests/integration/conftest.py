@@ -1,9 +1,11 @@
 """The integration tests run in two lanes (``make test``: ``-n 2``): the tests that train (real replica groups
 filling the machine's cores) one at a time in one pytest-xdist worker, and the light ones one at a time in the
 other, beside them: the control-plane tests (lighthouses, etcd, manifests, a browser, emulated replicas: mostly
-waiting on deadlines), the trainings of one rank per group whose steps are paced (their processes mostly sleep,
-and what they check counts steps, not seconds), and last the trainings without a fault to outrun. Without
-pytest-xdist only the order changes."""
+waiting on deadlines) and the trainings of one rank per group whose steps are paced (their processes mostly sleep,
+and what they check counts steps, not seconds). The training lane runs the tests that judge times last. Trainings
+of several ranks stay out of the light lane: tried, the golden-loss trainings there took twice as long, the training
+lane was no shorter (30:13 against 30:40) and two of its tests failed (a standby not ready in time, a straggler
+named on the loaded host). Without pytest-xdist only the order changes."""
 
 from __future__ import annotations
 
@@ -25,19 +27,6 @@ PACED_ONE_RANK = frozenset({
 """Files (or single tests) that train one rank per replica group with paced steps, or wait out a restart delay:
 light beside a training."""
 
-NO_FAULT_TRAININGS = (
-    "test_layouts.py::test_losses_are_plain_hsdps_of_the_same_layout",
-    "test_layouts.py::test_a_replica_of_another_layout_is_refused_with_a_clear_error",
-    "test_runtime.py::test_no_failure_all_replicas_end_identical",
-    "test_runtime.py::test_one_replica_matches_plain_fsdp2_bitwise",
-    "test_attacks.py::test_ten_thousand_silent_registrations_change_nothing_or_stay_bounded",
-    "test_state_travels.py::test_two_replicas_that_differ_stop_the_job",
-    "test_trace.py::test_demo_trace_has_every_rank_and_the_kill",
-)
-"""Trainings whose checks are exact results or what a file holds, never a count of steps within a time: no fault
-that a restart must outrun (the trace's kill is only looked for in the trace). They fill the machine while they
-run, so the light lane takes them last, beside the training lane's count-based kill tests."""
-
 ALONE_AT_THE_END = (
     "test_chaos.py::test_seeded_chaos_run_keeps_every_invariant",
     "test_catchup_e2e.py::test_survivors_do_not_wait_while_a_replica_catches_up",
@@ -47,12 +36,13 @@ ALONE_AT_THE_END = (
     "test_stragglers.py::test_under_eject_the_straggler_leaves_is_held_out_while_slow_and_the_others_go_on",
     "test_rank_faults.py::test_one_rank_stopped_alone_restarts_its_replica_within_the_collective_timeout",
     "test_rank_faults.py::test_one_rank_killed_alone_restarts_its_replica",
+    "test_lane_hosts.py::test_killing_a_lanes_host_moves_its_lanes_to_the_next_host_and_only_it_pays",
 )
 """Training-lane tests whose checks are times or a detector's judgement of speed (a stall within a bound, nobody
 named slow before the slowed one): the training lane runs them last, when the light lane is done and the machine
 is theirs (about 20 minutes in, the light lane takes about 12)."""
 
-LAST = {name: i for i, name in enumerate(NO_FAULT_TRAININGS + ALONE_AT_THE_END)}
+LAST = {name: i for i, name in enumerate(ALONE_AT_THE_END)}
 
 
 def _test(nodeid: str) -> tuple[str, str]:
@@ -63,16 +53,14 @@ def _test(nodeid: str) -> tuple[str, str]:
 
 
 def lane(nodeid: str) -> str:
-    """The lane of the test ``nodeid``: "light" (``CONTROL_PLANE``, ``PACED_ONE_RANK``, ``NO_FAULT_TRAININGS``)
-    or "training"."""
+    """The lane of the test ``nodeid``: "light" (``CONTROL_PLANE``, ``PACED_ONE_RANK``) or "training"."""
     file, test = _test(nodeid)
-    light = file in CONTROL_PLANE or file in PACED_ONE_RANK or test in PACED_ONE_RANK or test in NO_FAULT_TRAININGS
+    light = file in CONTROL_PLANE or file in PACED_ONE_RANK or test in PACED_ONE_RANK
     return "light" if light else "training"
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    """``NO_FAULT_TRAININGS`` and ``ALONE_AT_THE_END`` last, in their listed order: each lane runs its tests in
-    collection order."""
+    """``ALONE_AT_THE_END`` last, in their listed order: each lane runs its tests in collection order."""
     items.sort(key=lambda item: LAST.get(_test(item.nodeid)[1], -1))  # stable: the others keep their order
 
 
