@@ -1,14 +1,14 @@
-"""The lighthouse's page for people (``GET /``): a pure function from the status document (``GET /status``) to
-one self-contained HTML page (inline CSS and JS, no external assets, so it works on an isolated cluster).
+"""The lighthouse's page for people (``GET /``): a pure function from the status document (``GET /status``) to one
+self-contained HTML page (inline CSS and JS, no external assets, so it works on an isolated cluster).
 
-The page shows the job's summary (epoch, leader, live replicas), the replicas with role, data slot (or
-"spare"), step and heartbeat age, a timeline of the recent epochs as a grid (one row per replica, one column per
-epoch: active, joining, absent, and the epochs where it failed or rejoined, from each history entry's structured
-``events``), and the epochs with their events and reasons. A small inline script draws all of that from the
-status document embedded in the page, then fetches ``/status`` every ``REFRESH_S`` seconds and redraws (same
-origin: a browser that authenticated for ``/`` sends the same credentials). Every string from the document reaches
-the DOM through ``textContent``, never as markup. Without JavaScript a plain table of the same data is shown.
-"""
+The page shows the job's summary (epoch, leader, live replicas), the replicas with role, data slot (or "spare"), step
+and heartbeat age, a timeline of the recent epochs as a grid (one row per replica, one column per epoch: active,
+joining, absent, and the epochs where it failed or rejoined, from each history entry's structured ``events``), the
+epochs with their events and reasons, and a link to the latest trace of the job when one was published (``fthsdp trace
+--publish``; ``GET /trace.json``, which Perfetto and ``chrome://tracing`` open). A small inline script draws all of
+that from the status document embedded in the page, then fetches ``/status`` every ``REFRESH_S`` seconds and redraws
+(same origin: a browser that authenticated for ``/`` sends the same credentials). Every string from the document
+reaches the DOM through ``textContent``, never as markup. Without JavaScript a plain table of the same data is shown."""
 
 from __future__ import annotations
 
@@ -46,12 +46,15 @@ def _fallback(status: dict[str, Any]) -> str:
         for e in reversed(status.get("history", [])))
     finished = status.get("finished_step")
     agreement = status.get("agreement")
+    trace = status.get("trace")
     slow = "; ".join(str(x.get("text", "")) for x in [*(status.get("stragglers") or []),
                                                        *(status.get("slow_links") or [])])
     return (f"<p>job {html.escape(str(status.get('job', '')))} · epoch {int(status.get('epoch', 0))}"
             + (f" · job finished at step {int(finished)}" if finished is not None else "")
             + (f" · state: {html.escape(str(agreement.get('text', '')))}" if agreement else "")
-            + (f" · stragglers: {html.escape(slow)}" if slow else "") + "</p>"
+            + (f" · stragglers: {html.escape(slow)}" if slow else "")
+            + (f' · <a href="trace.json">latest trace</a> ({int(trace.get("events", 0))} events)' if trace else "")
+            + "</p>"
             "<table><tr><th>replica</th><th>role</th><th>slot</th><th>in epoch</th><th>step</th>"
             "<th>heartbeat age (s)</th><th>state digest</th></tr>"
             f"{rows}</table><table><tr><th>epoch</th><th>time</th><th>members</th><th>reason</th></tr>{hist}</table>")
@@ -131,6 +134,13 @@ _SCRIPT = r"""
                                            .join(", ") : "none", "slow-links");
     item("leader", s.leader ? "this lighthouse"
                             : ("no" + (s.leader_address ? " (leader: " + s.leader_address + ")" : "")), "leader");
+    if (s.trace) {  // the latest published trace (fthsdp trace --publish): Perfetto or chrome://tracing opens it
+      var tr = el("span");
+      tr.appendChild(document.createTextNode("latest trace "));
+      tr.appendChild(el("a", {"href": "trace.json", "id": "trace", "download": "trace.json"},
+                        s.trace.events + " events, published " + hhmmss(s.trace.published_unix)));
+      p.appendChild(tr);
+    }
     var upd = el("span", {"class": "muted", "id": "updated"},
                  (source === "live" ? "updated " : "snapshot of ") + new Date().toTimeString().slice(0, 8));
     p.appendChild(upd);

@@ -1,7 +1,8 @@
 """``fthsdp trace``: one timeline of a running job. Asks the lighthouse for the members (``/status``), reads every
 rank's step timeline over its catch-up port (``fthsdp.trace.pull``; proven with the job's catch-up key), and writes
-a Chrome trace-event JSON (Perfetto, ``chrome://tracing``) and, if asked, a PNG. Exits non-zero when no rank could be
-read or the trace is malformed."""
+a Chrome trace-event JSON (Perfetto, ``chrome://tracing``) and, if asked, a PNG; with ``--publish`` it also sends it
+to the lighthouse, whose page links it. Exits non-zero when no rank could be read, the trace is malformed, or no
+lighthouse kept a trace it was asked to publish."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import os
 import pathlib
 import sys
 import time
+import urllib.error
+import urllib.request
 from typing import TYPE_CHECKING, Any
 
 from fthsdp.cli.common import add_client_security_args, client_security
@@ -20,6 +23,7 @@ from fthsdp.trace.pull import Collector, Follower
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
+    from lighthouse.security import ClientSecurity
 
 
 def catchup_key(token_file: str, job: str) -> str:
@@ -49,6 +53,24 @@ def write(collector: Collector, history: list[dict[str, Any]], out: pathlib.Path
     if png is not None:
         render.draw(doc, png)
     return doc
+
+
+def publish(doc: dict[str, Any], http: str, sec: ClientSecurity, timeout: float) -> list[str]:
+    """``PUT /trace`` of ``doc`` to every lighthouse at ``http`` (comma-separated: each keeps its own, and its page
+    links it); returns what went wrong with each that did not keep it."""
+    body, ctx, errors = json.dumps(doc).encode(), sec.ssl_context(), []
+    for addr in [x.strip() for x in http.split(",") if x.strip()]:
+        url = f"{'https' if ctx else 'http'}://{addr}/trace"
+        req = urllib.request.Request(url, data=body, method="PUT",
+                                     headers={**sec.http_headers(), "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout, context=ctx):
+                pass
+        except urllib.error.HTTPError as e:
+            errors.append(f"{url}: HTTP {e.code} {e.read().decode(errors='replace')[:200]}")
+        except (urllib.error.URLError, OSError) as e:
+            errors.append(f"{url}: {e}")
+    return errors
 
 
 def cmd_trace(a: argparse.Namespace) -> None:
@@ -82,6 +104,13 @@ def cmd_trace(a: argparse.Namespace) -> None:
           + (f"; png: {a.png}" if a.png else ""))
     if not tracks:
         sys.exit("fthsdp trace: no rank's timeline could be read")
+    if a.publish:
+        errors = publish(doc, a.http, sec, a.timeout)
+        for why in errors:
+            print(f"not published: {why}", file=sys.stderr)
+        if len(errors) == len([x for x in a.http.split(",") if x.strip()]):
+            sys.exit("fthsdp trace: no lighthouse kept the trace")
+        print("published: the lighthouse's page links it (/trace.json)")
 
 
 def register(sub: Subparsers) -> None:
@@ -95,5 +124,8 @@ def register(sub: Subparsers) -> None:
     tr.add_argument("--follow", type=float, default=0.0,
                     help="read again every second for this many seconds (a rank that dies meanwhile keeps its steps "
                     "up to its last read)")
+    tr.add_argument("--publish", action="store_true",
+                    help="also send it to the lighthouse (PUT /trace; the job secret or a replica's credential), whose "
+                    "page then links it as the latest trace (/trace.json)")
     tr.add_argument("--timeout", type=float, default=5.0, help="seconds per lighthouse request")
     tr.set_defaults(fn=cmd_trace)
