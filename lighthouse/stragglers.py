@@ -34,6 +34,7 @@ steps; compared across replicas, a slowdown's first steps looked like a slow lin
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import struct
@@ -202,10 +203,26 @@ class SlowLink:
                 f"ranks (it waits {self.own_wait_s:.3f}s there)")
 
 
+@functools.lru_cache(maxsize=1024)
+def _others_medians(lanes: tuple[float, ...]) -> tuple[float, ...]:
+    """Per lane, the median of the other lanes: from one sort (``/status`` asks for every lane of every report; a
+    median per lane would be quadratic in the replica's ranks)."""
+    n, order = len(lanes), sorted(range(len(lanes)), key=lanes.__getitem__)
+    vals, rest = [lanes[k] for k in order], len(lanes) - 1
+    out = [0.0] * n
+
+    def kth(j: int, skip: int) -> float:  # the j-th smallest once position ``skip`` is left out
+        return vals[j] if j < skip else vals[j + 1]
+
+    for pos, k in enumerate(order):
+        mid = rest // 2
+        out[k] = kth(mid, pos) if rest % 2 else (kth(mid - 1, pos) + kth(mid, pos)) / 2
+    return tuple(out)
+
+
 def _stands_out(pace: Pace, lane: int) -> float:
     """How much longer ``lane`` waited inside the collectives than the median of the replica's other lanes."""
-    others = [w for k, w in enumerate(pace.lane_wait_s) if k != lane]
-    return pace.lane_wait_s[lane] - statistics.median(others)
+    return pace.lane_wait_s[lane] - _others_medians(pace.lane_wait_s)[lane]
 
 
 def assess_links(histories: Mapping[str, Sequence[Pace]], confirm: int) -> tuple[SlowLink, ...]:

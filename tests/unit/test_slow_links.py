@@ -151,3 +151,17 @@ def test_lane_times_travel_as_two_bytes_a_rank() -> None:
     assert unpack_lanes(pack_lanes((0.0014, 0.25, 99.0, -1.0))) == (0.001, 0.25, 65.535, 0.0)
     assert len(pack_lanes([0.1] * 8192)) == 16 * 1024 and unpack_lanes(b"") == ()
     assert unpack_lanes(b"\x01") is None and unpack_lanes(b"\x00" * (2 * MAX_LANES + 2)) is None
+
+
+def test_each_lanes_baseline_is_the_median_of_the_other_lanes() -> None:
+    """The baselines come from one sort; they equal the plain median of the others, ties and even counts included."""
+    import statistics
+
+    from lighthouse.stragglers import _others_medians
+
+    rng = random.Random(3)
+    for n in range(2, 10):
+        for _ in range(100):
+            lanes = tuple(rng.choice((0.1, 0.2, rng.random())) for _ in range(n))
+            want = tuple(statistics.median(w for j, w in enumerate(lanes) if j != k) for k in range(n))
+            assert _others_medians(lanes) == want, lanes
