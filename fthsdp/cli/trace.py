@@ -55,10 +55,10 @@ def write(collector: Collector, history: list[dict[str, Any]], out: pathlib.Path
     return doc
 
 
-def publish(doc: dict[str, Any], http: str, sec: ClientSecurity, timeout: float) -> list[str]:
-    """``PUT /trace`` of ``doc`` to every lighthouse at ``http`` (comma-separated: each keeps its own, and its page
-    links it); returns what went wrong with each that did not keep it."""
-    body, ctx, errors = json.dumps(doc).encode(), sec.ssl_context(), []
+def publish(body: bytes, http: str, sec: ClientSecurity, timeout: float) -> list[str]:
+    """``PUT /trace`` of the trace document ``body`` to every lighthouse at ``http`` (comma-separated: each keeps
+    its own, and its page links it); returns what went wrong with each that did not keep it."""
+    ctx, errors = sec.ssl_context(), []
     for addr in [x.strip() for x in http.split(",") if x.strip()]:
         url = f"{'https' if ctx else 'http'}://{addr}/trace"
         req = urllib.request.Request(url, data=body, method="PUT",
@@ -105,7 +105,7 @@ def cmd_trace(a: argparse.Namespace) -> None:
     if not tracks:
         sys.exit("fthsdp trace: no rank's timeline could be read")
     if a.publish:
-        errors = publish(doc, a.http, sec, a.timeout)
+        errors = publish(pathlib.Path(a.out).read_bytes(), a.http, sec, a.timeout)  # as written: no second dump
         for why in errors:
             print(f"not published: {why}", file=sys.stderr)
         if len(errors) == len([x for x in a.http.split(",") if x.strip()]):

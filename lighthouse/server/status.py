@@ -135,6 +135,7 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
                   if rid in state.members and state.members[rid].incarnation == inc}
     paces_of = {rid: h for rid, (inc, h) in (paces or {}).items()
                 if rid in state.members and state.members[rid].incarnation == inc and h}
+    training = training_paces(state, paces or {})
     return StatusView(
         job=job_id, leader=leader.leading, leader_address=leader.leader_address, address=leader.address,
         epoch=state.epoch.number if state.epoch is not None else 0, rendezvous=rendezvous,
@@ -150,9 +151,9 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
                       for e in state.history[-STATUS_HISTORY:]),
         finished_step=state.finished_step,
         agreement=agreement(digests_of),
-        stragglers=assess(training_paces(state, paces or {}), policy.straggler_factor, policy.straggler_confirm),
+        stragglers=assess(training, policy.straggler_factor, policy.straggler_confirm),
         leader_reached=leader.leader_reached,
-        slow_links=assess_links(training_paces(state, paces or {}), policy.straggler_confirm),
+        slow_links=assess_links(training, policy.straggler_confirm),
     )
 
 

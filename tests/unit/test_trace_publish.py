@@ -47,7 +47,7 @@ def test_a_published_trace_is_served_described_and_linked(lighthouse: ServerThre
     s = lighthouse
     assert https_get(s.http, "/trace.json", token=SECRET)[0] == 404  # none yet
     assert json.loads(https_get(s.http, "/status", token=SECRET)[1])["trace"] is None
-    assert publish(_trace(3), s.http, ClientSecurity(token=SECRET), 5.0) == []
+    assert publish(json.dumps(_trace(3)).encode(), s.http, ClientSecurity(token=SECRET), 5.0) == []
     code, body, _ = https_get(s.http, "/trace.json", token=c.reader_credential(SECRET, JOB))  # a reader reads it
     assert code == 200 and json.loads(body) == _trace(3)
     meta = json.loads(https_get(s.http, "/status", token=SECRET)[1])["trace"]
@@ -98,10 +98,11 @@ def test_an_oversized_trace_is_refused_before_its_body_is_read(lighthouse: Serve
 
 
 def test_publish_reports_each_lighthouse_that_did_not_keep_it(lighthouse: ServerThread) -> None:
-    errors = publish(_trace(1), f"{lighthouse.http},127.0.0.1:1", ClientSecurity(token=SECRET), 2.0)
+    body = json.dumps(_trace(1)).encode()
+    errors = publish(body, f"{lighthouse.http},127.0.0.1:1", ClientSecurity(token=SECRET), 2.0)
     assert len(errors) == 1 and "127.0.0.1:1" in errors[0]
-    assert publish(_trace(1), lighthouse.http, ClientSecurity(token=c.reader_credential(SECRET, JOB)), 2.0)[0] \
-        .count("HTTP 403") == 1
+    reader = ClientSecurity(token=c.reader_credential(SECRET, JOB))
+    assert publish(body, lighthouse.http, reader, 2.0)[0].count("HTTP 403") == 1
 
 
 def test_the_check_of_a_trace_body() -> None:
