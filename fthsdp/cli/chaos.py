@@ -23,15 +23,16 @@ def cmd_sim(a: argparse.Namespace) -> None:
         sys.exit(f"fthsdp chaos: --sim-variant must be one of {', '.join(v for v in VARIANTS if v)}")
     if a.sim_plane not in PLANES:
         sys.exit(f"fthsdp chaos: --sim-plane must be one of {', '.join(PLANES)}")
-    if a.sim_variant == "local-vote" and a.sim_plane != "lanes":
-        sys.exit("fthsdp chaos: --sim-variant local-vote needs --sim-plane lanes (the vote is the lanes')")
+    if a.sim_variant in ("local-vote", "unpinned-orphans") and a.sim_plane != "lanes":
+        sys.exit(f"fthsdp chaos: --sim-variant {a.sim_variant} needs --sim-plane lanes (the vote and the data are "
+                 "the lanes')")
     if a.runs < 1:
         sys.exit("fthsdp chaos: --runs must be at least 1 (no run, nothing checked)")
     if a.jobs < 0:
         sys.exit("fthsdp chaos: --jobs must be at least 1 (0: one per CPU)")
     if a.trace:
         r = run_one(a.seed, a.sim_variant, trace=True, plane=a.sim_plane, spares=a.sim_spares,
-                    blame_all=a.sim_blame_all)
+                    blame_all=a.sim_blame_all, orphans=a.sim_orphans)
         if a.json:
             print(json.dumps(r, indent=1))
         else:
@@ -42,21 +43,25 @@ def cmd_sim(a: argparse.Namespace) -> None:
         return
     if a.sim_spares < 0 or (a.sim_spares and a.sim_plane != "lanes"):
         sys.exit("fthsdp chaos: --sim-spares must be >= 0, and needs --sim-plane lanes")
+    if a.sim_orphans and a.sim_plane != "lanes":
+        sys.exit("fthsdp chaos: --sim-orphans needs --sim-plane lanes")
     out = simulate(a.seed, a.runs, a.sim_variant, plane=a.sim_plane, jobs=a.jobs or os.cpu_count() or 1,
-                   spares=a.sim_spares, blame_all=a.sim_blame_all)
+                   spares=a.sim_spares, blame_all=a.sim_blame_all, orphans=a.sim_orphans)
     if a.json:
         print(json.dumps(out, indent=1))
     else:
         variant = f", variant {a.sim_variant}" if a.sim_variant else ""
         print(f"{out['runs']} simulated runs (seeds {a.seed}..{a.seed + a.runs - 1}{variant}) in {out['seconds']}s: "
-              f"{out['violations']} with violations {out['by_invariant'] or ''}; faults {out['faults_injected']}")
+              f"{out['violations']} with violations {out['by_invariant'] or ''}; faults {out['faults_injected']}"
+              + (f"; committed steps that carried an orphan slot: {out['steps_carried']}" if out["steps_carried"]
+                 else ""))
         for x in out["first_failing"]:
             print(f"  seed {x['seed']} ({'; '.join(x['faults'])}): {x['violations'][0]}  "
                   f"[replay: fthsdp chaos --sim --seed {x['seed']} --trace"
                   f"{' --sim-variant ' + a.sim_variant if a.sim_variant else ''}"
                   f"{' --sim-plane ' + a.sim_plane if a.sim_plane != 'lanes' else ''}"
                   f"{' --sim-spares ' + str(a.sim_spares) if a.sim_spares else ''}"
-                  f"{' --sim-blame-all' if a.sim_blame_all else ''}]")
+                  f"{' --sim-blame-all' if a.sim_blame_all else ''}{' --sim-orphans' if a.sim_orphans else ''}]")
     if out["violations"]:
         sys.exit(1)
 
@@ -132,6 +137,10 @@ def register(sub: Subparsers) -> None:
     ch.add_argument("--sim-spares", type=int, default=0, metavar="K",
                     help="with --sim: K spare groups besides the drawn replicas in every run (the lighthouse hands "
                     "a dead replica's data slot to a spare; docs/design.md §7, Spares)")
+    ch.add_argument("--sim-orphans", action="store_true",
+                    help="with --sim: the designed constant global batch (docs/design.md §7, Orphan slots; the "
+                    "runtime does not carry yet): the slot holders train the batches of slots nobody holds, and "
+                    "every committed step must train every slot's batch exactly once")
     ch.add_argument("--trace", action="store_true", help="with --sim: replay --seed alone and print its trace")
     ch.add_argument("--jobs", type=int, default=0,
                     help="with --sim: processes to share the runs (default: one per CPU; the result is the same)")

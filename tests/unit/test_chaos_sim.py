@@ -56,9 +56,30 @@ def test_with_a_spare_a_slice_of_seeds_keeps_every_invariant_and_dead_replicas_s
     assert twice(((3, 2, (0, 1)), (5, 2, (1, 1)))) == [(1, 1)] and twice(((3, 2, (0, 1)),)) == []
 
 
+def test_with_orphan_slots_every_committed_step_trains_every_slots_batch_exactly_once() -> None:
+    """``--sim-orphans`` (issue 38's constant global batch, ahead of the runtime): the slot holders train the
+    micro-batches of the slots nobody holds (``fthsdp.runtime.orphans.deal``), and a contribution is exchanged only
+    in a group whose epoch deals its member what it trained. Every committed step must train every part of every
+    slot exactly once (``whole-batch``, ``exactly-once``) besides every other invariant, with or without a spare.
+    Seed 0: replica 2 is killed mid-exchange of step 20; each of two survivors trains one of its slot's two
+    micro-batches before the redo, the third carries nothing."""
+    out = simulate(0, 40, jobs=JOBS, orphans=True)
+    assert out["orphans"] and out["violations"] == 0, out["first_failing"]
+    assert out["steps_carried"] > 40  # the runs did carry orphans
+    out = simulate(0, 20, jobs=JOBS, orphans=True, spares=1)
+    assert out["violations"] == 0, out["first_failing"]
+    r = run_one(0, trace=True, orphans=True)
+    assert r["violations"] == [] and r["steps_carried"] > 0
+    redealt = [line.split(maxsplit=1)[1] for line in r["trace"] if "step 20: epoch" in line]
+    assert redealt == ["r1.1 step 20: epoch 2 deals it parts [2, 3, 4] (it holds [2, 3]): training 1 part(s) first",
+                       "r3.1 step 20: epoch 2 deals it parts [5, 6, 7] (it holds [6, 7]): training 1 part(s) first"]
+    with pytest.raises(ValueError, match="need the lanes"):
+        simulate(0, 1, plane="membership", orphans=True)
+
+
 @pytest.mark.parametrize(("variant", "invariant", "runs", "plane"), [
     ("no-confirm", "only-failed-pays", 200, "membership"), ("reuse-epochs", "epochs", 200, "membership"),
-    ("local-vote", "only-failed-pays", 120, "lanes")])
+    ("local-vote", "only-failed-pays", 120, "lanes"), ("unpinned-orphans", "exactly-once", 30, "lanes")])
 def test_each_broken_variant_is_caught_and_its_seed_replays(variant: str, invariant: str, runs: int,
                                                             plane: str) -> None:
     out = simulate(0, runs, variant, plane=plane, jobs=JOBS)
@@ -86,7 +107,9 @@ def test_unknown_variant_or_plane_is_refused() -> None:
         run_one(0, plane="bytes")
     with pytest.raises(ValueError, match="needs the lanes"):
         run_one(0, "local-vote", plane="membership")
-    assert set(VARIANTS) == {"", "no-confirm", "reuse-epochs", "local-vote"}
+    with pytest.raises(ValueError, match="orphan slots need the lanes"):
+        run_one(0, "unpinned-orphans", plane="membership")
+    assert set(VARIANTS) == {"", "no-confirm", "reuse-epochs", "local-vote", "unpinned-orphans"}
 
 
 def test_a_seed_replays_bit_for_bit_in_another_process_whatever_the_hash_seed() -> None:

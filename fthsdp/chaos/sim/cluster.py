@@ -22,6 +22,7 @@ from fthsdp.chaos.sim.lanes import LaneConfig, SimGroup
 from fthsdp.chaos.sim.lighthouse import SimLighthouse
 from fthsdp.chaos.sim.replica import SimReplica
 from fthsdp.chaos.sim.world import Net, Window, World
+from fthsdp.runtime import orphans
 from lighthouse import membership as m
 from lighthouse.epoch_view import EpochView
 
@@ -110,6 +111,12 @@ class SimConfig:
     spares: int = 0
     """Spare groups besides ``replicas`` (``fthsdp chaos --sim --sim-spares``): they ask for no data slot and take a
     dead replica's (``lighthouse.slots``); 0: the replicas name no slots, as before spares existed."""
+    orphans: bool = False
+    """Orphan slots (``fthsdp chaos --sim --sim-orphans``; docs/design.md §7, the designed constant global batch):
+    the slot holders train the batches of the slots nobody holds, and every committed step must train every slot."""
+    pin_deals: bool = True
+    """With ``orphans``: a contribution is exchanged only in a group whose epoch deals its member what it trained
+    (off in the ``unpinned-orphans`` variant)."""
 
 
 def twice(record: tr.Record) -> list[tuple[int, ...]]:
@@ -125,13 +132,15 @@ class SimCluster:
         self.world, self.cfg = world, cfg
         self.policy = dataclasses.replace(cfg.policy, min_replicas=cfg.min_replicas,
                                           expected_replicas=cfg.replicas + cfg.spares)
-        self.slots, self.spares = cfg.replicas, cfg.spares
+        self.slots, self.spares, self.orphans = cfg.replicas, cfg.spares, cfg.orphans
         self.epoch_wait_s = cfg.epoch_wait_s
         self.reuse_epochs = cfg.reuse_epochs
         self.net = Net(world)
         self.lighthouse = SimLighthouse(world, self.policy, self._publish, strip_counter=cfg.reuse_epochs)
         self.groups = [Supervisor(i) for i in range(cfg.replicas + cfg.spares)]
         self.exits: list[Exit] = []
+        self.carried: set[int] = set()
+        """With orphan slots: the committed steps in which a member trained parts of a slot it does not hold."""
         self.stale: list[str] = []
         self.dropped_seen: dict[tuple[str, str], float] = {}
         """(replica, incarnation) -> when its process first saw an epoch drop it."""
@@ -218,7 +227,7 @@ class SimCluster:
         lanes = LaneConfig(timeout_s=cfg.collective_timeout_s, connect_timeout_s=cfg.collective_timeout_s,
                            epoch_wait_s=cfg.epoch_wait_s, reconcile=cfg.reconcile)
         t = tr.SimTrainer(proc, cfg.lanes, cfg.buckets, cfg.replicas, self.total_steps, lanes, self._group,
-                          self._record, assigned=cfg.spares > 0)
+                          self._record, assigned=cfg.spares > 0, orphans=cfg.orphans, pin=cfg.pin_deals)
         self.trainers.append(t)
         return t
 
@@ -256,15 +265,34 @@ class SimCluster:
         for by in twice(record):
             self.plane_violations.append(f"exactly-once: step {step} at {who.inc}: slots {by} (one slot trained "
                                          "twice in a step)")
+        if self.orphans:
+            self._whole_batch(who, step, record[-1][2])
+            if len(record[-1][2]) > record[-1][1] * who.parts:  # someone trained more than its own slot
+                self.carried.add(step)
         k = 0
         for lane in range(len(who.lanes)):
             for b in range(who.buckets):
                 value, contributors, by = record[k]
                 k += 1
                 want = sum(tr.grad(s, step, lane, b) for s in by)
-                if value != want or contributors != len(by):
+                if value != want or contributors * who.parts > len(by) or (who.parts == 1 and contributors != len(by)):
                     self.plane_violations.append(f"state: step {step} lane {lane} bucket {b} at {who.inc}: sum "
                                                  f"{value} of {contributors}, the slots {by} give {want}")
+
+    def _whole_batch(self, who: tr.SimTrainer, step: int, positions: tuple[int, ...]) -> None:
+        """With orphan slots: the step trained every part of every slot exactly once (a slot's parts by one holder
+        or dealt among them: ``fthsdp.runtime.orphans.trained``), so the global batch is the same, failures or not."""
+        counts = [0] * (self.slots * who.parts)
+        for p in positions:
+            counts[p] += 1
+        try:
+            slots = orphans.trained(counts, who.parts, step)
+        except orphans.OrphanConflict as e:
+            self.plane_violations.append(f"exactly-once: at {who.inc}: {e}")
+            return
+        if len(slots) != self.slots:
+            self.plane_violations.append(f"whole-batch: step {step} at {who.inc} trained slots {list(slots)} of "
+                                         f"{self.slots}")
 
     def resume(self) -> tuple[int, dict[int, tr.Record]] | None:
         """The job's newest checkpoint, or None before any commit."""

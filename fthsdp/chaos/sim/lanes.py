@@ -7,7 +7,7 @@ A collective is a model, not bytes: an epoch's group of a lane (``SimGroup``) ta
 its k-th collective; once every member has sent one, each member completes at its own moment a few milliseconds
 later, unless the group broke before that moment (a member died, dropped the group or timed out): so a collective
 completes for all of its members or fails for some of them at any point, as a ring all-reduce does. Tensors are
-small integers: a result is the sum of the contributions with the contributor count and the contributing slots,
+small integers: a result is the sum of the contributions with the contributor count and the slot-mask positions,
 so that the checks can recompute it. A hung member or one cut from its peers holds every collective of its groups
 until it is back; its partners give up at their deadline.
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ftar.errors import FTARError, Misaligned
+from ftar.errors import FTARError, Interrupted, Misaligned
 from ftar.reconcile import Held, HeldResults, holder_of, holder_probe, needs_reconciling
 from ftar.rules import (
     REPORT_AGAIN_S,
@@ -75,11 +75,15 @@ class Request:
 
     tag: int | None
     value: int
-    slot: int
+    slots: tuple[int, ...]
+    """The slot-mask positions its contribution trains (its slot; with orphan slots, micro-batches of slots)."""
     contribute: bool
     redo: bool
     new_epoch_ok: bool
     done: Callable[[Result | FTARError], None]
+    fits: Callable[[EpochView], bool] | None = None
+    """Whether the contribution may be exchanged in an epoch's group (orphan slots: it holds what that epoch deals
+    its member, ``fthsdp.chaos.sim.trainer.SimTrainer._fits``); not: ``Interrupted`` before any data moves."""
 
 
 class Host(Protocol):
@@ -118,8 +122,8 @@ class LaneConfig:
 class _Op:
     """One collective of a group: what each member sent, and when it completes at each."""
 
-    sent: dict[str, tuple[int | None, int, int, bool]] = field(default_factory=dict)
-    """rid -> (tag, value, slot, contribute)."""
+    sent: dict[str, tuple[int | None, int, tuple[int, ...], bool]] = field(default_factory=dict)
+    """rid -> (tag, value, slot-mask positions, contribute)."""
     waiting: dict[str, Callable[[object], None]] = field(default_factory=dict)
 
 
@@ -219,7 +223,7 @@ class SimGroup:
         else:
             cb(outcome)
 
-    def send(self, rid: str, tag: int | None, value: int, slot: int, contribute: bool,
+    def send(self, rid: str, tag: int | None, value: int, slots: tuple[int, ...], contribute: bool,
              cb: Callable[[object], None]) -> None:
         """``rid``'s contribution to its next collective in this group; ``cb`` gets the ``Result`` fields
         ``(tags, value, contributors, slots)`` or an error text."""
@@ -231,7 +235,7 @@ class SimGroup:
         if self.broken():
             self.world.after(self.world.rng.uniform(*DATA_S), functools.partial(cb, f"peer gone: {self.why}"))
             return
-        op.sent[rid] = (tag, value, slot, contribute)
+        op.sent[rid] = (tag, value, slots, contribute)
         op.waiting[rid] = cb
         if len(op.sent) == len(self.ids):
             self._when_clear(functools.partial(self._reduce, op))
@@ -242,7 +246,8 @@ class SimGroup:
             outcome: object = f"members exchanged different tags in one group: {sorted(tags, key=str)}"
         else:
             contributing = [s for s in op.sent.values() if s[3]]
-            outcome = (sum(s[1] for s in contributing), len(contributing), tuple(sorted(s[2] for s in contributing)))
+            outcome = (sum(s[1] for s in contributing), len(contributing),
+                       tuple(sorted(x for s in contributing for x in s[2])))
         targets = list(op.waiting.items())
         op.waiting.clear()
         self._deliver_all(targets, outcome)
@@ -378,6 +383,8 @@ class SimLane:
         held = self.group.epoch if self.group is not None else None
         try:
             epoch = self.state.place(usable, held, req.new_epoch_ok, req.redo)
+            if req.fits is not None and not req.fits(epoch):
+                raise Interrupted(f"dealt under another epoch than {epoch.number}", epoch.number)
         except FTARError as e:  # Interrupted
             self._drop_group()
             self._finish(req, e)
@@ -478,7 +485,7 @@ class SimLane:
             self._done(req, tag, Result(tag, held.epoch, value, held.contributors, slots))  # type: ignore[arg-type]
             return
         token = self._arm(req, count, epoch, group, self.host.world.now, rendezvous=False)
-        group.send(self.host.rid, tag, req.value if req.contribute else 0, req.slot, req.contribute,
+        group.send(self.host.rid, tag, req.value if req.contribute else 0, req.slots, req.contribute,
                    lambda out: self.host.run(lambda: self._reduced(req, count, epoch, group, tag, token, out)))
 
     def _reduced(self, req: Request, count: int, epoch: EpochView, group: SimGroup, tag: int, token: object,

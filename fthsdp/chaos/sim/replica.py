@@ -32,6 +32,7 @@ class Host(Protocol):
     slots: int
     """The job's data slots (its replicas; the groups past them are spares)."""
     spares: int
+    orphans: bool
     dropped_seen: dict[tuple[str, str], float]
 
     def exited(self, proc: SimReplica, why: str, finished: bool) -> None: ...
@@ -190,7 +191,7 @@ class SimReplica:
             else:
                 self.c.world.after(self.c.world.rng.uniform(0.2, 1.0),
                                    lambda: self.run(lambda: self.register(claim, again)))
-        self.call("register", (claim, last, slot, self.c.slots if self.c.spares else 0), ok, err)
+        self.call("register", (claim, last, slot, self.c.slots if self.c.spares or self.c.orphans else 0), ok, err)
 
     def heartbeat(self) -> None:
         def ok(a: dict[str, Any]) -> None:

@@ -35,6 +35,9 @@ VARIANTS = {
     "local-vote": "the replica-local vote without step reconciliation: a replica whose lanes split on a step (one "
                   "lane completed it, another lost it to a death) redoes it, while its partners committed it; "
                   "nobody serves it the step and it restarts (invariant 7)",
+    "unpinned-orphans": "orphan slots carried (as --sim-orphans), each member training what the newest epoch it saw "
+                        "deals it and exchanging it in whatever group its lane joins: members of one group dealt "
+                        "under different epochs train a slot's part twice or not at all (exactly-once, whole-batch)",
 }
 """``--sim-variant``: deliberately broken protocols the checks must catch."""
 
@@ -100,18 +103,19 @@ def blame_all_of(seed: int, replicas: int) -> Fault | None:
 
 
 def run_one(seed: int, variant: str = "", trace: bool = False, plane: str = "lanes",
-            spares: int = 0, blame_all: bool = False) -> dict[str, Any]:
+            spares: int = 0, blame_all: bool = False, orphans: bool = False) -> dict[str, Any]:
     """One seeded run; its result names the faults, the violations and (with ``trace``) the trace. ``spares``: that
     many spare groups besides the drawn replicas (the faults are drawn as without them: on the replicas).
-    ``blame_all``: add the seed's ``blame-all`` fault (``blame_all_of``) to its draw."""
+    ``blame_all``: add the seed's ``blame-all`` fault (``blame_all_of``) to its draw. ``orphans``: the slot holders
+    train the slots nobody holds, and every committed step must train every slot (``SimConfig.orphans``)."""
     d = draw(seed)
     if blame_all and (extra := blame_all_of(seed, d.replicas)) is not None:
         d = dataclasses.replace(d, faults=tuple(sorted((*d.faults, extra), key=lambda f: f.t)))
-    return run_drawn(seed, d, variant, trace, plane, spares)
+    return run_drawn(seed, d, variant, trace, plane, spares, orphans)
 
 
 def run_drawn(seed: int, d: Drawn, variant: str = "", trace: bool = False, plane: str = "lanes",
-              spares: int = 0) -> dict[str, Any]:
+              spares: int = 0, orphans: bool = False) -> dict[str, Any]:
     """``run_one`` on the job and faults ``d`` (a test's own schedule, or a seed's draw); ``seed`` seeds the rest
     (latencies, the world's randomness)."""
     if variant not in VARIANTS:
@@ -120,6 +124,9 @@ def run_drawn(seed: int, d: Drawn, variant: str = "", trace: bool = False, plane
         raise ValueError(f"unknown plane {plane!r}: one of {', '.join(PLANES)}")
     if variant == "local-vote" and plane != "lanes":
         raise ValueError("--sim-variant local-vote needs the lanes (the vote is theirs)")
+    orphans = orphans or variant == "unpinned-orphans"
+    if orphans and plane != "lanes":
+        raise ValueError("orphan slots need the lanes (the data is theirs)")
     faults = d.faults_of(plane)
     # The lighthouse's defaults (``fthsdp lighthouse``): heartbeats every 0.5 s, dead after 3 s of silence, a
     # report confirmed by 2 intervals of silence.
@@ -129,9 +136,11 @@ def run_drawn(seed: int, d: Drawn, variant: str = "", trace: bool = False, plane
     lanes = d.lanes if plane == "lanes" else 0
     cfg = SimConfig(replicas=d.replicas, min_replicas=d.min_replicas, faults=faults, end_s=end_s, policy=policy,
                     reuse_epochs=variant == "reuse-epochs", lanes=lanes, buckets=d.buckets,
-                    reconcile=variant != "local-vote", spares=spares)
+                    reconcile=variant != "local-vote", spares=spares, orphans=orphans,
+                    pin_deals=variant != "unpinned-orphans")
     world = World(seed, trace=trace)
     world.log(f"seed {seed}: {d.replicas} replicas" + (f" + {spares} spare" if spares else "")
+              + (", orphan slots carried" if orphans else "")
               + f", min {d.min_replicas}"
               + (f", {lanes} lanes, {d.buckets} buckets" if lanes else ", no lanes") + "; faults: "
               + "; ".join(f.describe() for f in faults))
@@ -161,46 +170,52 @@ def run_drawn(seed: int, d: Drawn, variant: str = "", trace: bool = False, plane
         violations += [f"state: {v}" for v in checks.histories_agree(
             [checks.History(t.inc, t.history, t.committed_at, t.inc in died, dropped.get(t.inc))
              for t in cluster.trainers], ended[0].history if ended else None)]
-    out: dict[str, Any] = {"seed": seed, "replicas": d.replicas, "spares": spares, "min_replicas": d.min_replicas,
+    out: dict[str, Any] = {"seed": seed, "replicas": d.replicas, "spares": spares, "orphans": orphans,
+                           "min_replicas": d.min_replicas,
                            "lanes": lanes, "buckets": d.buckets if lanes else 0,
                            "faults": [f.describe() for f in faults], "epochs": len(lh.published),
+                           "steps_carried": len(cluster.carried),
                            "events": world.events, "violations": violations}
     if trace:
         out["trace"] = world.trace
     return out
 
 
-def _run_many(args: tuple[int, int, str, str, int, bool]) -> list[dict[str, Any]]:
+def _run_many(args: tuple[int, int, str, str, int, bool, bool]) -> list[dict[str, Any]]:
     """Runs ``seed``..``seed + n - 1`` (one worker's share), without traces."""
-    seed, n, variant, plane, spares, blame_all = args
-    return [run_one(s, variant, plane=plane, spares=spares, blame_all=blame_all) for s in range(seed, seed + n)]
+    seed, n, variant, plane, spares, blame_all, orphans = args
+    return [run_one(s, variant, plane=plane, spares=spares, blame_all=blame_all, orphans=orphans)
+            for s in range(seed, seed + n)]
 
 
 def simulate(seed: int, runs: int, variant: str = "", plane: str = "lanes", jobs: int = 1,
-             spares: int = 0, blame_all: bool = False) -> dict[str, Any]:
+             spares: int = 0, blame_all: bool = False, orphans: bool = False) -> dict[str, Any]:
     """``runs`` runs, seeds ``seed``..``seed + runs - 1``: the counts, and the first failing seeds. ``jobs`` > 1
     shares the seeds among that many processes (each run is a pure function of its seed: the result is the
     same). ``spares``: spare groups in every run; ``blame_all``: every run with 3 replicas or more gets its
-    ``blame-all`` fault (``run_one``)."""
+    ``blame-all`` fault; ``orphans``: orphan slots carried (``run_one``)."""
     if runs < 1 or jobs < 1:
         raise ValueError(f"runs and jobs must be at least 1, got {runs} and {jobs}")
     if spares < 0 or (spares and plane != "lanes"):
         raise ValueError(f"spares must be >= 0, and need the lanes (got {spares} with plane {plane!r})")
+    if orphans and plane != "lanes":
+        raise ValueError("orphan slots need the lanes (the data is theirs)")
     t0 = time.monotonic()
     jobs = min(jobs, runs)
     if jobs == 1:
-        results = _run_many((seed, runs, variant, plane, spares, blame_all))
+        results = _run_many((seed, runs, variant, plane, spares, blame_all, orphans))
     else:
         share = -(-runs // (jobs * 8))  # several chunks per worker, so that a slow one does not hold the rest
-        chunks = [(s, min(share, seed + runs - s), variant, plane, spares, blame_all)
+        chunks = [(s, min(share, seed + runs - s), variant, plane, spares, blame_all, orphans)
                   for s in range(seed, seed + runs, share)]
         with multiprocessing.get_context("spawn").Pool(jobs) as pool:
             results = [r for part in pool.map(_run_many, chunks) for r in part]
     kinds: collections.Counter[str] = collections.Counter()
     by_invariant: collections.Counter[str] = collections.Counter()
     failing: list[dict[str, Any]] = []
-    bad = events = 0
+    bad = events = carried = 0
     for r in results:
+        carried += r["steps_carried"]
         kinds.update(f.kind for f in draw(r["seed"]).faults_of(plane))
         if blame_all and (extra := blame_all_of(r["seed"], r["replicas"])) is not None:
             kinds[extra.kind] += 1
@@ -210,7 +225,8 @@ def simulate(seed: int, runs: int, variant: str = "", plane: str = "lanes", jobs
             by_invariant.update({v.split(":", 1)[0] for v in r["violations"]})
             if len(failing) < 5:
                 failing.append({"seed": r["seed"], "faults": r["faults"], "violations": r["violations"][:5]})
-    return {"runs": runs, "seed": seed, "variant": variant, "plane": plane, "spares": spares,
+    return {"runs": runs, "seed": seed, "variant": variant, "plane": plane, "spares": spares, "orphans": orphans,
             "blame_all": blame_all, "violations": bad,
             "by_invariant": dict(sorted(by_invariant.items())), "faults_injected": dict(sorted(kinds.items())),
-            "first_failing": failing, "events": events, "jobs": jobs, "seconds": round(time.monotonic() - t0, 1)}
+            "first_failing": failing, "events": events, "steps_carried": carried, "jobs": jobs,
+            "seconds": round(time.monotonic() - t0, 1)}

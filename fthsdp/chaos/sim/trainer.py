@@ -11,6 +11,11 @@ commits, then takes a source's state at a commit boundary and replays them (the 
 before it contributes. A replica that starts active while the job has committed steps resumes from the job's
 checkpoint. After the last step every lane runs the end-of-job barrier (an exchange of zeros tagged with the next
 step, op sum), then the replica leaves as finished.
+
+With orphan slots (``--sim-orphans``; docs/design.md §7, ahead of the runtime) a step trains what the newest epoch
+deals the member (``fthsdp.runtime.orphans``: its slot's micro-batches and its share of the orphans'), its compute
+time grows with it, its lanes join only a group whose epoch deals it the same (``_fits``), and a redo first trains
+what a newer epoch deals it (``_redeal``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Protocol
 from ftar.errors import FTARError
 from fthsdp.chaos.sim.lanes import LaneConfig, Request, Result, SimGroup, SimLane
 from fthsdp.chaos.sim.world import World
+from fthsdp.runtime import orphans as orph
 from fthsdp.runtime.buckets import failure_of
 from fthsdp.runtime.commit import Commit, CommitProtocol, Exchanged, Failed, Failure, Rejoin, Tally, advance_cursors
 from fthsdp.runtime.config import RuntimeConfig
@@ -36,12 +42,15 @@ RETRY_S = 0.2
 """How soon a joiner tries its catch-up again when it cannot yet (no step learned, no source)."""
 SPARE_EARLY = RuntimeConfig.spare_early
 """``FTHSDP_SPARE_EARLY``'s default: a spare handed a slot within this fraction of its median step trains it."""
+PARTS = 2
+"""With orphan slots: micro-batches per slot and step (the unit an orphan's batch is dealt out in)."""
 
 NOT_SENT = FTARError("not sent")
 """A joiner's later bucket on a lane whose first one failed (``Failure.NOT_SENT``)."""
 
 Record = tuple[tuple[int, int, tuple[int, ...]], ...]
-"""What a committed step applied: per lane and bucket, (sum, contributors, contributing slots)."""
+"""What a committed step applied: per lane and bucket, (sum, contributors, the slot mask's positions trained: the
+contributing slots; with orphan slots, ``PARTS`` per slot, ``fthsdp.runtime.orphans.position``)."""
 
 
 class Process(Protocol):
@@ -83,10 +92,21 @@ class SimTrainer:
 
     def __init__(self, proc: Process, lanes: int, buckets: int, slots: int, total_steps: int,
                  lane_config: LaneConfig, groups: Callable[[EpochView, int], SimGroup],
-                 record: Callable[[SimTrainer, int, Record], None], assigned: bool = False) -> None:
+                 record: Callable[[SimTrainer, int, Record], None], assigned: bool = False,
+                 orphans: bool = False, pin: bool = True) -> None:
         self.proc = proc
-        self.assigned = assigned
+        self.assigned = assigned or orphans
         """The lighthouse hands out the slots (``lighthouse.slots``: a job with spares); else each trains its index."""
+        self.orphans = orphans
+        """Orphan slots (docs/design.md §7, the designed constant global batch, ahead of the runtime): the holders
+        train the micro-batches of the slots nobody holds (``fthsdp.runtime.orphans.deal``), a redo first trains
+        what a newer epoch deals it, and every committed step trains every slot's batch."""
+        self.pin = pin
+        """With orphan slots: exchange a contribution only in a group whose epoch deals this member what it trained
+        (``_fits``; off: the ``unpinned-orphans`` variant)."""
+        self.parts = PARTS if orphans else 1
+        self._have: tuple[int, ...] = ()
+        """With orphan slots: the slot mask's positions this step's contribution holds (computed)."""
         self.slot = proc.index if proc.index < slots else NO_SLOT
         """The slot it trains this step (``fthsdp.runtime.spares``: the tally's, taken at each commit)."""
         self.world: World = proc.world
@@ -145,7 +165,7 @@ class SimTrainer:
         if not joining:
             if resume is not None:
                 self.step, self.history = resume[0], dict(resume[1])
-                self.cursors = cursors_of(self.history, self.slots)
+                self.cursors = cursors_of(self.history, self.slots, self.parts)
             self.lane_step = [self.step] * len(self.lanes)
         self.proc.step = self.step
         self._begin()
@@ -161,11 +181,15 @@ class SimTrainer:
     def _begin(self) -> None:
         for p in self.protocols:
             p.begin()
-        self._trains = not self.joining and self.slot != NO_SLOT
-        if not self._trains and not self.joining:  # a spare: handed a slot already, it trains it in this step
-            self._hand_over(self._seen())
+        if self.orphans:  # what the newest epoch deals it (a spare given a slot and a returned replica included)
+            self._have = () if self.joining or self.proc.known is None else self._dealt(self.proc.known)
+            self._trains = bool(self._have)
+        else:
+            self._trains = not self.joining and self.slot != NO_SLOT
+            if not self._trains and not self.joining:  # a spare: handed a slot already, it trains it in this step
+                self._hand_over(self._seen())
         if self._trains:
-            self.world.after(STEP_S, lambda: self.run(self._launch))
+            self.world.after(STEP_S * max(1, len(self._have)) / self.parts, lambda: self.run(self._launch))
         else:
             self._launch()  # a joiner's or a spare's zeros: nothing to compute
 
@@ -191,10 +215,14 @@ class SimTrainer:
 
     def _request(self, lane: int, bucket: int, step: int | None, done: Callable[[Result | FTARError], None]) \
             -> Request:
-        contribute = not self.joining and self.slot != NO_SLOT
-        value = grad(self.slot, step, lane, bucket) if contribute and step is not None else 0
-        return Request(None if step is None else step * self.buckets + bucket, value, self.slot, contribute,
-                       redo=False, new_epoch_ok=bucket == 0, done=done)
+        if self.orphans:
+            contribute, positions = not self.joining and bool(self._have), self._have
+        else:
+            contribute, positions = not self.joining and self.slot != NO_SLOT, (self.slot,)
+        value = sum(grad(p, step, lane, bucket) for p in positions) if contribute and step is not None else 0
+        return Request(None if step is None else step * self.buckets + bucket, value, positions, contribute,
+                       redo=False, new_epoch_ok=bucket == 0, done=done,
+                       fits=self._fits if self.orphans and self.pin and not self.joining else None)
 
     def _tally(self) -> Tally:
         """The replica-local vote: the MAX of every lane's ballot."""
@@ -253,10 +281,46 @@ class SimTrainer:
         self.world.log(f"{self.inc} step {self.step}: vote failed ({tally}); redo")
         for lane in self.lanes:
             lane.reset(after=tally.newest, reform=tally.reform)  # partners that committed moved on there
-        if not self._trains and not self.joining and self._hand_over(tally.slot):
+        if self.orphans and not self.joining and (extra := self._redeal()):
+            self.world.after(extra, lambda: self.run(self._launch))  # what the newer epoch deals it: compute first
+        elif not self.orphans and not self._trains and not self.joining and self._hand_over(tally.slot):
             self.world.after(STEP_S, lambda: self.run(self._launch))  # the slot's batch: compute first
         else:
             self._launch()
+
+    def _dealt(self, epoch: m.Epoch | EpochView) -> tuple[int, ...]:
+        """With orphan slots: the slot mask's positions ``epoch`` deals this member (``fthsdp.runtime.orphans``):
+        as an active holder of a slot there, its slot's micro-batches and those of the orphans it is dealt (a
+        joiner's slot is an orphan until it is active); else none."""
+        holders = {x.replica_id: x.slot for x in epoch.members if x.slot != NO_SLOT and x.role == m.ACTIVE}
+        me = epoch.member(self.rid)
+        if me is None or me.incarnation != self.inc or self.rid not in holders:
+            return ()
+        mine = [orph.Part(holders[self.rid], i) for i in range(self.parts)]
+        return tuple(sorted(orph.position(p, self.parts) for p in
+                            mine + list(orph.deal(self.slots, holders, self.parts)[self.rid])))
+
+    def _fits(self, epoch: EpochView) -> bool:
+        """With orphan slots: whether this step's contribution may be exchanged in ``epoch``'s group: it holds
+        exactly what ``epoch`` deals this member. Every member of a group checks it, so every part of every slot
+        is in the group's sum exactly once; a member it does not fit is interrupted before any data moves, and
+        redoes the step's exchange once it has trained what the newest epoch deals it (``_redeal``)."""
+        return self._dealt(epoch) == self._have
+
+    def _redeal(self) -> float:
+        """With orphan slots, before a redo: train what the newest epoch deals this member beyond what its
+        contribution holds (a holder died during the step; a spare was handed a slot; a joiner became active). A
+        contribution that holds parts it is no longer dealt is computed afresh: its micro-batches are summed, none
+        can be taken out. Returns the compute time (0: nothing to compute)."""
+        want = () if self.proc.known is None else self._dealt(self.proc.known)
+        if want == self._have:
+            return 0.0
+        extra = len(want) - len(self._have) if set(self._have) <= set(want) else len(want)
+        self.world.log(f"{self.inc} step {self.step}: epoch {self.proc.known.number if self.proc.known else 0} "
+                       f"deals it parts {list(want)} (it holds {list(self._have)}): "
+                       + (f"training {extra} part(s) first" if want else "it contributes nothing"))
+        self._have, self._trains = want, bool(want)
+        return STEP_S * extra / self.parts
 
     def _commit(self, step: int, results: list[list[Result]]) -> None:
         if not self._trains and not self.joining:
@@ -265,7 +329,7 @@ class SimTrainer:
         self._record(self, step, record)
         self.history[step] = record
         self.committed_at[step] = self.world.now
-        self.cursors, _ = advance_cursors(self.cursors, results[0][-1].slots)
+        self.cursors, _ = advance_cursors(self.cursors, trained_slots(results[0][-1].slots, self.parts, step))
         for lane in self.lanes:
             lane.forget_before(step * self.buckets)  # hold this step's results until the next commit
         self.step = step + 1
@@ -289,7 +353,7 @@ class SimTrainer:
             return False
         self.history = {t: r for t, r in source.history.items() if t < at} | \
             {t: r for t, r in self.history.items() if t >= at}
-        self.cursors = cursors_of(self.history, self.slots)
+        self.cursors = cursors_of(self.history, self.slots, self.parts)
         self.joining, self.caught_up = False, True
         self.world.log(f"{self.inc} caught up at step {self.step} from {source.inc} (its state at step {at})")
         self.proc.step = self.step
@@ -318,7 +382,7 @@ class SimTrainer:
     def _barrier_round(self) -> None:
         self._outcomes = [[None] for _ in self.lanes]
         for i, lane in enumerate(self.lanes):
-            lane.submit(Request(self.step * self.buckets, 0, self.slot, False, redo=False, new_epoch_ok=True,
+            lane.submit(Request(self.step * self.buckets, 0, (self.slot,), False, redo=False, new_epoch_ok=True,
                                 done=functools.partial(self._barrier_lane, i)))
 
     def _barrier_lane(self, lane: int, out: Result | FTARError) -> None:
@@ -347,10 +411,25 @@ class SimTrainer:
         self.proc.finish(self.step)
 
 
-def cursors_of(history: dict[int, Record], slots: int) -> list[int]:
+def trained_slots(positions: tuple[int, ...], parts: int, step: int) -> tuple[int, ...]:
+    """The slots a step trained, from the slot mask's positions its contributors trained (``parts`` per slot:
+    ``fthsdp.runtime.orphans.trained``; a conflict is the cluster's violation to report, ``SimCluster._record``,
+    and counts as trained here)."""
+    if parts == 1:
+        return positions
+    counts = [0] * (max(positions, default=-1) // parts + 1) * parts
+    for p in positions:
+        counts[p] += 1
+    try:
+        return orph.trained(counts, parts, step)
+    except orph.OrphanConflict:
+        return tuple(sorted({p // parts for p in positions}))
+
+
+def cursors_of(history: dict[int, Record], slots: int, parts: int = 1) -> list[int]:
     """The data cursors after ``history``: per slot, the steps it contributed to."""
     cursors = [0] * slots
-    for record in history.values():
-        for s in record[-1][2]:
+    for step, record in history.items():
+        for s in trained_slots(record[-1][2], parts, step):
             cursors[s] += 1
     return cursors
