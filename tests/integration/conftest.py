@@ -19,6 +19,7 @@ CONTROL_PLANE = frozenset({
 """The files of the control-plane tests: none of them trains a model."""
 
 PACED_ONE_RANK = frozenset({
+    "test_state_travels.py",
     "test_chaos.py::test_ha_leader_lighthouse_killed_training_goes_on",
     "test_chaos.py::test_replica_back_after_the_job_finished_ends_cleanly",
     "test_user_script.py::test_fthsdp_run_one_group_per_host_against_a_shared_lighthouse",
