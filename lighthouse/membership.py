@@ -85,7 +85,7 @@ from lighthouse.inputs import Register as Register
 from lighthouse.inputs import Report as Report
 from lighthouse.inputs import Tick as Tick
 from lighthouse.model import ACTIVE as ACTIVE
-from lighthouse.model import FINISHED, HISTORY_LIMIT, ROLES, Member
+from lighthouse.model import FINISHED, HISTORY_LIMIT, ROLES, Member, holders_of
 from lighthouse.model import JOINING as JOINING
 from lighthouse.model import NO_SLOT as NO_SLOT
 from lighthouse.model import Endpoints as Endpoints
@@ -402,7 +402,8 @@ def _reconcile(state: State, events: tuple[MembershipEvent, ...], now: float, po
         return Outcome(state=state, events=(*events, GuardHeld(len(wanted), policy.min_replicas)))
     number = state.last_number + 1
     keeps = (state.epoch is not None and not force
-             and tuple((m.replica_id, m.incarnation) for m in wanted) == state.epoch.plane_key())
+             and tuple((m.replica_id, m.incarnation) for m in wanted) == state.epoch.plane_key()
+             and (not policy.orphan_planes or holders_of(wanted) == state.epoch.holders_key()))
     epoch = Epoch(number=number, members=wanted, created_at=now, reason=render_reason(events) or "bootstrap",
                   plane=state.epoch.data_plane if keeps and state.epoch is not None else number, events=events,
                   hosting=lane_hosts.mode(state.epoch, wanted, force))

@@ -4,7 +4,7 @@ Plain frozen dataclasses, no behaviour beyond lookups."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from lighthouse.events import MembershipEvent
@@ -53,6 +53,10 @@ class Policy:
     straggler_policy: str = "report"
     """What a straggler gets: ``report`` (named in the status) or ``eject`` (taken out of the job when that wins:
     ``lighthouse.ejection``; it comes back once a probe step shows it healthy)."""
+    orphan_planes: bool = False
+    """Orphan slots carried (docs/design.md §7; so far the simulator's ``--sim-orphans``): a change of which active
+    members hold which slot (a joiner turned active, a spare handed a slot) starts a new data plane, so that every
+    member of a group deals the orphans' micro-batches from the same holders (``fthsdp.runtime.orphans``)."""
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
@@ -151,6 +155,10 @@ class Epoch:
     def plane_key(self) -> tuple[tuple[str, str], ...]:
         return tuple((m.replica_id, m.incarnation) for m in self.members)
 
+    def holders_key(self) -> tuple[tuple[str, int], ...]:
+        """Which active members hold which slot (``Policy.orphan_planes``)."""
+        return holders_of(self.members)
+
     @functools.cached_property
     def _key(self) -> tuple[tuple[str, str, str, int], ...]:
         return tuple((m.replica_id, m.incarnation, m.role, m.slot) for m in self.members)
@@ -244,3 +252,8 @@ DEPARTED_LIMIT = 8
 DEPARTED_IDS_LIMIT = 2048
 """Replica ids remembered in ``State.departed``, the most recently departed: the durable document stays far
 below etcd's 1.5 MiB request limit (about 2,000 ids of 8 incarnations) however many registrations go silent."""
+
+
+def holders_of(members: Iterable[EpochMember]) -> tuple[tuple[str, int], ...]:
+    """The active members of ``members`` that hold a data slot, with their slots, in order."""
+    return tuple((m.replica_id, m.slot) for m in members if m.role == ACTIVE and m.slot != NO_SLOT)

@@ -26,7 +26,8 @@ PACED_ONE_RANK = frozenset({
     "test_catchup_e2e.py::test_every_replica_dies_job_resumes_from_checkpoint",
 })
 """Files (or single tests) that train one rank per replica group with paced steps, or wait out a restart delay:
-light beside a training."""
+light beside a training. Where such a test needs a replica to restart and rejoin before the end, its paced steps
+must leave room for a cold restart beside the training lane's (47 s once: ``test_state_travels.py``)."""
 
 ALONE_AT_THE_END = (
     "test_chaos.py::test_seeded_chaos_run_keeps_every_invariant",
@@ -41,7 +42,7 @@ ALONE_AT_THE_END = (
 )
 """Training-lane tests whose checks are times or a detector's judgement of speed (a stall within a bound, nobody
 named slow before the slowed one): the training lane runs them last, when the light lane is done and the machine
-is theirs (about 20 minutes in, the light lane takes about 12)."""
+is theirs (about 20 minutes in; the light lane takes about 14)."""
 
 LAST = {name: i for i, name in enumerate(ALONE_AT_THE_END)}
 

@@ -17,6 +17,11 @@ from tests.helpers.cluster_checks import check_converged, check_exactly_once, ch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
+RESTART_WINDOW_STEPS = 320
+"""Steps paced at 0.25 s (80 s) in the tests where a replica restarts and must rejoin before the end: these tests
+run in the light lane (tests/integration/conftest.py), beside a training that fills the cores, where a cold
+restart (torchrun, imports) took 47 s once (160 steps, 40 s, were not enough)."""
+
 
 def _config(**kw: Any) -> ClusterConfig:
     base: dict[str, Any] = dict(replicas=2, ranks=1, model="tiny", restart_delay_s=0.5, timeout_s=240)
@@ -28,7 +33,7 @@ def test_joiner_with_a_scheduler_ends_bitwise_equal(tmp_path: pathlib.Path, sche
     """SIGKILL a replica whose trainer hands the runtime a scheduler (``CosineAnnealingLR`` over the run, or a
     ``LambdaLR`` decaying every step); restarted, it catches up and every replica ends with one state hash, which
     covers the param groups' lr and the scheduler's state. The digest check (every 4 steps) agrees all along."""
-    steps = 160  # paced: long enough for the restarted group to start (seconds of torchrun and imports) and rejoin
+    steps = RESTART_WINDOW_STEPS
     env = {"FTHSDP_SCHEDULER": scheduler, "FTHSDP_DIGEST_EVERY": "4"}
     report = Cluster(_config(steps=steps, kills=(Kill(1, 6, "backward"),), min_step_s=0.25,
                              env={0: env, 1: env}), tmp_path).run()
@@ -46,7 +51,7 @@ def test_corrupted_replica_is_named_within_k_steps_and_catches_up(tmp_path: path
     """Replica 1 flips a bit of a parameter after committing step 9. The digest check every 4 steps compares the
     state before step 12: replica 1 is in the minority, says so and restarts; replicas 0 and 2 name it at step 12
     and go on. It catches up, and all three end equal."""
-    steps, corrupt, every = 160, 9, 4
+    steps, corrupt, every = RESTART_WINDOW_STEPS, 9, 4
     env = {"FTHSDP_DIGEST_EVERY": str(every)}
     report = Cluster(_config(replicas=3, steps=steps, min_step_s=0.25,
                              env={0: env, 1: {**env, "FTHSDP_FAULT_CORRUPT": str(corrupt)}, 2: env}), tmp_path).run()
@@ -81,7 +86,7 @@ def test_a_corrupted_spare_finds_itself_and_catches_up(tmp_path: pathlib.Path) -
     """2 replicas and a spare group; the spare flips a bit of a parameter after committing step 5. It sends no
     digest (it has no slot), so it holds its own against the slots' at the next check (step 8): it differs, says so
     and restarts; the replicas see nothing wrong and go on. It catches up as a spare, and all three end equal."""
-    steps, corrupt, every = 100, 5, 4
+    steps, corrupt, every = RESTART_WINDOW_STEPS, 5, 4
     env = {"FTHSDP_DIGEST_EVERY": str(every)}
     report = Cluster(_config(spares=1, steps=steps, min_step_s=0.25,
                              env={0: env, 1: env, 2: {**env, "FTHSDP_FAULT_CORRUPT": str(corrupt)}}), tmp_path).run()

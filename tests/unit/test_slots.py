@@ -140,3 +140,23 @@ def test_slots_survive_the_state_document() -> None:
     back = state_from_doc(state_to_doc(state), 6.0)
     assert back.slots == SLOTS and back.epoch == state.epoch
     assert {rid: x.slot for rid, x in back.members.items()} == {"r0": 0, "s0": 1}
+
+
+@pytest.mark.parametrize("orphan_planes", [False, True])
+def test_with_orphan_planes_a_change_of_slot_holders_starts_a_new_data_plane(orphan_planes: bool) -> None:
+    """``Policy.orphan_planes`` (orphan slots carried, ``fthsdp.runtime.orphans``): the holders deal the orphans'
+    micro-batches from the active slot holders, so every epoch of one data plane must list the same ones. A joiner
+    turned active with its slot back changes them: a new plane, where without the policy only its role changed and
+    the plane is kept."""
+    policy = dataclasses.replace(P, expected_replicas=2, join_window_s=0.0, orphan_planes=orphan_planes)
+    state = register(register(m.State(), "r0", 0, policy=policy), "r1", 1, policy=policy)
+    state = kill(state, "r1", 5.0)
+    state = register(state, "r1", 1, 6.0, n=2, policy=policy)
+    joined = apply(state, m.Ready("r1", "r1-2", m.JOINING, 6.5), policy)
+    assert held(joined) == {"r0": 0, "r1": 1} and joined.epoch is not None
+    assert joined.epoch.holders_key() == (("r0", 0),)  # a joiner holds its slot but trains nothing yet
+    active = apply(joined, m.Ready("r1", "r1-2", m.ACTIVE, 7.0), policy)
+    assert active.epoch is not None and active.epoch.holders_key() == (("r0", 0), ("r1", 1))
+    assert active.epoch.number == joined.epoch.number + 1
+    assert (active.epoch.data_plane == active.epoch.number) is orphan_planes  # new plane only with the policy
+    assert (active.epoch.data_plane == joined.epoch.data_plane) is not orphan_planes

@@ -131,7 +131,7 @@ class SimCluster:
     def __init__(self, world: World, cfg: SimConfig) -> None:
         self.world, self.cfg = world, cfg
         self.policy = dataclasses.replace(cfg.policy, min_replicas=cfg.min_replicas,
-                                          expected_replicas=cfg.replicas + cfg.spares)
+                                          expected_replicas=cfg.replicas + cfg.spares, orphan_planes=cfg.orphans)
         self.slots, self.spares, self.orphans = cfg.replicas, cfg.spares, cfg.orphans
         self.epoch_wait_s = cfg.epoch_wait_s
         self.reuse_epochs = cfg.reuse_epochs
