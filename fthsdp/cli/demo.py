@@ -13,6 +13,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from fthsdp.cli.run import job_cursors, summary
 from fthsdp.cli.trace import write as write_trace
 from fthsdp.launch.cluster import Cluster, converged
 from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed, credential_path
@@ -99,6 +100,9 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
           f"included: {report['survivor_max_stall_s']}s); "
           f"rejoin (kill to first joined step): {report['rejoin_s']}s; "
           f"effective training time: {report['effective_training_time']:.0%}")
+    report["cursors"] = job_cursors(report["final"])
+    for line in summary(report["final"]):  # the batches each data slot trained, and who came back after the end
+        print(line)
     for x in report["resumed"]:
         print(f"replica {x['replica']} resumed the job from the checkpoint of step {x['from_step']} (every replica "
               "had died)")

@@ -125,7 +125,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     final = finals(cluster)
     report = {"command": [str(script), *a.args], "replicas": a.replicas, "groups": list(groups),
               "ranks_per_replica": a.ranks, "lighthouse": a.lighthouse or "embedded", "t_start": t_start,
-              "final": final, "problems": problems(final) + disagreement(cluster),
+              "final": final, "cursors": job_cursors(final), "problems": problems(final) + disagreement(cluster),
               "events": cluster.events + epoch_events(history)}
     if a.report:
         pathlib.Path(a.report).write_text(json.dumps(report, indent=1))
@@ -140,12 +140,18 @@ def cmd_run(a: argparse.Namespace) -> None:
         print(f"fthsdp run: {line}", flush=True)
 
 
+def job_cursors(final: dict[str, dict[str, Any] | None]) -> list[int] | None:
+    """The job's data cursors at the end, one per slot (batches trained), as a final state reports them (None: the
+    script reports none)."""
+    return next((f["cursors"] for f in final.values() if f and "cursors" in f), None)
+
+
 def summary(final: dict[str, dict[str, Any] | None]) -> list[str]:
     """What the end of a run says besides the state: the batches each data slot trained (from the job's data
     cursors, when the script reports them: ``fthsdp.runtime.training()``/``init()`` do), and the groups that came
     back after the job had ended (they hold the final state and trained nothing after their restart)."""
     lines = []
-    cursors = next((f["cursors"] for f in final.values() if f and "cursors" in f), None)
+    cursors = job_cursors(final)
     steps = next((f["step"] for f in final.values() if f), 0)
     if cursors is not None:
         short = [f"slot {i}: {c} of {steps}" for i, c in enumerate(cursors) if c < steps]

@@ -25,6 +25,7 @@ def test_demo_trace_has_every_rank_and_the_kill(tmp_path: pathlib.Path) -> None:
                            "--steps", "60", "--kill", "1@10", "--timeout", "240", "--trace", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "batches trained per data slot: [60, " in proc.stdout  # the end says what each slot trained
     doc = json.loads(out.read_text())
     assert chrome.problems(doc) == []
     assert out.with_suffix(".png").stat().st_size > 10_000

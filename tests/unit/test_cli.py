@@ -274,7 +274,7 @@ def test_a_standby_lost_while_held_is_forgotten_its_kill_kept_and_too_many_fail_
 
 
 def test_run_summary_gives_each_slots_batches_and_names_groups_back_after_the_end() -> None:
-    from fthsdp.cli.run import summary
+    from fthsdp.cli.run import job_cursors, summary
 
     final: dict[str, dict[str, Any] | None] = {
         "0": {"step": 160, "param_hash": "ab", "cursors": [160, 73, 160]},
@@ -283,7 +283,9 @@ def test_run_summary_gives_each_slots_batches_and_names_groups_back_after_the_en
     lines = summary(final)
     assert lines[0] == "batches trained per data slot: [160, 73, 160] (steps: 160); short: slot 1: 73 of 160"
     assert "replica group(s) [1] came back after the job had ended" in lines[1]
+    assert job_cursors(final) == [160, 73, 160]  # the JSON report's "cursors", one per slot
     assert summary({"0": {"step": 5, "param_hash": "ab"}}) == []  # a script that reports no cursors: nothing to say
+    assert job_cursors({"0": {"step": 5, "param_hash": "ab"}, "1": None}) is None
 
 
 def test_run_says_once_when_the_lighthouse_refuses_it_its_status(capsys: pytest.CaptureFixture[str]) -> None:
