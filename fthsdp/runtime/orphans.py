@@ -72,11 +72,24 @@ def position(part: Part, parts: int) -> int:
     return part.slot * parts + part.micro
 
 
+def positions(slot: int, carried: Sequence[Part], parts: int) -> tuple[int, ...]:
+    """The slot mask's positions a holder trains, in order: every part of its ``slot`` and ``carried``."""
+    return tuple(sorted(position(p, parts) for p in [*(Part(slot, i) for i in range(parts)), *carried]))
+
+
 def mask(slot: int, carried: Sequence[Part], slots: int, parts: int) -> list[float]:
-    """A holder's slot mask: 1 at each part it trained (every part of ``slot`` and ``carried``), 0 elsewhere."""
+    """A holder's slot mask: 1 at each part it trained (``positions``), 0 elsewhere."""
     out = [0.0] * (slots * parts)
-    for part in [Part(slot, i) for i in range(parts)] + list(carried):
-        out[position(part, parts)] = 1.0
+    for p in positions(slot, carried, parts):
+        out[p] = 1.0
+    return out
+
+
+def counts(trained_positions: Sequence[int], slots: int, parts: int) -> list[int]:
+    """The summed slot mask as counts, from every position the members trained (one entry per member and part)."""
+    out = [0] * (slots * parts)
+    for p in trained_positions:
+        out[p] += 1
     return out
 
 

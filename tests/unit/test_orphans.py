@@ -6,7 +6,18 @@ import random
 
 import pytest
 
-from fthsdp.runtime.orphans import OrphanConflict, Part, deal, mask, orphans, position, trained, weight
+from fthsdp.runtime.orphans import (
+    OrphanConflict,
+    Part,
+    counts,
+    deal,
+    mask,
+    orphans,
+    position,
+    positions,
+    trained,
+    weight,
+)
 
 
 def random_membership(rng: random.Random) -> tuple[int, dict[str, int], int]:
@@ -33,11 +44,13 @@ def test_every_part_of_every_orphan_is_dealt_exactly_once_and_evenly_for_any_mem
         assert not any(p.slot in holders.values() for p in every)  # nobody carries a held slot
         assert sum(weight(c, parts) for c in dealt.values()) == pytest.approx(slots)
         # the step's summed mask reads back as every slot trained once
-        counts = [0] * (slots * parts)
+        summed = [0] * (slots * parts)
         for member, carried in dealt.items():
             for i, v in enumerate(mask(holders[member], carried, slots, parts)):
-                counts[i] += int(v)
-        assert trained(counts, parts, step=7) == tuple(range(slots))
+                summed[i] += int(v)
+        assert trained(summed, parts, step=7) == tuple(range(slots))
+        every_position = [p for m, c in dealt.items() for p in positions(holders[m], c, parts)]
+        assert counts(every_position, slots, parts) == summed  # the positions a member lists are its mask's ones
 
 
 def test_the_deal_depends_on_the_membership_only_not_on_the_order_members_are_listed_in() -> None:

@@ -275,18 +275,17 @@ class SimCluster:
                 value, contributors, by = record[k]
                 k += 1
                 want = sum(tr.grad(s, step, lane, b) for s in by)
-                if value != want or contributors * who.parts > len(by) or (who.parts == 1 and contributors != len(by)):
+                # one position per contributor; with orphan slots at least its own slot's parts each
+                counted = contributors == len(by) if who.parts == 1 else contributors * who.parts <= len(by)
+                if value != want or not counted:
                     self.plane_violations.append(f"state: step {step} lane {lane} bucket {b} at {who.inc}: sum "
                                                  f"{value} of {contributors}, the slots {by} give {want}")
 
     def _whole_batch(self, who: tr.SimTrainer, step: int, positions: tuple[int, ...]) -> None:
         """With orphan slots: the step trained every part of every slot exactly once (a slot's parts by one holder
         or dealt among them: ``fthsdp.runtime.orphans.trained``), so the global batch is the same, failures or not."""
-        counts = [0] * (self.slots * who.parts)
-        for p in positions:
-            counts[p] += 1
         try:
-            slots = orphans.trained(counts, who.parts, step)
+            slots = orphans.trained(orphans.counts(positions, self.slots, who.parts), who.parts, step)
         except orphans.OrphanConflict as e:
             self.plane_violations.append(f"exactly-once: at {who.inc}: {e}")
             return

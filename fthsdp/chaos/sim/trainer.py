@@ -188,8 +188,9 @@ class SimTrainer:
             self._trains = not self.joining and self.slot != NO_SLOT
             if not self._trains and not self.joining:  # a spare: handed a slot already, it trains it in this step
                 self._hand_over(self._seen())
-        if self._trains:
-            self.world.after(STEP_S * max(1, len(self._have)) / self.parts, lambda: self.run(self._launch))
+        if self._trains:  # with orphan slots the compute grows with the micro-batches dealt
+            compute_s = STEP_S * len(self._have) / self.parts if self.orphans else STEP_S
+            self.world.after(compute_s, lambda: self.run(self._launch))
         else:
             self._launch()  # a joiner's or a spare's zeros: nothing to compute
 
@@ -296,9 +297,7 @@ class SimTrainer:
         me = epoch.member(self.rid)
         if me is None or me.incarnation != self.inc or self.rid not in holders:
             return ()
-        mine = [orph.Part(holders[self.rid], i) for i in range(self.parts)]
-        return tuple(sorted(orph.position(p, self.parts) for p in
-                            mine + list(orph.deal(self.slots, holders, self.parts)[self.rid])))
+        return orph.positions(holders[self.rid], orph.deal(self.slots, holders, self.parts)[self.rid], self.parts)
 
     def _fits(self, epoch: EpochView) -> bool:
         """With orphan slots: whether this step's contribution may be exchanged in ``epoch``'s group: it holds
@@ -329,7 +328,8 @@ class SimTrainer:
         self._record(self, step, record)
         self.history[step] = record
         self.committed_at[step] = self.world.now
-        self.cursors, _ = advance_cursors(self.cursors, trained_slots(results[0][-1].slots, self.parts, step))
+        self.cursors, _ = advance_cursors(self.cursors, trained_slots(results[0][-1].slots, self.slots, self.parts,
+                                                                      step))
         for lane in self.lanes:
             lane.forget_before(step * self.buckets)  # hold this step's results until the next commit
         self.step = step + 1
@@ -411,17 +411,14 @@ class SimTrainer:
         self.proc.finish(self.step)
 
 
-def trained_slots(positions: tuple[int, ...], parts: int, step: int) -> tuple[int, ...]:
+def trained_slots(positions: tuple[int, ...], slots: int, parts: int, step: int) -> tuple[int, ...]:
     """The slots a step trained, from the slot mask's positions its contributors trained (``parts`` per slot:
     ``fthsdp.runtime.orphans.trained``; a conflict is the cluster's violation to report, ``SimCluster._record``,
     and counts as trained here)."""
     if parts == 1:
         return positions
-    counts = [0] * (max(positions, default=-1) // parts + 1) * parts
-    for p in positions:
-        counts[p] += 1
     try:
-        return orph.trained(counts, parts, step)
+        return orph.trained(orph.counts(positions, slots, parts), parts, step)
     except orph.OrphanConflict:
         return tuple(sorted({p // parts for p in positions}))
 
@@ -430,6 +427,6 @@ def cursors_of(history: dict[int, Record], slots: int, parts: int = 1) -> list[i
     """The data cursors after ``history``: per slot, the steps it contributed to."""
     cursors = [0] * slots
     for step, record in history.items():
-        for s in trained_slots(record[-1][2], parts, step):
+        for s in trained_slots(record[-1][2], slots, parts, step):
             cursors[s] += 1
     return cursors
