@@ -71,10 +71,18 @@ class Shadow:
             self.intervals.append(now - self.began)
         self.began = now
 
+    def since(self) -> float:
+        """Seconds since this step began (0 before the first commit)."""
+        return self._now() - self.began if self.began is not None else 0.0
+
+    def median(self) -> float | None:
+        """The median of the recent commit intervals (None before two commits)."""
+        return statistics.median(self.intervals) if self.intervals else None
+
     def early(self, fraction: float) -> bool:
         """This step began at most ``fraction`` of a median step ago (no step measured yet: no)."""
-        return fraction > 0 and self.began is not None and bool(self.intervals) and \
-            self._now() - self.began <= fraction * statistics.median(self.intervals)
+        return fraction > 0 and self.began is not None and (median := self.median()) is not None and \
+            self.since() <= fraction * median
 
 
 def spare_step(rep: StepCore, closure: Callable[[], torch.Tensor] | None, shadow: Shadow,
@@ -141,9 +149,15 @@ def _handed(rep: StepCore, shadow: Shadow, slot: int) -> int:
     (the early flags ride negated, so a rank that says no wins)."""
     if rep.config.spare_early == 0:  # the same on every rank: no collective needed to agree on never
         return NO_SLOT
-    mine = torch.tensor([slot, -int(shadow.early(rep.config.spare_early))], dtype=torch.int64, device=rep.device)
+    early, since = shadow.early(rep.config.spare_early), shadow.since()
+    mine = torch.tensor([slot, -int(early)], dtype=torch.int64, device=rep.device)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     agreed, all_early = int(mine[0]), -int(mine[1]) == 1
+    if agreed != NO_SLOT and not all_early:  # once per hand-over: why this step sends zeros (each rank's view)
+        median = shadow.median()
+        rep.log(logging.INFO, "data slot %d handed over late in this step: zeros now, its batch from the next (this "
+                "rank %s: %.3fs into a median %s step)", agreed, "early" if early else "late", since,
+                "unmeasured" if median is None else f"{median:.3f}s")
     return agreed if all_early else NO_SLOT
 
 

@@ -34,6 +34,13 @@ def test_early_is_a_fraction_of_the_median_step_since_the_last_commit() -> None:
         assert not s.early(0.25) and s.early(1.0)
     with _at(15.0):
         assert not s.early(0.0)  # 0: never
+    with _at(15.3):  # what a late hand-over's log line reports
+        assert s.since() == pytest.approx(0.3) and s.median() == 1.0
+
+
+def test_before_two_commits_there_is_no_median() -> None:
+    s = spares.Shadow()
+    assert s.since() == 0.0 and s.median() is None
 
 
 def test_a_spare_lends_itself_slot_0_for_a_warm_up_only() -> None:
