@@ -61,7 +61,7 @@ trap 'exit 130' INT TERM
 
 # --- the lighthouse, on free loopback ports --------------------------------------------------------------------
 "$PY" -m fthsdp --log-level WARNING lighthouse --bind 127.0.0.1:0 --http 127.0.0.1:0 \
-    --expected-replicas "$REPLICAS" --min-replicas 1 --heartbeat-timeout 5 \
+    --expected-replicas "$REPLICAS" --join-window 30 --min-replicas 1 --heartbeat-timeout 5 \
     --port-file "$WORKDIR/lighthouse.ports" >"$WORKDIR/lighthouse.log" 2>&1 &
 LH_PID=$!
 PIDS+=("$LH_PID")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fthsdp.launch import priority
-from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed, check_credentials
+from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed, check_credentials, join_window
 from fthsdp.launch.epochs import epoch_events
 from fthsdp.launch.lanes import lanes
 from fthsdp.launch.lighthouse_process import http_get, start_lighthouse_process
@@ -80,6 +80,7 @@ class Cluster:
                 raise ValueError(f"kill of replica {k.replica}: this launcher runs replica groups {list(indices)}")
         if not 0 <= config.standby_nice <= 19:
             raise ValueError(f"standby_nice {config.standby_nice}: a nice value from 0 (the training's) to 19")
+        self.join_window_s = join_window(config, indices)  # ValueError before anything starts
         if config.credentials:
             check_credentials(config.credentials, indices, own_lighthouse=not config.lighthouse)
         self.config = config
@@ -232,7 +233,8 @@ class Cluster:
         secret = ["--token-file", str(pathlib.Path(c.credentials) / "token")] if c.credentials else []
         return [*secret, "--heartbeat-interval", str(c.heartbeat_interval_s),
                 "--heartbeat-timeout", str(c.heartbeat_timeout_s), "--confirm-age", str(c.confirm_age_s),
-                "--expected-replicas", str(c.replicas + c.spares), "--straggler-policy", c.straggler_policy]
+                "--join-window", str(self.join_window_s), "--expected-replicas", str(c.replicas + c.spares),
+                "--straggler-policy", c.straggler_policy]
 
     def start_lighthouse(self) -> None:
         """Start the lighthouse; set ``addr`` (what replicas get as ``FTHSDP_LIGHTHOUSE``) and ``http``. A subclass

@@ -8,6 +8,7 @@ it so (``tests/unit/test_layout.py``)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 from dataclasses import dataclass, field
 
@@ -17,6 +18,10 @@ from lighthouse.model import Policy
 
 class ReplicaFailed(RuntimeError):
     """A replica group cannot go on: it reported a fatal error, or failed more than ``max_restarts`` times."""
+
+
+JOIN_WINDOW_S = 30.0
+"""The longest default ``ClusterConfig.join_window_s``."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,12 @@ class ClusterConfig:
     """The lighthouse's ``--heartbeat-timeout``."""
     confirm_age_s: float = 0.5
     """The lighthouse's ``--confirm-age``."""
+    join_window_s: float | None = None
+    """The lighthouse's ``--join-window``: at the job's start, how long after the first group registered the first
+    epoch waits for the others before it forms without them. A group that never registers (it failed its
+    self-check, or its host never came up) then does not hold the job back; a slow one that comes later joins as
+    a joiner. None: half the replicas' smallest ``FTHSDP_EPOCH_WAIT`` (60 s by default), at most 30 s; a value
+    given must stay below it, or the first to register would give up waiting first. 0: wait for every group."""
     collective_timeout_s: float = 5.0
     """The replicas' ``FTHSDP_TIMEOUT``."""
     max_restarts: int = 10
@@ -172,6 +183,21 @@ class ClusterConfig:
 def credential_path(folder: str, index: int) -> pathlib.Path:
     """Replica group ``index``'s credential in a folder ``fthsdp secrets --replicas`` wrote (its default id)."""
     return pathlib.Path(folder) / "replicas" / f"replica-{index}.credential"
+
+
+def join_window(config: ClusterConfig, indices: tuple[int, ...]) -> float:
+    """``config.join_window_s``, or by default half the smallest ``FTHSDP_EPOCH_WAIT`` of these groups (their
+    ``env``, else this process's, else the runtime's 60 s), at most ``JOIN_WINDOW_S``. ``ValueError`` for a window
+    below 0 or not below that wait: a replica that registered first must not give up waiting for the first epoch
+    before the window lets it form."""
+    wait = min(float(config.env.get(i, {}).get("FTHSDP_EPOCH_WAIT", os.environ.get("FTHSDP_EPOCH_WAIT", "60")))
+               for i in indices)
+    if config.join_window_s is None:
+        return min(JOIN_WINDOW_S, wait / 2)
+    if config.join_window_s < 0 or config.join_window_s >= wait:
+        raise ValueError(f"join_window_s {config.join_window_s:g}: must be >= 0 and below the replicas' "
+                         f"FTHSDP_EPOCH_WAIT ({wait:g} s), which the first to register would otherwise run out of")
+    return config.join_window_s
 
 
 def check_credentials(folder: str, indices: tuple[int, ...], own_lighthouse: bool) -> None:

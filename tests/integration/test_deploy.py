@@ -112,6 +112,8 @@ def test_replica_groups_are_an_indexed_job_that_restarts() -> None:
     lighthouse = _find("StatefulSet", "lighthouse")
     lh_args = _container(lighthouse, "lighthouse")["args"]
     assert int(_flag(lh_args, "--expected-replicas")) == spec["completions"]
+    # A group that never registers holds the job's start no longer than this, below the trainers' epoch wait.
+    assert 0 < float(_flag(lh_args, "--join-window")) < float(env["FTHSDP_EPOCH_WAIT"])
     # Replicas are given every lighthouse by the stable name each advertises as leader (and its certificate
     # names): lighthouse-N.<headless service>.fthsdp.svc:<grpc port>.
     svc = _find("Service", lighthouse["spec"]["serviceName"])

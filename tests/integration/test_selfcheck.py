@@ -33,3 +33,25 @@ def test_a_restart_that_fails_its_self_check_is_kept_out_and_the_others_train_on
     assert all("replica-1" not in e["members"] for e in after), after  # it never registered again
     (row,) = [json.loads(x) for x in (tmp_path / "blocklist.jsonl").read_text().splitlines()]
     assert row["replica"] == "replica-1" and row["host"] and "made to fail" in row["reason"]
+
+
+def test_a_group_that_fails_its_self_check_at_the_start_does_not_hold_the_first_epoch(tmp_path: pathlib.Path) -> None:
+    # Group 1's first incarnation fails its check, so it never registers. The lighthouse expects 3 groups; its join
+    # window (5 s here; ClusterConfig's default is half the replicas' epoch wait, at most 30 s) lets the first
+    # epoch form without it, before the others' FTHSDP_EPOCH_WAIT runs out. Before the window, the others waited
+    # for a third group that never came until their epoch wait failed them, restart after restart.
+    steps = 20
+    config = ClusterConfig(replicas=3, ranks=1, steps=steps, model="tiny", kills=(Kill(1, 0, "selfcheck"),),
+                           restart_delay_s=0.5, timeout_s=200, min_step_s=0.05, join_window_s=5.0)
+    report = Cluster(config, tmp_path).run()
+    assert list(report["unhealthy"]) == ["1"] and "made to fail" in report["unhealthy"]["1"], report["unhealthy"]
+    check_converged(report, steps)
+    for r in (0, 2):
+        check_survivor(tmp_path, r, steps)  # trained every step, never restarted
+    starts = [e for e in report["events"] if e["event"] == "start" and e["replica"] == 1]
+    assert len(starts) == 1, starts  # not started again
+    epochs = [e for e in report["events"] if e["event"] == "epoch"]
+    assert epochs and all("replica-1" not in e["members"] for e in epochs), epochs
+    assert {"replica-0", "replica-2"} <= set(epochs[0]["members"]), epochs[0]
+    (row,) = [json.loads(x) for x in (tmp_path / "blocklist.jsonl").read_text().splitlines()]
+    assert row["replica"] == "replica-1" and "made to fail" in row["reason"]

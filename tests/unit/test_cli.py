@@ -4,6 +4,7 @@ their report says a check failed (hand-made reports fed through the exit decisio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Any
@@ -215,6 +216,14 @@ def test_run_one_hosts_groups_needs_the_jobs_lighthouse_and_valid_groups(tmp_pat
     assert (env["FTHSDP_REPLICA_INDEX"], env["FTHSDP_NUM_REPLICAS"], env["FTHSDP_SPARES"]) == ("2", "2", "1")
     args = Cluster(spares, tmp_path).lighthouse_args()
     assert args[args.index("--expected-replicas") + 1] == "3"  # the first epoch waits for the spare too
+    # ... but a group that never registers holds it only the join window: half the replicas' epoch wait, <= 30 s
+    assert args[args.index("--join-window") + 1] == "30.0"
+    short = ClusterConfig(replicas=2, env={1: {"FTHSDP_EPOCH_WAIT": "10"}})
+    assert Cluster(short, tmp_path).join_window_s == 5.0  # the smallest wait of any group
+    assert Cluster(ClusterConfig(join_window_s=0.0), tmp_path).join_window_s == 0.0  # wait for every group
+    for window in (-1.0, 10.0):
+        with pytest.raises(ValueError, match="below the replicas' FTHSDP_EPOCH_WAIT"):
+            Cluster(dataclasses.replace(short, join_window_s=window), tmp_path)
     assert ClusterConfig(replicas=4, lighthouse="h:1", groups=(3, 1)).indices() == (1, 3)
     for bad in [(1, 1), (-1,), (4,)]:
         with pytest.raises(ValueError, match="once"):
