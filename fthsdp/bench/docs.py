@@ -154,9 +154,12 @@ def section_recovery(rec: dict[str, Any] | None, base: dict[str, Any] | None, im
     out += ["Definitions: steady step = median gap between two commits of one replica (steps >= 5); stall = the "
             "survivors' longest gap after the failure less the median step; rejoin = kill -> first step committed "
             "by the restarted replica (including the 2 s restart delay and process start-up); effective training "
-            "time = distinct replica-steps trained x median step / (replicas x wall time from first to last "
-            "commit); on plain's step = the same with plain FSDP2-HSDP's steady step in place of the system's own, "
-            "so that a slower step cannot score better (\"–\": data measured before that column existed). "
+            "time = what the job trained x median step / (replicas x wall time from first to last commit), counted in "
+            "distinct (slot, batch) pairs where the progress rows list them (fthsdp's, since 2026-12-06: "
+            "`ett_basis` \"batches\") and in distinct replica-steps otherwise (the baselines': \"replica-steps\"); "
+            "the two agree while each contributing replica trains one batch of one slot per step, so earlier figures "
+            "read the same; on plain's step = the same with plain FSDP2-HSDP's steady step in place of the system's "
+            "own, so that a slower step cannot score better (\"–\": data measured before that column existed). "
             "`fthsdp/launch/recovery_metrics.py` computes all of them for every system.", ""]
     _plot_recovery(table, fthsdp_real, img / "bench-recovery.png")
     out += ["![recovery](img/bench-recovery.png)", ""]

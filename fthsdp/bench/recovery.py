@@ -140,6 +140,8 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
         "back_to_full_s": _back_to_full(cluster, kill["t"]),
         "effective_training_time": report["effective_training_time"],
         "replica_steps_trained": report["replica_steps_trained"],
+        "trained": report["trained"],
+        "ett_basis": report["ett_basis"],
         "wall_s": report["wall_s"],
         # The keys every system of ``bench recovery --vs torchft`` reports (fthsdp/bench/vs.py).
         "step_s": report["median_step_s"],
@@ -150,11 +152,12 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
     }
 
 
-def common_ett(replica_steps_trained: int, wall_s: float, replicas: int, common_step_s: float | None) -> float | None:
-    """Effective training time on one common step (see the module doc): None without a common step."""
+def common_ett(trained: int, wall_s: float, replicas: int, common_step_s: float | None) -> float | None:
+    """Effective training time on one common step (see the module doc), from what the run trained in its ETT's
+    basis (``recovery_metrics``' ``trained``: batches, or replica-steps): None without a common step."""
     if not common_step_s or wall_s <= 0:
         return None
-    return round(replica_steps_trained * common_step_s / (replicas * wall_s), 3)
+    return round(trained * common_step_s / (replicas * wall_s), 3)
 
 
 def _back_to_full(cluster: Cluster, killed_at: float) -> float | None:
@@ -214,6 +217,6 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
         return RecoveryResult(replicas=replicas, ranks_per_replica=ranks, steps=steps, model=model, kill=spec,
                               restart_delay_s=restart_delay_s, warm_restarts=warm_restarts, **figures,
                               common_step_s=common,
-                              ett_common_step=common_ett(figures["replica_steps_trained"], figures["wall_s"],
+                              ett_common_step=common_ett(figures["trained"], figures["wall_s"],
                                                          replicas, common), spares=spares,
                               common_step_runs_s=plain_runs or None)

@@ -254,6 +254,10 @@ class RecoveryResult(_AsJson):
     """Spare replica groups besides ``replicas`` (``ClusterConfig.spares``): a spare takes the killed group's slot."""
     common_step_runs_s: list[float] | None = None
     """The plain runs ``common_step_s`` is the mean of: one just before fthsdp's run, one just after."""
+    trained: int = 0
+    """What the ETT counts (``fthsdp.launch.recovery_metrics``): the batches the job trained, in ``ett_basis``."""
+    ett_basis: str = "batches"
+    """"batches" (the rows report them) or "replica-steps"."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ COLUMNS = ("step_s", "step_ratio", "stall_s", "rejoin_s", "ett", "ett_common_ste
 
 def _row(name: str, r: dict[str, Any], plain_step: float, replicas: int) -> dict[str, Any]:
     step = r.get("step_s")
-    trained, wall = r.get("replica_steps_trained"), r.get("wall_s")
+    trained, wall = r.get("trained", r.get("replica_steps_trained")), r.get("wall_s")
     return {
         "system": name,
         "step_s": step,

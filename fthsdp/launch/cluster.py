@@ -355,6 +355,8 @@ class Cluster:
             "rejoin_s": round(max(rejoin), 3) if rejoin else None,
             "effective_training_time": round(ett, 3),
             "replica_steps_trained": m["replica_steps_trained"],
+            "trained": m["trained"],
+            "ett_basis": m["ett_basis"],
             "wall_s": round(m["wall_s"], 3),
             "loss": {str(i): [[x.step, x.loss] for x in rows if x.loss is not None]
                      for i, rows in steps.items()},

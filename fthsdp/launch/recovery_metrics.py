@@ -17,9 +17,13 @@ Definitions:
   window longer than ``stall_factor`` x the median (catches a second stall when the failed replica rejoins).
 - ``rejoin_s``: from each failure to the failed replica's first committed step after it (the step it joined
   in; rows marked ``joined``, or with ``require_joined=False`` any row of a later incarnation).
-- ``effective_training_time``: distinct (replica, step) pairs trained (joined steps, and fthsdp's zero step
-  after them, excluded; a step trained again after a restart counts once) x the median step, over replicas x
-  the wall time from the first to the last commit.
+- ``effective_training_time``: what the job trained x the median step, over replicas x the wall time from the
+  first to the last commit. What it trained is counted in data: the distinct (slot, batch) pairs its committed
+  steps report (``batches``: every batch of every slot once, whoever trained it: a spare, or one day a holder
+  carrying another slot's batches; ``ett_basis`` "batches"). Where the rows report no batches (the baselines'
+  trainers), in replica-steps: distinct (replica, step) pairs trained (joined steps, and fthsdp's zero step after
+  them, excluded; a step trained again after a restart counts once; ``ett_basis`` "replica-steps"). The two agree
+  while every contributing replica trains one batch of one slot per step.
 """
 
 from __future__ import annotations
@@ -95,7 +99,9 @@ def recovery_metrics(steps: Steps, failures: Sequence[Failure], replicas: int, w
     t_first = min((x.t for x in all_rows), default=0.0)
     t_end = max((x.t for x in all_rows), default=0.0)
     trained = len({(i, x.step) for i, rows in rows_by.items() for x in rows if not x.joined and x.contributed})
-    ett = trained * med / (replicas * (t_end - t_first)) if t_end > t_first else 0.0
+    batches = {(s, b) for x in all_rows for s, b in (x.batches or ())}
+    counted = len(batches) if batches else trained
+    ett = counted * med / (replicas * (t_end - t_first)) if t_end > t_first else 0.0
     return {
         "median_step_s": med,
         "survivor_max_stall_s": survivor_max,
@@ -105,6 +111,9 @@ def recovery_metrics(steps: Steps, failures: Sequence[Failure], replicas: int, w
         "rejoin_s": max(rejoin) if rejoin else None,
         "effective_training_time": ett,
         "replica_steps_trained": trained,
+        "batches_trained": len(batches),
+        "trained": counted,
+        "ett_basis": "batches" if batches else "replica-steps",
         "wall_s": t_end - t_first,
     }
 

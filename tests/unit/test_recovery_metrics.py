@@ -75,3 +75,28 @@ def test_overhead_ratio_pairs_each_run_with_its_neighbour() -> None:
     assert paired_ratios([1.0, 1.0, 1.0], [1.5, 1.0, 1.1])[0] == pytest.approx(1.1)  # the median, not the mean
     with pytest.raises(ValueError, match="as many"):
         paired_ratios([1.0], [])
+
+
+def test_ett_counts_the_batches_the_job_trained_where_rows_report_them() -> None:
+    # Two slots, steps every 1 s. Replica 1 dies after step 3; a spare (index 2) trains slot 1 from step 5, so
+    # slot 1's batch 4 is never trained. Every row lists the step's committed batches, the job's (as fthsdp's do).
+    def step(k: int, t: float, slots: tuple[int, ...], contributed: bool = True, inc: int = 1) -> ProgressRow:
+        return ProgressRow("step", t, step=k, incarnation=inc, contributed=contributed,
+                           batches=[[s, k if s == 0 or k < 4 else k - 1] for s in slots])
+
+    both, alone = (0, 1), (0,)
+    r0 = [step(k, float(k), both if k != 4 else alone) for k in range(10)]
+    r1 = [step(k, float(k), both) for k in range(4)]
+    spare = [step(k, float(k), both if k != 4 else alone, contributed=k >= 5) for k in range(10)]
+    m = recovery_metrics({0: r0, 1: r1, 2: spare}, [Failure(3.5, 1)], replicas=2)
+    assert m["ett_basis"] == "batches"
+    assert m["batches_trained"] == 10 + 9  # slot 0: batches 0..9; slot 1: 0..3 and 4..8 (its cursor lost a step)
+    assert m["effective_training_time"] == pytest.approx(19 * 1.0 / (2 * 9.0))
+    # Counted in replica-steps, the spare's five steps of slot 1 would be the spare's, beside two slot replicas.
+    assert m["replica_steps_trained"] == 10 + 4 + 5
+
+
+def test_ett_falls_back_to_replica_steps_where_rows_report_no_batches() -> None:
+    m = recovery_metrics({0: rows([0.0, 1.0, 2.0]), 1: rows([0.0, 1.0, 2.0])}, [], replicas=2)
+    assert (m["ett_basis"], m["batches_trained"], m["replica_steps_trained"]) == ("replica-steps", 0, 6)
+    assert m["effective_training_time"] == pytest.approx(6 * 1.0 / (2 * 2.0))

@@ -71,7 +71,8 @@ def run_restart(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
     result.update(
         step_s=round(m["median_step_s"], 4), ett=round(m["effective_training_time"], 3),
         final_equal=len(hashes) == 1 and all(finals), wall_s=round(m["wall_s"], 2),
-        replica_steps_trained=m["replica_steps_trained"], failures=len(kills),
+        replica_steps_trained=m["replica_steps_trained"], trained=m["trained"], ett_basis=m["ett_basis"],
+        failures=len(kills),
         checkpoint_save_s=round(sorted(saves)[len(saves) // 2], 3) if saves else None,
         checkpoint_load_s=round(max(x.extra["load_s"] for x in restored), 3) if restored else None,
         t_start=t_start, loadavg_1min=[round(load0, 2), round(os.getloadavg()[0], 2)],

@@ -158,6 +158,8 @@ def run_torchft(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
         "survivor_max_stall_s": round(m["survivor_max_stall_s"], 3),
         "wall_s": round(m["wall_s"], 2),
         "replica_steps_trained": m["replica_steps_trained"],
+        "trained": m["trained"],
+        "ett_basis": m["ett_basis"],
         "failures": len(failures),
         "loadavg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "final_steps": [f.step if f else None for f in finals],
