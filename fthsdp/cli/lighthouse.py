@@ -152,6 +152,9 @@ def cmd_status(a: argparse.Namespace) -> None:
     print("stragglers: " + ("; ".join(x["text"] for x in slow) if slow else "none"))
     links = status.get("slow_links") or []
     print("slow links: " + ("; ".join(x["text"] for x in links) if links else "none"))
+    if waiting := status.get("waiting_slots"):
+        print(f"data slots without an active holder: {waiting} (their batches wait until a holder or a spare takes "
+              "them)")
     if status["history"]:
         print("\nrecent epochs:")
         for h in status["history"][-a.history:]:

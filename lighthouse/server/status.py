@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lighthouse.events import replica_kinds
-from lighthouse.model import NO_SLOT, Policy, State
+from lighthouse.model import NO_SLOT, Policy, State, holders_of
 from lighthouse.proto_codec import ROLE_TO_PB
 from lighthouse.stragglers import Pace, SlowLink, Straggler, assess, assess_links, pack_lanes, training_paces
 from lighthouse.v1 import lighthouse_pb2 as pb
@@ -68,6 +68,8 @@ class StatusView:
     """This lighthouse follows and has reached the leader's port (``Leader.leader_reached``)."""
     slow_links: tuple[SlowLink, ...] = ()
     """The members' lanes the others wait for while their compute is on time (``stragglers.assess_links``)."""
+    waiting_slots: tuple[int, ...] = ()
+    """The data slots no active member of the epoch holds (``waiting_slots``): their batches wait."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,18 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
         stragglers=assess(training, policy.straggler_factor, policy.straggler_confirm),
         leader_reached=leader.leader_reached,
         slow_links=assess_links(training, policy.straggler_confirm),
+        waiting_slots=waiting_slots(state),
     )
+
+
+def waiting_slots(state: State) -> tuple[int, ...]:
+    """The job's data slots that no active member of the current epoch holds, in order: their batches wait until a
+    holder (a restarted replica, once active, or a spare) takes the slot (docs/design.md §7). None before the
+    first epoch, after the job finished, or in a job that names no slots."""
+    if state.epoch is None or state.finished_step is not None or not state.slots:
+        return ()
+    held = {slot for _, slot in holders_of(state.epoch.members)}
+    return tuple(k for k in range(state.slots) if k not in held)
 
 
 def to_json(view: StatusView) -> dict[str, Any]:
@@ -198,6 +211,7 @@ def to_json(view: StatusView) -> dict[str, Any]:
         "slow_links": [{"replica_id": x.replica_id, "rank": x.rank, "own_wait_s": x.own_wait_s,
                         "others_wait_s": x.others_wait_s, "since_step": x.since_step, "reports": x.reports,
                         "text": x.text()} for x in view.slow_links],
+        "waiting_slots": list(view.waiting_slots),
     }
 
 
@@ -228,4 +242,5 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
         slow_links=[pb.SlowLink(replica_id=x.replica_id, rank=x.rank, own_wait_s=x.own_wait_s,
                                 others_wait_s=x.others_wait_s, since_step=x.since_step, reports=x.reports)
                     for x in view.slow_links],
+        waiting_slots=list(view.waiting_slots),
     )

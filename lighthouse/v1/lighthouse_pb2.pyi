@@ -363,7 +363,7 @@ class HistoryEntry(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("epoch", "members", "history", "leader", "finished", "finished_step", "agreement", "stragglers", "slow_links")
+    __slots__ = ("epoch", "members", "history", "leader", "finished", "finished_step", "agreement", "stragglers", "slow_links", "waiting_slots")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -373,6 +373,7 @@ class StatusResponse(_message.Message):
     AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     SLOW_LINKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     epoch: Epoch
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     history: _containers.RepeatedCompositeFieldContainer[HistoryEntry]
@@ -382,7 +383,8 @@ class StatusResponse(_message.Message):
     agreement: str
     stragglers: _containers.RepeatedCompositeFieldContainer[Straggler]
     slow_links: _containers.RepeatedCompositeFieldContainer[SlowLink]
-    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., agreement: _Optional[str] = ..., stragglers: _Optional[_Iterable[_Union[Straggler, _Mapping]]] = ..., slow_links: _Optional[_Iterable[_Union[SlowLink, _Mapping]]] = ...) -> None: ...
+    waiting_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., agreement: _Optional[str] = ..., stragglers: _Optional[_Iterable[_Union[Straggler, _Mapping]]] = ..., slow_links: _Optional[_Iterable[_Union[SlowLink, _Mapping]]] = ..., waiting_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("job_id", "namespace", "keys", "value", "expected", "amount", "timeout_s")

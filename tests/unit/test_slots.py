@@ -160,3 +160,31 @@ def test_with_orphan_planes_a_change_of_slot_holders_starts_a_new_data_plane(orp
     assert active.epoch.number == joined.epoch.number + 1
     assert (active.epoch.data_plane == active.epoch.number) is orphan_planes  # new plane only with the policy
     assert (active.epoch.data_plane == joined.epoch.data_plane) is not orphan_planes
+
+
+def test_status_names_the_slots_whose_batches_wait() -> None:
+    from lighthouse.server.status import waiting_slots
+
+    policy = dataclasses.replace(P, expected_replicas=2, join_window_s=0.0)
+    assert waiting_slots(register(m.State(), "r0", 0, policy=policy)) == ()  # no epoch yet
+    state = register(register(m.State(), "r0", 0, policy=policy), "r1", 1, policy=policy)
+    assert waiting_slots(state) == ()
+    state = kill(state, "r1", 5.0)
+    assert waiting_slots(state) == (1,)  # no spare: slot 1's batches wait
+    state = apply(register(state, "r1", 1, 6.0, n=2), m.Ready("r1", "r1-2", m.JOINING, 6.5))
+    assert held(state) == {"r0": 0, "r1": 1} and waiting_slots(state) == (1,)  # a joiner trains no batch yet
+    state = apply(state, m.Ready("r1", "r1-2", m.ACTIVE, 7.0))
+    assert waiting_slots(state) == ()
+    assert waiting_slots(kill(boot(), "r1", 5.0)) == ()  # the spare took it in the epoch that dropped r1
+    assert waiting_slots(dataclasses.replace(state, slots=0)) == ()  # a job that names no slots
+
+
+def test_the_waiting_slots_go_out_over_http_and_grpc() -> None:
+    from lighthouse.server.status import StatusView, to_json, to_pb
+    from lighthouse.v1 import lighthouse_pb2 as pb
+
+    view = StatusView(job="j", leader=True, leader_address="", address="", epoch=3, rendezvous="", min_replicas=1,
+                      heartbeat_timeout_s=3.0, members=(), history=(), waiting_slots=(1, 3))
+    assert to_json(view)["waiting_slots"] == [1, 3]
+    assert list(to_pb(view, pb.Epoch()).waiting_slots) == [1, 3]
+    assert to_json(dataclasses.replace(view, waiting_slots=()))["waiting_slots"] == []
