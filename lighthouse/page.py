@@ -47,12 +47,14 @@ def _fallback(status: dict[str, Any]) -> str:
     finished = status.get("finished_step")
     agreement = status.get("agreement")
     trace = status.get("trace")
+    waiting = status.get("waiting_slots") or []
     slow = "; ".join(str(x.get("text", "")) for x in [*(status.get("stragglers") or []),
                                                        *(status.get("slow_links") or [])])
     return (f"<p>job {html.escape(str(status.get('job', '')))} · epoch {int(status.get('epoch', 0))}"
             + (f" · job finished at step {int(finished)}" if finished is not None else "")
             + (f" · state: {html.escape(str(agreement.get('text', '')))}" if agreement else "")
             + (f" · stragglers: {html.escape(slow)}" if slow else "")
+            + (f" · data slots without an active holder: {', '.join(str(int(k)) for k in waiting)}" if waiting else "")
             + (f' · <a href="trace.json">latest trace</a> ({int(trace.get("events", 0))} events)' if trace else "")
             + "</p>"
             "<table><tr><th>replica</th><th>role</th><th>slot</th><th>in epoch</th><th>step</th>"
@@ -132,6 +134,8 @@ _SCRIPT = r"""
     var links = s.slow_links || [];
     item("slow links", links.length ? links.map(function (x) { return x.replica_id + " rank " + x.rank; })
                                            .join(", ") : "none", "slow-links");
+    var waiting = s.waiting_slots || [];  // their batches wait until a holder or a spare takes them
+    item("slots without a holder", waiting.length ? waiting.join(", ") : "none", "waiting-slots");
     item("leader", s.leader ? "this lighthouse"
                             : ("no" + (s.leader_address ? " (leader: " + s.leader_address + ")" : "")), "leader");
     if (s.trace) {  // the latest published trace (fthsdp trace --publish): Perfetto or chrome://tracing opens it

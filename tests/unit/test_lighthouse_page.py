@@ -87,6 +87,13 @@ def test_page_shows_each_members_data_slot_and_the_spares() -> None:
     assert "<td>r2</td><td>joining</td><td>-</td>" in page
 
 
+def test_page_names_the_data_slots_nobody_trains() -> None:
+    static = render_page(_status(waiting_slots=[1, 3])).split("<script")[0]  # the table without JavaScript
+    assert "data slots without an active holder: 1, 3" in static
+    assert "without an active holder" not in render_page(_status(waiting_slots=[])).split("<script")[0]
+    assert '"slots without a holder"' in render_page(_status())  # the live view's item
+
+
 def test_page_data_cannot_break_out_of_the_script() -> None:
     evil = "</script><script>alert(1)</script><!--"
     doc = _status(history=[{"epoch": 1, "time": 1.7e9, "reason": f"replica r0 left: {evil}", "members": [],
