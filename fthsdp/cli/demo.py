@@ -101,7 +101,7 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
           f"rejoin (kill to first joined step): {report['rejoin_s']}s; "
           f"effective training time: {report['effective_training_time']:.0%}")
     report["cursors"] = job_cursors(report["final"])
-    for line in summary(report["final"]):  # the batches each data slot trained, and who came back after the end
+    for line in summary(report["final"], report.get("trained_by")):  # what each slot trained, by whom, who came back
         print(line)
     for x in report["resumed"]:
         print(f"replica {x['replica']} resumed the job from the checkpoint of step {x['from_step']} (every replica "

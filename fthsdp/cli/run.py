@@ -146,10 +146,12 @@ def job_cursors(final: dict[str, dict[str, Any] | None]) -> list[int] | None:
     return next((f["cursors"] for f in final.values() if f and "cursors" in f), None)
 
 
-def summary(final: dict[str, dict[str, Any] | None]) -> list[str]:
+def summary(final: dict[str, dict[str, Any] | None], by: dict[str, dict[str, int]] | None = None) -> list[str]:
     """What the end of a run says besides the state: the batches each data slot trained (from the job's data
-    cursors, when the script reports them: ``fthsdp.runtime.training()``/``init()`` do), and the groups that came
-    back after the job had ended (they hold the final state and trained nothing after their restart)."""
+    cursors, when the script reports them: ``fthsdp.runtime.training()``/``init()`` do), which replicas trained
+    them (``by``: the report's ``trained_by``, when the trainer's step rows name their slot, as the example's do),
+    and the groups that came back after the job had ended (they hold the final state and trained nothing after
+    their restart)."""
     lines = []
     cursors = job_cursors(final)
     steps = next((f["step"] for f in final.values() if f), 0)
@@ -157,6 +159,10 @@ def summary(final: dict[str, dict[str, Any] | None]) -> list[str]:
         short = [f"slot {i}: {c} of {steps}" for i, c in enumerate(cursors) if c < steps]
         lines.append(f"batches trained per data slot: {cursors} (steps: {steps})"
                      + (f"; short: {', '.join(short)}" if short else ""))
+    if by:
+        lines.append("trained by: " + "; ".join(
+            f"slot {k}: " + ", ".join(f"replica {i} ({n})" for i, n in sorted(by[k].items(), key=lambda x: int(x[0])))
+            for k in sorted(by, key=int)))
     late = sorted(int(g) for g, f in final.items() if f and f.get("late"))
     if late:
         lines.append(f"replica group(s) {late} came back after the job had ended: they took the final checkpoint "

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import pathlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,9 @@ class ProgressRow:
     step_s: float | None = None
     exchange_s: float | None = None
     batches: list[list[int]] | None = None
+    slot: int | None = None
+    """fthsdp's example trainer: the data slot this replica trained in the step (its own, or one handed to it);
+    None where it trained none (zeros) or the trainer does not say."""
     lr_factor: float | None = None
     catchup: dict[str, Any] | None = None
     joining: bool = False
@@ -142,3 +146,15 @@ def progress_path(workdir: pathlib.Path, replica: int) -> pathlib.Path:
 def steps_of(rows: list[ProgressRow]) -> list[ProgressRow]:
     """The committed-step rows."""
     return [x for x in rows if x.event == "step"]
+
+
+def trained_by(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[int, dict[int, int]]:
+    """Per data slot, per replica index: the steps in which that replica trained that slot's batch (committed rows
+    that name their ``slot``; a step counted once). Empty where the trainer names no slots (a user's script)."""
+    seen = {(x.slot, i, x.step) for i, rows in steps.items() for x in rows
+            if x.event == "step" and x.slot is not None and x.contributed and not x.joined and x.step is not None}
+    out: dict[int, dict[int, int]] = {}
+    for slot, i, _ in sorted(seen):
+        out.setdefault(slot, {})
+        out[slot][i] = out[slot].get(i, 0) + 1
+    return out

@@ -26,6 +26,7 @@ def test_demo_trace_has_every_rank_and_the_kill(tmp_path: pathlib.Path) -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "batches trained per data slot: [60, " in proc.stdout  # the end says what each slot trained
+    assert "trained by: slot 0: replica 0 (60); slot 1: replica 1 (" in proc.stdout  # and by whom
     doc = json.loads(out.read_text())
     assert chrome.problems(doc) == []
     assert out.with_suffix(".png").stat().st_size > 10_000

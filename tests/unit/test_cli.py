@@ -295,6 +295,22 @@ def test_run_summary_gives_each_slots_batches_and_names_groups_back_after_the_en
     assert job_cursors(final) == [160, 73, 160]  # the JSON report's "cursors", one per slot
     assert summary({"0": {"step": 5, "param_hash": "ab"}}) == []  # a script that reports no cursors: nothing to say
     assert job_cursors({"0": {"step": 5, "param_hash": "ab"}, "1": None}) is None
+    by = {"0": {"0": 160}, "1": {"1": 10, "2": 63}, "2": {"2": 97, "10": 63}}  # the report's trained_by
+    assert summary(final, by)[1] == ("trained by: slot 0: replica 0 (160); slot 1: replica 1 (10), replica 2 (63); "
+                                     "slot 2: replica 2 (97), replica 10 (63)")
+
+
+def test_trained_by_counts_each_replicas_steps_of_each_slot_once() -> None:
+    from fthsdp.launch.progress import ProgressRow, trained_by
+
+    def row(step: int, slot: int | None, **kw: Any) -> ProgressRow:
+        return ProgressRow("step", float(step), step=step, slot=slot, **kw)
+
+    spare = [row(0, None, contributed=False), row(1, 1), row(2, 1), row(2, 1)]  # a step's row twice: counted once
+    killed = [row(0, 1), row(1, 1, joined=True, contributed=False), row(2, None, contributed=False)]
+    assert trained_by({0: [row(0, 0), row(1, 0), row(2, 0)], 1: killed, 2: spare}) == {
+        0: {0: 3}, 1: {1: 1, 2: 2}}
+    assert trained_by({0: [ProgressRow("step", 0.0, step=0)]}) == {}  # a trainer that names no slot
 
 
 def test_run_says_once_when_the_lighthouse_refuses_it_its_status(capsys: pytest.CaptureFixture[str]) -> None:
