@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import pathlib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,7 +155,6 @@ def trained_by(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[int, dict[int
     seen = {(x.slot, i, x.step) for i, rows in steps.items() for x in rows
             if x.event == "step" and x.slot is not None and x.contributed and not x.joined and x.step is not None}
     out: dict[int, dict[int, int]] = {}
-    for slot, i, _ in sorted(seen):
-        out.setdefault(slot, {})
-        out[slot][i] = out[slot].get(i, 0) + 1
+    for (slot, i), n in sorted(Counter((slot, i) for slot, i, _ in seen).items()):
+        out.setdefault(slot, {})[i] = n
     return out
