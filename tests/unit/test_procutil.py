@@ -89,7 +89,11 @@ import subprocess, sys
 from tests.helpers.leaks import no_process_left_behind  # noqa: F401
 
 def test_leaks():
-    subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True)
+    # Up before the test ends: on a loaded host the check could otherwise see it before its exec, under the
+    # test process's command line.
+    p = subprocess.Popen([sys.executable, "-c", "import signal; print('up', flush=True); signal.pause()"],
+                         start_new_session=True, stdout=subprocess.PIPE)
+    assert p.stdout.readline() == b"up\\n"
 
 def test_cleans_up():
     p = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
