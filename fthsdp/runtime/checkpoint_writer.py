@@ -50,16 +50,17 @@ class CheckpointWriter:
         self._pending: Future[pathlib.Path] | None = None
 
     def periodic(self, step: int, model: nn.Module, opt: torch.optim.Optimizer, cursors: torch.Tensor,
-                 side: bytes) -> None:
-        """Begin the checkpoint of committed ``step`` (its state staged now, written behind the next steps); without
-        ``asynchronous``, write it now."""
+                 side: bytes, share: tuple[int, int] = checkpoint.WHOLE) -> None:
+        """Begin this replica's ``share`` (index, shares: ``checkpoint.share_of``) of the checkpoint of committed
+        ``step`` (its state staged now, written behind the next steps); without ``asynchronous``, write it now."""
         if self.group is None:
-            self.now(step, model, opt, cursors, side)
+            self.now(step, model, opt, cursors, side, share)
             return
         self.wait()
         t0 = time.perf_counter()
-        path = checkpoint.path_of(self.directory, step, self.index)
-        staged = dcp.async_save(checkpoint.state_of(model, opt), checkpoint_id=str(path), process_group=self.group)
+        path = checkpoint.path_of(self.directory, step, self.index, share)
+        staged = dcp.async_save(checkpoint.share_of(checkpoint.state_of(model, opt), *share), checkpoint_id=str(path),
+                                process_group=self.group)
         upload = staged.upload_completion if isinstance(staged, AsyncSaveResponse) else staged
         done: Future[pathlib.Path] = Future()
         start_thread(self._seal, name="fthsdp-checkpoint", device=None,
@@ -88,11 +89,13 @@ class CheckpointWriter:
         return pending.result() if pending is not None else None
 
     def now(self, step: int, model: nn.Module, opt: torch.optim.Optimizer, cursors: torch.Tensor,
-            side: bytes) -> pathlib.Path:
-        """Write the checkpoint of committed ``step`` before returning (after the one in flight)."""
+            side: bytes, share: tuple[int, int] = checkpoint.WHOLE) -> pathlib.Path:
+        """Write this replica's ``share`` of the checkpoint of committed ``step`` before returning (after the one in
+        flight)."""
         self.wait()
         t0 = time.perf_counter()
-        path = checkpoint.save(self.directory, step, self.index, model, opt, cursors, self.rank, side, self.key)
+        path = checkpoint.save(self.directory, step, self.index, model, opt, cursors, self.rank, side, self.key,
+                               share)
         self.log(logging.INFO, "checkpoint %s written in %.3fs", path, time.perf_counter() - t0)
         return path
 

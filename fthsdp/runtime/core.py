@@ -342,9 +342,9 @@ class StepCore:
         self.parts()[0].mark(self.cursors)  # what a snapshot of the coming step takes at its boundary
         self.server.at_commit(self.step, active=True)
         cfg = self.config
-        if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and batches \
-                and min(s for s, _ in batches) == self.slot:
-            self.checkpoint(now=False)
+        if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 \
+                and self.slot in (writers := sorted(s for s, _ in batches)):  # a share each (``checkpoint``)
+            self.checkpoint(now=False, share=(writers.index(self.slot), len(writers)))
         if stop:
             path = self.checkpoint() if cfg.checkpoint_dir else None
             self.log(logging.WARNING, "SIGTERM: stopping at a commit boundary%s",
@@ -353,13 +353,13 @@ class StepCore:
             self.close(leave=True)
             raise Terminated(self.step, path)
 
-    def checkpoint(self, now: bool = True) -> str:
-        """Write this rank's part of a checkpoint of the committed state; returns its path. ``now=False``: begin it
-        ('' returned), written off the training thread with ``FTHSDP_CHECKPOINT_ASYNC`` (``checkpoint_writer``)."""
+    def checkpoint(self, now: bool = True, share: tuple[int, int] = (0, 1)) -> str:
+        """Write this rank's part of this replica's ``share`` of a checkpoint of the committed state; its path. ``now``
+        False: begin it ('' returned), written off the step with ``FTHSDP_CHECKPOINT_ASYNC`` (``checkpoint_writer``)."""
         assert self.model is not None and self.opt is not None
         write = self.writer.now if now else self.writer.periodic
         with self.timeline.timed("checkpoint" if now else "checkpoint (staged)", "checkpoint", self.step):
-            return str(write(self.step, self.model, self.opt, self.cursors, self.parts()[0].side_state()) or "")
+            return str(write(self.step, self.model, self.opt, self.cursors, self.parts()[0].side_state(), share) or "")
 
     def agree(self) -> None:
         """Read the post exchange this lane sent last as a contributor and did not wait for (``finish``; the
