@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fthsdp.launch.cluster import Cluster, finals
 from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed
 from fthsdp.launch.epochs import epoch_events
+from fthsdp.launch.progress import steps_of, trained_by
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
@@ -123,10 +124,12 @@ def cmd_run(a: argparse.Namespace) -> None:
     except (ValueError, ReplicaFailed, TimeoutError) as e:
         sys.exit(f"fthsdp run: {e} (logs in {workdir})")
     final = finals(cluster)
+    by = {str(k): {str(i): n for i, n in v.items()}
+          for k, v in trained_by({g.index: steps_of(cluster.progress(g)) for g in cluster.groups}).items()}
     report = {"command": [str(script), *a.args], "replicas": a.replicas, "groups": list(groups),
               "ranks_per_replica": a.ranks, "lighthouse": a.lighthouse or "embedded", "t_start": t_start,
-              "final": final, "cursors": job_cursors(final), "problems": problems(final) + disagreement(cluster),
-              "events": cluster.events + epoch_events(history)}
+              "final": final, "cursors": job_cursors(final), "trained_by": by,
+              "problems": problems(final) + disagreement(cluster), "events": cluster.events + epoch_events(history)}
     if a.report:
         pathlib.Path(a.report).write_text(json.dumps(report, indent=1))
     for p in report["problems"]:
@@ -136,7 +139,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     done = next(iter(final.values()))
     print(f"fthsdp run: every replica group run here ended at step {done['step'] if done else '?'} with one state "
           f"({done['param_hash'][:16] if done else '?'}...)", flush=True)
-    for line in summary(final):
+    for line in summary(final, by):
         print(f"fthsdp run: {line}", flush=True)
 
 
@@ -149,7 +152,8 @@ def job_cursors(final: dict[str, dict[str, Any] | None]) -> list[int] | None:
 def summary(final: dict[str, dict[str, Any] | None], by: dict[str, dict[str, int]] | None = None) -> list[str]:
     """What the end of a run says besides the state: the batches each data slot trained (from the job's data
     cursors, when the script reports them: ``fthsdp.runtime.training()``/``init()`` do), which replicas trained
-    them (``by``: the report's ``trained_by``, when the trainer's step rows name their slot, as the example's do),
+    them (``by``: the report's ``trained_by``, from the step rows that name their slot: ``training()``/``init()``
+    and the example write them),
     and the groups that came back after the job had ended (they hold the final state and trained nothing after
     their restart)."""
     lines = []

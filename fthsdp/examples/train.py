@@ -30,6 +30,7 @@ from fthsdp.examples.layouts import LAYOUTS, Built, layout_gpt, mesh_for
 from fthsdp.launch.progress import ProgressRow
 from fthsdp.runtime.config import SCHEDULERS, TrainerSettings
 from fthsdp.runtime.result import StepResult
+from fthsdp.runtime.session import step_row
 
 
 def _args(argv: list[str] | None, settings: TrainerSettings) -> argparse.Namespace:
@@ -189,20 +190,15 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
     def forward() -> torch.Tensor:
         return _computed(a.compute_s, lambda: gpt.loss(tokens()))
 
-    def write(r: StepResult, loss: float | None, step_s: float, slot: int | None = None) -> None:
-        progress.write(event="step", step=r.step, loss=loss, epoch=r.epoch, contributors=r.contributors,
-                       joined=r.joined, attempts=r.attempts, step_s=step_s, exchange_s=r.exchange_s,
-                       batches=r.batches, lr_factor=r.lr_factor, catchup=r.catchup,
-                       **({"diverged": list(r.diverged)} if r.diverged else {}),
-                       **({"slot": slot} if slot is not None and slot >= 0 and r.contributed else {}),
-                       **({} if r.contributed else {"contributed": False}))
+    def write(r: StepResult, loss: float | None, step_s: float) -> None:  # the launcher's row, with our loss and time
+        progress.write(**{**step_row(r), "loss": loss, "step_s": step_s})
 
     try:
         if a.api == "closure":  # train_step: the runtime runs forward and backward
             while ft.step < a.steps:
-                t0, slot = time.perf_counter(), ft.slot  # a spare's slot handed over inside the step goes unnamed
+                t0 = time.perf_counter()
                 r = ft.train_step(forward)
-                write(r, r.loss, time.perf_counter() - t0, slot)
+                write(r, r.loss, time.perf_counter() - t0)
                 if r.contributed:  # the pause stands in for compute: a zero step (no batch) would have none
                     _pace(a.min_step_s, t0)
         # The steps committed inside zero_grad (a joiner's catch-up, a spare's zero steps) are logged as they commit.
@@ -210,7 +206,6 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         for _ in ft.steps(a.steps):  # the trainer's own loop (zero_grad begins a step, step commits)
             t0 = time.perf_counter()
             opt.zero_grad()  # a joiner catches up here, a spare shadows the others
-            slot = ft.slot  # the data slot this iteration trains (a spare's, once handed one)
             if built is None:
                 loss = forward()
                 loss.backward()  # the exchange runs as FSDP2 produces each gradient shard
@@ -218,7 +213,7 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
                 loss = _computed(a.compute_s, lambda: built.train(tokens()))  # noqa: B023 - called within this iteration
             trained = opt.step()  # commits (None: a warm-up, which trained nothing)
             if trained is not None:
-                write(trained, float(loss.item()), time.perf_counter() - t0, slot)
+                write(trained, float(loss.item()), time.perf_counter() - t0)
                 _pace(a.min_step_s, t0)  # the pause stands in for compute: a zero step (no batch) would have none
         progress.write(event="final", step=ft.step, param_hash=ft.state_hash(), cursors=ft.cursors.tolist())
     except DigestMismatch as e:  # loud, whether this replica rejoins (in the minority) or the job must stop

@@ -143,7 +143,8 @@ class Cluster:
 
     def _ensure_standby(self, g: Group) -> None:
         """With warm restarts, start a standby for a group that has none, once its incarnation is past the start
-        (its first one; a released standby once it committed a step, so the new one does not slow its catch-up).
+        (its first one; a released standby once it trained a step or caught up, so the new one does not slow its
+        catch-up: the zero steps it commits while catching up do not count).
         A standby that died while held is replaced (at most ``max_restarts`` times: then ``ReplicaFailed``)."""
         if not self.config.warm_restarts or g.finished or g.restart_at is not None:
             return
@@ -152,8 +153,8 @@ class Cluster:
                 return
             self._standby_lost(g, g.standby)
             g.standby = None
-        if g.incarnations > 1 and not any(x.event in ("step", "active") and x.t >= g.started_at
-                                          for x in self.progress(g)):
+        if g.incarnations > 1 and not any(x.t >= g.started_at and (x.event == "active" or x.event == "step" and (
+                x.contributed or x.joined)) for x in self.progress(g)):  # past its catch-up: trained, or caught up
             return
         g.standbys += 1
         fault = g.pending_faults.pop(0) if g.pending_faults else None

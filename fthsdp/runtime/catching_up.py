@@ -144,4 +144,5 @@ def zero_step(rep: StepCore, zeros: list[Handle | None], redo: Callable[[Tally],
     rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
     rep.after_commit(batches, commit.stop)
     return StepResult(commit.step, losses[0] if losses else None, commit.epoch, results[0].contributors, False,
-                      commit.attempts, time.perf_counter() - t0, batches, rep.lr_factor, contributed=bool(losses))
+                      commit.attempts, time.perf_counter() - t0, batches, rep.lr_factor, contributed=bool(losses),
+                      slot=rep.slot if losses else None)  # a spare handed a slot in the step trained it

@@ -49,6 +49,8 @@ class Iteration:
     trains: bool
     """It trains a batch of the replica's slot (else a warm-up, or a last one past the job's steps: no exchange)."""
     t0: float
+    slot: int = -1
+    """The data slot whose batch it trains (``trains``)."""
     cpu0: float = 0.0
     """This process's CPU time at ``t0``: its busy time in the step's compute (fail-slow evidence per rank)."""
     lent: bool = False
@@ -82,8 +84,12 @@ class Steps(StepCore):
         """Run when the loop over ``steps`` ends (``fthsdp.runtime.init``: the job's end and ``close``)."""
         self._results: deque[StepResult] = deque(maxlen=RESULTS_KEPT)
         self.on_result: Callable[[StepResult], None] | None = None
-        """Called with every step's result as it commits (in the loop: those committed inside ``zero_grad`` too, a
-        spare's, which may stay there for many steps, and a joiner's): a trainer's progress log."""
+        """Called with every step's result as it commits (those committed inside ``zero_grad`` or ``train_step``
+        without a batch too: a spare's, which may stay there for many steps, and a joiner's): a trainer's progress
+        log."""
+        self.on_committed: Callable[[StepResult], None] | None = None
+        """The same, for the runtime's own use (``fthsdp.runtime.session``: a launcher's step rows), left to it
+        whatever the trainer sets as ``on_result``."""
 
     def attach(self, model: nn.Module, params: list[nn.Parameter], opt: torch.optim.Optimizer,
                buckets: BucketExchange) -> None:
@@ -137,7 +143,9 @@ class Steps(StepCore):
         shards, buckets = self.parts()
         while not self.role.trains:  # a standby's release, a catch-up, a zero step, a spare's step
             if (result := self._turn(closure)) is not None:
+                self._done(result)
                 return result
+        slot = self.slot
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
@@ -163,10 +171,11 @@ class Steps(StepCore):
         diverged = self.check.check(commit.step, results)
         contributors = results[0].contributors
         result = StepResult(commit.step, loss_value, commit.epoch, contributors, False, commit.attempts,
-                            exchange_s, batches, self.lr_factor, diverged=diverged)
+                            exchange_s, batches, self.lr_factor, diverged=diverged, slot=slot)
         self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
         self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
                                stall_s=exchange_s if commit.attempts > 1 else 0.0)
+        self._done(result)
         self.after_commit(batches, commit.stop)
         if self.rank == 0 and self.config.step_log:
             self.log(logging.INFO, "step %d committed: loss %.4f, %d contributor(s), %d attempt(s), exchange "
@@ -222,7 +231,7 @@ class Steps(StepCore):
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
-        self._iter = Iteration(self.step, trains=True, t0=time.perf_counter(), cpu0=time.process_time())
+        self._iter = Iteration(self.step, trains=True, slot=self.slot, t0=time.perf_counter(), cpu0=time.process_time())
         buckets.arm(self.step, at_first=self._backward_begins, at_end=self._backward_ends)
         return True
 
@@ -325,7 +334,7 @@ class Steps(StepCore):
         diverged = self.check.check(commit.step, results)
         contributors = results[0].contributors
         result = StepResult(commit.step, loss, commit.epoch, contributors, False, commit.attempts, exchange_s, batches,
-                            self.lr_factor, diverged=diverged, lr=self.applied_lr)
+                            self.lr_factor, diverged=diverged, lr=self.applied_lr, slot=it.slot)
         self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
         self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
                                stall_s=exchange_s if commit.attempts > 1 else 0.0)
@@ -344,10 +353,11 @@ class Steps(StepCore):
         return [float(g["lr"]) * self.lr_factor for g in self.parts()[0].opt.param_groups]
 
     def _done(self, result: StepResult) -> None:
-        """A step committed: keep its result for ``pop_results`` and hand it to ``on_result``."""
+        """A step committed: keep its result for ``pop_results`` and hand it to ``on_committed`` and ``on_result``."""
         self._results.append(result)
-        if self.on_result is not None:
-            self.on_result(result)
+        for hook in (self.on_committed, self.on_result):
+            if hook is not None:
+                hook(result)
 
     def pop_results(self) -> list[StepResult]:
         """Every step committed since the last call, oldest first: the trained ones (also returned by ``step()``)

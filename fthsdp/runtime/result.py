@@ -35,3 +35,6 @@ class StepResult:
     lr: list[float] | None = None
     """The learning rate each param group was stepped with: the scheduler's times ``lr_factor`` (the trainer's own
     loop; None from ``train_step``)."""
+    slot: int | None = None
+    """The data slot whose batch this replica trained in the step (a spare's, once handed one, that very step
+    included); None when it trained none (``contributed`` False)."""

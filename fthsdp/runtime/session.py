@@ -11,8 +11,10 @@ hand, so that a training script handles no fthsdp exception itself.
 - ``Terminated`` (SIGTERM, stopped at a commit boundary) is already a ``SystemExit``; anything else propagates.
 
 Under a launcher (``FTHSDP_PROGRESS`` set: ``fthsdp run``, ``fthsdp demo``) it also writes the lines the launcher
-supervises by: ``start``, ``final`` with the replica's state hash (all ranks compute it, rank 0 writes it) at the
-block's end, ``job_finished``, and ``fatal`` from whichever rank one of the ``FATAL*`` errors ends.
+supervises by: ``start``, a ``step`` row per committed step (rank 0: ``step_row``, which names the data slot the
+replica trained, so the launcher can say who trained what), ``final`` with the replica's state hash (all ranks
+compute it, rank 0 writes it) at the block's end, ``job_finished``, and ``fatal`` from whichever rank one of the
+``FATAL*`` errors ends.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from fthsdp.runtime.errors import (
     Unhealthy,
 )
 from fthsdp.runtime.replica import Replica
+from fthsdp.runtime.result import StepResult
 
 log = logging.getLogger("fthsdp.runtime")
 
@@ -81,6 +84,8 @@ def _start(config: RuntimeConfig | None, mesh: DeviceMesh | None = None) -> Repl
         exit_unhealthy(e, config)
     if ft.rank == 0:  # a warm standby once released (in its first step)
         ft.when_registered(lambda: _progress(event="start", step=ft.step, joining=ft.joining, **_common(ft)))
+        if os.environ.get("FTHSDP_PROGRESS"):  # a launcher's step rows: who trained which slot, when
+            ft.on_committed = lambda r: _progress(**step_row(r), **_common(ft))
         # The launcher starts a group's next warm standby once its incarnation committed a step as active.
         ft.on_active = lambda: _progress(event="active", step=ft.step, **_common(ft))
     return ft
@@ -96,6 +101,15 @@ def exit_unhealthy(e: Unhealthy, config: RuntimeConfig | None = None) -> NoRetur
     if cfg.rank == 0:
         _progress(event="unhealthy", error=str(e))
     sys.exit(EXIT_UNHEALTHY)
+
+
+def step_row(r: StepResult) -> dict[str, Any]:
+    """A committed step's row for the launcher (``fthsdp.launch.progress``): what the example trainer writes too,
+    less what only the trainer knows (its step time, its loss where none was noted)."""
+    return {"event": "step", "step": r.step, "loss": r.loss, "epoch": r.epoch, "contributors": r.contributors,
+            "joined": r.joined, "attempts": r.attempts, "exchange_s": r.exchange_s, "batches": r.batches,
+            "lr_factor": r.lr_factor, "catchup": r.catchup, **({"diverged": list(r.diverged)} if r.diverged else {}),
+            **({"slot": r.slot} if r.contributed and r.slot is not None else {"contributed": False})}
 
 
 def _common(ft: Replica) -> dict[str, Any]:

@@ -80,6 +80,13 @@ def test_fthsdp_run_trains_a_user_script_through_a_kill(tmp_path: pathlib.Path, 
         assert back and "replica-1:active" in back[0], back  # back as a spare: no slot
     assert "replica-1: step" in proc.stdout  # live progress from the lighthouse
     assert "state: agree at step" in proc.stdout and "differ" not in proc.stdout  # the digests, as it sees them
+    # Who trained which slot, from the runtime's own step rows (the script writes none for the launcher): slot 0
+    # by replica 0 at every step; slot 1 by replica 1 and, with a spare, by the spare after the kill, each of its
+    # batches once (the counts add up to the slot's cursor).
+    by, cursors = report["trained_by"], report["cursors"]
+    assert by["0"] == {"0": steps} and cursors[0] == steps, (by, cursors)
+    assert sum(by["1"].values()) == cursors[1] and set(by["1"]) == ({"1", "2"} if spares else {"1"}), (by, cursors)
+    assert f"fthsdp run: trained by: slot 0: replica 0 ({steps}); slot 1: replica 1 (" in proc.stdout
 
 
 def test_fthsdp_run_one_group_per_host_against_a_shared_lighthouse(tmp_path: pathlib.Path) -> None:

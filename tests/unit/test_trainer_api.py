@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import logging
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 
-from fthsdp.launch.progress import read_progress
+from fthsdp.launch.progress import read_progress, steps_of, trained_by
 from fthsdp.runtime import session
 from fthsdp.runtime.data import SlotSampler, batch_index, next_batch
 from fthsdp.runtime.errors import EXIT_REJOIN, Diverged, JobFinished, RejoinRequired, SlotConflict
+from fthsdp.runtime.result import StepResult
 
 
 def test_every_rank_of_every_slot_gets_its_own_batch_at_every_cursor() -> None:
@@ -69,7 +71,8 @@ def test_the_sampler_visits_the_dataset_once_per_pass_in_a_seeded_order() -> Non
 
 
 def run(monkeypatch: pytest.MonkeyPatch, body_error: BaseException | None = None,
-        start_error: BaseException | None = None, rank: int = 1) -> tuple[FakeReplica, int | None]:
+        start_error: BaseException | None = None, rank: int = 1,
+        body: Callable[[Any], None] = lambda ft: None) -> tuple[FakeReplica, int | None]:
     made = FakeReplica(rank=rank)
 
     def make(config: object = None, mesh: object = None) -> FakeReplica:
@@ -82,6 +85,7 @@ def run(monkeypatch: pytest.MonkeyPatch, body_error: BaseException | None = None
     try:
         with session.training() as ft:
             assert ft is made
+            body(ft)
             if body_error is not None:
                 raise body_error
     except SystemExit as e:
@@ -133,3 +137,29 @@ def test_under_a_launcher_it_writes_the_lines_the_launcher_supervises_by(monkeyp
     with pytest.raises(ValueError):  # anything else: no fatal line, the launcher restarts the group
         run(monkeypatch, body_error=ValueError("flaky"), rank=0)
     assert [x.event for x in read_progress(path)] == ["start"]
+
+
+def test_under_a_launcher_every_committed_step_is_a_row_naming_the_slot_trained(monkeypatch: pytest.MonkeyPatch,
+                                                                                tmp_path: pathlib.Path) -> None:
+    """The launcher says who trained which slot (``fthsdp run``'s ``trained_by``) from these rows, whatever the
+    script writes itself (its own ``on_result`` does not replace them)."""
+    path = tmp_path / "progress.jsonl"
+    monkeypatch.setenv("FTHSDP_PROGRESS", str(path))
+    trained = StepResult(7, 0.5, 3, 2, False, 1, 0.01, ((0, 7), (1, 7)), slot=1)
+    zeros = StepResult(8, None, 3, 2, False, 2, 0.02, ((0, 8),), contributed=False)
+
+    def body(ft: Any) -> None:
+        ft.on_result = lambda r: None  # the trainer's own hook
+        for r in (trained, zeros):
+            ft.on_committed(r)
+
+    run(monkeypatch, rank=0, body=body)
+    rows = read_progress(path)
+    assert [x.event for x in rows] == ["start", "step", "step", "final"]
+    one, two = rows[1], rows[2]
+    assert (one.step, one.slot, one.contributed, one.batches, one.replica) == (7, 1, True, [[0, 7], [1, 7]], 1)
+    assert (two.step, two.slot, two.contributed, two.attempts) == (8, None, False, 2)
+    assert trained_by({1: steps_of(rows)}) == {1: {1: 1}}
+    assert session.step_row(zeros)["contributed"] is False and "slot" not in session.step_row(zeros)
+    made, _ = run(monkeypatch, rank=1)
+    assert getattr(made, "on_committed", None) is None  # rank 1 writes none
