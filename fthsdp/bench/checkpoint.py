@@ -4,12 +4,12 @@ no checkpoint touched.
 
 Each run is the reference job (R replicas x S ranks, ``FTHSDP_CHECKPOINT_EVERY=every``); every contributing replica
 writes a share of each checkpoint (``fthsdp.runtime.checkpoint.split``), and a replica slowed by its share holds the
-others at the next exchange, so replica 0's steps are the job's. A checkpoint is taken as step ``s`` commits (``s +
-1`` a multiple of ``every``): written on the training thread it lengthens step ``s`` (its row's ``step_s`` runs from
-``zero_grad`` to the end of ``step()``), written behind it lands in the steps after: the *window* is steps ``s ..
-s+window``. ``during_s`` is the mean step in the
-windows, ``steady_s`` the median of the other steps past the warm-up, and ``ratio`` their quotient (the issue's
-bar: async at most 1.05). Modes alternate within a round so that drift hits both."""
+others at the next exchange, so replica 0's steps are the job's. A checkpoint is taken as step ``s`` commits
+(``s + 1`` a multiple of ``every``): written on the training thread it lengthens step ``s`` (its row's ``step_s``
+runs from ``zero_grad`` to the end of ``step()``), written behind it lands in the steps after: the *window* is steps
+``s .. s+window``. ``during_s`` is the mean step in the windows, ``steady_s`` the median of the other steps past the
+warm-up, and ``ratio`` their quotient (the issue's bar: async at most 1.05). Modes alternate within a round so that
+drift hits both."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fthsdp.launch.cluster import Cluster, finals
 from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed
 from fthsdp.launch.epochs import epoch_events
-from fthsdp.launch.progress import steps_of, trained_by
+from fthsdp.launch.progress import steps_of, trained_by_json
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
@@ -124,8 +124,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     except (ValueError, ReplicaFailed, TimeoutError) as e:
         sys.exit(f"fthsdp run: {e} (logs in {workdir})")
     final = finals(cluster)
-    by = {str(k): {str(i): n for i, n in v.items()}
-          for k, v in trained_by({g.index: steps_of(cluster.progress(g)) for g in cluster.groups}).items()}
+    by = trained_by_json({g.index: steps_of(cluster.progress(g)) for g in cluster.groups})
     report = {"command": [str(script), *a.args], "replicas": a.replicas, "groups": list(groups),
               "ranks_per_replica": a.ranks, "lighthouse": a.lighthouse or "embedded", "t_start": t_start,
               "final": final, "cursors": job_cursors(final), "trained_by": by,

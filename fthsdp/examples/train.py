@@ -18,7 +18,6 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from fthsdp.examples.data import batch
 from fthsdp.examples.gpt import GPTConfig
 from fthsdp.examples.hsdp import local_param_hash, plain_hsdp, seeded_gpt
 from fthsdp.examples.layouts import LAYOUTS, Built, layout_gpt, mesh_for
-from fthsdp.launch.progress import ProgressRow
+from fthsdp.launch.progress import ProgressWriter as Progress
 from fthsdp.runtime.config import SCHEDULERS, TrainerSettings
 from fthsdp.runtime.result import StepResult
 from fthsdp.runtime.session import step_row
@@ -64,16 +63,6 @@ def _args(argv: list[str] | None, settings: TrainerSettings) -> argparse.Namespa
     if a.api == "closure" and a.layout != "fsdp":
         p.error(f"--layout {a.layout} trains in the loop (--api loop): its backward is the layout's")
     return a
-
-
-class Progress:
-    def __init__(self, path: str, enabled: bool, **common: Any) -> None:
-        self.file = open(path, "a", buffering=1) if path and enabled else None  # noqa: SIM115 - the run's lifetime
-        self.common = common
-
-    def write(self, **kv: Any) -> None:
-        if self.file is not None:
-            self.file.write(ProgressRow.from_json({**self.common, **kv, "t": time.time()}).line())
 
 
 def _pace(min_step_s: float, t0: float) -> None:

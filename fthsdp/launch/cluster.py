@@ -29,7 +29,7 @@ from fthsdp.launch.lanes import lanes
 from fthsdp.launch.lighthouse_process import http_get, start_lighthouse_process
 from fthsdp.launch.priority import TreePriority
 from fthsdp.launch.procutil import kill_group, stop_process, torchrun
-from fthsdp.launch.progress import ProgressRow, ProgressTail, progress_path, steps_of, trained_by
+from fthsdp.launch.progress import ProgressRow, ProgressTail, progress_path, steps_of, trained_by_json
 from fthsdp.launch.recovery_metrics import Failure, recovery_metrics
 
 log = logging.getLogger("fthsdp.launch.cluster")
@@ -357,7 +357,7 @@ class Cluster:
             "effective_training_time": round(ett, 3),
             "replica_steps_trained": m["replica_steps_trained"],
             "trained": m["trained"],
-            "trained_by": {str(k): {str(i): n for i, n in by.items()} for k, by in trained_by(steps).items()},
+            "trained_by": trained_by_json(steps),
             "ett_basis": m["ett_basis"],
             "wall_s": round(m["wall_s"], 3),
             "loss": {str(i): [[x.step, x.loss] for x in rows if x.loss is not None]

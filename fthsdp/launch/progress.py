@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +97,23 @@ def _rows_of(data: bytes) -> list[ProgressRow]:
     return [x for line in data.splitlines() if line.endswith(b"}") and (x := parse_line(line)) is not None]
 
 
+class ProgressWriter:
+    """Appends rows to a progress file, each with ``common`` and ``t``: line-buffered and held open, so a row per step
+    costs a write, not an open. Writes nothing where ``path`` is empty or ``enabled`` false (a rank other than 0)."""
+
+    def __init__(self, path: str | os.PathLike[str], enabled: bool = True, **common: Any) -> None:
+        self.file = open(path, "a", buffering=1) if path and enabled else None  # noqa: SIM115 - closed by close()
+        self.common = common
+
+    def write(self, **kv: Any) -> None:
+        if self.file is not None:
+            self.file.write(ProgressRow.from_json({**self.common, **kv, "t": time.time()}).line())
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
 def read_progress(path: pathlib.Path) -> list[ProgressRow]:
     """A progress file's rows (none when it does not exist yet); a torn last line is skipped."""
     try:
@@ -158,3 +176,8 @@ def trained_by(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[int, dict[int
     for (slot, i), n in sorted(Counter((slot, i) for slot, i, _ in seen).items()):
         out.setdefault(slot, {})[i] = n
     return out
+
+
+def trained_by_json(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[str, dict[str, int]]:
+    """``trained_by`` as the reports' JSON has it (``fthsdp demo``'s, ``fthsdp run``'s): keys as strings."""
+    return {str(k): {str(i): n for i, n in v.items()} for k, v in trained_by(steps).items()}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -30,7 +29,7 @@ from typing import Any, NoReturn
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from fthsdp.launch.progress import ProgressRow
+from fthsdp.launch.progress import ProgressWriter
 from fthsdp.runtime import selfcheck
 from fthsdp.runtime.config import ConfigError, RuntimeConfig
 from fthsdp.runtime.errors import (
@@ -60,10 +59,9 @@ line, and the launcher restarts the group (a bounded number of times), as the ex
 
 def _progress(**kv: Any) -> None:
     """Append a line to ``FTHSDP_PROGRESS`` (if set) for the launcher."""
-    path = os.environ.get("FTHSDP_PROGRESS", "")
-    if path:
-        with open(path, "a") as f:
-            f.write(ProgressRow.from_json({**kv, "t": time.time()}).line())
+    out = ProgressWriter(os.environ.get("FTHSDP_PROGRESS", ""))
+    out.write(**kv)
+    out.close()
 
 
 def _start(config: RuntimeConfig | None, mesh: DeviceMesh | None = None) -> Replica:
@@ -84,8 +82,9 @@ def _start(config: RuntimeConfig | None, mesh: DeviceMesh | None = None) -> Repl
         exit_unhealthy(e, config)
     if ft.rank == 0:  # a warm standby once released (in its first step)
         ft.when_registered(lambda: _progress(event="start", step=ft.step, joining=ft.joining, **_common(ft)))
-        if os.environ.get("FTHSDP_PROGRESS"):  # a launcher's step rows: who trained which slot, when
-            ft.on_committed = lambda r: _progress(**step_row(r), **_common(ft))
+        if path := os.environ.get("FTHSDP_PROGRESS", ""):  # a launcher's step rows: who trained which slot, when
+            rows = ProgressWriter(path)  # held open for the process's lifetime: a row per step costs a write
+            ft.on_committed = lambda r: rows.write(**step_row(r), **_common(ft))
         # The launcher starts a group's next warm standby once its incarnation committed a step as active.
         ft.on_active = lambda: _progress(event="active", step=ft.step, **_common(ft))
     return ft

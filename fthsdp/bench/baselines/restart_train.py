@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     from fthsdp.examples.gpt import GPTConfig
     from fthsdp.examples.hsdp import local_param_hash, plain_hsdp
     from fthsdp.launch.procutil import write_atomic
-    from fthsdp.launch.progress import ProgressRow, progress_path
+    from fthsdp.launch.progress import ProgressWriter, progress_path
 
     cfg = GPTConfig.named(a.model)
     job = plain_hsdp(cfg, a.seed, a.hsdp_replicas)
@@ -65,12 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     kill_replica, kill_step = (int(x) for x in a.kill.split("@")) if a.kill else (-1, -1)
 
     path = progress_path(pathlib.Path(a.progress_dir), slot)
-    out = open(path, "a", buffering=1) if srank == 0 else None  # noqa: SIM115 (written to until the process exits)
-
-    def write(**kv: Any) -> None:
-        if out is not None:
-            out.write(ProgressRow.from_json({"replica": slot, "incarnation": incarnation, "mode": "restart", **kv,
-                                             "t": time.time()}).line())
+    write = ProgressWriter(path, srank == 0, replica=slot, incarnation=incarnation, mode="restart").write
 
     ckpt = pathlib.Path(a.checkpoint_dir)
     latest = ckpt / "latest"
