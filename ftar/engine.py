@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ftar import devices
+from ftar import reconcile as rc
 from ftar.blame import blame_failure, send_reports
 from ftar.completion import Outcome, outcome
 from ftar.errors import Abandoned, EngineClosed, FTARError, InputsConsumed, Interrupted, Misaligned, PeerFailure
@@ -40,19 +41,7 @@ from ftar.exchange import BACKENDS, OPS, ExchangeResult, FTARConfig, Handle, Req
 from ftar.group import EpochGroup, Reaper
 from ftar.membership import Membership
 from ftar.packing import pack, unpack
-from ftar.reconcile import (
-    Held,
-    HeldResults,
-    flatten,
-    header,
-    holder_of,
-    holder_probe,
-    meta,
-    meta_size,
-    needs_reconciling,
-    parse,
-    shaped_like,
-)
+from ftar.reconcile import Held, HeldResults
 from ftar.rules import (
     Attempts,
     CollectiveWatch,
@@ -109,7 +98,8 @@ class LaneEngine:
 
     def allreduce(self, tensors: Sequence[torch.Tensor], *, contribute: bool = True, op: str = "avg",
                   tag: int | None = 0, inplace: bool = False, keep_inputs: bool = True,
-                  redo: bool = True, new_epoch_ok: bool = True, ready: Any = None) -> Handle:
+                  redo: bool = True, new_epoch_ok: bool = True, ready: Any = None,
+                  fits: Callable[[EpochView], bool] | None = None) -> Handle:
         """Start an exchange of ``tensors``; don't change them until it is done.
 
         ``contribute=False`` joins with zeros and is not counted in the divisor. ``op`` is ``avg`` (sum / contributors)
@@ -124,7 +114,8 @@ class LaneEngine:
         several buckets per step redoes them all, in order, under one epoch. With ``new_epoch_ok=False`` (its later
         buckets) an exchange stays in the group its sequence began in while that group is whole, even if a newer epoch
         is known, and is ``Interrupted`` before any data moves if the group lost a member. ``ready`` (CUDA): the event
-        after which ``tensors`` may be read.
+        after which ``tensors`` may be read. ``fits(epoch)`` False: the contribution may not be exchanged in that
+        epoch's group, and is ``Interrupted`` before any data moves (``LaneState.misfit``).
         """
         if not keep_inputs and not inplace:
             raise ValueError("keep_inputs=False needs inplace=True")
@@ -137,13 +128,18 @@ class LaneEngine:
             future.set_exception(EngineClosed("engine closed"))
         else:
             self._queue.put(Request(list(tensors), contribute, op, tag, inplace, keep_inputs, redo, new_epoch_ok,
-                                    future, ready))
+                                    future, ready, fits))
         return Handle(future)
 
     def forget_before(self, tag: int) -> None:
         """Results tagged below ``tag`` will never be asked for again: stop holding them (until then a lane keeps
         every result it acted on, to serve a member that lost them: step reconciliation, ``ftar.reconcile``)."""
         self._held.forget_before(tag)
+
+    @property
+    def held(self) -> tuple[EpochView | None, int]:
+        """(the epoch whose group this lane holds, None: none; the epoch it last failed in: it runs in newer ones)."""
+        return (self._group.epoch if self._group is not None else None), self._state.failed_epoch
 
     @property
     def asking(self) -> int:
@@ -227,6 +223,10 @@ class LaneEngine:
             held = self._group.epoch if self._group is not None else None
             try:
                 epoch = self._state.place(self._usable_epoch(), held, req.new_epoch_ok, req.redo)
+                if req.fits is not None and not req.fits(epoch):
+                    if held is not None and held.number == epoch.number:  # its partners wait for it there: ask on
+                        self._reports.reform(epoch, self.replica_id, time.monotonic())
+                    raise self._state.misfit(epoch, held)
             except Interrupted:
                 self._drop_group()  # it lost a member: the redo goes to the newer epoch's group
                 raise
@@ -323,9 +323,9 @@ class LaneEngine:
         reduced = self._max(group, epoch, alignment_probe(tag))
         group.learn()  # every member took part: each candidate host announced itself before it arrived
         highest, lowest = reduced[0], -reduced[1]
-        if needs_reconciling(highest, lowest):
-            probe = holder_probe(tag, highest, lowest, self._held, group.rank, group.world)
-            holder = holder_of(self._max(group, epoch, probe), group.world)
+        if rc.needs_reconciling(highest, lowest):
+            probe = rc.holder_probe(tag, highest, lowest, self._held, group.rank, group.world)
+            holder = rc.holder_of(self._max(group, epoch, probe), group.world)
             if holder is not None:
                 self._serve(group, epoch, holder, lowest, highest, tag)
                 return highest
@@ -347,12 +347,12 @@ class LaneEngine:
         device = group.staging.device
         mine = group.rank == holder
         items = self._held.span(lowest, highest) if mine else []
-        head = self._bcast(group, epoch, torch.tensor(header(items) if mine else [0, 0], dtype=torch.int64,
+        head = self._bcast(group, epoch, torch.tensor(rc.header(items) if mine else [0, 0], dtype=torch.int64,
                                                           device=device), holder).tolist()
-        described = torch.tensor(meta(items), dtype=torch.int64, device=device) if mine else \
-            torch.zeros(meta_size(head), dtype=torch.int64, device=device)
-        layout = parse(head, self._bcast(group, epoch, described, holder).tolist())
-        flats = flatten(items, layout, device) if mine else \
+        described = torch.tensor(rc.meta(items), dtype=torch.int64, device=device) if mine else \
+            torch.zeros(rc.meta_size(head), dtype=torch.int64, device=device)
+        layout = rc.parse(head, self._bcast(group, epoch, described, holder).tolist())
+        flats = rc.flatten(items, layout, device) if mine else \
             [torch.empty(n, dtype=dtype, device=device) for dtype, n in layout.flats]
         for flat in flats:
             self._bcast(group, epoch, flat, holder)
@@ -366,7 +366,7 @@ class LaneEngine:
         """A served result as the result of ``req`` (in the epoch it was computed in)."""
         assert req.tag is not None
         held = self._served[req.tag]  # again on a redo in this group (a failed vote): they last as long as it
-        out = shaped_like(held, req.tensors, req.tag)
+        out = rc.shaped_like(held, req.tensors, req.tag)
         if req.inplace:
             for dst, src in zip(req.tensors, out, strict=True):
                 dst.copy_(src)

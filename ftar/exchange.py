@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ftar import devices
+from lighthouse.epoch_view import EpochView
 
 OPS = ("avg", "sum")
 BACKENDS = ("gloo", "nccl")
@@ -113,3 +114,5 @@ class Request:
     future: Future[ExchangeResult]
     ready: Any = None
     """On CUDA, an event recorded on the stream that produced ``tensors``: the lane's stream waits for it."""
+    fits: Callable[[EpochView], bool] | None = None
+    """Whether the contribution may be exchanged in an epoch's group (None: in any; ``LaneState.misfit``)."""

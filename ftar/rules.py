@@ -116,6 +116,19 @@ class LaneState:
             epoch = group
         return epoch
 
+    def misfit(self, epoch: EpochView, held: EpochView | None) -> Interrupted:
+        """The exchange's contribution does not fit ``epoch``'s group (the caller computed it for another
+        membership, e.g. orphan slots dealt under another epoch: ``Request.fits``): it is interrupted before any data
+        moves, and so is every exchange queued after it, until ``reset``. Where this lane already exchanged in that
+        group (``held`` is it), its partners are past the sequence's start there, so the lane never runs in that
+        epoch again (``failed``: its redo waits for a newer one); where it did not, it may come back to it once its
+        contribution fits (its partners wait for it there)."""
+        self.interrupted = epoch.number
+        if held is not None and held.number == epoch.number:
+            self.failed(epoch.number)
+        return Interrupted(f"lane {self.lane}: the contribution does not fit epoch {epoch.number}'s group (computed "
+                           "for another membership)", epoch.number)
+
     def failed(self, epoch: int) -> None:
         """An attempt in ``epoch`` failed: the next one runs in a newer epoch."""
         self.failed_epoch = epoch

@@ -101,7 +101,8 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
           f"rejoin (kill to first joined step): {report['rejoin_s']}s; "
           f"effective training time: {report['effective_training_time']:.0%}")
     report["cursors"] = job_cursors(report["final"])
-    for line in summary(report["final"], report.get("trained_by")):  # what each slot trained, by whom, who came back
+    # What each slot trained, by whom, what the others carried, who came back.
+    for line in summary(report["final"], report.get("trained_by"), report.get("carried")):
         print(line)
     for x in report["resumed"]:
         print(f"replica {x['replica']} resumed the job from the checkpoint of step {x['from_step']} (every replica "
@@ -216,7 +217,7 @@ def cmd_demo(a: argparse.Namespace) -> None:
         config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model,
                                kills=kills, restart_delay_s=delay, timeout_s=a.timeout,
                                checkpoint_every=a.checkpoint_every, warm_restarts=a.warm_restarts,
-                               spares=a.spares)
+                               spares=a.spares, carry_orphans=a.carry_orphans)
         report = run_demo(config, pathlib.Path(a.report) if a.report else None,
                           pathlib.Path(a.plot) if a.plot else None, pathlib.Path(a.keep_logs) if a.keep_logs else None,
                           pathlib.Path(a.trace) if a.trace else None)
@@ -236,6 +237,9 @@ def register(sub: Subparsers) -> None:
     dm.add_argument("--spares", type=int, default=0,
                     help="spare replica groups besides --replicas: each shadows training without a data slot and "
                     "takes over a killed group's slot in the next epoch")
+    dm.add_argument("--carry-orphans", action="store_true",
+                    help="the surviving groups train the batches of a killed group's data slot besides their own "
+                    "(FTHSDP_ORPHANS=carry): every step trains every slot's batch")
     dm.add_argument("--steps", type=int, default=60)
     dm.add_argument("--model", default="reference", help="reference (the benchmark workload) or tiny")
     dm.add_argument("--kill", action="append", default=None,

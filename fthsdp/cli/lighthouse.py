@@ -48,7 +48,8 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
                         join_window_s=a.join_window, expected_replicas=a.expected_replicas,
                         max_reforms=a.max_reforms, join_deadline_s=a.join_deadline,
                         straggler_factor=a.straggler_factor, straggler_confirm=a.straggler_confirm,
-                        straggler_policy=a.straggler_policy, max_members=a.max_members)
+                        straggler_policy=a.straggler_policy, max_members=a.max_members,
+                        orphan_planes=a.orphan_planes)
     except ValueError as e:
         sys.exit(f"fthsdp lighthouse: {e}")
     if risk := confirm_age_risk(policy.confirm_age_s, policy.heartbeat_interval_s):
@@ -169,6 +170,10 @@ def register(sub: Subparsers) -> None:
     lh.add_argument("--min-replicas", type=int, default=1, help="no epoch with fewer live replicas")
     lh.add_argument("--max-members", type=int, default=4096,
                     help="replica groups registered per job, at most (a new replica id beyond is refused)")
+    lh.add_argument("--orphan-planes", action="store_true",
+                    help="for jobs whose replicas carry orphan slots (FTHSDP_ORPHANS=carry): a change of which "
+                    "active members hold which slot starts a new data plane, so every member of a group deals the "
+                    "orphans' micro-batches alike")
     lh.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds without heartbeat = dead")
     lh.add_argument("--heartbeat-interval", type=float, default=0.0,
                     help="interval advertised to clients (default: min(0.5, timeout/4))")

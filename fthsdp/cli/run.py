@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fthsdp.launch.cluster import Cluster, finals
 from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed
 from fthsdp.launch.epochs import epoch_events
-from fthsdp.launch.progress import steps_of, trained_by_json
+from fthsdp.launch.progress import slots_json, steps_of
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
@@ -113,6 +113,7 @@ def cmd_run(a: argparse.Namespace) -> None:
                                max_restarts=a.max_restarts, timeout_s=a.timeout, lighthouse=a.lighthouse,
                                lighthouse_http=a.lighthouse_http, groups=tuple(a.group or ()),
                                checkpoint_dir=a.checkpoint_dir, warm_restarts=a.warm_restarts, spares=a.spares,
+                               carry_orphans=a.carry_orphans,
                                credentials=a.credentials, collective_timeout_s=collective_timeout(a))
         groups = config.indices()
         where = f"against the lighthouse at {a.lighthouse}" if a.lighthouse else "with an embedded lighthouse"
@@ -124,10 +125,11 @@ def cmd_run(a: argparse.Namespace) -> None:
     except (ValueError, ReplicaFailed, TimeoutError) as e:
         sys.exit(f"fthsdp run: {e} (logs in {workdir})")
     final = finals(cluster)
-    by = trained_by_json({g.index: steps_of(cluster.progress(g)) for g in cluster.groups})
+    slots = slots_json({g.index: steps_of(cluster.progress(g)) for g in cluster.groups})
+    by, carried = slots["trained_by"], slots["carried"]
     report = {"command": [str(script), *a.args], "replicas": a.replicas, "groups": list(groups),
               "ranks_per_replica": a.ranks, "lighthouse": a.lighthouse or "embedded", "t_start": t_start,
-              "final": final, "cursors": job_cursors(final), "trained_by": by,
+              "final": final, "cursors": job_cursors(final), "trained_by": by, "carried": carried,
               "problems": problems(final) + disagreement(cluster), "events": cluster.events + epoch_events(history)}
     if a.report:
         pathlib.Path(a.report).write_text(json.dumps(report, indent=1))
@@ -138,7 +140,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     done = next(iter(final.values()))
     print(f"fthsdp run: every replica group run here ended at step {done['step'] if done else '?'} with one state "
           f"({done['param_hash'][:16] if done else '?'}...)", flush=True)
-    for line in summary(final, by):
+    for line in summary(final, by, carried):
         print(f"fthsdp run: {line}", flush=True)
 
 
@@ -148,11 +150,12 @@ def job_cursors(final: dict[str, dict[str, Any] | None]) -> list[int] | None:
     return next((f["cursors"] for f in final.values() if f and "cursors" in f), None)
 
 
-def summary(final: dict[str, dict[str, Any] | None], by: dict[str, dict[str, int]] | None = None) -> list[str]:
+def summary(final: dict[str, dict[str, Any] | None], by: dict[str, dict[str, int]] | None = None,
+            carried: dict[str, int] | None = None) -> list[str]:
     """What the end of a run says besides the state: the batches each data slot trained (from the job's data
     cursors, when the script reports them: ``fthsdp.runtime.training()``/``init()`` do), which replicas trained
     them (``by``: the report's ``trained_by``, from the step rows that name their slot: ``training()``/``init()``
-    and the example write them),
+    and the example write them), in how many steps the others carried an orphan slot (``carried``: the report's),
     and the groups that came back after the job had ended (they hold the final state and trained nothing after
     their restart)."""
     lines = []
@@ -166,6 +169,9 @@ def summary(final: dict[str, dict[str, Any] | None], by: dict[str, dict[str, int
         lines.append("trained by: " + "; ".join(
             f"slot {k}: " + ", ".join(f"replica {i} ({n})" for i, n in sorted(by[k].items(), key=lambda x: int(x[0])))
             for k in sorted(by, key=int)))
+    if carried:
+        lines.append("orphan slots carried by the other replicas: " + ", ".join(
+            f"slot {k} in {n} step{'s' * (n != 1)}" for k, n in sorted(carried.items(), key=lambda x: int(x[0]))))
     late = sorted(int(g) for g, f in final.items() if f and f.get("late"))
     if late:
         lines.append(f"replica group(s) {late} came back after the job had ended: they took the final checkpoint "
@@ -199,6 +205,10 @@ def register(sub: Subparsers) -> None:
                    help="spare replica groups besides --replicas (indexes --replicas and up): each shadows training "
                    "without a data slot and takes over a dead group's slot in the next epoch; read ft.slot inside "
                    "the closure (next_batch does)")
+    r.add_argument("--carry-orphans", action="store_true",
+                   help="the surviving groups train the batches of a dead group's data slot besides their own "
+                   "(FTHSDP_ORPHANS=carry; the script's loop iterates the step's batches: `for batch in loader:` "
+                   "over ft.dataloader(...), or ft.dealt())")
     r.add_argument("--collective-timeout", type=float, default=None, metavar="S",
                    help="deadline of one cross-replica collective, seconds: FTHSDP_TIMEOUT of every group "
                         "(default: $FTHSDP_TIMEOUT, else 5)")

@@ -171,13 +171,14 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
                                               step=ft.step))
     per_rank = a.batch // data_ranks
 
-    def tokens() -> torch.Tensor:
+    def tokens(slot: int | None = None, cursor: int | None = None) -> torch.Tensor:
         # Data by the slot's cursor, not by step: a batch is trained once, even across failures. The slot is the one
-        # the lighthouse gives this replica now (a spare's is taken over from a dead replica).
-        return batch(a.seed, ft.cursor, ft.slot, data_rank, per_rank, cfg.seq_len, cfg.vocab).to(ft.device)
+        # the lighthouse gives this replica now (a spare's is taken over from a dead replica), or one dealt to it.
+        slot, cursor = (ft.slot, ft.cursor) if slot is None or cursor is None else (slot, cursor)
+        return batch(a.seed, cursor, slot, data_rank, per_rank, cfg.seq_len, cfg.vocab).to(ft.device)
 
-    def forward() -> torch.Tensor:
-        return _computed(a.compute_s, lambda: gpt.loss(tokens()))
+    def forward(slot: int | None = None, cursor: int | None = None) -> torch.Tensor:
+        return _computed(a.compute_s, lambda: gpt.loss(tokens(slot, cursor)))
 
     def write(r: StepResult, loss: float | None, step_s: float) -> None:  # the launcher's row, with our loss and time
         progress.write(**{**step_row(r), "loss": loss, "step_s": step_s})
@@ -196,8 +197,9 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
             t0 = time.perf_counter()
             opt.zero_grad()  # a joiner catches up here, a spare shadows the others
             if built is None:
-                loss = forward()
-                loss.backward()  # the exchange runs as FSDP2 produces each gradient shard
+                for slot, cursor, _ in ft.dealt():  # its slot's batch, and its share of orphan slots' (carrying)
+                    loss = forward(slot, cursor)
+                    loss.backward()  # on the last, the exchange runs as FSDP2 produces each gradient shard
             else:  # the layout's forward and backward (a pipeline's schedule: the exchange settles inside it)
                 loss = _computed(a.compute_s, lambda: built.train(tokens()))  # noqa: B023 - called within this iteration
             trained = opt.step()  # commits (None: a warm-up, which trained nothing)

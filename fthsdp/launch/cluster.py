@@ -29,7 +29,7 @@ from fthsdp.launch.lanes import lanes
 from fthsdp.launch.lighthouse_process import http_get, start_lighthouse_process
 from fthsdp.launch.priority import TreePriority
 from fthsdp.launch.procutil import kill_group, stop_process, torchrun
-from fthsdp.launch.progress import ProgressRow, ProgressTail, progress_path, steps_of, trained_by_json
+from fthsdp.launch.progress import ProgressRow, ProgressTail, progress_path, slots_json, steps_of
 from fthsdp.launch.recovery_metrics import Failure, recovery_metrics
 
 log = logging.getLogger("fthsdp.launch.cluster")
@@ -235,7 +235,7 @@ class Cluster:
         return [*secret, "--heartbeat-interval", str(c.heartbeat_interval_s),
                 "--heartbeat-timeout", str(c.heartbeat_timeout_s), "--confirm-age", str(c.confirm_age_s),
                 "--join-window", str(self.join_window_s), "--expected-replicas", str(c.replicas + c.spares),
-                "--straggler-policy", c.straggler_policy]
+                "--straggler-policy", c.straggler_policy, *(["--orphan-planes"] if c.carry_orphans else [])]
 
     def start_lighthouse(self) -> None:
         """Start the lighthouse; set ``addr`` (what replicas get as ``FTHSDP_LIGHTHOUSE``) and ``http``. A subclass
@@ -357,7 +357,7 @@ class Cluster:
             "effective_training_time": round(ett, 3),
             "replica_steps_trained": m["replica_steps_trained"],
             "trained": m["trained"],
-            "trained_by": trained_by_json(steps),
+            **slots_json(steps),
             "ett_basis": m["ett_basis"],
             "wall_s": round(m["wall_s"], 3),
             "loss": {str(i): [[x.step, x.loss] for x in rows if x.loss is not None]

@@ -59,6 +59,10 @@ class ClusterConfig:
     """Spare replica groups besides them (indexes ``replicas ..``; ``FTHSDP_SPARES``): each shadows training with no
     data slot and takes over a dead group's slot in the next epoch (docs/design.md §7, "Spares"). A spare costs a
     group's devices and one more member in each exchange."""
+    carry_orphans: bool = False
+    """The survivors train the batches of a dead group's slot (``FTHSDP_ORPHANS=carry``; the lighthouse runs with
+    ``--orphan-planes``): a constant global batch (docs/design.md §7, "Orphan slots"). Needs the trainer's own loop
+    and no spares."""
     ranks: int = 2
     """Ranks per replica group (FSDP2 shards)."""
     steps: int = 60
@@ -170,6 +174,8 @@ class ClusterConfig:
                        FTHSDP_CHECKPOINT_EVERY=str(self.checkpoint_every))
         if self.credentials:
             env["FTHSDP_TOKEN_FILE"] = str(credential_path(self.credentials, index))
+        if self.carry_orphans:
+            env["FTHSDP_ORPHANS"] = "carry"
         env.update(self.env.get(index, {}))
         from ftar import nccl_env  # here: importing ftar imports torch (see the module's doc)
 

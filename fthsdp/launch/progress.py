@@ -52,6 +52,8 @@ class ProgressRow:
     slot: int | None = None
     """fthsdp's example trainer: the data slot this replica trained in the step (its own, or one handed to it);
     None where it trained none (zeros) or the trainer does not say."""
+    carried: list[int] | None = None
+    """fthsdp with orphan slots carried: the slots besides its own of which this replica trained micro-batches."""
     lr_factor: float | None = None
     catchup: dict[str, Any] | None = None
     joining: bool = False
@@ -168,10 +170,12 @@ def steps_of(rows: list[ProgressRow]) -> list[ProgressRow]:
 
 
 def trained_by(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[int, dict[int, int]]:
-    """Per data slot, per replica index: the steps in which that replica trained that slot's batch (committed rows
-    that name their ``slot``; a step counted once). Empty where the trainer names no slots (a user's script)."""
-    seen = {(x.slot, i, x.step) for i, rows in steps.items() for x in rows
-            if x.event == "step" and x.slot is not None and x.contributed and not x.joined and x.step is not None}
+    """Per data slot, per replica index: the steps in which that replica trained that slot's batch, or carried part
+    of it (an orphan's: committed rows that name their ``slot`` and what they ``carried``; a step counted once).
+    Empty where the trainer names no slots (a user's script)."""
+    seen = {(slot, i, x.step) for i, rows in steps.items() for x in rows
+            if x.event == "step" and x.slot is not None and x.contributed and not x.joined and x.step is not None
+            for slot in (x.slot, *(x.carried or ()))}
     out: dict[int, dict[int, int]] = {}
     for (slot, i), n in sorted(Counter((slot, i) for slot, i, _ in seen).items()):
         out.setdefault(slot, {})[i] = n
@@ -181,3 +185,16 @@ def trained_by(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[int, dict[int
 def trained_by_json(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[str, dict[str, int]]:
     """``trained_by`` as the reports' JSON has it (``fthsdp demo``'s, ``fthsdp run``'s): keys as strings."""
     return {str(k): {str(i): n for i, n in v.items()} for k, v in trained_by(steps).items()}
+
+
+def carried_steps(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[int, int]:
+    """Per orphan slot: the committed steps in which other replicas than its holder trained its batch (orphan
+    slots carried)."""
+    seen = {(slot, x.step) for rows in steps.values() for x in rows
+            if x.event == "step" and x.step is not None and x.contributed for slot in x.carried or ()}
+    return dict(sorted(Counter(slot for slot, _ in seen).items()))
+
+
+def slots_json(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[str, dict[str, Any]]:
+    """The reports' ``trained_by`` (``trained_by_json``) and ``carried`` (``carried_steps``, keys as strings)."""
+    return {"trained_by": trained_by_json(steps), "carried": {str(k): n for k, n in carried_steps(steps).items()}}

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import torch
@@ -21,11 +20,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ftar import ExchangeResult, Excluded, FTARError, Handle, Interrupted, LaneEngine, Misaligned, devices
-from fthsdp.runtime import digest, grad_scale
+from fthsdp.runtime import digest, grad_scale, orphans
 from fthsdp.runtime.commit import CommitProtocol, Exchanged, Failed, Failure
 from fthsdp.runtime.errors import RejoinRequired
 from fthsdp.runtime.state import local_tensor
+from fthsdp.runtime.tags import BucketTag
 from fthsdp.runtime.timeline import OFF, Timeline
+from lighthouse.epoch_view import EpochView
 
 T = TypeVar("T")
 
@@ -34,35 +35,6 @@ class LogFn(Protocol):
     """The replica's structured log (every line says replica, rank, epoch and step)."""
 
     def __call__(self, level: int, msg: str, *args: object) -> None: ...
-
-
-@dataclass(frozen=True)
-class BucketTag:
-    """Bucket ``bucket`` of step ``step``. On the wire (FTAR's tag) it is ``step * buckets + bucket``: the same on
-    every replica, increasing in exchange order. Encoded and decoded only here."""
-
-    step: int
-    bucket: int
-
-    def encode(self, buckets: int) -> int:
-        if not 0 <= self.bucket < buckets:
-            raise ValueError(f"bucket {self.bucket} of {buckets}")
-        return self.step * buckets + self.bucket
-
-    @classmethod
-    def decode(cls, tag: int, buckets: int) -> BucketTag:
-        step, bucket = divmod(tag, buckets)
-        return cls(step, bucket)
-
-    def __str__(self) -> str:
-        return f"step {self.step} bucket {self.bucket}"
-
-    @classmethod
-    def label(cls, tag: int, buckets: int) -> str:
-        """How a log line names wire tag ``tag`` of a ``BucketExchange`` (``buckets``: its ``width``): by the training
-        step and bucket it stands for (index 0 of a step is the post exchange of the step before)."""
-        t = cls.decode(tag, buckets)
-        return f"step={t.step - 1} post" if t.bucket == 0 else f"step={t.step} bucket={t.bucket - 1}"
 
 
 def _bind_grad(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -99,12 +71,17 @@ def plan_buckets(params: Sequence[T], blocks: Sequence[Sequence[T]]) -> list[lis
     return [b for b in buckets if b]
 
 
-def slot_mask(slot: int, slots: int, contribute: bool, device: torch.device) -> torch.Tensor:
+def slot_mask(slot: int, slots: int, contribute: bool, device: torch.device, parts: int = 0,
+              dealt: Sequence[int] = ()) -> torch.Tensor:
     """Rides at the end of the last bucket: averaged, slot i is 1/contributors if its replica contributed to the
-    step, 0 if not (``fthsdp.runtime.commit.contributing_slots`` reads it back)."""
-    mask = torch.zeros(slots, dtype=torch.float32, device=device)
+    step, 0 if not (``fthsdp.runtime.commit.contributing_slots`` reads it back). With orphan slots carried
+    (``parts`` micro-batches per slot), ``slots * parts`` positions follow, 1 at each part the contribution trained
+    (``dealt``: ``fthsdp.runtime.orphans.mask``)."""
+    mask = torch.zeros(slots + slots * parts, dtype=torch.float32, device=device)
     if contribute:
         mask[slot] = 1.0
+        if parts and dealt:
+            mask[[slots + p for p in dealt]] = 1.0
     return mask
 
 
@@ -127,12 +104,19 @@ class BucketExchange:
         self.unchecked: tuple[int, float, Handle] | None = None
         """The post exchange this lane sent last as a contributor, not read yet: (its step, the factor sent, its
         handle). An active replica does not wait for it before its optimizer step; the step core reads it once the
-        lane has exchanged something after it (``Steps._agree``)."""
+        lane has exchanged something after it (``posts.agree``)."""
         self._last_post: tuple[int, float | None, float | None] = (-2, None, None)
         self.engine = engine
         self.slot = slot
         """The replica's data slot in the step being exchanged (``Replica.slot``; ``NO_SLOT``: a spare's)."""
         self.slots, self.device = slots, device
+        self.parts = 0
+        """With orphan slots carried: micro-batches per slot (the mask's parts; 0: not carried)."""
+        self.dealt: tuple[int, ...] = ()
+        """With orphan slots carried: the mask positions this step's contribution trains (``orphans.dealt``)."""
+        self.fits: Callable[[EpochView], bool] | None = None
+        """With orphan slots carried: whether this step's contribution may be exchanged in an epoch's group (its
+        member is dealt there what it trained; FTAR interrupts it before any data moves where not)."""
         self.wait_s = wait_s
         """How long a joiner waits for its first bucket to learn the step."""
         self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
@@ -235,11 +219,12 @@ class BucketExchange:
             slot = self.slot()
             words = digest.pack(slot, self.slots, self.digest if contribute else None)
             grads.append(torch.tensor(words, dtype=torch.float32, device=self.device))
-            grads.append(slot_mask(slot, self.slots, contribute, self.device))
+            grads.append(slot_mask(slot, self.slots, contribute, self.device, self.parts, self.dealt))
         tag = None if step is None else self.tag(step, k)
         # On CUDA the lane reads the shards after this event, on the stream FSDP2 produced them on (the hook's).
         handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False,
-                                       new_epoch_ok=k == 0 and not self.posts, ready=devices.record(self.device))
+                                       new_epoch_ok=k == 0 and not self.posts, ready=devices.record(self.device),
+                                       fits=self.fits if contribute else None)
         self._pending[k] = handle
         self._launched = k + 1
         self._timed(handle, f"bucket {k}", -1 if step is None else step)
@@ -267,7 +252,7 @@ class BucketExchange:
         if len(self.buckets) == 1:
             slot = self.slot()
             grads.append(torch.tensor(digest.pack(slot, self.slots, None), dtype=torch.float32, device=self.device))
-            grads.append(slot_mask(slot, self.slots, False, self.device))
+            grads.append(slot_mask(slot, self.slots, False, self.device, self.parts))
         return self.engine.allreduce(grads, contribute=False, op="sum", tag=self.tag(step, 0), redo=False,
                                      new_epoch_ok=not self.posts)
 
@@ -312,8 +297,20 @@ class BucketExchange:
                 for bucket in self.buckets for p in bucket]
 
     def averaged(self, results: Sequence[ExchangeResult]) -> list[torch.Tensor]:
-        """A step's averaged gradient shards from its results, in ``grads`` order (the digests and mask left out)."""
-        return [g for bucket, res in zip(self.buckets, results, strict=True) for g in res.tensors[:len(bucket)]]
+        """A step's averaged gradient shards from its results, in ``grads`` order (the digests and mask left out), as
+        ``install`` makes them the gradients."""
+        fix = self.divisor_fix(results)
+        return [g * fix if fix != 1 else g for bucket, res in zip(self.buckets, results, strict=True)
+                for g in res.tensors[:len(bucket)]]
+
+    def divisor_fix(self, results: Sequence[ExchangeResult]) -> float:
+        """What a step's averaged gradients are multiplied by to become the mean over the slots it trained: FTAR
+        divides by the contributors, and with orphan slots carried a contributor may stand for more than one slot
+        (``orphans.divisor_fix``). 1 when nothing is carried."""
+        if not self.parts:
+            return 1.0
+        step = self.step_of(results[-1])
+        return orphans.divisor_fix(self.mask_of(results), results[-1].contributors, self.slots, self.parts, step)
 
     def launch_rest(self, step: int) -> list[Handle | None]:
         """After backward: launch the buckets the hook did not (parameters that got no gradient: zeros)."""
@@ -393,14 +390,17 @@ class BucketExchange:
         *become* the gradients, without a copy; else they are copied in. FTAR holds these results to serve a
         partner that lost them (``ftar.reconcile``), so they may be aliased only when the optimizer never
         changes ``.grad`` in place (``grads_untouched``)."""
+        fix = self.divisor_fix(results)
         for bucket, res in zip(self.buckets, results, strict=True):
             for p, g in zip(bucket, res.tensors, strict=False):  # the last bucket's digests and mask: no parameter
-                if self.alias:
+                if self.alias and fix == 1:
                     _bind_grad(p, g)
                     continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 local_tensor(p.grad).copy_(g)
+                if fix != 1:
+                    local_tensor(p.grad).mul_(fix)
 
     @staticmethod
     def mask_of(results: Sequence[ExchangeResult]) -> list[float]:

@@ -142,7 +142,7 @@ def zero_step(rep: StepCore, zeros: list[Handle | None], redo: Callable[[Tally],
     batches = rep.commit(commit.step, results)
     rep.check.check_own(commit.step, own_digest, results)
     rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, commit.attempts)
-    rep.after_commit(batches, commit.stop)
+    rep.after_commit(rep.held, commit.stop)
     return StepResult(commit.step, losses[0] if losses else None, commit.epoch, results[0].contributors, False,
                       commit.attempts, time.perf_counter() - t0, batches, rep.lr_factor, contributed=bool(losses),
                       slot=rep.slot if losses else None)  # a spare handed a slot in the step trained it

@@ -112,6 +112,15 @@ class RuntimeConfig:
     from the step's start trains that very step's batch of the slot, beside the others' compute (they wait at most
     about that much for it, once); later it sends zeros and trains the slot from the next step. 0: never; at most 1.
     The default, half a step: a killed process's session closes 0.3 s after the kill on a loaded 2-core host."""
+    carry_orphans: bool = False
+    """``FTHSDP_ORPHANS``: ``carry`` (a constant global batch: the micro-batches of a data slot that has no live
+    holder, an orphan, are dealt to the replicas that hold a slot, which train them besides their own; docs/design.md
+    §7, "Orphan slots") or ``wait`` (the default: an orphan's batches wait for its holder). Carrying needs the
+    trainer's own loop iterating the step's batches (``for batch in loader:``, or ``ft.dealt()``), no spares, and a
+    lighthouse run with ``--orphan-planes``. The same on every replica."""
+    micro_batches: int = 1
+    """``FTHSDP_MICRO_BATCHES``: micro-batches per data slot and step (the trainer's gradient accumulation), the unit
+    an orphan's batch is dealt out in. The same on every replica."""
     backend: str = "gloo"
     """``FTHSDP_BACKEND``: ``gloo`` (CPU) or ``nccl`` (GPU); default by whether CUDA is available."""
     timeout_s: float = 5.0
@@ -249,6 +258,14 @@ class RuntimeConfig:
         spare_early = _float(e, "FTHSDP_SPARE_EARLY", "0.5")
         if not 0 <= spare_early <= 1:
             raise ConfigError(f"FTHSDP_SPARE_EARLY={spare_early:g} must be between 0 and 1")
+        orphans = e.get("FTHSDP_ORPHANS") or "wait"
+        micro_batches = _int(e, "FTHSDP_MICRO_BATCHES", "1")
+        if orphans not in ("carry", "wait") or micro_batches < 1:
+            raise ConfigError(f"FTHSDP_ORPHANS={orphans!r} must be carry or wait and FTHSDP_MICRO_BATCHES="
+                              f"{micro_batches} >= 1")
+        if orphans == "carry" and spares:
+            raise ConfigError(f"FTHSDP_ORPHANS=carry with FTHSDP_SPARES={spares}: a spare takes a dead replica's slot "
+                              "(no orphan to carry); carrying beside spares is not built yet")
         return cls(
             lighthouse=_get(e, "FTHSDP_LIGHTHOUSE"),
             replica_index=index,
@@ -259,6 +276,8 @@ class RuntimeConfig:
             job_id=e.get("FTHSDP_JOB", "default"),
             spares=spares,
             spare_early=spare_early,
+            carry_orphans=orphans == "carry",
+            micro_batches=micro_batches,
             backend=backend,
             timeout_s=timeout,
             rank_timeout_s=rank_timeout,

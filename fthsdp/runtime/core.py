@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ftar import EpochFeed, ExchangeResult, FTARConfig, FTARError, Handle, LaneEngine, LighthouseMembership, nccl_env
 from fthsdp.catchup.server import CatchupServer
-from fthsdp.runtime import checkpoint, ending, grad_scale, selfcheck, siblings, startup
+from fthsdp.runtime import checkpoint, ending, grad_scale, orphans, posts, selfcheck, siblings, startup
 from fthsdp.runtime.agreement import DigestCheck
 from fthsdp.runtime.buckets import BucketExchange, failure_of
 from fthsdp.runtime.checkpoint_writer import CheckpointWriter
@@ -80,6 +80,7 @@ class StepCore:
         self.pace_window, self.own_compute_s = PaceWindow(), 0.0  # fail-slow evidence; last step's compute, unslowed
         self.busy_ms, self.ranks_busy_ms, self.ranks_lane_ms = 0, tuple[int, ...](), tuple[int, ...]()  # fail-slow
         self.lr_factor = 1.0
+        self.held: tuple[int, ...] = ()  # the slots whose holders contributed to the last commit (its writers)
         self.scales: dict[int, float] = {}  # a zero contributor's: per step, the factor the trainers scaled it by
         self.state = TrainerState()  # param groups and registered objects: they travel with the tensors
         self.terminated = False  # stopped by SIGTERM
@@ -306,18 +307,21 @@ class StepCore:
         Replaying a kept step runs this too, so a joiner's state follows the same arithmetic as the others'.
         Returns the batches the step trained."""
         shards, buckets = self.parts()
-        contributors = results[-1].contributors
-        slots = contributing_slots(buckets.mask_of(results), contributors, self.step)
+        contributors, mask = results[-1].contributors, buckets.mask_of(results)
+        if buckets.parts:  # every part of every slot trained is in the sum: the orphans' cursors move too
+            self.held, slots = orphans.read_mask(mask, contributors, self.slots, buckets.parts, self.step)
+        else:
+            self.held = slots = contributing_slots(mask, contributors, self.step)
         if not installed:
             buckets.install(results)
             grad_scale.apply(buckets.grads(), self.scales.pop(step, 1.0))
         for old in [s for s in self.scales if s < step]:  # settled before a snapshot that made them moot
             del self.scales[old]
-        factor = lr_factor(self.config.lr_rule, contributors, self.config.num_replicas)
+        factor = lr_factor(self.config.lr_rule, len(slots), self.config.num_replicas)
         joining = self.joining
         if factor != self.lr_factor and not joining:
-            self.log(logging.WARNING, "learning rate x%.4f (%s rule: %d of %d replicas contribute)", factor,
-                     self.config.lr_rule, contributors, self.config.num_replicas)
+            self.log(logging.WARNING, "learning rate x%.4f (%s rule: %d of %d slots trained)", factor,
+                     self.config.lr_rule, len(slots), self.config.num_replicas)
         self.lr_factor = factor
         self.faults.at(step, Phase.OPTIMIZER)
         self.server.before_update(step)  # a snapshot of this step's state in progress finishes first
@@ -331,9 +335,10 @@ class StepCore:
         self.step = step + 1
         return batches
 
-    def after_commit(self, batches: tuple[tuple[int, int], ...], stop: bool) -> None:
-        """Commit-boundary duties: lighthouse step, snapshot for joiners, checkpoints, and stopping if the vote
-        carried a SIGTERM; the first one as an active replica runs ``on_active`` (a launcher's cue)."""
+    def after_commit(self, holders: tuple[int, ...], stop: bool) -> None:
+        """Commit-boundary duties: lighthouse step, snapshot for joiners, checkpoints (a share by each of the
+        ``holders``: the slots whose holders contributed, ``held``), and stopping if the vote carried a SIGTERM; the
+        first one as an active replica runs ``on_active`` (a launcher's cue)."""
         self.client.set_step(self.step)
         on_active = self.on_active
         if on_active is not None and not self.joining:
@@ -343,7 +348,7 @@ class StepCore:
         self.server.at_commit(self.step, active=True)
         cfg = self.config
         if cfg.checkpoint_dir and cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 \
-                and self.slot in (writers := sorted(s for s, _ in batches)):  # a share each (``checkpoint``)
+                and self.slot in (writers := sorted(holders)):  # a share each (``checkpoint``)
             self.checkpoint(now=False, share=(writers.index(self.slot), len(writers)))
         if stop:
             path = self.checkpoint() if cfg.checkpoint_dir else None
@@ -360,22 +365,6 @@ class StepCore:
         write = self.writer.now if now else self.writer.periodic
         with self.timeline.timed("checkpoint" if now else "checkpoint (staged)", "checkpoint", self.step):
             return str(write(self.step, self.model, self.opt, self.cursors, self.parts()[0].side_state(), share) or "")
-
-    def agree(self) -> None:
-        """Read the post exchange this lane sent last as a contributor and did not wait for (``finish``; the
-        lane's exchanges after it are done, so it is too): raise ``UnreplayableGradients`` when the others scaled
-        that step's gradients by another factor. One lost with its epoch is not read: the vote's redo sent it again,
-        and that one is read next time."""
-        _, buckets = self.parts()
-        if (sent := buckets.unchecked) is None:
-            return
-        buckets.unchecked = None
-        step, factor, handle = sent
-        try:
-            agreed, _ = buckets.post_of(handle.wait(self.wait_s))
-        except FTARError:
-            return
-        grad_scale.check_agreed(step, factor, agreed)
 
     def post(self, step: int, factor: float | None, loss: float | None) -> tuple[float, float]:
         """The step's post exchange on this rank's lane (``BucketExchange.launch_post``), waited for, with its own
@@ -401,7 +390,7 @@ class StepCore:
         through the replica-local vote like a step's exchange (``fthsdp.runtime.ending``)."""
         _, buckets = self.parts()
         if ending.barrier(buckets, self.engine, self.step, self.vote, self.wait_s, self.log):
-            self.agree()  # the last step's post exchange came back before the barrier
+            posts.agree(buckets, self.wait_s)  # the last step's post exchange came back before the barrier
         buckets.unchecked = None
         if self.config.checkpoint_dir:
             self.checkpoint()

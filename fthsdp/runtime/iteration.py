@@ -7,7 +7,8 @@ role's turn):
   ``backward()`` exchanges the gradient shards as FSDP2 produces them and, at its end, settles and votes and binds
   the step's averaged gradients as ``.grad`` (a copy the trainer may clip); ``optimizer.step()`` commits
   (``finish``). Each iteration is an ``Iteration``.
-- ``train_step(closure)``: the runtime runs forward and backward itself, one committed step per call.
+- ``train_step(closure)`` (``fthsdp.runtime.closure``): the runtime runs forward and backward itself, one committed
+  step per call.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 
-from ftar import ExchangeResult
-from fthsdp.runtime import grad_scale, roles
+from ftar import ExchangeResult, Handle
+from fthsdp.runtime import carry, catching_up, grad_scale, posts, roles
 from fthsdp.runtime.buckets import BucketExchange
-from fthsdp.runtime.commit import Commit
+from fthsdp.runtime.commit import Commit, Tally
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.core import StepCore
 from fthsdp.runtime.faults import Phase
@@ -67,6 +69,10 @@ class Iteration:
     error: BaseException | None = None
     """What the end of backward raised (raised again by ``finish``)."""
     losses: list[float] = field(default_factory=list)
+    dealt: tuple[int, ...] = ()
+    """The slot mask positions it trains (``carry``): its slot's micro-batches, and those of orphans it carries."""
+    taken: int = 0
+    """How many of them the trainer took (``take``)."""
 
 
 class Steps(StepCore):
@@ -129,58 +135,11 @@ class Steps(StepCore):
         if was is Standing.STANDBY and role.standing is not Standing.STANDBY:
             self.registered()
 
-    def _turn(self, closure: Callable[[], torch.Tensor] | None) -> StepResult | None:
+    def turn(self, closure: Callable[[], torch.Tensor] | None) -> StepResult | None:
         """The role's step (one that trains no batch); the next role taken."""
         turn = self.role.turn(self, closure)
         self.become(turn.next)
         return turn.result
-
-    def train_step(self, closure: Callable[[], torch.Tensor]) -> StepResult:
-        """Run one step: ``closure()`` returns the loss (the runtime calls ``backward``). Returns once the step is
-        committed. A joining replica calls ``closure`` once to warm up (the result is thrown away: see
-        ``fthsdp.runtime.join.warm_up``), then catches up (it exchanges zeros while fetching the state) and
-        returns once it holds the same state as the others, with ``joined=True``."""
-        shards, buckets = self.parts()
-        while not self.role.trains:  # a standby's release, a catch-up, a zero step, a spare's step
-            if (result := self._turn(closure)) is not None:
-                self._done(result)
-                return result
-        slot = self.slot
-        buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
-        self.faults.at(self.step, Phase.FORWARD)
-        shards.opt.zero_grad(set_to_none=True)
-        t_compute, cpu0 = time.perf_counter(), time.process_time()
-        with buckets.armed(self.step):  # buckets go to FTAR as FSDP2 produces their gradient shards
-            loss = closure()
-            slowed = self.faults.slow_down(self.step, self.own_compute_s)  # FTHSDP_FAULT_SLOW
-            self.faults.at(self.step, Phase.BACKWARD)
-            t0 = time.perf_counter()
-            loss.backward()  # type: ignore[no-untyped-call]
-        loss_value = float(loss.detach().item())
-        handles = buckets.launch_rest(self.step)  # parameters that got no gradient
-        t_computed = time.perf_counter()
-        self.busy_ms = round((time.process_time() - cpu0) * 1e3)
-        commit, results = self.settle(handles, contribute=True)
-        exchange_s = time.perf_counter() - t0
-        self.timeline.span("forward", "compute", commit.step, t_compute, t0)
-        self.timeline.span("backward", "compute", commit.step, t0, t_computed)
-        self.timeline.span("wait", "wait", commit.step, t_computed, t0 + exchange_s, attempts=commit.attempts)
-        self.own_compute_s = t_computed - t_compute - slowed
-        self.pace(commit.attempts, commit.step, t_computed - t_compute, time.perf_counter() - t_computed)
-        batches = self.commit(commit.step, results)
-        diverged = self.check.check(commit.step, results)
-        contributors = results[0].contributors
-        result = StepResult(commit.step, loss_value, commit.epoch, contributors, False, commit.attempts,
-                            exchange_s, batches, self.lr_factor, diverged=diverged, slot=slot)
-        self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
-        self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
-                               stall_s=exchange_s if commit.attempts > 1 else 0.0)
-        self._done(result)
-        self.after_commit(batches, commit.stop)
-        if self.rank == 0 and self.config.step_log:
-            self.log(logging.INFO, "step %d committed: loss %.4f, %d contributor(s), %d attempt(s), exchange "
-                      "%.3fs", commit.step, loss_value, contributors, commit.attempts, exchange_s)
-        return result
 
     # --- the trainer's own loop (``fthsdp.runtime.loop``) ------------------------------------------------------
 
@@ -217,23 +176,42 @@ class Steps(StepCore):
             shards.opt.zero_grad(set_to_none=True)
             return it.trains
         self.iteration += 1
-        while not self.role.trains:  # a standby's release, a catch-up, a zero step, a spare's steps (committed)
+        dealt: tuple[int, ...] = ()
+        while not dealt:
+            while not self.role.trains:  # a standby's release, a catch-up, a zero step, a spare's steps (committed)
+                if self._total is not None and self.step >= self._total:
+                    return self._idle(optimizer_step=False)
+                if (optimizer_step := self.role.loop_warm_up(self)) is not None:
+                    return self._idle(optimizer_step)
+                if (result := self.turn(None)) is not None:
+                    self.deliver(result)
             if self._total is not None and self.step >= self._total:
                 return self._idle(optimizer_step=False)
-            if (optimizer_step := self.role.loop_warm_up(self)) is not None:
-                return self._idle(optimizer_step)
-            if (result := self._turn(None)) is not None:
-                self._done(result)
-        if self._total is not None and self.step >= self._total:
-            return self._idle(optimizer_step=False)
-        if buckets.posted != self.step - 1:  # a lane's sequence begins with the post of the step before: the job's
-            self.post(self.step - 1, *buckets.post_again(self.step - 1))  # first, a resume, a redo
+            if buckets.posted != self.step - 1:  # a lane's sequence begins with the post of the step before: the
+                self.post(self.step - 1, *buckets.post_again(self.step - 1))  # job's first, a resume, a redo
+            if not (dealt := self._deal()):  # carrying, and no epoch deals it anything yet: zeros, committed
+                self.deliver(catching_up.zero_step(self, self.exchange_all(contribute=False)))
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
-        self._iter = Iteration(self.step, trains=True, slot=self.slot, t0=time.perf_counter(), cpu0=time.process_time())
+        self._iter = Iteration(self.step, trains=True, slot=self.slot, t0=time.perf_counter(), cpu0=time.process_time(),
+                               dealt=dealt)
         buckets.arm(self.step, at_first=self._backward_begins, at_end=self._backward_ends)
         return True
+
+    def _deal(self) -> tuple[int, ...]:
+        """The slot mask positions this iteration trains: its slot's micro-batches; with orphan slots carried, what
+        rank 0's newest epoch deals the replica (``carry``), once the step before's post exchange is done (the lane
+        leaves an older data plane's group for the deal's, sending that post exchange again there)."""
+        _, buckets = self.parts()
+        if not self.carrying:
+            return carry.own(self.slot, self.config.micro_batches)
+        posts.agree(buckets, self.wait_s)
+        epoch, plane, dealt = carry.agree_deal(self)
+        if carry.leave_older_plane(self, epoch, plane):  # not waited for: the step's vote sees it fail
+            buckets.launch_post(self.step - 1, *buckets.post_again(self.step - 1))
+        buckets.dealt, buckets.fits = dealt, carry.pinned(self, dealt)
+        return dealt
 
     def _idle(self, optimizer_step: bool) -> bool:
         """An iteration that exchanges nothing (``begin``): a warm-up, or one past the last step."""
@@ -242,7 +220,7 @@ class Steps(StepCore):
         if lent:
             self.slot = 0
         self._iter = Iteration(self.step, trains=False, t0=time.perf_counter(), lent=lent,
-                               optimizer_step=optimizer_step)
+                               optimizer_step=optimizer_step, dealt=carry.own(self.slot, self.config.micro_batches))
         return False
 
     def _backward_begins(self) -> None:
@@ -269,13 +247,63 @@ class Steps(StepCore):
             self.busy_ms = round((time.process_time() - it.cpu0) * 1e3)
             it.t_backward = it.t_backward or it.t_computed
             self.timeline.span("backward", "compute", it.step, it.t_forward[1] or it.t0, it.t_computed)
-            it.settled = self.settle(handles, contribute=True)
-            self.agree()  # the post exchange of the step before came back before this step's buckets
+            if self.carrying and it.taken != len(it.dealt):
+                raise RuntimeError(f"step {it.step}: {it.taken} of the {len(it.dealt)} micro-batches dealt to this "
+                                   "replica were taken: with FTHSDP_ORPHANS=carry iterate the step's batches (`for "
+                                   "batch in loader:` over ft.dataloader(...), or `for slot, cursor, micro in "
+                                   "ft.dealt():`)")
+            it.settled = self.settle(handles, contribute=True, redo=self._redo if self.carrying else None)
+            posts.agree(buckets, self.wait_s)  # the step before's post exchange came back before this step's buckets
             self.timeline.span("wait", "wait", it.step, it.t_computed, time.perf_counter(),
                                attempts=it.settled[0].attempts)
             buckets.install(it.settled[1])
         except BaseException as e:  # noqa: BLE001 - handed to finish(), which raises it outside autograd
             it.error = e
+
+    def _redo(self, tally: Tally) -> list[Handle | None]:
+        """With orphan slots carried, the redo of a step's exchange after a failed vote: from the gradients at hand
+        if the epoch it will run in deals this replica what it trained; else ``carry.Redeal``."""
+        it = self._iter
+        assert it is not None
+        epoch, _, dealt = carry.agree_deal(self, after=carry.failed_epoch(self))
+        if dealt != it.dealt:
+            raise carry.Redeal(it.step, epoch, it.dealt, dealt)
+        return self.exchange_all(contribute=True, redo=True)
+
+    def dealt(self) -> Iterator[tuple[int, int, int]]:
+        """``for slot, cursor, micro in ft.dealt():`` the micro-batches this iteration trains, as (data slot, its
+        cursor, micro-batch): the replica's own slot's ``FTHSDP_MICRO_BATCHES`` and, with orphan slots carried, its
+        share of theirs. FSDP2's gradient sync is on for the last one only (``take``)."""
+        if (it := self._iter) is None:
+            raise RuntimeError("ft.dealt() before optimizer.zero_grad(): zero_grad() begins a step")
+        for k in range(len(it.dealt)):
+            yield self.take(k)
+
+    @property
+    def carrying(self) -> bool:
+        """Orphan slots are carried (``FTHSDP_ORPHANS=carry``): an iteration trains what its deal names."""
+        return self.config.carry_orphans
+
+    def step_batches(self) -> tuple[tuple[int, int, int], ...]:
+        """This iteration's micro-batches as (data slot, its cursor, micro-batch) (``dealt``)."""
+        if (it := self._iter) is None:
+            raise RuntimeError("no iteration: optimizer.zero_grad() begins a step")
+        parts = self.config.micro_batches
+        return tuple((slot, int(self.cursors[slot]), micro) for slot, micro in (divmod(p, parts) for p in it.dealt))
+
+    def take(self, k: int) -> tuple[int, int, int]:
+        """The trainer takes micro-batch ``k`` of this iteration (``step_batches``): FSDP2's gradient sync is set on for
+        the last one only (every FSDP2 unit of the model), so the exchange runs once, on its backward."""
+        it = self._iter
+        assert it is not None
+        batches = self.step_batches()
+        last = k == len(batches) - 1
+        if self.model is not None:
+            for unit in self.model.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_requires_gradient_sync(last, recurse=False)
+        it.taken = max(it.taken, k + 1)
+        return batches[k]
 
     def note_loss(self, loss: torch.Tensor | float) -> None:
         """Add ``loss`` (a micro-batch's, as scaled for accumulation) to this rank's loss of the step: ``step()``'s
@@ -305,6 +333,10 @@ class Steps(StepCore):
                 return None
             if it.settled is None and it.error is None:
                 self._backward_ends()  # no gradient reached FSDP2's hooks in this iteration
+            if isinstance(it.error, carry.Redeal):  # nothing committed: the loop trains the step again
+                self.log(logging.WARNING, "%s", it.error)
+                buckets.posted = None  # the step's exchange begins again with the step before's post exchange
+                return None
             if it.error is not None:
                 raise it.error
             assert it.settled is not None
@@ -333,13 +365,14 @@ class Steps(StepCore):
         batches = self.commit(commit.step, results, installed=True)
         diverged = self.check.check(commit.step, results)
         contributors = results[0].contributors
+        carried = tuple(sorted({p // self.config.micro_batches for p in it.dealt} - {it.slot}))
         result = StepResult(commit.step, loss, commit.epoch, contributors, False, commit.attempts, exchange_s, batches,
-                            self.lr_factor, diverged=diverged, lr=self.applied_lr, slot=it.slot)
+                            self.lr_factor, diverged=diverged, lr=self.applied_lr, slot=it.slot, carried=carried)
         self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
         self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
                                stall_s=exchange_s if commit.attempts > 1 else 0.0)
-        self._done(result)
-        self.after_commit(batches, commit.stop)
+        self.deliver(result)
+        self.after_commit(self.held, commit.stop)
         if self.rank == 0 and self.config.step_log:
             self.log(logging.INFO, "step %d committed: loss %s, %d contributor(s), %d attempt(s), lr %s, exchange "
                       "%.3fs", commit.step, "-" if loss is None else f"{loss:.4f}", contributors, commit.attempts,
@@ -352,7 +385,7 @@ class Steps(StepCore):
         the degraded-mode factor (``lr_factor``: fewer replicas contributed)."""
         return [float(g["lr"]) * self.lr_factor for g in self.parts()[0].opt.param_groups]
 
-    def _done(self, result: StepResult) -> None:
+    def deliver(self, result: StepResult) -> None:
         """A step committed: keep its result for ``pop_results`` and hand it to ``on_committed`` and ``on_result``."""
         self._results.append(result)
         for hook in (self.on_committed, self.on_result):
@@ -375,5 +408,8 @@ class Steps(StepCore):
         ``mesh["dp"]`` of a tensor-parallel replica, whose TP ranks then read the same batch); by default every
         rank of the replica. Other keyword arguments go to the ``DataLoader`` (``num_workers``, ``collate_fn``,
         ``pin_memory``, ...)."""
+        if self.carrying and micro_batches != self.config.micro_batches:
+            raise ValueError(f"micro_batches={micro_batches}: with orphan slots carried every replica deals "
+                             f"FTHSDP_MICRO_BATCHES={self.config.micro_batches} per slot and step")
         return SlotLoader(self, dataset, batch_size, micro_batches=micro_batches, seed=seed, shuffle=shuffle,
                           split=data_split(mesh, self.world_size), **loader_kwargs)

@@ -179,30 +179,48 @@ def watch_trainer(trainer: int, then: Callable[[int], object] | None, worker_id:
 
 
 class Position(ReplicaLike, Protocol):
-    """What the loader reads of the replica: its slot and cursor now (``data.ReplicaLike``), and the loop's
-    iteration."""
+    """What the loader reads of the replica: its slot and cursor now (``data.ReplicaLike``), the loop's iteration,
+    and with orphan slots carried the iteration's micro-batches (``Steps.step_batches``, ``Steps.take``)."""
 
     iteration: int
 
+    @property
+    def carrying(self) -> bool: ...
+
+    def step_batches(self) -> tuple[tuple[int, int, int], ...]: ...
+
+    def take(self, k: int) -> tuple[int, int, int]: ...
+
+
+Plan = tuple[tuple[int, int, int], ...]
+"""A step's micro-batches, in order, as (slot, cursor, micro-batch)."""
+
+
+def planned(plan: Plan, i: int) -> tuple[int, int, int]:
+    """The ``i``-th micro-batch from the start of ``plan`` when every step after the first trains the same (the
+    same parts, each cursor one further)."""
+    slot, cursor, micro = plan[i % len(plan)]
+    return slot, cursor + i // len(plan), micro
+
 
 class CursorSampler(Sampler[list[int]]):
-    """A batch sampler: from ``start`` (slot, cursor) on, every step's micro-batches of this rank, endlessly."""
+    """A batch sampler: from ``plan`` (the first step's micro-batches) on, every step's micro-batches of this rank
+    (``planned``), endlessly."""
 
     def __init__(self, sampler: SlotSampler, micro_batches: int, rank: int, ranks: int, slots: int) -> None:
         self.sampler, self.micro_batches = sampler, micro_batches
         self.rank, self.ranks, self.slots = rank, ranks, slots
-        self.start = (0, 0)
+        self.plan: Plan = ((0, 0, 0),)
 
     def index(self, slot: int, cursor: int, micro: int) -> int:
         """The global micro-batch number of (slot, cursor, this rank, micro)."""
         return batch_index(slot, cursor, self.rank, self.slots, self.ranks) * self.micro_batches + micro
 
     def __iter__(self) -> Iterator[list[int]]:
-        slot, cursor = self.start
+        plan, i = self.plan, 0
         while True:
-            for micro in range(self.micro_batches):
-                yield self.sampler.indices(self.index(slot, cursor, micro))
-            cursor += 1
+            yield self.sampler.indices(self.index(*planned(plan, i)))
+            i += 1
 
 
 class SlotLoader:
@@ -211,7 +229,10 @@ class SlotLoader:
     (a seeded permutation per pass, like ``DistributedSampler``). The loader prefetches ahead in its worker
     processes; whenever the batch the replica needs next is not the one coming (a step that did not commit, a
     catch-up or checkpoint that moved the cursor, a spare handed a slot), it restarts at the right place (the
-    workers persist). Take a step's batches after ``zero_grad()``."""
+    workers persist). Take a step's batches after ``zero_grad()``. With orphan slots carried
+    (``FTHSDP_ORPHANS=carry``) a step's batches are those dealt to the replica (its slot's and its share of the
+    orphans', ``Steps.step_batches``): iterate them with ``for batch in loader:``, which ends after the step's
+    last and sets FSDP2's gradient sync on for it alone."""
 
     def __init__(self, ft: Position, dataset: Dataset[Any], batch_size: int, *, micro_batches: int = 1,
                  seed: int = 0, shuffle: bool = True, split: tuple[int, int] | None = None,
@@ -235,6 +256,7 @@ class SlotLoader:
         self.loader = DataLoader(dataset, batch_sampler=self.sampler, **loader_kwargs)
         self._it: Iterator[Any] | None = None
         self._next: tuple[int, int, int] | None = None  # (slot, cursor, micro) the iterator yields next
+        self._yielded = 0  # batches the iterator yielded since it (re)started at ``sampler.plan``
         self._iteration, self._taken = -1, 0
         self.restarts = 0
         """How often the position was restarted (prefetched batches thrown away)."""
@@ -245,19 +267,28 @@ class SlotLoader:
     def __next__(self) -> Any:
         if self.ft.iteration != self._iteration:
             self._iteration, self._taken = self.ft.iteration, 0
-        if self._taken >= self.micro_batches:
-            raise RuntimeError(f"more than micro_batches={self.micro_batches} batches taken in one step")
-        want = (self.ft.slot, self.ft.cursor, self._taken)
+        if self.ft.carrying:
+            plan = self.ft.step_batches()
+            if self._taken >= len(plan):
+                raise StopIteration  # the step's batches are all out
+        else:
+            if self._taken >= self.micro_batches:
+                raise RuntimeError(f"more than micro_batches={self.micro_batches} batches taken in one step")
+            plan = tuple((self.ft.slot, self.ft.cursor, micro) for micro in range(self.micro_batches))
+        want = plan[self._taken]
         if self._it is None or self._next != want:
-            self.sampler.start = (want[0], want[1])
+            self.sampler.plan = plan
             self._it = iter(self.loader)
             self.restarts += self._next is not None
-            for _ in range(want[2]):
+            for _ in range(self._taken):
                 next(self._it)
+            self._yielded = self._taken
+        if self.ft.carrying:
+            self.ft.take(self._taken)
         batch = next(self._it)
         self._taken += 1
-        slot, cursor, micro = want
-        self._next = (slot, cursor, micro + 1) if micro + 1 < self.micro_batches else (slot, cursor + 1, 0)
+        self._yielded += 1
+        self._next = planned(self.sampler.plan, self._yielded)
         return batch
 
 

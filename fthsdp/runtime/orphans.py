@@ -19,8 +19,11 @@ trained in part.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
+
+from fthsdp.runtime.commit import contributing_slots
+from lighthouse.model import EpochMember, holders_of
 
 
 class OrphanConflict(ValueError):
@@ -59,6 +62,25 @@ def deal(slots: int, holders: Mapping[str, int], parts: int) -> dict[str, tuple[
     units = [Part(o, i) for o in orphans(slots, holders) for i in range(parts)]
     n = len(order)
     return {member: tuple(units[k * len(units) // n:(k + 1) * len(units) // n]) for k, member in enumerate(order)}
+
+
+def dealt(members: Iterable[EpochMember], replica_id: str, incarnation: str, slots: int, parts: int) \
+        -> tuple[int, ...]:
+    """The slot mask's positions an epoch whose ``members`` these are deals the member ``replica_id`` (this
+    ``incarnation`` of it): as an active holder of a slot there, its slot's ``parts`` micro-batches and its share of
+    the orphans' (``deal``); else none (a joiner, a spare, an incarnation the epoch does not list: its slot, if any,
+    is an orphan there)."""
+    members = tuple(members)
+    holders = dict(holders_of(members))
+    me = next((x for x in members if x.replica_id == replica_id), None)
+    if me is None or me.incarnation != incarnation or replica_id not in holders:
+        return ()
+    return positions(holders[replica_id], deal(slots, holders, parts)[replica_id], parts)
+
+
+def part_of(position: int, parts: int) -> Part:
+    """The part at slot-mask position ``position`` (``position``'s inverse)."""
+    return Part(*divmod(position, parts))
 
 
 def weight(carried: Sequence[Part], parts: int) -> float:
@@ -108,3 +130,25 @@ def trained(counts: Sequence[int], parts: int, step: int) -> tuple[int, ...]:
         if sum(mine) == parts:
             out.append(slot)
     return tuple(out)
+
+
+def read_mask(mask: Sequence[float], contributors: int, slots: int, parts: int, step: int) \
+        -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A step's averaged slot mask with orphan slots carried (``fthsdp.runtime.buckets.slot_mask``: ``slots``
+    positions of the holders' own slots, then ``slots * parts`` of the parts trained): (the slots whose holders
+    contributed, ``commit.contributing_slots``; the slots trained, ``trained``). Raises ``SlotConflict`` or
+    ``OrphanConflict``."""
+    if len(mask) != slots + slots * parts:
+        raise ValueError(f"a mask of {len(mask)} positions for {slots} slots of {parts} parts: the replicas disagree "
+                         "on FTHSDP_NUM_REPLICAS or FTHSDP_MICRO_BATCHES")
+    held = contributing_slots(mask[:slots], contributors, step)
+    return held, trained([round(x * contributors) for x in mask[slots:]], parts, step)
+
+
+def divisor_fix(mask: Sequence[float], contributors: int, slots: int, parts: int, step: int) -> float:
+    """What the step's gradients, averaged over its ``contributors``, are multiplied by to be averaged over the slots
+    it trained (``read_mask``): ``contributors / trained``, 1 when nothing was carried (and with no contributor)."""
+    if contributors == 0:
+        return 1.0
+    done = len(read_mask(mask, contributors, slots, parts, step)[1])
+    return contributors / done if done else 1.0

@@ -30,8 +30,8 @@ from torch.distributed.fsdp import fully_shard
 
 from fthsdp.runtime import roles
 from fthsdp.runtime.buckets import BucketExchange
+from fthsdp.runtime.closure import ClosureSteps
 from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.iteration import Steps
 from fthsdp.runtime.loop import LoopOptimizer, absorb_step, fsdp_units, layout_of
 from fthsdp.runtime.state import replica_hash
 from fthsdp.runtime.trainer_state import Scheduler, Stateful
@@ -50,7 +50,7 @@ def grads_untouched(opt: torch.optim.Optimizer) -> bool:
     return type(opt) is torch.optim.SGD and not any(g.get("nesterov", False) for g in groups)
 
 
-class Replica(Steps):
+class Replica(ClosureSteps):
     """One rank's handle on fault-tolerant HSDP. Create it after torchrun has set the environment: it joins the
     replica's process group, registers with the lighthouse (a warm standby once released) and takes the role the
     lighthouse gives it (``fthsdp.runtime.roles``). ``mesh``: the device mesh the trainer built over the
@@ -91,8 +91,10 @@ class Replica(Steps):
         return model
 
     def _exchange(self, params: list[nn.Parameter], blocks: list[list[nn.Parameter]]) -> BucketExchange:
-        return BucketExchange(params, blocks, self.engine, slot=lambda: self.slot, slots=self.config.num_replicas,
-                              device=self.device, wait_s=self.wait_s)
+        buckets = BucketExchange(params, blocks, self.engine, slot=lambda: self.slot, slots=self.config.num_replicas,
+                                 device=self.device, wait_s=self.wait_s)
+        buckets.parts = self.config.micro_batches if self.config.carry_orphans else 0  # the mask's, every replica's
+        return buckets
 
     def register_state(self, name: str, obj: Stateful, on_commit: Callable[[], object] | None = None) -> None:
         """Carry ``obj`` (``state_dict()``/``load_state_dict()``, the same on every replica) in snapshots, checkpoints

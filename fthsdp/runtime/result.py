@@ -38,3 +38,6 @@ class StepResult:
     slot: int | None = None
     """The data slot whose batch this replica trained in the step (a spare's, once handed one, that very step
     included); None when it trained none (``contributed`` False)."""
+    carried: tuple[int, ...] = ()
+    """With orphan slots carried: the slots besides its own of which this replica trained micro-batches in the
+    step (``fthsdp.runtime.carry``)."""

@@ -108,7 +108,8 @@ def step_row(r: StepResult) -> dict[str, Any]:
     return {"event": "step", "step": r.step, "loss": r.loss, "epoch": r.epoch, "contributors": r.contributors,
             "joined": r.joined, "attempts": r.attempts, "exchange_s": r.exchange_s, "batches": r.batches,
             "lr_factor": r.lr_factor, "catchup": r.catchup, **({"diverged": list(r.diverged)} if r.diverged else {}),
-            **({"slot": r.slot} if r.contributed and r.slot is not None else {"contributed": False})}
+            **({"slot": r.slot} if r.contributed and r.slot is not None else {"contributed": False}),
+            **({"carried": list(r.carried)} if r.carried else {})}
 
 
 def _common(ft: Replica) -> dict[str, Any]:

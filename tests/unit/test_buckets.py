@@ -59,6 +59,12 @@ def test_slot_mask_marks_this_slot_when_contributing() -> None:
     assert slot_mask(2, 4, False, CPU).tolist() == [0.0] * 4
 
 
+def test_slot_mask_with_orphans_carried_marks_every_part_trained_after_the_holders() -> None:
+    """3 slots of 2 parts: slot 2's holder trained its own parts (4, 5) and slot 1's second (3)."""
+    assert slot_mask(2, 3, True, CPU, parts=2, dealt=(3, 4, 5)).tolist() == [0, 0, 1, 0, 0, 0, 1, 1, 1]
+    assert slot_mask(2, 3, False, CPU, parts=2, dealt=(3, 4, 5)).tolist() == [0.0] * 9  # a zero contributor's
+
+
 # --- launching -------------------------------------------------------------------------------------------------
 
 

@@ -313,6 +313,23 @@ def test_trained_by_counts_each_replicas_steps_of_each_slot_once() -> None:
     assert trained_by({0: [ProgressRow("step", 0.0, step=0)]}) == {}  # a trainer that names no slot
 
 
+def test_an_orphan_slots_carriers_are_counted_with_its_steps_carried() -> None:
+    """Orphan slots carried: replica 1 died after step 1; replicas 0 and 2 carried slot 1 in steps 2 and 3 (both in
+    step 2, replica 2 alone in step 3): slot 1 was trained by all three, and carried in 2 steps."""
+    from fthsdp.cli.run import summary
+    from fthsdp.launch.progress import ProgressRow, carried_steps, trained_by
+
+    def row(step: int, slot: int, carried: list[int] | None = None) -> ProgressRow:
+        return ProgressRow("step", float(step), step=step, slot=slot, carried=carried)
+
+    rows = {0: [row(0, 0), row(1, 0), row(2, 0, [1]), row(3, 0)], 1: [row(0, 1), row(1, 1)],
+            2: [row(0, 2), row(1, 2), row(2, 2, [1]), row(3, 2, [1]), row(3, 2, [1])]}
+    assert trained_by(rows) == {0: {0: 4}, 1: {0: 1, 1: 2, 2: 2}, 2: {2: 4}}
+    assert carried_steps(rows) == {1: 2}
+    final: dict[str, dict[str, Any] | None] = {"0": {"step": 4, "param_hash": "ab", "cursors": [4, 4, 4]}}
+    assert summary(final, None, {"1": 2})[1] == "orphan slots carried by the other replicas: slot 1 in 2 steps"
+
+
 def test_run_says_once_when_the_lighthouse_refuses_it_its_status(capsys: pytest.CaptureFixture[str]) -> None:
     import urllib.error
 

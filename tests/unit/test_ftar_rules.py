@@ -159,6 +159,24 @@ def test_after_a_vote_put_the_held_epoch_behind_the_redo_leaves_it_with_the_othe
     assert state.place(e4, e3, new_epoch_ok=True, redo=False) is e4
 
 
+def test_a_contribution_that_does_not_fit_the_epoch_is_interrupted_and_leaves_a_group_it_exchanged_in() -> None:
+    """Orphan slots carried: a contribution dealt under another membership than the epoch it lands in is
+    interrupted before any data moves, and every exchange after it until the reset. Where the lane built no group
+    in that epoch yet, it may come back to it (its partners wait there for its fitting contribution); where it
+    already exchanged there (the step before's post exchange), its partners are past the sequence's start, so the
+    lane never runs in that epoch again."""
+    state, e4, e5 = LaneState("r0", lane=0), epoch(4, "r0", "r1", "r2"), epoch(5, "r0", "r2")
+    err = state.misfit(e5, held=e4)
+    assert isinstance(err, Interrupted) and "epoch 5" in str(err) and err.epoch == 5
+    with pytest.raises(Interrupted):
+        state.admit()
+    state.reset()
+    assert state.pick(e5) is e5  # not failed there: it comes back once it trained what e5 deals it
+    state.misfit(e5, held=e5)
+    state.reset()
+    assert state.pick(e5) == 5  # it exchanged in e5 already: it waits for a newer epoch
+
+
 def test_failure_reports_are_sent_again_until_a_newer_epoch_comes() -> None:
     """A report lost to a restarting lighthouse would leave every member waiting for an epoch nobody asked for."""
     e3 = epoch(3, "r0", "r1")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ftar import ExchangeResult, Handle, Interrupted
-from fthsdp.runtime import grad_scale, iteration
+from fthsdp.runtime import grad_scale, posts
 from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.data import SlotSampler
 from fthsdp.runtime.loop import LoopOptimizer, SlotLoader, absorb_step, data_split, fsdp_units, indices_of
@@ -226,20 +226,6 @@ class Answering(Engine):
         return Handle(future)
 
 
-class Steps(iteration.Steps):
-    """The step drivers over one lane's buckets alone (the step core's ``agree`` needs nothing else)."""
-
-    def __init__(self, buckets: BucketExchange) -> None:
-        self.buckets = buckets
-
-    def parts(self) -> Any:
-        return None, self.buckets
-
-    @property
-    def wait_s(self) -> float:
-        return 1.0
-
-
 @pytest.mark.parametrize("others", [0.5, 0.25])
 def test_a_post_exchange_nobody_waited_for_is_read_after_the_next_exchange(sharded: Model, others: float) -> None:
     """An active replica sends its factor in the step's post exchange and steps its optimizer without waiting; the
@@ -248,22 +234,21 @@ def test_a_post_exchange_nobody_waited_for_is_read_after_the_next_exchange(shard
     buckets.posts = True
     buckets.launch_post(7, 0.5, None)
     assert buckets.unchecked is not None and buckets.unchecked[:2] == (7, 0.5)
-    steps = Steps(buckets)
     if others == 0.5:
-        steps.agree()
+        posts.agree(buckets, 1.0)
     else:
         with pytest.raises(grad_scale.UnreplayableGradients, match="step 7: this replica scaled .* by 0.5, the others "
                            "by 0.25"):
-            steps.agree()
+            posts.agree(buckets, 1.0)
     assert buckets.unchecked is None  # read once
-    steps.agree()  # nothing left to read
+    posts.agree(buckets, 1.0)  # nothing left to read
 
 
 def test_a_post_exchange_lost_with_its_epoch_is_not_read(sharded: Model) -> None:
     """The vote's redo sends it again (and that one is read): the lost one raises nothing."""
     _, buckets = exchange_of(sharded, Answering(lost=True))
     buckets.launch_post(7, 0.5, None)
-    Steps(buckets).agree()
+    posts.agree(buckets, 1.0)
     assert buckets.unchecked is None
     buckets.launch_post(8, None, None)  # a zero contributor's: it waits for it itself
     assert buckets.unchecked is None
@@ -320,6 +305,16 @@ class Position:
 
     def __init__(self) -> None:
         self.slot, self.rank, self.world_size, self.iteration, self.cursor, self.slots = 1, 1, 2, 0, 0, 3
+        self.carrying = False
+        self.batches: tuple[tuple[int, int, int], ...] = ()  # with orphan slots carried: the iteration's
+        self.taken: list[int] = []
+
+    def step_batches(self) -> tuple[tuple[int, int, int], ...]:
+        return self.batches
+
+    def take(self, k: int) -> tuple[int, int, int]:
+        self.taken.append(k)
+        return self.batches[k]
 
 
 class Items(torch.utils.data.Dataset[int]):
@@ -353,6 +348,28 @@ def test_the_loader_yields_the_slots_batches_by_cursor_and_restarts_where_the_cu
     assert take() == want(2, 5, 0) and loader.restarts == 2
     with pytest.raises(ValueError, match="sampler"):
         SlotLoader(ft, Items(), 4, sampler=None)  # type: ignore[arg-type]
+
+
+def test_with_orphan_slots_carried_the_loader_yields_the_step_dealt_and_ends_there() -> None:
+    """A survivor dealt its slot's two micro-batches and one of the orphan slot 0's: ``for batch in loader`` yields
+    those three in order, each taken through the replica (which sets FSDP2's gradient sync on the last), then
+    ends; the next step's come as prefetched while the deal holds, and a new deal restarts the position."""
+    ft = Position()
+    ft.carrying, ft.slot = True, 1
+    loader = SlotLoader(ft, Items(), 4, micro_batches=2, seed=7)  # type: ignore[arg-type]
+    sampler = SlotSampler(50, 4, seed=7)
+
+    def want(slot: int, cursor: int, micro: int) -> list[int]:
+        return list(indices_of(sampler, slot, cursor, 1, micro, slots=3, ranks=2, micro_batches=2))
+
+    ft.iteration, ft.batches = 1, ((0, 3, 1), (1, 3, 0), (1, 3, 1))
+    assert [[int(x) for x in b] for b in loader] == [want(0, 3, 1), want(1, 3, 0), want(1, 3, 1)]
+    assert ft.taken == [0, 1, 2]
+    ft.iteration, ft.batches = 2, ((0, 4, 1), (1, 4, 0), (1, 4, 1))  # committed, the same deal
+    assert [[int(x) for x in b] for b in loader] == [want(0, 4, 1), want(1, 4, 0), want(1, 4, 1)]
+    assert loader.restarts == 0
+    ft.iteration, ft.batches = 3, ((1, 5, 0), (1, 5, 1))  # the orphan's holder is back: its own slot alone
+    assert [[int(x) for x in b] for b in loader] == [want(1, 5, 0), want(1, 5, 1)] and loader.restarts == 1
 
 
 @dataclass

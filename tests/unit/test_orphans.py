@@ -6,18 +6,24 @@ import random
 
 import pytest
 
+from fthsdp.runtime.errors import SlotConflict
 from fthsdp.runtime.orphans import (
     OrphanConflict,
     Part,
     counts,
     deal,
+    dealt,
+    divisor_fix,
     mask,
     orphans,
+    part_of,
     position,
     positions,
+    read_mask,
     trained,
     weight,
 )
+from lighthouse.model import ACTIVE, JOINING, Endpoints, EpochMember
 
 
 def random_membership(rng: random.Random) -> tuple[int, dict[str, int], int]:
@@ -92,3 +98,43 @@ def test_a_part_trained_twice_or_a_slot_trained_in_part_is_a_conflict() -> None:
         trained([1, 0, 1, 1], 2, step=4)
     with pytest.raises(ValueError, match="not a whole number of slots"):
         trained([1, 1, 1], 2, step=4)
+
+
+def member(rid: str, slot: int, role: str = ACTIVE, incarnation: str = "i1") -> EpochMember:
+    return EpochMember(rid, incarnation, role, 2, Endpoints(), slot)
+
+
+def test_what_an_epoch_deals_a_member_counts_only_active_holders_of_its_incarnation() -> None:
+    """3 slots of 2 micro-batches; replica-1 died: the epoch lists replica-0 and replica-2, so slot 1's two
+    micro-batches go one to each (in slot order). A joiner's slot is an orphan until it is active; an incarnation
+    the epoch does not list (a dead process's, a restarted one not registered yet) is dealt nothing."""
+    both = (member("replica-0", 0), member("replica-2", 2))
+    assert dealt(both, "replica-0", "i1", 3, 2) == (0, 1, 2)  # its slot's parts, then slot 1's first
+    assert dealt(both, "replica-2", "i1", 3, 2) == (3, 4, 5)
+    assert dealt(both, "replica-2", "i0", 3, 2) == ()
+    assert dealt(both, "replica-1", "i1", 3, 2) == ()
+    joining = (*both, member("replica-1", 1, role=JOINING))
+    assert dealt(joining, "replica-0", "i1", 3, 2) == (0, 1, 2) and dealt(joining, "replica-1", "i1", 3, 2) == ()
+    whole = (member("replica-0", 0), member("replica-1", 1), member("replica-2", 2))
+    assert [dealt(whole, f"replica-{r}", "i1", 3, 2) for r in range(3)] == [(0, 1), (2, 3), (4, 5)]
+    assert [part_of(p, 2) for p in (0, 1, 2, 5)] == [Part(0, 0), Part(0, 1), Part(1, 0), Part(2, 1)]
+
+
+def test_the_mask_with_orphans_carried_names_the_holders_and_the_slots_trained_and_the_divisor() -> None:
+    """Two contributors (slots 0 and 2) trained slot 1 between them: the holders are 0 and 2, every slot was
+    trained, and the gradients averaged over 2 contributors are scaled by 2/3 to be the mean over 3 slots."""
+    slots, parts, c = 3, 2, 2
+    own = [0.5, 0.0, 0.5]  # averaged: 1/contributors at each holder's slot
+    by_part = [x / c for x in counts([0, 1, 2, 3, 4, 5], slots, parts)]
+    assert read_mask(own + by_part, c, slots, parts, step=4) == ((0, 2), (0, 1, 2))
+    assert divisor_fix(own + by_part, c, slots, parts, step=4) == 2 / 3
+    lost = [x / c for x in counts([0, 1, 4, 5], slots, parts)]  # nobody carried slot 1: it waits, 1 per slot
+    assert read_mask(own + lost, c, slots, parts, step=4) == ((0, 2), (0, 2)) and divisor_fix(own + lost, c, slots,
+                                                                                                 parts, step=4) == 1
+    with pytest.raises(OrphanConflict, match="step 4: slot 1"):  # a part trained twice: nothing commits
+        read_mask(own + [x / c for x in counts([0, 1, 2, 2, 3, 4, 5], slots, parts)], c, slots, parts, step=4)
+    with pytest.raises(SlotConflict):
+        read_mask([0.5, 0.5, 0.5] + by_part, c, slots, parts, step=4)
+    with pytest.raises(ValueError, match="FTHSDP_MICRO_BATCHES"):
+        read_mask(own + by_part, c, slots, 3, step=4)
+    assert divisor_fix([0.0] * 9, 0, slots, parts, step=4) == 1  # nobody contributed: nothing to scale

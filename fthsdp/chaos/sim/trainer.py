@@ -12,7 +12,7 @@ before it contributes. A replica that starts active while the job has committed 
 checkpoint. After the last step every lane runs the end-of-job barrier (an exchange of zeros tagged with the next
 step, op sum), then the replica leaves as finished.
 
-With orphan slots (``--sim-orphans``; docs/design.md §7, ahead of the runtime) a step trains what the newest epoch
+With orphan slots (``--sim-orphans``; docs/design.md §7, as the runtime's ``carry``) a step trains what the newest epoch
 deals the member (``fthsdp.runtime.orphans``: its slot's micro-batches and its share of the orphans'), its compute
 time grows with it, its lanes join only a group whose epoch deals it the same (``_fits``), and a redo first trains
 what a newer epoch deals it (``_redeal``).
@@ -98,7 +98,7 @@ class SimTrainer:
         self.assigned = assigned or orphans
         """The lighthouse hands out the slots (``lighthouse.slots``: a job with spares); else each trains its index."""
         self.orphans = orphans
-        """Orphan slots (docs/design.md §7, the designed constant global batch, ahead of the runtime): the holders
+        """Orphan slots (docs/design.md §7, the constant global batch, as the runtime's ``carry``): the holders
         train the micro-batches of the slots nobody holds (``fthsdp.runtime.orphans.deal``), a redo first trains
         what a newer epoch deals it, and every committed step trains every slot's batch."""
         self.pin = pin
@@ -290,14 +290,9 @@ class SimTrainer:
             self._launch()
 
     def _dealt(self, epoch: m.Epoch | EpochView) -> tuple[int, ...]:
-        """With orphan slots: the slot mask's positions ``epoch`` deals this member (``fthsdp.runtime.orphans``):
-        as an active holder of a slot there, its slot's micro-batches and those of the orphans it is dealt (a
-        joiner's slot is an orphan until it is active); else none."""
-        holders = {x.replica_id: x.slot for x in epoch.members if x.slot != NO_SLOT and x.role == m.ACTIVE}
-        me = epoch.member(self.rid)
-        if me is None or me.incarnation != self.inc or self.rid not in holders:
-            return ()
-        return orph.positions(holders[self.rid], orph.deal(self.slots, holders, self.parts)[self.rid], self.parts)
+        """With orphan slots: the slot mask's positions ``epoch`` deals this member (``fthsdp.runtime.orphans.dealt``,
+        as the runtime's)."""
+        return orph.dealt(epoch.members, self.rid, self.inc, self.slots, self.parts)
 
     def _fits(self, epoch: EpochView) -> bool:
         """With orphan slots: whether this step's contribution may be exchanged in ``epoch``'s group: it holds
