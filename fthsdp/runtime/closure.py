@@ -59,11 +59,7 @@ class ClosureSteps(Steps):
         contributors = results[0].contributors
         result = StepResult(commit.step, loss_value, commit.epoch, contributors, False, commit.attempts,
                             exchange_s, batches, self.lr_factor, diverged=diverged, slot=slot)
-        self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
-        self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
-                               stall_s=exchange_s if commit.attempts > 1 else 0.0)
-        self.deliver(result)
-        self.after_commit(self.held, commit.stop)
+        self.publish(result, commit, results, exchange_s)
         if self.rank == 0 and self.config.step_log:
             self.log(logging.INFO, "step %d committed: loss %.4f, %d contributor(s), %d attempt(s), exchange "
                       "%.3fs", commit.step, loss_value, contributors, commit.attempts, exchange_s)

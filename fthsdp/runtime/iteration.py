@@ -368,16 +368,21 @@ class Steps(StepCore):
         carried = tuple(sorted({p // self.config.micro_batches for p in it.dealt} - {it.slot}))
         result = StepResult(commit.step, loss, commit.epoch, contributors, False, commit.attempts, exchange_s, batches,
                             self.lr_factor, diverged=diverged, lr=self.applied_lr, slot=it.slot, carried=carried)
-        self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
-        self.metrics.on_commit(commit.step, commit.epoch, contributors, commit.attempts,
-                               stall_s=exchange_s if commit.attempts > 1 else 0.0)
-        self.deliver(result)
-        self.after_commit(self.held, commit.stop)
+        self.publish(result, commit, results, exchange_s)
         if self.rank == 0 and self.config.step_log:
             self.log(logging.INFO, "step %d committed: loss %s, %d contributor(s), %d attempt(s), lr %s, exchange "
                       "%.3fs", commit.step, "-" if loss is None else f"{loss:.4f}", contributors, commit.attempts,
                       [f"{x:.3g}" for x in self.applied_lr], exchange_s)
         return result
+
+    def publish(self, result: StepResult, commit: Commit, results: list[ExchangeResult], exchange_s: float) -> None:
+        """After a trained step's optimizer step: its metrics, its result handed out (``deliver``), the commit
+        boundary's duties (``after_commit``)."""
+        self.metrics.on_exchange(sum(t.numel() * t.element_size() for r in results for t in r.tensors), exchange_s)
+        self.metrics.on_commit(commit.step, commit.epoch, result.contributors, commit.attempts,
+                               stall_s=exchange_s if commit.attempts > 1 else 0.0)
+        self.deliver(result)
+        self.after_commit(self.held, commit.stop)
 
     @property
     def applied_lr(self) -> list[float]:
