@@ -32,7 +32,6 @@ class Redeal(Exception):  # noqa: N818 - a signal, not an error
     def __init__(self, step: int, epoch: int, trained: tuple[int, ...], dealt: tuple[int, ...]) -> None:
         super().__init__(f"step {step}: epoch {epoch} deals this replica parts {list(dealt)}, it trained "
                          f"{list(trained)}: training the step again")
-        self.step, self.epoch, self.dealt = step, epoch, dealt
 
 
 def own(slot: int, parts: int) -> tuple[int, ...]:
