@@ -139,7 +139,11 @@ def test_a_real_trainer_with_warm_standbys_replaced_twice(tmp_path: pathlib.Path
     time (the runtime tells the launcher when the released one trained a step: an ``active`` progress row), at a low
     CPU priority until its release."""
     steps = 200
-    report, out, stdout = run(tmp_path, ["--warm-restarts", "--kill", "1@10", "--kill", "1@100"], steps, pace=0.1)
+    # The second kill leaves 140 steps: the second standby, started at a low priority while the job trains, may be
+    # released before it is ready (its start then finishes at the training's priority), and its incarnation must
+    # train a step before the end for the third standby to be started (in CI, under a parallel test, 100 steps
+    # after a kill at 100 were not always enough).
+    report, out, stdout = run(tmp_path, ["--warm-restarts", "--kill", "1@10", "--kill", "1@60"], steps, pace=0.1)
     check_one_state(report, steps, SLOTS)
     exits = [(e["replica"], e["killed"]) for e in report["events"] if e["event"] == "exit"]
     assert exits == [(1, True), (1, True)], exits
