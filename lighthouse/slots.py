@@ -22,8 +22,9 @@ applies every update, so it holds the same state as the others, bitwise, at ever
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
-from lighthouse.model import ACTIVE, NO_SLOT, Member, State
+from lighthouse.model import ACTIVE, NO_SLOT, Member, State, holders_of
 
 
 def check(state: State, slot: int, slots: int) -> str | None:
@@ -62,3 +63,40 @@ def assign(state: State) -> State:
     if (known := state.known_in_epoch_count()) is not None:
         new.seed_in_epoch_count(known)  # the same members in the data plane
     return new
+
+
+def waiting_slots(state: State) -> tuple[int, ...]:
+    """The job's data slots that no active member of the current epoch holds, in order: their batches wait until a
+    holder (a restarted replica, once active, or a spare) takes the slot (docs/design.md §7). None before the
+    first epoch, after the job finished, or in a job that names no slots."""
+    if state.epoch is None or state.finished_step is not None or not state.slots:
+        return ()
+    held = {slot for _, slot in holders_of(state.epoch.members)}
+    return tuple(k for k in range(state.slots) if k not in held)
+
+
+@dataclasses.dataclass
+class OrphanSteps:
+    """Per data slot, the job's steps during which no active member held it (an orphan: carried by the others with
+    ``Policy.orphan_planes``, else its batches waited), as the lighthouse sees them: the highest step the members'
+    heartbeats reported when the slot lost its holder and when it got one back (so within about a heartbeat
+    interval; the run's report counts them exactly, from the step rows). Informational: soft state, not stored."""
+
+    opened: dict[int, int] = dataclasses.field(default_factory=dict)
+    """slot -> the job's step when it became an orphan (still one)."""
+    closed: dict[int, int] = dataclasses.field(default_factory=dict)
+    """slot -> the steps it was an orphan in the spells that ended."""
+
+    def observe(self, orphans: Collection[int], step: int) -> None:
+        """A new epoch, in which ``orphans`` are the slots without an active holder, at the job's ``step``."""
+        for slot in [s for s in self.opened if s not in orphans]:
+            self.closed[slot] = self.closed.get(slot, 0) + max(0, step - self.opened.pop(slot))
+        for slot in orphans:
+            self.opened.setdefault(slot, step)
+
+    def counts(self, step: int) -> dict[int, int]:
+        """Per slot that was an orphan for at least one step, the steps it was one, up to the job's ``step``."""
+        out = dict(self.closed)
+        for slot, since in self.opened.items():
+            out[slot] = out.get(slot, 0) + max(0, step - since)
+        return {k: n for k, n in sorted(out.items()) if n > 0}

@@ -30,7 +30,9 @@ heartbeat timeout, so the interval costs the recovery nothing and the step no CP
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
+import os
 import pathlib
 import socket
 import statistics
@@ -120,6 +122,7 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
     # A warm standby enters about a second after the kill: no whole step fits in between, so the steady step
     # before the kill stands in.
     down_s = statistics.median(down or before) if down or before else float("nan")
+    before_s = statistics.median(before) if before else float("nan")
     catchup_s = statistics.median(catching_up) if catching_up else float("nan")
     return {
         # Per failure, as the acceptance and torchft's figure count it (recovery_metrics.stall_per_failure_s): not
@@ -130,6 +133,9 @@ def measure(cluster: Cluster, report: dict[str, Any], socket_mbps: float, warmup
         "join_from_registration_s": round(joined.t - registered, 3),
         "transfer_ratio": round(transfer_mbps / socket_mbps, 3),
         "down_step_s": round(down_s, 4),
+        "before_step_s": round(before_s, 4),
+        # With orphan slots carried, the survivors train the dead slot's batch too while it is down.
+        "down_step_ratio": round(down_s / before_s, 3),
         "catchup_step_s": round(catchup_s, 4),
         "catchup_steps_observed": len(catching_up),
         "catchup_bytes_rank0": c["bytes"],
@@ -187,11 +193,15 @@ class _SocketBaseline:
 def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step: int = 20, model: str = "reference",
                    restart_delay_s: float = 2.0, workdir: str | None = None,
                    kills: tuple[Kill, ...] = (), warm_restarts: bool = False,
-                   common_step: bool = True, spares: int = 0) -> RecoveryResult:
+                   common_step: bool = True, spares: int = 0, carry_orphans: bool = False,
+                   deterministic: bool = False) -> RecoveryResult:
     """One run with ``kills`` (default: group 1 at ``kill_step``), restarts cold or from warm standbys
     (``ClusterConfig.warm_restarts``), with ``spares`` spare groups (``ClusterConfig.spares``); see the module doc.
     ``common_step``: then run plain FSDP2-HSDP on the same shape for ``ett_common_step`` (``--vs`` measures its own
-    plain runs, and passes False)."""
+    plain runs, and passes False). ``carry_orphans``: the survivors carry the killed group's slot
+    (``down_step_ratio`` is then their step while carrying over their step before). ``deterministic``: the exact sum
+    (``FTHSDP_DETERMINISTIC``), and the same job again without it, for ``deterministic_step_ratio``."""
+    load = round(os.getloadavg()[0], 2)
     kills = kills or (Kill(1, kill_step),)
     if len({k.replica for k in kills}) >= replicas:
         raise ValueError(f"--kill: {len(kills)} kills leave no survivor among {replicas} replica groups")
@@ -204,7 +214,8 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
         plain_runs = [plain("plain")] if common_step else []
         baseline = _SocketBaseline(kills[0].replica)
         config = ClusterConfig(replicas=replicas, ranks=ranks, steps=steps, model=model, kills=kills,
-                               restart_delay_s=restart_delay_s, warm_restarts=warm_restarts, spares=spares)
+                               restart_delay_s=restart_delay_s, warm_restarts=warm_restarts, spares=spares,
+                               carry_orphans=carry_orphans, deterministic=deterministic)
         cluster = Cluster(at_lighthouse_defaults(config), wd, on_tick=baseline)
         report = cluster.run()
         if not baseline.mbps:
@@ -213,10 +224,17 @@ def bench_recovery(replicas: int = 3, ranks: int = 2, steps: int = 60, kill_step
         figures = measure(cluster, report, baseline.mbps)
         if common_step:
             plain_runs.append(plain("plain-after"))
+        rounded = None
+        if deterministic:  # the same job with the default (float) sum: the exact sum's cost, measured here
+            other = Cluster(at_lighthouse_defaults(dataclasses.replace(config, deterministic=False)), wd / "default")
+            rounded = measure(other, other.run(), baseline.mbps)
         common = round(statistics.mean(plain_runs), 4) if plain_runs else None
         return RecoveryResult(replicas=replicas, ranks_per_replica=ranks, steps=steps, model=model, kill=spec,
                               restart_delay_s=restart_delay_s, warm_restarts=warm_restarts, **figures,
                               common_step_s=common,
                               ett_common_step=common_ett(figures["trained"], figures["wall_s"],
                                                          replicas, common), spares=spares,
-                              common_step_runs_s=plain_runs or None)
+                              common_step_runs_s=plain_runs or None, carry_orphans=config.carries,
+                              deterministic=deterministic, loadavg_1min=load,
+                              deterministic_step_ratio=None if rounded is None else
+                              round(figures["before_step_s"] / rounded["before_step_s"], 3))

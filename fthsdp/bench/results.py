@@ -258,6 +258,20 @@ class RecoveryResult(_AsJson):
     """What the ETT counts (``fthsdp.launch.recovery_metrics``): the batches the job trained, in ``ett_basis``."""
     ett_basis: str = "batches"
     """"batches" (the rows report them) or "replica-steps"."""
+    before_step_s: float = 0.0
+    """The survivors' median step before the kill."""
+    down_step_ratio: float = 0.0
+    """Their median step while the killed group was down over ``before_step_s`` (carrying its slot, with
+    ``carry_orphans``)."""
+    carry_orphans: bool = False
+    """The survivors carried the killed group's slot (``ClusterConfig.carry_orphans``)."""
+    deterministic: bool = False
+    """The exact cross-replica sum (``ClusterConfig.deterministic``)."""
+    deterministic_step_ratio: float | None = None
+    """With ``deterministic``: the steady step (before the kill) over the same job's with the default sum, run
+    after it in the same invocation."""
+    loadavg_1min: float | None = None
+    """The 1-minute load average when the invocation began."""
 
 
 @dataclass(frozen=True)
@@ -285,12 +299,16 @@ def format_recovery(r: RecoveryReport) -> str:
     lines = [f"fthsdp recovery: {f.replicas} replicas (+{f.spares} spare) x {f.ranks_per_replica} ranks, "
              f"{f.model} model, "
              f"kill {f.kill}, restart {'from a warm standby' if f.warm_restarts else 'cold'} after "
-             f"{f.restart_delay_s} s; final states equal: {f.final_equal}",
+             f"{f.restart_delay_s} s; final states equal: {f.final_equal}"
+             + (f"; orphan slots carried{' with the exact sum' if f.deterministic else ''}" if f.carry_orphans else "")
+             + (f" (1-minute load {f.loadavg_1min} before)" if f.loadavg_1min is not None else ""),
              f"  survivors' stall at the failure   {f.survivor_stall_s:>8} s",
              f"  kill -> restarted replica joined  {_cell(f.rejoin_s, ''):>8} s   (back to all replicas "
              f"contributing: {_cell(f.back_to_full_s, '')} s)",
              f"  step-time ratio during catch-up   {f.catchup_step_ratio:>8}   (target <= 1.1; "
              f"{f.catchup_steps_observed} survivor steps)",
+             f"  survivors' step while down        {f.down_step_ratio:>8}   (over their step before the kill, "
+             f"{f.before_step_s} s{'; carrying its slot' if f.carry_orphans else ''})",
              f"  joiner start -> active            {f.join_s:>8} s   (from its registration: "
              f"{f.join_from_registration_s} s)",
              f"  transfer / plain socket copy      {f.transfer_ratio:>8}   ({f.transfer_mbps} vs "
@@ -298,6 +316,9 @@ def format_recovery(r: RecoveryReport) -> str:
              f"  effective training time           {f.effective_training_time:>8}   (on the common step: "
              f"{_cell(r.to_json()['ett_common_step'], '')}, plain FSDP2-HSDP's "
              f"{_cell(f.common_step_s or (r.vs or {}).get('plain', {}).get('step_s'), '')} s)"]
+    if f.deterministic_step_ratio is not None:
+        lines.append(f"  exact sum's step / default sum's  {f.deterministic_step_ratio:>8}   (steady steps before the "
+                     "kill, the same job run twice)")
     if r.vs is not None and "table" in r.vs:
         lines += ["", format_vs_table(r.vs)]
     return "\n".join(lines)

@@ -70,7 +70,8 @@ def cmd_bench_recovery(a: argparse.Namespace) -> None:
         raise SystemExit("--kill is not supported with --vs (the baselines kill group 1 at --kill-step)")
     ours = bench_recovery(replicas=a.replicas, ranks=ranks, steps=a.steps, kill_step=a.kill_step, model=a.model,
                           restart_delay_s=a.restart_delay, kills=kills, workdir=a.workdir,
-                          warm_restarts=a.warm_restarts, common_step=not a.vs, spares=a.spares)
+                          warm_restarts=a.warm_restarts, common_step=not a.vs, spares=a.spares,
+                          carry_orphans=a.carry_orphans, deterministic=a.deterministic)
     report = RecoveryReport(ours)
     if a.vs:
         from fthsdp.bench.vs import compare
@@ -192,6 +193,12 @@ def register(sub: Subparsers) -> None:
     br.add_argument("--spares", type=int, default=0,
                     help="spare replica groups besides --replicas: a spare shadows training without a data slot "
                     "and takes over the killed group's slot (back_to_full_s)")
+    br.add_argument("--carry-orphans", action="store_true",
+                    help="the survivors train the killed group's slot besides their own (FTHSDP_ORPHANS=carry): "
+                    "reports their step while carrying over their step before")
+    br.add_argument("--deterministic", action="store_true",
+                    help="the exact cross-replica sum (FTHSDP_DETERMINISTIC=1; implies --carry-orphans), and the "
+                    "same job again with the default sum: reports the exact sum's step over the default's")
     br.add_argument("--workdir", default=None,
                     help="keep the run's logs and progress files here (default: a temporary folder, removed)")
     br.add_argument("--model", default="reference")

@@ -102,7 +102,7 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
           f"effective training time: {report['effective_training_time']:.0%}")
     report["cursors"] = job_cursors(report["final"])
     # What each slot trained, by whom, what the others carried, who came back.
-    for line in summary(report["final"], report.get("trained_by"), report.get("carried")):
+    for line in summary(report["final"], report.get("trained_by"), report.get("carried"), report.get("samples")):
         print(line)
     for x in report["resumed"]:
         print(f"replica {x['replica']} resumed the job from the checkpoint of step {x['from_step']} (every replica "
@@ -127,8 +127,9 @@ def run_demo(config: ClusterConfig, report_path: pathlib.Path | None, plot_path:
 
 def failures(report: dict[str, Any]) -> list[str]:
     """Why a finished demo run failed, empty when it did not: every replica must end at the last step with one
-    final state hash (``fthsdp.launch.cluster.converged``: hashes that differ, or a replica with no final state)."""
-    return converged(report, int(report["steps"]))
+    final state hash (``fthsdp.launch.cluster.converged``: hashes that differ, or a replica with no final state),
+    and no micro-batch trained twice in a step (the report's ``samples``)."""
+    return converged(report, int(report["steps"])) + list((report.get("samples") or {}).get("problems", []))
 
 
 def exit_code(report: dict[str, Any]) -> int:
@@ -217,7 +218,8 @@ def cmd_demo(a: argparse.Namespace) -> None:
         config = ClusterConfig(replicas=a.replicas, ranks=a.ranks, steps=a.steps, model=a.model,
                                kills=kills, restart_delay_s=delay, timeout_s=a.timeout,
                                checkpoint_every=a.checkpoint_every, warm_restarts=a.warm_restarts,
-                               spares=a.spares, carry_orphans=a.carry_orphans)
+                               spares=a.spares, carry_orphans=a.carry_orphans,
+                               deterministic=a.deterministic)
         report = run_demo(config, pathlib.Path(a.report) if a.report else None,
                           pathlib.Path(a.plot) if a.plot else None, pathlib.Path(a.keep_logs) if a.keep_logs else None,
                           pathlib.Path(a.trace) if a.trace else None)
@@ -240,6 +242,9 @@ def register(sub: Subparsers) -> None:
     dm.add_argument("--carry-orphans", action="store_true",
                     help="the surviving groups train the batches of a killed group's data slot besides their own "
                     "(FTHSDP_ORPHANS=carry): every step trains every slot's batch")
+    dm.add_argument("--deterministic", action="store_true",
+                    help="the exact cross-replica sum (FTHSDP_DETERMINISTIC=1; implies --carry-orphans): a run with "
+                    "kills ends bitwise equal to one without (compare the final hash with --no-kill's)")
     dm.add_argument("--steps", type=int, default=60)
     dm.add_argument("--model", default="reference", help="reference (the benchmark workload) or tiny")
     dm.add_argument("--kill", action="append", default=None,

@@ -113,7 +113,7 @@ def cmd_run(a: argparse.Namespace) -> None:
                                max_restarts=a.max_restarts, timeout_s=a.timeout, lighthouse=a.lighthouse,
                                lighthouse_http=a.lighthouse_http, groups=tuple(a.group or ()),
                                checkpoint_dir=a.checkpoint_dir, warm_restarts=a.warm_restarts, spares=a.spares,
-                               carry_orphans=a.carry_orphans,
+                               carry_orphans=a.carry_orphans, deterministic=a.deterministic,
                                credentials=a.credentials, collective_timeout_s=collective_timeout(a))
         groups = config.indices()
         where = f"against the lighthouse at {a.lighthouse}" if a.lighthouse else "with an embedded lighthouse"
@@ -126,11 +126,12 @@ def cmd_run(a: argparse.Namespace) -> None:
         sys.exit(f"fthsdp run: {e} (logs in {workdir})")
     final = finals(cluster)
     slots = slots_json({g.index: steps_of(cluster.progress(g)) for g in cluster.groups})
-    by, carried = slots["trained_by"], slots["carried"]
+    by, carried, samples = slots["trained_by"], slots["carried"], slots["samples"]
     report = {"command": [str(script), *a.args], "replicas": a.replicas, "groups": list(groups),
               "ranks_per_replica": a.ranks, "lighthouse": a.lighthouse or "embedded", "t_start": t_start,
-              "final": final, "cursors": job_cursors(final), "trained_by": by, "carried": carried,
-              "problems": problems(final) + disagreement(cluster), "events": cluster.events + epoch_events(history)}
+              "final": final, "cursors": job_cursors(final), "trained_by": by, "carried": carried, "samples": samples,
+              "problems": problems(final) + disagreement(cluster) + (samples["problems"] if samples else []),
+              "events": cluster.events + epoch_events(history)}
     if a.report:
         pathlib.Path(a.report).write_text(json.dumps(report, indent=1))
     for p in report["problems"]:
@@ -140,7 +141,7 @@ def cmd_run(a: argparse.Namespace) -> None:
     done = next(iter(final.values()))
     print(f"fthsdp run: every replica group run here ended at step {done['step'] if done else '?'} with one state "
           f"({done['param_hash'][:16] if done else '?'}...)", flush=True)
-    for line in summary(final, by, carried):
+    for line in summary(final, by, carried, samples):
         print(f"fthsdp run: {line}", flush=True)
 
 
@@ -151,11 +152,12 @@ def job_cursors(final: dict[str, dict[str, Any] | None]) -> list[int] | None:
 
 
 def summary(final: dict[str, dict[str, Any] | None], by: dict[str, dict[str, int]] | None = None,
-            carried: dict[str, int] | None = None) -> list[str]:
+            carried: dict[str, int] | None = None, samples: dict[str, Any] | None = None) -> list[str]:
     """What the end of a run says besides the state: the batches each data slot trained (from the job's data
     cursors, when the script reports them: ``fthsdp.runtime.training()``/``init()`` do), which replicas trained
     them (``by``: the report's ``trained_by``, from the step rows that name their slot: ``training()``/``init()``
     and the example write them), in how many steps the others carried an orphan slot (``carried``: the report's),
+    the run's sample sequence in short (``samples``: the report's, where the trainer records its micro-batches),
     and the groups that came back after the job had ended (they hold the final state and trained nothing after
     their restart)."""
     lines = []
@@ -172,6 +174,9 @@ def summary(final: dict[str, dict[str, Any] | None], by: dict[str, dict[str, int
     if carried:
         lines.append("orphan slots carried by the other replicas: " + ", ".join(
             f"slot {k} in {n} step{'s' * (n != 1)}" for k, n in sorted(carried.items(), key=lambda x: int(x[0]))))
+    if samples:
+        lines.append(f"sample sequence: {samples['micro_batches']} micro-batches in {samples['steps']} steps, digest "
+                     f"{samples['digest']} (with orphan slots carried, that of a failure-free run of the same seed)")
     late = sorted(int(g) for g, f in final.items() if f and f.get("late"))
     if late:
         lines.append(f"replica group(s) {late} came back after the job had ended: they took the final checkpoint "
@@ -209,6 +214,9 @@ def register(sub: Subparsers) -> None:
                    help="the surviving groups train the batches of a dead group's data slot besides their own "
                    "(FTHSDP_ORPHANS=carry; the script's loop iterates the step's batches: `for batch in loader:` "
                    "over ft.dataloader(...), or ft.dealt())")
+    r.add_argument("--deterministic", action="store_true",
+                   help="the exact cross-replica sum (FTHSDP_DETERMINISTIC=1; implies --carry-orphans): a run with "
+                   "failures ends bitwise equal to a failure-free run of the same seed")
     r.add_argument("--collective-timeout", type=float, default=None, metavar="S",
                    help="deadline of one cross-replica collective, seconds: FTHSDP_TIMEOUT of every group "
                         "(default: $FTHSDP_TIMEOUT, else 5)")

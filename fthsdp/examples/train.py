@@ -169,19 +169,25 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
     # Once registered: at once, or for a warm standby once released (in its first train_step).
     ft.when_registered(lambda: progress.write(event="start", joining=ft.joining, resumed_from=ft.resumed_from,
                                               step=ft.step))
-    per_rank = a.batch // data_ranks
+    micros = ft.config.micro_batches  # gradient accumulation (FTHSDP_MICRO_BATCHES): a rank's batch in that many parts
+    per_rank = a.batch // data_ranks // micros
+    if per_rank < 1:
+        sys.exit(f"--batch {a.batch} is smaller than {data_ranks} ranks x FTHSDP_MICRO_BATCHES={micros}")
 
-    def tokens(slot: int | None = None, cursor: int | None = None) -> torch.Tensor:
+    def tokens(slot: int | None = None, cursor: int | None = None, micro: int = 0) -> torch.Tensor:
         # Data by the slot's cursor, not by step: a batch is trained once, even across failures. The slot is the one
         # the lighthouse gives this replica now (a spare's is taken over from a dead replica), or one dealt to it.
         slot, cursor = (ft.slot, ft.cursor) if slot is None or cursor is None else (slot, cursor)
-        return batch(a.seed, cursor, slot, data_rank, per_rank, cfg.seq_len, cfg.vocab).to(ft.device)
+        part = data_rank * micros + micro
+        return batch(a.seed, cursor, slot, part, per_rank, cfg.seq_len, cfg.vocab).to(ft.device)
 
-    def forward(slot: int | None = None, cursor: int | None = None) -> torch.Tensor:
-        return _computed(a.compute_s, lambda: gpt.loss(tokens(slot, cursor)))
+    def forward(slot: int | None = None, cursor: int | None = None, micro: int = 0) -> torch.Tensor:
+        return _computed(a.compute_s, lambda: gpt.loss(tokens(slot, cursor, micro)) / micros)
 
-    def write(r: StepResult, loss: float | None, step_s: float) -> None:  # the launcher's row, with our loss and time
-        progress.write(**{**step_row(r), "loss": loss, "step_s": step_s})
+    def write(r: StepResult, loss: float | None, step_s: float, samples: list[list[float]] | None = None) -> None:
+        """The launcher's row, with our loss and time (and the step's micro-batches, when trained in our loop)."""
+        progress.write(**{**step_row(r), "loss": loss, "step_s": step_s,
+                          **({"samples": samples} if samples is not None else {})})
 
     try:
         if a.api == "closure":  # train_step: the runtime runs forward and backward
@@ -196,15 +202,17 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         for _ in ft.steps(a.steps):  # the trainer's own loop (zero_grad begins a step, step commits)
             t0 = time.perf_counter()
             opt.zero_grad()  # a joiner catches up here, a spare shadows the others
+            samples = []  # what this iteration trains, (slot, cursor, micro-batch, this rank's loss): the row's record
             if built is None:
-                for slot, cursor, _ in ft.dealt():  # its slot's batch, and its share of orphan slots' (carrying)
-                    loss = forward(slot, cursor)
+                for slot, cursor, micro in ft.dealt():  # its slot's batch, and its share of orphan slots' (carrying)
+                    loss = forward(slot, cursor, micro)
                     loss.backward()  # on the last, the exchange runs as FSDP2 produces each gradient shard
+                    samples.append([slot, cursor, micro, float(loss.item())])
             else:  # the layout's forward and backward (a pipeline's schedule: the exchange settles inside it)
                 loss = _computed(a.compute_s, lambda: built.train(tokens()))  # noqa: B023 - called within this iteration
             trained = opt.step()  # commits (None: a warm-up, which trained nothing)
             if trained is not None:
-                write(trained, float(loss.item()), time.perf_counter() - t0)
+                write(trained, float(loss.item()), time.perf_counter() - t0, samples)
                 _pace(a.min_step_s, t0)  # the pause stands in for compute: a zero step (no batch) would have none
         progress.write(event="final", step=ft.step, param_hash=ft.state_hash(), cursors=ft.cursors.tolist())
     except DigestMismatch as e:  # loud, whether this replica rejoins (in the minority) or the job must stop

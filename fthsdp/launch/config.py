@@ -63,6 +63,9 @@ class ClusterConfig:
     """The survivors train the batches of a dead group's slot (``FTHSDP_ORPHANS=carry``; the lighthouse runs with
     ``--orphan-planes``): a constant global batch (docs/design.md §7, "Orphan slots"). Needs the trainer's own loop
     and no spares."""
+    deterministic: bool = False
+    """The exact cross-replica sum (``FTHSDP_DETERMINISTIC=1``; implies ``carry_orphans``): a run with failures ends
+    bitwise equal to a failure-free run of the same seed (docs/design.md §7, "Bitwise failure transparency")."""
     ranks: int = 2
     """Ranks per replica group (FSDP2 shards)."""
     steps: int = 60
@@ -145,9 +148,18 @@ class ClusterConfig:
     """A user's script and its arguments, run as they are by each group's torchrun from the current directory
     (``fthsdp run``); empty: the example trainer with this config's ``steps``, ``model``, ``batch``... ."""
 
+    @property
+    def carries(self) -> bool:
+        """The groups carry orphan slots (``carry_orphans``, or implied by ``deterministic``)."""
+        return self.carry_orphans or self.deterministic
+
     def indices(self) -> tuple[int, ...]:
         """The replica groups this launcher runs; ``ValueError`` when ``groups`` is malformed or needs an external
         lighthouse it lacks."""
+        if self.carries and self.spares:
+            raise ValueError("carrying orphan slots (--carry-orphans, --deterministic) with --spares: a spare takes "
+                             "a dead group's slot, so there is no orphan to carry; carrying beside spares is not built "
+                             "yet")
         total = self.replicas + self.spares
         if not self.groups:
             return tuple(range(total))
@@ -174,8 +186,10 @@ class ClusterConfig:
                        FTHSDP_CHECKPOINT_EVERY=str(self.checkpoint_every))
         if self.credentials:
             env["FTHSDP_TOKEN_FILE"] = str(credential_path(self.credentials, index))
-        if self.carry_orphans:
+        if self.carries:
             env["FTHSDP_ORPHANS"] = "carry"
+        if self.deterministic:
+            env["FTHSDP_DETERMINISTIC"] = "1"
         env.update(self.env.get(index, {}))
         from ftar import nccl_env  # here: importing ftar imports torch (see the module's doc)
 

@@ -18,6 +18,7 @@ and, from rank 0 of a replica, ``replica``, ``incarnation`` and ``mode``. Keys t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -54,6 +55,9 @@ class ProgressRow:
     None where it trained none (zeros) or the trainer does not say."""
     carried: list[int] | None = None
     """fthsdp with orphan slots carried: the slots besides its own of which this replica trained micro-batches."""
+    samples: list[list[float]] | None = None
+    """fthsdp's example trainer in its own loop: the micro-batches it trained in the step, each ``[slot, cursor,
+    micro-batch, rank 0's loss]`` (the sample sequence a run with failures is compared by)."""
     lr_factor: float | None = None
     catchup: dict[str, Any] | None = None
     joining: bool = False
@@ -195,6 +199,46 @@ def carried_steps(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[int, int]:
     return dict(sorted(Counter(slot for slot, _ in seen).items()))
 
 
-def slots_json(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[str, dict[str, Any]]:
-    """The reports' ``trained_by`` (``trained_by_json``) and ``carried`` (``carried_steps``, keys as strings)."""
-    return {"trained_by": trained_by_json(steps), "carried": {str(k): n for k, n in carried_steps(steps).items()}}
+def slots_json(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[str, Any]:
+    """The reports' ``trained_by`` (``trained_by_json``), ``carried`` (``carried_steps``, keys as strings) and
+    ``samples`` (``samples_json``)."""
+    return {"trained_by": trained_by_json(steps), "carried": {str(k): n for k, n in carried_steps(steps).items()},
+            "samples": samples_json(steps)}
+
+
+Sample = tuple[int, int, int]
+"""A micro-batch trained: (data slot, its cursor, micro-batch)."""
+
+
+def sample_sequence(per_replica: Mapping[int, Sequence[ProgressRow]]) \
+        -> tuple[dict[int, list[Sample]], dict[tuple[int, Sample], float], list[str]]:
+    """What a run trained at each step, from the example trainer's ``samples`` (every replica's committed step rows):
+    (step -> its micro-batches, sorted; (step, micro-batch) -> rank 0's loss on it; violations: a micro-batch
+    trained twice in a step). Two runs of one seed train the same data at the same steps when their sequences are
+    equal, whatever failed in either (issue 38: "same data, same step")."""
+    seq: dict[int, list[Sample]] = {}
+    losses: dict[tuple[int, Sample], float] = {}
+    problems: list[str] = []
+    for r in sorted(per_replica):
+        for x in per_replica[r]:
+            if x.event != "step" or x.step is None or not x.samples:
+                continue
+            for slot, cursor, micro, loss in x.samples:
+                s = (int(slot), int(cursor), int(micro))
+                if (x.step, s) in losses:
+                    problems.append(f"step {x.step}: micro-batch {s} trained twice (replica {r} again)")
+                losses[(x.step, s)] = float(loss)
+                seq.setdefault(x.step, []).append(s)
+    return {k: sorted(v) for k, v in sorted(seq.items())}, losses, problems
+
+
+def samples_json(steps: Mapping[int, Sequence[ProgressRow]]) -> dict[str, Any] | None:
+    """The reports' ``samples``: the run's sample sequence (``sample_sequence``) in short, ``{"micro_batches",
+    "steps", "digest"}`` (SHA-256 of the sorted sequence, so two runs of one seed compare by one line); None where
+    no row records its samples (a user's script)."""
+    seq, _, problems = sample_sequence(steps)
+    if not seq:
+        return None
+    text = json.dumps(sorted(seq.items()), separators=(",", ":"))
+    return {"micro_batches": sum(len(v) for v in seq.values()), "steps": len(seq),
+            "digest": hashlib.sha256(text.encode()).hexdigest()[:16], "problems": problems}

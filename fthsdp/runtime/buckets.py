@@ -13,22 +13,21 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ftar import ExchangeResult, Excluded, FTARError, Handle, Interrupted, LaneEngine, Misaligned, devices
-from fthsdp.runtime import digest, grad_scale, orphans
+from fthsdp.runtime import digest, exact, grad_scale, orphans
+from fthsdp.runtime.bucket_plan import plan_buckets, slot_mask
 from fthsdp.runtime.commit import CommitProtocol, Exchanged, Failed, Failure
 from fthsdp.runtime.errors import RejoinRequired
 from fthsdp.runtime.state import local_tensor
 from fthsdp.runtime.tags import BucketTag
 from fthsdp.runtime.timeline import OFF, Timeline
 from lighthouse.epoch_view import EpochView
-
-T = TypeVar("T")
 
 
 class LogFn(Protocol):
@@ -61,30 +60,6 @@ def failure_of(e: FTARError) -> Failure:
     return Failure.INTERRUPTED if isinstance(e, Interrupted) else Failure.ERROR
 
 
-def plan_buckets(params: Sequence[T], blocks: Sequence[Sequence[T]]) -> list[list[T]]:
-    """The buckets, in exchange order: each block's parameters (the blocks last to first: backward produces
-    their gradients in that order), then the root's own parameters (those of ``params`` in no block). Empty
-    buckets are dropped. The same on every replica."""
-    in_blocks = {id(p) for block in blocks for p in block}
-    buckets = [list(block) for block in reversed(blocks)]
-    buckets.append([p for p in params if id(p) not in in_blocks])
-    return [b for b in buckets if b]
-
-
-def slot_mask(slot: int, slots: int, contribute: bool, device: torch.device, parts: int = 0,
-              dealt: Sequence[int] = ()) -> torch.Tensor:
-    """Rides at the end of the last bucket: averaged, slot i is 1/contributors if its replica contributed to the
-    step, 0 if not (``fthsdp.runtime.commit.contributing_slots`` reads it back). With orphan slots carried
-    (``parts`` micro-batches per slot), ``slots * parts`` positions follow, 1 at each part the contribution trained
-    (``dealt``: ``fthsdp.runtime.orphans.mask``)."""
-    mask = torch.zeros(slots + slots * parts, dtype=torch.float32, device=device)
-    if contribute:
-        mask[slot] = 1.0
-        if parts and dealt:
-            mask[[slots + p for p in dealt]] = 1.0
-    return mask
-
-
 class BucketExchange:
     """One rank's buckets and their exchanges in flight. During backward the FSDP2 hook launches each bucket
     once its gradient shards are all there; a redo (or a joiner's zero contribution) launches them all, in
@@ -115,10 +90,15 @@ class BucketExchange:
         self.dealt: tuple[int, ...] = ()
         """With orphan slots carried: the mask positions this step's contribution trains (``orphans.dealt``)."""
         self.fits: Callable[[EpochView], bool] | None = None
-        """With orphan slots carried: whether this step's contribution may be exchanged in an epoch's group (its
-        member is dealt there what it trained; FTAR interrupts it before any data moves where not)."""
+        """With orphan slots carried: whether this step's exchange (zeros too: a step dealt nothing, ``carry.redealt``)
+        may go out in an epoch's group: its member is dealt there what it trained (FTAR interrupts it where not)."""
         self.wait_s = wait_s
         """How long a joiner waits for its first bucket to learn the step."""
+        self.exact: exact.Accumulators | None = None
+        """``FTHSDP_DETERMINISTIC=1``: each micro-batch's shards folded into fixed-point sums, exchanged as int64
+        (``op="sum"``) and made the gradients divided by the slots trained (``fthsdp.runtime.exact``)."""
+        self.last_micro = True
+        """Exact: the micro-batch being trained is the step's last (``Steps.take``): its shards launch the buckets."""
         self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
         self._pending: list[Handle | None] = [None] * len(self.buckets)
         self._filled = [0] * len(self.buckets)
@@ -176,6 +156,8 @@ class BucketExchange:
         self._filled = [0] * len(self.buckets)
         self._launched = 0
         self._armed = step
+        if self.exact is not None:
+            self.exact.reset()
         self._at_first, self._at_end = at_first, at_end
         self._end_at_last = False
 
@@ -187,6 +169,11 @@ class BucketExchange:
         """FSDP2 finished this parameter's gradient shard: launch every bucket that is now complete, in order."""
         if self._armed is None:
             return
+        if self.exact is not None:
+            with torch.no_grad():
+                self.exact.fold(p)
+            if not self.last_micro:
+                return
         k = self._bucket_of[id(p)]
         if k < self._launched:
             raise RuntimeError(
@@ -214,7 +201,10 @@ class BucketExchange:
 
     def _launch(self, k: int, step: int | None, contribute: bool) -> Handle:
         bucket = self.buckets[k]
-        grads = [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in bucket]
+        if self.exact is not None and contribute:
+            self.exact.check(bucket)  # before anything of it moves: a sum that overflowed is never exchanged
+        grads = [self.exact.of(p) for p in bucket] if self.exact is not None else \
+            [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p)) for p in bucket]
         if k == len(self.buckets) - 1:
             slot = self.slot()
             words = digest.pack(slot, self.slots, self.digest if contribute else None)
@@ -222,9 +212,9 @@ class BucketExchange:
             grads.append(slot_mask(slot, self.slots, contribute, self.device, self.parts, self.dealt))
         tag = None if step is None else self.tag(step, k)
         # On CUDA the lane reads the shards after this event, on the stream FSDP2 produced them on (the hook's).
-        handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False,
+        handle = self.engine.allreduce(grads, contribute=contribute, tag=tag, redo=False, op=self.op,
                                        new_epoch_ok=k == 0 and not self.posts, ready=devices.record(self.device),
-                                       fits=self.fits if contribute else None)
+                                       fits=self.fits)
         self._pending[k] = handle
         self._launched = k + 1
         self._timed(handle, f"bucket {k}", -1 if step is None else step)
@@ -248,7 +238,8 @@ class BucketExchange:
         new epoch, and Gloo aborted every member on the size mismatch)."""
         if self.posts and again:
             self.launch_post(step - 1, *self.post_again(step - 1))
-        grads = [torch.zeros_like(local_tensor(p)) for p in self.buckets[0]]
+        grads = [torch.zeros_like(self.exact.of(p) if self.exact is not None else local_tensor(p))
+                 for p in self.buckets[0]]
         if len(self.buckets) == 1:
             slot = self.slot()
             grads.append(torch.tensor(digest.pack(slot, self.slots, None), dtype=torch.float32, device=self.device))
@@ -296,9 +287,19 @@ class BucketExchange:
         return [local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
                 for bucket in self.buckets for p in bucket]
 
+    @property
+    def op(self) -> str:
+        """How FTAR reduces a bucket: exact sums are divided here, by the slots trained (``averaged``)."""
+        return "avg" if self.exact is None else "sum"
+
     def averaged(self, results: Sequence[ExchangeResult]) -> list[torch.Tensor]:
         """A step's averaged gradient shards from its results, in ``grads`` order (the digests and mask left out), as
         ``install`` makes them the gradients."""
+        if self.exact is not None:
+            done = orphans.slots_trained(self.mask_of(results), results[-1].contributors, self.slots, self.parts,
+                                   self.step_of(results[-1]))
+            return [exact.to_float(g, done, local_tensor(p).dtype) for bucket, res in zip(self.buckets, results,
+                    strict=True) for p, g in zip(bucket, res.tensors, strict=False)]
         fix = self.divisor_fix(results)
         return [g * fix if fix != 1 else g for bucket, res in zip(self.buckets, results, strict=True)
                 for g in res.tensors[:len(bucket)]]
@@ -376,7 +377,8 @@ class BucketExchange:
                 if rejoin is not None:
                     raise RejoinRequired(f"{rejoin.reason}: {e}") from e
             else:
-                results.append(r)
+                results.append(exact.averaged_extras(r, 2 if k == len(handles) - 1 else 0)
+                               if self.exact is not None else r)
                 protocol.lane(Exchanged(r.epoch, self.step_of(r), r.in_collective_s))
         return results
 
@@ -389,7 +391,11 @@ class BucketExchange:
         has committed (a redo needs the gradients as they were), so in place means: with ``alias`` the results
         *become* the gradients, without a copy; else they are copied in. FTAR holds these results to serve a
         partner that lost them (``ftar.reconcile``), so they may be aliased only when the optimizer never
-        changes ``.grad`` in place (``grads_untouched``)."""
+        changes ``.grad`` in place (``grads_untouched``). Exact sums become new tensors (FTAR's stay as they are)."""
+        if self.exact is not None:
+            for p, g in zip((p for b in self.buckets for p in b), self.averaged(results), strict=True):
+                _bind_grad(p, g)
+            return
         fix = self.divisor_fix(results)
         for bucket, res in zip(self.buckets, results, strict=True):
             for p, g in zip(bucket, res.tensors, strict=False):  # the last bucket's digests and mask: no parameter

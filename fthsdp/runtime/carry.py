@@ -14,13 +14,16 @@ step again under the new deal. What that costs: the survivors compute the step t
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from ftar import Handle
 from fthsdp.runtime import orphans
+from fthsdp.runtime.commit import Tally
 from fthsdp.runtime.core import StepCore
 from lighthouse.epoch_view import EpochView
 
@@ -55,6 +58,28 @@ def agree_deal(rep: StepCore, after: int = 0) -> tuple[int, int, tuple[int, ...]
     dist.broadcast(payload, 0)
     values = payload.tolist()
     return values[0], values[1], tuple(values[3:3 + values[2]])
+
+
+def redo(rep: StepCore, trained: tuple[int, ...], _tally: Tally) -> list[Handle | None]:
+    """The redo of a step's exchange after a failed vote (``StepCore.settle``'s ``redo``): from the gradients at hand
+    (zeros, for a step dealt nothing) if the epoch it will run in deals this replica what it ``trained``; else
+    ``Redeal``."""
+    epoch, _, dealt = agree_deal(rep, after=failed_epoch(rep))
+    if dealt != trained:
+        raise Redeal(rep.step, epoch, trained, dealt)
+    return rep.exchange_all(contribute=bool(trained), redo=True)
+
+
+@contextlib.contextmanager
+def redealt(rep: StepCore) -> Iterator[None]:
+    """Around a zero step of a replica dealt nothing (``Steps.begin``): its zeros are pinned to that deal as a
+    contribution is (an epoch that deals it parts must not count them, or those parts go untrained), and a newer
+    deal ends the step uncommitted, to begin again with the step before's post exchange, in the deal's plane."""
+    try:
+        yield
+    except Redeal as e:
+        rep.log(logging.WARNING, "%s", e)
+        rep.parts()[1].posted = None
 
 
 def failed_epoch(rep: StepCore) -> int:

@@ -1,6 +1,7 @@
 """A joiner's steps (docs/design.md §6), driven from ``Replica.train_step``: exchange zeros step after step while
 the snapshot is fetched, then load it and replay the kept steps — still exchanging zeros, a slice per step — and
-turn active, with one more zero step after that.
+turn active, with one more zero step after that (with orphan slots carried, the lighthouse is told it is active
+only after that zero step: ``roles.CaughtUp``).
 
 A snapshot that comes in while a step's zeros are in flight is loaded and checked then (``Joiner.early``), and that
 step's results replayed on top once its exchange settles. Every step's zeros go out *before* that step's share of
@@ -109,7 +110,8 @@ def catch_up(rep: StepCore, closure: Callable[[], torch.Tensor] | None) -> tuple
     rep.metrics.on_catchup(got.bytes, time.perf_counter() - t_start)
     rep.metrics.on_commit(commit.step, commit.epoch, results[0].contributors, rep.joiner.attempts)
     rep.after_commit((), commit.stop)
-    rep.joiner.turn_active()
+    if not rep.config.carry_orphans:  # carrying: after the zero step (``roles.CaughtUp``), not before it
+        rep.joiner.turn_active()
     catchup = rep.joiner.report(got, replayed, t_start, t_in, t_applied, entered)
     rep.log(logging.INFO, "caught up at step %d: snapshot of step %d (%.1f MB in %.3fs from %s), %d step(s) "
              "replayed in %.3fs while exchanging; now active", commit.step, got.step, got.bytes / 1e6, got.transfer_s,

@@ -118,6 +118,13 @@ class RuntimeConfig:
     §7, "Orphan slots") or ``wait`` (the default: an orphan's batches wait for its holder). Carrying needs the
     trainer's own loop iterating the step's batches (``for batch in loader:``, or ``ft.dealt()``), no spares, and a
     lighthouse run with ``--orphan-planes``. The same on every replica."""
+    deterministic: bool = False
+    """``FTHSDP_DETERMINISTIC=1``: the cross-replica sum is exact (``fthsdp.runtime.exact``: every micro-batch's
+    gradient shard in fixed point, summed as integers), so it does not depend on which replica trained which
+    micro-batch nor in what order: with orphan slots carried, a run with failures ends bitwise equal to a
+    failure-free run of the same seed (docs/design.md §7, "Bitwise failure transparency"). Needs
+    ``FTHSDP_ORPHANS=carry``; costs an FSDP2 reduce-scatter per micro-batch and int64 buckets (twice the bytes).
+    The same on every replica."""
     micro_batches: int = 1
     """``FTHSDP_MICRO_BATCHES``: micro-batches per data slot and step (the trainer's gradient accumulation), the unit
     an orphan's batch is dealt out in. The same on every replica."""
@@ -263,6 +270,10 @@ class RuntimeConfig:
         if orphans not in ("carry", "wait") or micro_batches < 1:
             raise ConfigError(f"FTHSDP_ORPHANS={orphans!r} must be carry or wait and FTHSDP_MICRO_BATCHES="
                               f"{micro_batches} >= 1")
+        deterministic = _int(e, "FTHSDP_DETERMINISTIC", "0") != 0
+        if deterministic and orphans != "carry":
+            raise ConfigError("FTHSDP_DETERMINISTIC=1 needs FTHSDP_ORPHANS=carry: without it a dead replica's batches "
+                              "are not trained, and no sum makes that run equal to a failure-free one")
         if orphans == "carry" and spares:
             raise ConfigError(f"FTHSDP_ORPHANS=carry with FTHSDP_SPARES={spares}: a spare takes a dead replica's slot "
                               "(no orphan to carry); carrying beside spares is not built yet")
@@ -278,6 +289,7 @@ class RuntimeConfig:
             spare_early=spare_early,
             carry_orphans=orphans == "carry",
             micro_batches=micro_batches,
+            deterministic=deterministic,
             backend=backend,
             timeout_s=timeout,
             rank_timeout_s=rank_timeout,

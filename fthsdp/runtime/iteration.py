@@ -13,6 +13,7 @@ role's turn):
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -26,10 +27,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import Dataset
 
-from ftar import ExchangeResult, Handle
+from ftar import ExchangeResult
 from fthsdp.runtime import carry, catching_up, grad_scale, posts, roles
 from fthsdp.runtime.buckets import BucketExchange
-from fthsdp.runtime.commit import Commit, Tally
+from fthsdp.runtime.commit import Commit
 from fthsdp.runtime.config import RuntimeConfig
 from fthsdp.runtime.core import StepCore
 from fthsdp.runtime.faults import Phase
@@ -190,7 +191,9 @@ class Steps(StepCore):
             if buckets.posted != self.step - 1:  # a lane's sequence begins with the post of the step before: the
                 self.post(self.step - 1, *buckets.post_again(self.step - 1))  # job's first, a resume, a redo
             if not (dealt := self._deal()):  # carrying, and no epoch deals it anything yet: zeros, committed
-                self.deliver(catching_up.zero_step(self, self.exchange_all(contribute=False)))
+                with carry.redealt(self):
+                    self.deliver(catching_up.zero_step(self, self.exchange_all(contribute=False),
+                                                       redo=functools.partial(carry.redo, self, ())))
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
@@ -252,23 +255,14 @@ class Steps(StepCore):
                                    "replica were taken: with FTHSDP_ORPHANS=carry iterate the step's batches (`for "
                                    "batch in loader:` over ft.dataloader(...), or `for slot, cursor, micro in "
                                    "ft.dealt():`)")
-            it.settled = self.settle(handles, contribute=True, redo=self._redo if self.carrying else None)
+            it.settled = self.settle(handles, contribute=True,
+                                     redo=functools.partial(carry.redo, self, it.dealt) if self.carrying else None)
             posts.agree(buckets, self.wait_s)  # the step before's post exchange came back before this step's buckets
             self.timeline.span("wait", "wait", it.step, it.t_computed, time.perf_counter(),
                                attempts=it.settled[0].attempts)
             buckets.install(it.settled[1])
         except BaseException as e:  # noqa: BLE001 - handed to finish(), which raises it outside autograd
             it.error = e
-
-    def _redo(self, tally: Tally) -> list[Handle | None]:
-        """With orphan slots carried, the redo of a step's exchange after a failed vote: from the gradients at hand
-        if the epoch it will run in deals this replica what it trained; else ``carry.Redeal``."""
-        it = self._iter
-        assert it is not None
-        epoch, _, dealt = carry.agree_deal(self, after=carry.failed_epoch(self))
-        if dealt != it.dealt:
-            raise carry.Redeal(it.step, epoch, it.dealt, dealt)
-        return self.exchange_all(contribute=True, redo=True)
 
     def dealt(self) -> Iterator[tuple[int, int, int]]:
         """``for slot, cursor, micro in ft.dealt():`` the micro-batches this iteration trains, as (data slot, its
@@ -292,16 +286,16 @@ class Steps(StepCore):
         return tuple((slot, int(self.cursors[slot]), micro) for slot, micro in (divmod(p, parts) for p in it.dealt))
 
     def take(self, k: int) -> tuple[int, int, int]:
-        """The trainer takes micro-batch ``k`` of this iteration (``step_batches``): FSDP2's gradient sync is set on for
-        the last one only (every FSDP2 unit of the model), so the exchange runs once, on its backward."""
+        """The trainer takes micro-batch ``k`` of this iteration (``step_batches``): FSDP2's gradient sync on for the
+        last only (each FSDP2 unit), so the exchange runs once; on each with the exact sum (FTHSDP_DETERMINISTIC)."""
         it = self._iter
         assert it is not None
         batches = self.step_batches()
         last = k == len(batches) - 1
-        if self.model is not None:
-            for unit in self.model.modules():
-                if isinstance(unit, FSDPModule):
-                    unit.set_requires_gradient_sync(last, recurse=False)
+        self.parts()[1].last_micro = last
+        for unit in self.model.modules() if self.model is not None else ():
+            if isinstance(unit, FSDPModule):
+                unit.set_requires_gradient_sync(last or self.config.deterministic, recurse=False)
         it.taken = max(it.taken, k + 1)
         return batches[k]
 

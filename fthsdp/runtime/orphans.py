@@ -134,7 +134,7 @@ def trained(counts: Sequence[int], parts: int, step: int) -> tuple[int, ...]:
 
 def read_mask(mask: Sequence[float], contributors: int, slots: int, parts: int, step: int) \
         -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A step's averaged slot mask with orphan slots carried (``fthsdp.runtime.buckets.slot_mask``: ``slots``
+    """A step's averaged slot mask with orphan slots carried (``fthsdp.runtime.bucket_plan.slot_mask``: ``slots``
     positions of the holders' own slots, then ``slots * parts`` of the parts trained): (the slots whose holders
     contributed, ``commit.contributing_slots``; the slots trained, ``trained``). Raises ``SlotConflict`` or
     ``OrphanConflict``."""
@@ -145,10 +145,17 @@ def read_mask(mask: Sequence[float], contributors: int, slots: int, parts: int, 
     return held, trained([round(x * contributors) for x in mask[slots:]], parts, step)
 
 
+def slots_trained(mask: Sequence[float], contributors: int, slots: int, parts: int, step: int) -> int:
+    """How many slots' batches a step trained: its contributors when nothing is carried (``parts`` 0), else the
+    slots whose every part was trained (``read_mask``)."""
+    if not parts or contributors == 0:
+        return contributors
+    return len(read_mask(mask, contributors, slots, parts, step)[1])
+
+
 def divisor_fix(mask: Sequence[float], contributors: int, slots: int, parts: int, step: int) -> float:
     """What the step's gradients, averaged over its ``contributors``, are multiplied by to be averaged over the slots
-    it trained (``read_mask``): ``contributors / trained``, 1 when nothing was carried (and with no contributor)."""
-    if contributors == 0:
-        return 1.0
-    done = len(read_mask(mask, contributors, slots, parts, step)[1])
+    it trained (``slots_trained``): ``contributors / trained``, 1 when nothing was carried (and with no
+    contributor)."""
+    done = slots_trained(mask, contributors, slots, parts, step)
     return contributors / done if done else 1.0

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from fthsdp.runtime import roles
+from fthsdp.runtime import exact, roles
 from fthsdp.runtime.buckets import BucketExchange
 from fthsdp.runtime.closure import ClosureSteps
 from fthsdp.runtime.config import RuntimeConfig
@@ -94,6 +94,8 @@ class Replica(ClosureSteps):
         buckets = BucketExchange(params, blocks, self.engine, slot=lambda: self.slot, slots=self.config.num_replicas,
                                  device=self.device, wait_s=self.wait_s)
         buckets.parts = self.config.micro_batches if self.config.carry_orphans else 0  # the mask's, every replica's
+        if self.config.deterministic:
+            buckets.exact = exact.Accumulators(self.config.num_replicas * self.config.micro_batches)
         return buckets
 
     def register_state(self, name: str, obj: Stateful, on_commit: Callable[[], object] | None = None) -> None:

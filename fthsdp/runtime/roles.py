@@ -119,6 +119,10 @@ class CaughtUp(Role):
 
     def turn(self, core: StepCore, closure: Closure | None) -> Turn:
         result = catching_up.zero_step(core, self.zeros)
+        if core.config.carry_orphans:
+            # Active only now: an epoch listing it active deals it its slot, which the others then stop carrying,
+            # and this zero step trains none (told before it, the lighthouse made a step train no batch of that slot).
+            core.joiner.turn_active()
         return Turn(result, Active() if core.slot != NO_SLOT else Spare())
 
 

@@ -257,3 +257,4 @@ def check_run(report: dict[str, Any], per_replica: Rows, steps: int) -> list[str
 
 def _summary(xs: list[int]) -> str:
     return str(xs) if len(xs) <= 20 else f"{xs[:10]} ... {xs[-5:]} ({len(xs)} in all)"
+

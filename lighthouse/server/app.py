@@ -207,7 +207,7 @@ class Lighthouse:
             except StoreUnavailable:
                 pass
         return status.build(job.job_id, state, last_seen=job.last_seen, steps=job.steps, digests=job.digests,
-                            paces=job.paces,
+                            paces=job.paces, orphan_steps=job.orphan_steps.counts(job.step),
                             rendezvous=job.epoch_pb.rendezvous, policy=self.policy,
                             leader=self.leadership.view(), now=now)
 

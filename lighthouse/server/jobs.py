@@ -16,6 +16,7 @@ from lighthouse import deltas
 from lighthouse.liveness import Deadlines
 from lighthouse.model import Epoch, State
 from lighthouse.proto_codec import delta_to_pb, epoch_to_pb
+from lighthouse.slots import OrphanSteps, waiting_slots
 from lighthouse.stragglers import PACE_WINDOW, Pace
 from lighthouse.v1 import lighthouse_pb2 as pb
 
@@ -105,6 +106,8 @@ class Job:
         self.stragglers_checked = 0.0
         """The step the last ejection was decided at (the next needs reports from after it); when the ``eject``
         policy last looked (``clock()``)."""
+        self.orphan_steps = OrphanSteps()
+        """Per data slot, the steps it had no active holder in (``/status``'s ``orphan_steps``; soft state)."""
         # No epoch before it: the chain starts over (what sessions hold may be another lighthouse's epochs).
         self._epoch: Epoch | None = None
         self.set_epoch(state.epoch)
@@ -114,6 +117,7 @@ class Job:
         only when something asks for it (``epoch_pb``), once: a change that every session takes as a delta
         costs O(changed), not O(members)."""
         before, self._epoch = self._epoch, epoch
+        self.orphan_steps.observe(waiting_slots(self.state), self.step)
         self._epoch_pb: pb.Epoch | None = None
         self._epoch_bytes: bytes | None = None
         self._updates = {}
@@ -121,6 +125,11 @@ class Job:
             self._chain.clear()
         elif before is not epoch:
             self._chain.append(deltas.diff(before.number, before.members, epoch.number, epoch.members))
+
+    @property
+    def step(self) -> int:
+        """The job's step as the lighthouse knows it: the highest its members' heartbeats reported."""
+        return max(self.steps.values(), default=0)
 
     @property
     def epoch_pb(self) -> pb.Epoch:

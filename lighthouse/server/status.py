@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lighthouse.events import replica_kinds
-from lighthouse.model import NO_SLOT, Policy, State, holders_of
+from lighthouse.model import NO_SLOT, Policy, State
 from lighthouse.proto_codec import ROLE_TO_PB
+from lighthouse.slots import waiting_slots
 from lighthouse.stragglers import Pace, SlowLink, Straggler, assess, assess_links, pack_lanes, training_paces
 from lighthouse.v1 import lighthouse_pb2 as pb
 
@@ -69,7 +70,12 @@ class StatusView:
     slow_links: tuple[SlowLink, ...] = ()
     """The members' lanes the others wait for while their compute is on time (``stragglers.assess_links``)."""
     waiting_slots: tuple[int, ...] = ()
-    """The data slots no active member of the epoch holds (``waiting_slots``): their batches wait."""
+    """The data slots no active member of the epoch holds (``waiting_slots``): their batches wait, or with
+    ``orphans_carried`` the others train them."""
+    orphan_steps: tuple[tuple[int, int], ...] = ()
+    """(slot, steps it had no active holder in) for each slot that had none for a step (``OrphanSteps``)."""
+    orphans_carried: bool = False
+    """The job's replicas carry orphan slots (the lighthouse runs ``Policy.orphan_planes``)."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,8 @@ class Leader:
 def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict[str, int], rendezvous: str,
           policy: Policy, leader: Leader, now: float,
           digests: dict[str, tuple[str, int, str]] | None = None,
-          paces: dict[str, tuple[str, tuple[Pace, ...]]] | None = None) -> StatusView:
+          paces: dict[str, tuple[str, tuple[Pace, ...]]] | None = None,
+          orphan_steps: dict[int, int] | None = None) -> StatusView:
     """The status of a job in ``state``, with its liveness as of ``now``. ``digests``: per replica, the
     (incarnation, step, digest) its heartbeats last carried; ``paces``: per replica, (incarnation, its last pace
     reports); only a current member incarnation's count, and stragglers are looked for among the active members of
@@ -157,17 +164,9 @@ def build(job_id: str, state: State, *, last_seen: dict[str, float], steps: dict
         leader_reached=leader.leader_reached,
         slow_links=assess_links(training, policy.straggler_confirm),
         waiting_slots=waiting_slots(state),
+        orphan_steps=tuple((orphan_steps or {}).items()),
+        orphans_carried=policy.orphan_planes,
     )
-
-
-def waiting_slots(state: State) -> tuple[int, ...]:
-    """The job's data slots that no active member of the current epoch holds, in order: their batches wait until a
-    holder (a restarted replica, once active, or a spare) takes the slot (docs/design.md §7). None before the
-    first epoch, after the job finished, or in a job that names no slots."""
-    if state.epoch is None or state.finished_step is not None or not state.slots:
-        return ()
-    held = {slot for _, slot in holders_of(state.epoch.members)}
-    return tuple(k for k in range(state.slots) if k not in held)
 
 
 def to_json(view: StatusView) -> dict[str, Any]:
@@ -212,6 +211,8 @@ def to_json(view: StatusView) -> dict[str, Any]:
                         "others_wait_s": x.others_wait_s, "since_step": x.since_step, "reports": x.reports,
                         "text": x.text()} for x in view.slow_links],
         "waiting_slots": list(view.waiting_slots),
+        "orphan_steps": {str(slot): n for slot, n in view.orphan_steps},
+        "orphans_carried": view.orphans_carried,
     }
 
 

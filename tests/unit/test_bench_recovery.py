@@ -43,6 +43,19 @@ def test_the_top_level_key_is_this_runs_own_or_the_tables() -> None:
     assert RecoveryReport(_result(), vs).to_json()["ett_common_step"] == 0.8
 
 
+def test_the_report_says_what_carrying_and_the_exact_sum_cost_with_the_load() -> None:
+    from fthsdp.bench.results import format_recovery
+
+    text = format_recovery(RecoveryReport(_result(
+        carry_orphans=True, deterministic=True, before_step_s=0.8, down_step_ratio=1.31, deterministic_step_ratio=1.07,
+        loadavg_1min=0.42)))
+    assert "orphan slots carried with the exact sum (1-minute load 0.42 before)" in text
+    assert "survivors' step while down            1.31   (over their step before the kill, 0.8 s; carrying" in text
+    assert "exact sum's step / default sum's      1.07" in text
+    plain = format_recovery(RecoveryReport(_result()))
+    assert "carried" not in plain and "exact sum" not in plain
+
+
 def test_the_benchmarks_run_the_lighthouse_at_its_own_defaults() -> None:
     """What a deployment runs (0.5 s heartbeats), not the test launcher's faster ones; the rest as given."""
     from fthsdp.launch.config import ClusterConfig, at_lighthouse_defaults

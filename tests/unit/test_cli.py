@@ -330,6 +330,43 @@ def test_an_orphan_slots_carriers_are_counted_with_its_steps_carried() -> None:
     assert summary(final, None, {"1": 2})[1] == "orphan slots carried by the other replicas: slot 1 in 2 steps"
 
 
+def test_the_sample_sequence_is_the_same_whoever_trained_each_micro_batch_and_a_repeat_is_named() -> None:
+    """The same micro-batches at the same steps give one digest, whichever replicas trained them (a failure-free
+    run against one where replica 0 carried slot 1 from step 1); one trained twice in a step is a problem, which
+    ``fthsdp demo`` counts as a failure."""
+    from fthsdp.cli.demo import failures
+    from fthsdp.cli.run import summary
+    from fthsdp.launch.progress import ProgressRow, samples_json
+
+    def row(step: int, *samples: tuple[int, int]) -> ProgressRow:
+        return ProgressRow("step", float(step), step=step,
+                           samples=[[slot, step, micro, 1.5] for slot, micro in samples])
+
+    free = {0: [row(0, (0, 0), (0, 1)), row(1, (0, 0), (0, 1))], 1: [row(0, (1, 0), (1, 1)), row(1, (1, 0), (1, 1))]}
+    carried = {0: [row(0, (0, 0), (0, 1)), row(1, (1, 1), (0, 0), (0, 1))], 1: [row(0, (1, 0), (1, 1)), row(1, (1, 0))]}
+    a, b = samples_json(free), samples_json(carried)
+    assert a is not None and b is not None
+    assert a == b and a["micro_batches"] == 8 and a["steps"] == 2 and a["problems"] == []
+    assert samples_json({0: [ProgressRow("step", 0.0, step=0)]}) is None  # a trainer that records none
+    twice = samples_json({0: [row(0, (0, 0))], 1: [row(0, (0, 0))]})
+    assert twice is not None and twice["problems"] == ["step 0: micro-batch (0, 0, 0) trained twice (replica 1 again)"]
+    final: dict[str, dict[str, Any] | None] = {"0": {"step": 2, "param_hash": "ab"}}
+    assert summary(final, samples=a) == [f"sample sequence: 8 micro-batches in 2 steps, digest {a['digest']} (with "
+                                         "orphan slots carried, that of a failure-free run of the same seed)"]
+    report = {"steps": 2, "final": {"0": {"step": 2, "param_hash": "ab"}}, "samples": twice}
+    assert failures(report) == twice["problems"]
+
+
+def test_carrying_orphan_slots_beside_spares_is_refused_before_anything_starts() -> None:
+    from fthsdp.launch.config import ClusterConfig
+
+    for kw in ({"carry_orphans": True}, {"deterministic": True}):
+        with pytest.raises(ValueError, match="with --spares: a spare takes a dead group's slot"):
+            ClusterConfig(spares=1, **kw).indices()  # type: ignore[arg-type]
+    assert ClusterConfig(deterministic=True).replica_env(0, "127.0.0.1:1", pathlib.Path("p"), pathlib.Path("."),
+                                                         None)["FTHSDP_DETERMINISTIC"] == "1"
+
+
 def test_run_says_once_when_the_lighthouse_refuses_it_its_status(capsys: pytest.CaptureFixture[str]) -> None:
     import urllib.error
 

@@ -31,7 +31,8 @@ class FakeCore:
     slot: int = 0
     step: int = 5
     standing: Standing = Standing.JOINING
-    config: Any = field(default_factory=lambda: type("C", (), {"job_id": "j", "join_warmup": True})())
+    config: Any = field(default_factory=lambda: type("C", (), {"job_id": "j", "join_warmup": True,
+                                                                "carry_orphans": False})())
     joiner: Any = field(default_factory=lambda: type("J", (), {"warmed": False, "announced": False})())
 
 
@@ -73,6 +74,29 @@ def test_a_joiner_is_caught_up_with_its_zeros_in_flight_then_active_or_spare(mon
         assert turn.result == result(7) and isinstance(turn.next, roles.CaughtUp) and turn.next.zeros is zeros
         turn = turn.next.turn(core, None)  # type: ignore[arg-type]
         assert turn.result == result(8) and type(turn.next) is after
+
+
+def test_carrying_orphans_a_joiner_tells_the_lighthouse_it_is_active_only_after_its_zero_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An epoch that lists a replica active deals it its slot, and the others stop carrying it: told before its
+    zero step (which trains nothing), the slot's batch of that step went untrained (seen in ``fthsdp demo
+    --deterministic --kill 1@10:exchange --kill 2@22``: slots 1 and 2 ended 59 of 60)."""
+    calls: list[str] = []
+
+    def zero_step(core: FakeCore, zeros: object) -> StepResult:
+        calls.append("zero step")
+        return result(8)
+
+    monkeypatch.setattr(catching_up, "zero_step", zero_step)
+    core = FakeCore(slot=1)
+    core.config.carry_orphans = True
+    core.joiner.turn_active = lambda: calls.append("active")
+    turn = roles.CaughtUp([None]).turn(core, None)  # type: ignore[arg-type]
+    assert calls == ["zero step", "active"] and type(turn.next) is roles.Active
+    core.config.carry_orphans = False  # without carrying the catch-up said so already
+    calls.clear()
+    roles.CaughtUp([None]).turn(core, None)  # type: ignore[arg-type]
+    assert calls == ["zero step"]
 
 
 def test_a_spare_stays_one_until_handed_a_slot_and_keeps_its_clock(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -201,3 +201,11 @@ def test_periodic_checkpoints_are_written_behind_the_steps_unless_turned_off() -
     assert not RuntimeConfig.from_env({**on, "FTHSDP_CHECKPOINT_EVERY": "0"}).writes_behind
     with pytest.raises(ConfigError, match="FTHSDP_CHECKPOINT_ASYNC"):
         RuntimeConfig.from_env({**on, "FTHSDP_CHECKPOINT_ASYNC": "yes"})
+
+
+def test_the_exact_sum_needs_orphan_slots_carried() -> None:
+    assert not RuntimeConfig.from_env(BASE).deterministic
+    on = RuntimeConfig.from_env({**BASE, "FTHSDP_ORPHANS": "carry", "FTHSDP_DETERMINISTIC": "1"})
+    assert on.deterministic and on.carry_orphans
+    with pytest.raises(ConfigError, match="FTHSDP_DETERMINISTIC=1 needs FTHSDP_ORPHANS=carry"):
+        RuntimeConfig.from_env({**BASE, "FTHSDP_DETERMINISTIC": "1"})

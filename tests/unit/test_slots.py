@@ -163,7 +163,7 @@ def test_with_orphan_planes_a_change_of_slot_holders_starts_a_new_data_plane(orp
 
 
 def test_status_names_the_slots_whose_batches_wait() -> None:
-    from lighthouse.server.status import waiting_slots
+    from lighthouse.slots import waiting_slots
 
     policy = dataclasses.replace(P, expected_replicas=2, join_window_s=0.0)
     assert waiting_slots(register(m.State(), "r0", 0, policy=policy)) == ()  # no epoch yet
@@ -188,3 +188,38 @@ def test_the_waiting_slots_go_out_over_http_and_grpc() -> None:
     assert to_json(view)["waiting_slots"] == [1, 3]
     assert list(to_pb(view, pb.Epoch()).waiting_slots) == [1, 3]
     assert to_json(dataclasses.replace(view, waiting_slots=()))["waiting_slots"] == []
+
+
+def test_steps_without_a_holder_are_counted_per_slot_across_spells() -> None:
+    from lighthouse.slots import OrphanSteps
+
+    o = OrphanSteps()
+    o.observe((), 0)
+    assert o.counts(5) == {}
+    o.observe((1,), 10)  # slot 1 lost its holder at step 10
+    assert o.counts(14) == {1: 4}
+    o.observe((1, 2), 15)  # slot 2 too; slot 1's spell goes on
+    o.observe((2,), 22)  # slot 1 held again at step 22
+    assert o.counts(30) == {1: 12, 2: 15}
+    o.observe((1,), 40)  # slot 1 a second time; slot 2 held again
+    assert o.counts(45) == {1: 17, 2: 25}
+    o.observe((), 44)  # a heartbeat behind the last count: a spell never goes negative
+    assert o.counts(50) == {1: 16, 2: 25}
+
+
+def test_a_lighthouse_job_counts_its_orphan_steps_at_each_epoch_and_status_says_so() -> None:
+    from lighthouse.server.jobs import Job
+    from lighthouse.server.status import StatusView, to_json
+
+    policy = dataclasses.replace(P, expected_replicas=2, join_window_s=0.0, orphan_planes=True)
+    state = register(register(m.State(), "r0", 0, policy=policy), "r1", 1, policy=policy)
+    job = Job("default", state, "", 0.0)
+    job.steps = {"r0": 10, "r1": 9}
+    job.state = kill(state, "r1", 5.0)
+    job.set_epoch(job.state.epoch)  # slot 1 without a holder from the job's step 10
+    job.steps["r0"] = 17
+    assert job.orphan_steps.counts(job.step) == {1: 7}
+    view = StatusView(job="j", leader=True, leader_address="", address="", epoch=3, rendezvous="", min_replicas=1,
+                      heartbeat_timeout_s=3.0, members=(), history=(), waiting_slots=(1,),
+                      orphan_steps=tuple(job.orphan_steps.counts(job.step).items()), orphans_carried=True)
+    assert to_json(view)["orphan_steps"] == {"1": 7} and to_json(view)["orphans_carried"] is True
