@@ -9,7 +9,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-from fthsdp.cli.common import emit
+from fthsdp.cli.common import add_carrying_args, emit
 
 if TYPE_CHECKING:
     from fthsdp.cli.common import Subparsers
@@ -193,12 +193,8 @@ def register(sub: Subparsers) -> None:
     br.add_argument("--spares", type=int, default=0,
                     help="spare replica groups besides --replicas: a spare shadows training without a data slot "
                     "and takes over the killed group's slot (back_to_full_s)")
-    br.add_argument("--carry-orphans", action="store_true",
-                    help="the survivors train the killed group's slot besides their own (FTHSDP_ORPHANS=carry): "
-                    "reports their step while carrying over their step before")
-    br.add_argument("--deterministic", action="store_true",
-                    help="the exact cross-replica sum (FTHSDP_DETERMINISTIC=1; implies --carry-orphans), and the "
-                    "same job again with the default sum: reports the exact sum's step over the default's")
+    add_carrying_args(br, ": reports their step while carrying over their step before",
+                      ", and the same job again with the default sum: reports the exact sum's step over the default's")
     br.add_argument("--workdir", default=None,
                     help="keep the run's logs and progress files here (default: a temporary folder, removed)")
     br.add_argument("--model", default="reference")

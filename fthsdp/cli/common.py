@@ -68,3 +68,13 @@ def client_security(a: argparse.Namespace) -> ClientSecurity:
                                              pick(a.token_file, sec.ENV_TOKEN_FILE))
     except sec.SecurityConfigError as e:
         sys.exit(f"fthsdp {a.command}: {e}")
+
+
+def add_carrying_args(p: argparse.ArgumentParser, what: str, deterministic: str) -> None:
+    """``--carry-orphans`` and ``--deterministic`` (docs/design.md §7, "Orphan slots", "Bitwise failure
+    transparency"), with what each does for this command (``what``, ``deterministic``)."""
+    p.add_argument("--carry-orphans", action="store_true",
+                   help=f"the surviving groups train the batches of a dead group's data slot besides their own "
+                   f"(FTHSDP_ORPHANS=carry){what}")
+    p.add_argument("--deterministic", action="store_true",
+                   help=f"the exact cross-replica sum (FTHSDP_DETERMINISTIC=1; implies --carry-orphans){deterministic}")

@@ -13,6 +13,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from fthsdp.cli.common import add_carrying_args
 from fthsdp.cli.run import job_cursors, summary
 from fthsdp.cli.trace import write as write_trace
 from fthsdp.launch.cluster import Cluster, converged
@@ -239,12 +240,8 @@ def register(sub: Subparsers) -> None:
     dm.add_argument("--spares", type=int, default=0,
                     help="spare replica groups besides --replicas: each shadows training without a data slot and "
                     "takes over a killed group's slot in the next epoch")
-    dm.add_argument("--carry-orphans", action="store_true",
-                    help="the surviving groups train the batches of a killed group's data slot besides their own "
-                    "(FTHSDP_ORPHANS=carry): every step trains every slot's batch")
-    dm.add_argument("--deterministic", action="store_true",
-                    help="the exact cross-replica sum (FTHSDP_DETERMINISTIC=1; implies --carry-orphans): a run with "
-                    "kills ends bitwise equal to one without (compare the final hash with --no-kill's)")
+    add_carrying_args(dm, ": every step trains every slot's batch", ": a run with kills ends bitwise equal to one "
+                      "without (compare the final hash with --no-kill's)")
     dm.add_argument("--steps", type=int, default=60)
     dm.add_argument("--model", default="reference", help="reference (the benchmark workload) or tiny")
     dm.add_argument("--kill", action="append", default=None,

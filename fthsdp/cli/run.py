@@ -20,6 +20,7 @@ import time
 import urllib.error
 from typing import TYPE_CHECKING, Any
 
+from fthsdp.cli.common import add_carrying_args
 from fthsdp.launch.cluster import Cluster, finals
 from fthsdp.launch.config import ClusterConfig, Kill, ReplicaFailed
 from fthsdp.launch.epochs import epoch_events
@@ -210,13 +211,9 @@ def register(sub: Subparsers) -> None:
                    help="spare replica groups besides --replicas (indexes --replicas and up): each shadows training "
                    "without a data slot and takes over a dead group's slot in the next epoch; read ft.slot inside "
                    "the closure (next_batch does)")
-    r.add_argument("--carry-orphans", action="store_true",
-                   help="the surviving groups train the batches of a dead group's data slot besides their own "
-                   "(FTHSDP_ORPHANS=carry; the script's loop iterates the step's batches: `for batch in loader:` "
-                   "over ft.dataloader(...), or ft.dealt())")
-    r.add_argument("--deterministic", action="store_true",
-                   help="the exact cross-replica sum (FTHSDP_DETERMINISTIC=1; implies --carry-orphans): a run with "
-                   "failures ends bitwise equal to a failure-free run of the same seed")
+    add_carrying_args(r, "; the script's loop iterates the step's batches: `for batch in loader:` over "
+                      "ft.dataloader(...), or ft.dealt()", ": a run with failures ends bitwise equal to a "
+                      "failure-free run of the same seed")
     r.add_argument("--collective-timeout", type=float, default=None, metavar="S",
                    help="deadline of one cross-replica collective, seconds: FTHSDP_TIMEOUT of every group "
                         "(default: $FTHSDP_TIMEOUT, else 5)")
