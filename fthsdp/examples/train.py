@@ -184,10 +184,12 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
     def forward(slot: int | None = None, cursor: int | None = None, micro: int = 0) -> torch.Tensor:
         return _computed(a.compute_s, lambda: gpt.loss(tokens(slot, cursor, micro)) / micros)
 
-    def write(r: StepResult, loss: float | None, step_s: float, samples: list[list[float]] | None = None) -> None:
-        """The launcher's row, with our loss and time (and the step's micro-batches, when trained in our loop)."""
-        progress.write(**{**step_row(r), "loss": loss, "step_s": step_s,
-                          **({"samples": samples} if samples is not None else {})})
+    def write(r: StepResult, loss: float | None, step_s: float,
+              samples: list[tuple[int, int, int, torch.Tensor]] | None = None) -> None:
+        """The launcher's row, with our loss and time (and the step's micro-batches, when trained in our loop: their
+        losses read once the step is done, not one device sync per micro-batch)."""
+        done = {"samples": [[s, c, m, float(x.item())] for s, c, m, x in samples]} if samples is not None else {}
+        progress.write(**{**step_row(r), "loss": loss, "step_s": step_s, **done})
 
     try:
         if a.api == "closure":  # train_step: the runtime runs forward and backward
@@ -207,7 +209,7 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
                 for slot, cursor, micro in ft.dealt():  # its slot's batch, and its share of orphan slots' (carrying)
                     loss = forward(slot, cursor, micro)
                     loss.backward()  # on the last, the exchange runs as FSDP2 produces each gradient shard
-                    samples.append([slot, cursor, micro, float(loss.item())])
+                    samples.append((slot, cursor, micro, loss.detach()))
             else:  # the layout's forward and backward (a pipeline's schedule: the exchange settles inside it)
                 loss = _computed(a.compute_s, lambda: built.train(tokens()))  # noqa: B023 - called within this iteration
             trained = opt.step()  # commits (None: a warm-up, which trained nothing)

@@ -17,14 +17,13 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ftar import ExchangeResult, Excluded, FTARError, Handle, Interrupted, LaneEngine, Misaligned, devices
 from fthsdp.runtime import digest, exact, grad_scale, orphans
 from fthsdp.runtime.bucket_plan import plan_buckets, slot_mask
 from fthsdp.runtime.commit import CommitProtocol, Exchanged, Failed, Failure
 from fthsdp.runtime.errors import RejoinRequired
-from fthsdp.runtime.state import local_tensor
+from fthsdp.runtime.state import bind_grad, local_tensor
 from fthsdp.runtime.tags import BucketTag
 from fthsdp.runtime.timeline import OFF, Timeline
 from lighthouse.epoch_view import EpochView
@@ -34,21 +33,6 @@ class LogFn(Protocol):
     """The replica's structured log (every line says replica, rank, epoch and step)."""
 
     def __call__(self, level: int, msg: str, *args: object) -> None: ...
-
-
-def _bind_grad(p: torch.Tensor, g: torch.Tensor) -> None:
-    """Make ``g`` (shaped like ``p``'s local shard) ``p``'s gradient, without a copy. FSDP2's gradient DTensor is
-    kept and its local tensor swapped, as FSDP2 itself accumulates into it (``DTensor.from_local`` per parameter
-    would cost more CPU than the copy it saves)."""
-    grad = p.grad
-    if isinstance(grad, DTensor):
-        local = grad._local_tensor
-        if (local.shape, local.stride(), local.dtype, local.device) == (g.shape, g.stride(), g.dtype, g.device):
-            grad._local_tensor = g
-            return
-    with torch.no_grad():
-        p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                    stride=p.stride()) if isinstance(p, DTensor) else g.view_as(p)
 
 
 def failure_of(e: FTARError) -> Failure:
@@ -99,6 +83,8 @@ class BucketExchange:
         (``op="sum"``) and made the gradients divided by the slots trained (``fthsdp.runtime.exact``)."""
         self.last_micro = True
         """Exact: the micro-batch being trained is the step's last (``Steps.take``): its shards launch the buckets."""
+        self._averaged: tuple[ExchangeResult, list[torch.Tensor]] | None = None
+        """``averaged``'s answer for the step whose last result it holds."""
         self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
         self._pending: list[Handle | None] = [None] * len(self.buckets)
         self._filled = [0] * len(self.buckets)
@@ -294,15 +280,21 @@ class BucketExchange:
 
     def averaged(self, results: Sequence[ExchangeResult]) -> list[torch.Tensor]:
         """A step's averaged gradient shards from its results, in ``grads`` order (the digests and mask left out), as
-        ``install`` makes them the gradients."""
+        ``install`` makes them the gradients: computed once per step (``install`` and the clipping factor's reading,
+        ``Steps.finish``, both ask)."""
+        if self._averaged is not None and self._averaged[0] is results[-1]:
+            return self._averaged[1]
         if self.exact is not None:
             done = orphans.slots_trained(self.mask_of(results), results[-1].contributors, self.slots, self.parts,
-                                   self.step_of(results[-1]))
-            return [exact.to_float(g, done, local_tensor(p).dtype) for bucket, res in zip(self.buckets, results,
-                    strict=True) for p, g in zip(bucket, res.tensors, strict=False)]
-        fix = self.divisor_fix(results)
-        return [g * fix if fix != 1 else g for bucket, res in zip(self.buckets, results, strict=True)
-                for g in res.tensors[:len(bucket)]]
+                                         self.step_of(results[-1]))
+            out = [exact.to_float(g, done, local_tensor(p).dtype) for bucket, res in zip(self.buckets, results,
+                   strict=True) for p, g in zip(bucket, res.tensors, strict=False)]
+        else:
+            fix = self.divisor_fix(results)
+            out = [g * fix if fix != 1 else g for bucket, res in zip(self.buckets, results, strict=True)
+                   for g in res.tensors[:len(bucket)]]
+        self._averaged = (results[-1], out)
+        return out
 
     def divisor_fix(self, results: Sequence[ExchangeResult]) -> float:
         """What a step's averaged gradients are multiplied by to become the mean over the slots it trained: FTAR
@@ -377,8 +369,8 @@ class BucketExchange:
                 if rejoin is not None:
                     raise RejoinRequired(f"{rejoin.reason}: {e}") from e
             else:
-                results.append(exact.averaged_extras(r, 2 if k == len(handles) - 1 else 0)
-                               if self.exact is not None else r)
+                last = k == len(handles) - 1  # the last bucket ends with two float words: the digests and the mask
+                results.append(exact.averaged_extras(r, 2 if last else 0) if self.exact is not None else r)
                 protocol.lane(Exchanged(r.epoch, self.step_of(r), r.in_collective_s))
         return results
 
@@ -391,16 +383,17 @@ class BucketExchange:
         has committed (a redo needs the gradients as they were), so in place means: with ``alias`` the results
         *become* the gradients, without a copy; else they are copied in. FTAR holds these results to serve a
         partner that lost them (``ftar.reconcile``), so they may be aliased only when the optimizer never
-        changes ``.grad`` in place (``grads_untouched``). Exact sums become new tensors (FTAR's stay as they are)."""
+        changes ``.grad`` in place (``grads_untouched``). Exact sums are converted once (``averaged``, which keeps
+        them for the clipping factor's reading) and copied in."""
         if self.exact is not None:
             for p, g in zip((p for b in self.buckets for p in b), self.averaged(results), strict=True):
-                _bind_grad(p, g)
+                bind_grad(p, g.clone())
             return
         fix = self.divisor_fix(results)
         for bucket, res in zip(self.buckets, results, strict=True):
             for p, g in zip(bucket, res.tensors, strict=False):  # the last bucket's digests and mask: no parameter
                 if self.alias and fix == 1:
-                    _bind_grad(p, g)
+                    bind_grad(p, g)
                     continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

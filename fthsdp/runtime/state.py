@@ -40,6 +40,21 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def bind_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Make ``g`` (shaped like ``p``'s local shard) ``p``'s gradient, without a copy. FSDP2's gradient DTensor is
+    kept and its local tensor swapped, as FSDP2 itself accumulates into it (``DTensor.from_local`` per parameter
+    would cost more CPU than the copy it saves)."""
+    grad = p.grad
+    if isinstance(grad, DTensor):
+        local = grad._local_tensor
+        if (local.shape, local.stride(), local.dtype, local.device) == (g.shape, g.stride(), g.dtype, g.device):
+            grad._local_tensor = g
+            return
+    with torch.no_grad():
+        p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                    stride=p.stride()) if isinstance(p, DTensor) else g.view_as(p)
+
+
 class ShardState:
     """The sharded parameters (captured once sharded: FSDP2 swaps unsharded ones in during forward and backward,
     but these objects, which the optimizer holds, only change in the optimizer step) and their optimizer."""
