@@ -177,7 +177,8 @@ def summary(final: dict[str, dict[str, Any] | None], by: dict[str, dict[str, int
             f"slot {k} in {n} step{'s' * (n != 1)}" for k, n in sorted(carried.items(), key=lambda x: int(x[0]))))
     if samples:
         lines.append(f"sample sequence: {samples['micro_batches']} micro-batches in {samples['steps']} steps, digest "
-                     f"{samples['digest']} (with orphan slots carried, that of a failure-free run of the same seed)")
+                     f"{samples['digest']} (with orphan slots carried, a run of the same seed has this one, "
+                     "failures or not)")
     late = sorted(int(g) for g, f in final.items() if f and f.get("late"))
     if late:
         lines.append(f"replica group(s) {late} came back after the job had ended: they took the final checkpoint "

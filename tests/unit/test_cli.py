@@ -352,7 +352,7 @@ def test_the_sample_sequence_is_the_same_whoever_trained_each_micro_batch_and_a_
     assert twice is not None and twice["problems"] == ["step 0: micro-batch (0, 0, 0) trained twice (replica 1 again)"]
     final: dict[str, dict[str, Any] | None] = {"0": {"step": 2, "param_hash": "ab"}}
     assert summary(final, samples=a) == [f"sample sequence: 8 micro-batches in 2 steps, digest {a['digest']} (with "
-                                         "orphan slots carried, that of a failure-free run of the same seed)"]
+                                         "orphan slots carried, a run of the same seed has this one, failures or not)"]
     report = {"steps": 2, "final": {"0": {"step": 2, "param_hash": "ab"}}, "samples": twice}
     assert failures(report) == twice["problems"]
 
