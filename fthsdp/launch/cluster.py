@@ -28,7 +28,7 @@ from fthsdp.launch.epochs import epoch_events
 from fthsdp.launch.lanes import lanes
 from fthsdp.launch.lighthouse_process import http_get, start_lighthouse_process
 from fthsdp.launch.priority import TreePriority
-from fthsdp.launch.procutil import kill_group, stop_process, torchrun
+from fthsdp.launch.procutil import kill_group, start_group, stop_process, torchrun
 from fthsdp.launch.progress import ProgressRow, ProgressTail, progress_path, slots_json, steps_of
 from fthsdp.launch.recovery_metrics import Failure, recovery_metrics
 
@@ -116,8 +116,7 @@ class Cluster:
             [*torchrun(c.ranks), "-m", "fthsdp.examples.train", "--steps", str(c.steps), "--model", c.model,
              "--batch", str(c.batch), "--lr", str(c.lr), "--seed", str(c.seed), "--min-step-s", str(c.min_step_s),
              "--compute-s", str(c.compute_s), "--layout", c.layout]
-        with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
-            return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return start_group(cmd, env, log_path)
 
     def _start_group(self, g: Group) -> None:
         """The group's next incarnation: its standby released if it has a live one, else a cold start."""

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -23,6 +24,19 @@ def torchrun(nproc: int, *, max_restarts: int = 0) -> list[str]:
     """The command line of a standalone torchrun of ``nproc`` workers (the module and its flags follow)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "--max-restarts", str(max_restarts)]
+
+
+GROUP_MARK = "FTHSDP_GROUP_MARK"
+"""An environment variable unique to each process tree ``start_group`` starts; every process of the tree inherits
+it, so ``kill_group`` finds one that left the tree (a worker the agent forked as it was being killed)."""
+
+
+def start_group(cmd: list[str], env: dict[str, str], log_path: pathlib.Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` (a torchrun agent) in a session of its own, its output appended to ``log_path`` and its
+    environment marked (``GROUP_MARK``) for ``kill_group``."""
+    with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, env={**env, GROUP_MARK: uuid.uuid4().hex}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 class ProcessDied(RuntimeError):
@@ -151,25 +165,39 @@ def kill_group(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> N
     """SIGKILL our own child (started with ``start_new_session``), its process group and every descendant, then
     wait until all of them have ended. A torchrun agent starts each worker in a session of its own, so killing
     the agent's group alone leaves a worker behind that has not yet tied its life to the agent's
-    (``fthsdp.runtime.startup.die_with_parent``)."""
+    (``fthsdp.runtime.startup.die_with_parent``). And a worker the agent forks between our reading of its tree
+    and its death is in neither, nor does it die with the agent (its parent is init by the time it asks to):
+    for a child ``start_group`` started, every process carrying its mark is killed too, until none is left."""
     if proc is None or proc.poll() is not None:
         return
+    mark = _mark(proc.pid)
     below = descendants(proc.pid)  # to wait for: once the agent is gone they belong to init
     signal_tree(proc.pid, signal.SIGKILL, below)
     proc.wait()
     end = time.monotonic() + timeout
-    while any(alive(p) for p in below):
+    while (left := [p for p in below if alive(p)] + (marked(GROUP_MARK, mark) if mark else [])):
         if time.monotonic() > end:
-            raise TimeoutError(f"processes {[p for p in below if alive(p)]} under {proc.pid} outlived SIGKILL")
+            raise TimeoutError(f"processes {left} under {proc.pid} outlived SIGKILL")
+        for p in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
         time.sleep(0.01)  # polling a condition with a deadline
+
+
+def _mark(pid: int) -> str | None:
+    """The ``GROUP_MARK`` in live process ``pid``'s environment, if any."""
+    with contextlib.suppress(OSError):
+        for entry in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if entry.startswith(GROUP_MARK.encode() + b"="):
+                return entry.split(b"=", 1)[1].decode()
+    return None
 
 
 def run_to_completion(cmd: list[str], env: dict[str, str], log_path: pathlib.Path, timeout_s: float,
                       what: str) -> None:
     """Run ``cmd`` in its own session, output appended to ``log_path``, until it exits (its process group is
     killed at the end either way); raise if it fails or outlasts ``timeout_s``."""
-    with open(log_path, "ab") as out:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_group(cmd, env, log_path)
     try:
         code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

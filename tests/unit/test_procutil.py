@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -16,7 +17,16 @@ from collections.abc import Callable
 import pytest
 
 from fthsdp.launch import priority
-from fthsdp.launch.procutil import alive, descendants, kill_group, worker
+from fthsdp.launch.procutil import (
+    GROUP_MARK,
+    alive,
+    descendants,
+    kill_group,
+    marked,
+    start_group,
+    wait_for_file,
+    worker,
+)
 from tests.helpers import leaks
 from tests.helpers.lighthouse import wait_until
 
@@ -67,6 +77,35 @@ def test_worker_finds_the_agents_child_of_that_rank_not_its_descendants() -> Non
     finally:
         kill_group(proc)
         proc.stdout.close()
+
+
+# An agent whose worker has already left its tree when the agent is killed, as one forked between kill_group's
+# reading of the tree and the agent's death does: its parent exits at once, so init adopts it.
+_ESCAPED = (
+    "import signal, subprocess, sys\n"
+    "kid = 'import os, subprocess, sys; print(subprocess.Popen([sys.executable, \"-c\", \"import signal; "
+    "signal.pause()\"], start_new_session=True, "
+    "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid, flush=True); os._exit(0)'\n"
+    "print(subprocess.run([sys.executable, '-c', kid], capture_output=True).stdout.decode().strip(), flush=True)\n"
+    "signal.pause()\n"
+)
+
+
+def test_kill_group_ends_a_worker_that_left_the_agents_tree(tmp_path: pathlib.Path) -> None:
+    log = tmp_path / "agent.log"
+    proc = start_group([sys.executable, "-c", _ESCAPED], dict(os.environ), log)
+    escaped = int(wait_for_file(log, 60, proc))
+    try:
+        assert escaped not in descendants(proc.pid) and alive(escaped)  # the agent's tree no longer holds it
+        mark = next(e for e in pathlib.Path(f"/proc/{escaped}/environ").read_bytes().split(b"\0")
+                    if e.startswith(GROUP_MARK.encode())).split(b"=")[1].decode()
+        assert set(marked(GROUP_MARK, mark)) == {proc.pid, escaped}
+        kill_group(proc)
+        assert proc.returncode == -signal.SIGKILL
+        assert not alive(escaped) and marked(GROUP_MARK, mark) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(escaped, signal.SIGKILL)
 
 
 def test_kill_group_of_an_ended_child_is_a_no_op() -> None:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fthsdp.launch.procutil import child_env, kill_group, torchrun
+from fthsdp.launch.procutil import child_env, kill_group, start_group, torchrun
 from fthsdp.launch.progress import read_progress, steps_of
 from fthsdp.launch.recovery_metrics import WARMUP_STEPS, Failure, recovery_metrics
 from fthsdp.testing.ports import free_port, wait_port
@@ -89,8 +89,7 @@ def run_torchft(workdir: pathlib.Path | str, steps: int = 60, kill_step: int = 2
             cmd += ["--barrier", str(barrier)]
             if g.index == kill_replica:
                 cmd += ["--kill-step", str(kill_step)]
-        with open(g.log, "ab") as out:
-            g.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        g.proc = start_group(cmd, env, g.log)
         g.restart_at = None
         events.append({"t": time.time(), "event": "start", "replica": g.index, "incarnation": g.incarnation})
 
