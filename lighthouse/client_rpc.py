@@ -24,12 +24,14 @@ from lighthouse.errors import (
     FencedOut,
     HeldOut,
     InvalidRequest,
+    JobOver,
     LighthouseError,
     LighthouseUnavailable,
     NotLeader,
     Unauthenticated,
     UnknownTarget,
 )
+from lighthouse.incarnations import finished_step_of
 from lighthouse.model import ACTIVE, JOINING, NO_SLOT, Endpoints
 from lighthouse.proto_codec import (
     ROLE_FROM_PB,
@@ -87,7 +89,10 @@ def translate_error(e: grpc.aio.AioRpcError, what: str) -> LighthouseError:
     cls = _ERRORS.get(code, LighthouseUnavailable)
     if code == grpc.StatusCode.ABORTED and (e.details() or "").startswith(HELD_OUT):
         cls = HeldOut
-    return cls(f"{what}: {code.name}: {e.details()}")
+    message = f"{what}: {code.name}: {e.details()}"
+    if code == grpc.StatusCode.FAILED_PRECONDITION and (step := finished_step_of(e.details() or "")) is not None:
+        return JobOver(message, step)
+    return cls(message)
 
 
 def cancelled_by_grpc() -> bool:

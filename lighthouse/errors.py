@@ -24,6 +24,15 @@ class FencedOut(LighthouseError):
     """The request was made under a stale epoch or incarnation (FAILED_PRECONDITION)."""
 
 
+class JobOver(FencedOut):
+    """The caller's incarnation is over because the job finished at ``step`` (FAILED_PRECONDITION whose message
+    begins ``lighthouse.incarnations.JOB_FINISHED_AT``): it must not train; the job's final state is that step's."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step
+
+
 class Busy(LighthouseError):
     """The lighthouse cannot do this now; retry later (ABORTED), e.g. another replica is joining."""
 

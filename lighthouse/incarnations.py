@@ -25,10 +25,23 @@ def departed_message(replica_id: str, incarnation: str) -> str:
             "register as a new incarnation")
 
 
+JOB_FINISHED_AT = "the job finished at step"
+"""How the refusal of a call by an incarnation that is not a member of a job that finished begins: a client reads
+the step after it (``finished_step_of``; ``lighthouse.errors.JobOver``)."""
+
+
 def finished_message(replica_id: str, incarnation: str, step: int) -> str:
     """The refusal of a call by an incarnation that is not a member of a job that finished."""
-    return (f"incarnation {incarnation[:64]!r} of replica {replica_id!r} is over: the job finished at step {step} "
+    return (f"{JOB_FINISHED_AT} {step}: incarnation {incarnation[:64]!r} of replica {replica_id!r} is over "
             "(do not train; a registration is answered finished)")
+
+
+def finished_step_of(message: str) -> int | None:
+    """The step a ``finished_message`` names; None for any other message."""
+    if not message.startswith(JOB_FINISHED_AT + " "):
+        return None
+    head = message[len(JOB_FINISHED_AT) + 1:].split(":", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def check_incarnation(state: State, replica_id: str, incarnation: str) -> Rejection | None:

@@ -216,7 +216,8 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
             if trained is not None:
                 write(trained, float(loss.item()), time.perf_counter() - t0, samples)
                 _pace(a.min_step_s, t0)  # the pause stands in for compute: a zero step (no batch) would have none
-        progress.write(event="final", step=ft.step, param_hash=ft.state_hash(), cursors=ft.cursors.tolist())
+        progress.write(event="final", step=ft.step, param_hash=ft.state_hash(), cursors=ft.cursors.tolist(),
+                       **({"late": True} if ft.finished else {}))  # back too late: the job's final checkpoint
     except DigestMismatch as e:  # loud, whether this replica rejoins (in the minority) or the job must stop
         progress.write(event="digest_mismatch", step=e.step, replicas=list(e.replicas), error=str(e))
         if isinstance(e, RejoinRequired):

@@ -81,7 +81,8 @@ def _faults(e: dict[str, str]) -> FaultSettings:
                          corrupt_chunks=_int(e, corrupt) if e.get(corrupt) else 0,
                          corrupt_step=_int(e, "FTHSDP_FAULT_CORRUPT") if e.get("FTHSDP_FAULT_CORRUPT") else -1,
                          kill_agent="TORCHELASTIC_RUN_ID" in e, slow=e.get("FTHSDP_FAULT_SLOW", ""),
-                         slow_link=e.get("FTHSDP_FAULT_SLOW_LINK", ""))
+                         slow_link=e.get("FTHSDP_FAULT_SLOW_LINK", ""),
+                         hold_ready=e.get("FTHSDP_FAULT_HOLD_READY", ""))
 
 
 @dataclass(frozen=True)

@@ -223,8 +223,9 @@ class StepCore:
 
     def on_lost(self, reason: str) -> None:
         """The lighthouse dropped this incarnation (e.g. hung; rank 0 learns it, the others from rank 0's relay):
-        fail the exchanges now, so that every rank restarts and rejoins."""
-        self.log(logging.WARNING, "the lighthouse dropped this replica (%s); restarting to rejoin", reason)
+        fail the exchanges now, so that every rank restarts and rejoins (or, told the job finished, takes the final
+        checkpoint: ``roles.finished_meanwhile``)."""
+        self.log(logging.WARNING, "the lighthouse dropped this replica (%s): its exchanges fail from now on", reason)
         self.epochs.lost(reason)
         self.engine.exclude(f"dropped by the lighthouse: {reason}")
 

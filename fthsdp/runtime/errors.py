@@ -26,6 +26,16 @@ class RejoinRequired(RuntimeError):
     """This replica's state can no longer be trusted to match the others'; restart it (exit ``EXIT_REJOIN``)."""
 
 
+class FinishedWhileJoining(Exception):
+    """The job finished at ``step`` while this replica asked to enter the data plane (its Ready was refused:
+    ``lighthouse.errors.JobOver``), every rank told: it takes the final checkpoint in place, as a registration
+    answered finished does (``fthsdp.runtime.roles``), rather than exiting to learn that in a new incarnation."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"the job finished at step {step} while this replica was joining")
+        self.step = step
+
+
 class NoStateToResume(RuntimeError):
     """This replica would start the job over: every other replica is gone and there is no checkpoint."""
 

@@ -27,6 +27,9 @@ that lane's members wait for it inside the collective while its compute is as fa
 first parameter shard right after committing STEP (not while replaying it as a joiner): silent corruption, which
 the replicas' periodic state-digest check (``FTHSDP_DIGEST_EVERY``) must find within K steps.
 
+``FTHSDP_FAULT_HOLD_READY=PATH`` (tests only) makes a joining replica's rank 0 wait until PATH exists before it
+asks to enter the data plane (``Ready(JOINING)``): a test holds a registered joiner there while the job ends.
+
 The runtime's settings builder (``fthsdp.runtime.config``) reads these variables into ``FaultSettings``."""
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from fthsdp.runtime import filewait
 
 
 class Phase(enum.StrEnum):
@@ -87,6 +92,8 @@ class FaultSettings:
     slow_link: str = ""
     """``FTHSDP_FAULT_SLOW_LINK``: ``STEP:SECONDS[:RANK]``, every rank's lane (or rank RANK's) waits SECONDS before
     each collective from STEP on."""
+    hold_ready: str = ""
+    """``FTHSDP_FAULT_HOLD_READY``: a joiner's rank 0 waits for this file before its Ready(JOINING)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,8 @@ class FaultInjector:
     link_delay_s: float = 0.0
     """``FTHSDP_FAULT_SLOW_LINK``: from step ``link_from`` on (-1: never), each collective of this rank's lane
     starts ``link_delay_s`` late."""
+    hold_ready: str = ""
+    """``FTHSDP_FAULT_HOLD_READY``: rank 0 waits for this file before a Ready(JOINING) ('': never)."""
     _file: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What ``path`` held when last read: its inode, mtime and size, and the fault parsed from it (or None)."""
     _seen: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
@@ -128,7 +137,14 @@ class FaultInjector:
         return cls(step, phase, armed, settings.path if rank == 0 else "", kill_agent=settings.kill_agent,
                    slow_serve_s=settings.slow_serve_s, corrupt_chunks=settings.corrupt_chunks,
                    corrupt_step=settings.corrupt_step if rank == 0 else -1, slow_from=slow_from,
-                   slow_factor=slow_factor, link_from=link_from, link_delay_s=link_delay_s)
+                   slow_factor=slow_factor, link_from=link_from, link_delay_s=link_delay_s,
+                   hold_ready=settings.hold_ready if rank == 0 else "")
+
+    def before_ready(self) -> None:
+        """``FTHSDP_FAULT_HOLD_READY``: rank 0 of a joiner, before its Ready(JOINING), waits for the file (no
+        deadline: a test's process, which ends with its job)."""
+        if self.hold_ready:
+            filewait.wait_until_exists(self.hold_ready)
 
     def slow_down(self, step: int, compute_s: float) -> float:
         """``FTHSDP_FAULT_SLOW``: as the backward of ``step`` begins, compute (spin) ``slow_factor - 1`` times

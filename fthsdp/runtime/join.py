@@ -26,14 +26,14 @@ from fthsdp.catchup.client import Fetch, FetchResult, Source
 from fthsdp.catchup.wire import FetchFailed
 from fthsdp.runtime.buckets import LogFn
 from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.errors import DigestMismatch, RejoinRequired
+from fthsdp.runtime.errors import DigestMismatch, FinishedWhileJoining, RejoinRequired
 from fthsdp.runtime.faults import FaultInjector, Phase
-from fthsdp.runtime.startup import all_ranks, any_rank
+from fthsdp.runtime.startup import all_ranks, from_rank0
 from fthsdp.runtime.state import DIGEST
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
 from lighthouse.epoch_view import EpochView
-from lighthouse.errors import Busy, FencedOut, HeldOut
+from lighthouse.errors import Busy, FencedOut, HeldOut, JobOver
 
 MAX_FETCHES = 5
 """Failed fetches of one catch-up before the replica gives up (and restarts to try again)."""
@@ -101,12 +101,21 @@ class Joiner:
     def _enter_data_plane(self, opt: torch.optim.Optimizer, closure: Callable[[], torch.Tensor] | None) -> None:
         """Every rank: rank 0 asks to enter (``_announce``). While the lighthouse holds this replica out (it was
         ejected as slow: ``HeldOut``), every rank runs a probe step now and then, and rank 0 asks again with its
-        time: a slow replica waits, alive and visible in the status, until it is healthy or the job ends (then its
-        incarnation is over: ``FencedOut``, and the next one learns the job finished)."""
+        time: a slow replica waits, alive and visible in the status, until it is healthy or the job ends. Refused
+        because the job finished meanwhile: ``FinishedWhileJoining`` on every rank."""
         probe_s = 0.0
         while True:
-            held = self._announce(probe_s, time.monotonic() + self.config.epoch_wait_s) if self.rank == 0 else ""
-            if not any_rank(bool(held), self.device):
+            held, over = "", -1
+            if self.rank == 0:
+                self.faults.before_ready()
+                try:
+                    held = self._announce(probe_s, time.monotonic() + self.config.epoch_wait_s)
+                except JobOver as e:
+                    over = e.step
+            is_held, over = from_rank0([int(bool(held)), over], self.device)
+            if over >= 0:
+                raise FinishedWhileJoining(over)
+            if not is_held:
                 return
             time.sleep(max(5.0, 10 * probe_s))  # probe pacing: at most a tenth of its time probing
             took = probe(opt, closure) if closure is not None else self.probe_s
@@ -117,14 +126,16 @@ class Joiner:
     def _announce(self, probe_s: float, deadline: float) -> str:
         """Rank 0: Ready(JOINING) with the probe step's time, retried while another replica is joining (one at a
         time), up to ``deadline``. Returns '' once in, or why the lighthouse holds this replica out (probe and ask
-        again). Refused because this incarnation is over (e.g. the job finished while it fetched):
-        ``RejoinRequired``, so the next incarnation registers and learns why (a finished job: it takes the final
-        checkpoint), never a crash."""
+        again). Refused because the job finished (since this incarnation registered): ``JobOver``. Refused because
+        this incarnation is over otherwise (dropped): ``RejoinRequired``, so the next incarnation registers, never
+        a crash."""
         while True:
             try:
                 self.client.ready(m.JOINING, probe_s)
                 return ""
-            except FencedOut as e:  # this incarnation is over (dropped, or the job finished meanwhile): come back
+            except JobOver:
+                raise
+            except FencedOut as e:  # this incarnation is over (dropped): come back
                 raise RejoinRequired(f"could not enter the data plane: {e}") from e
             except HeldOut as e:
                 return str(e)

@@ -8,7 +8,8 @@ Every role takes a step on the step core (``fthsdp.runtime.core``) and names the
 - ``Joining``: catches up with the others (zeros exchanged while it fetches, then load and replay), then ``CaughtUp``;
 - ``CaughtUp``: the one zero step after the catch-up (its zeros are in flight already), then ``Active`` or ``Spare``;
 - ``Spare``: no data slot; it exchanges zeros and commits as the others do until the lighthouse hands it a slot;
-- ``Finished``: the job ended before this replica came back; it trains nothing (``JobFinished``).
+- ``Finished``: the job ended before this replica came back, or while it asked to join; it trains nothing
+  (``JobFinished``).
 
 In the trainer's own loop, a role that needs a warm-up first (a process's slow first forward and backward, before
 the others wait for it) asks for one iteration that exchanges nothing (``loop_warm_up``).
@@ -17,6 +18,7 @@ the others wait for it) asks for one iteration that exchanges nothing (``loop_wa
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -24,9 +26,9 @@ from typing import ClassVar
 import torch
 
 from ftar import Handle
-from fthsdp.runtime import catching_up, spares, standby
+from fthsdp.runtime import catching_up, spares, standby, startup
 from fthsdp.runtime.core import StepCore
-from fthsdp.runtime.errors import JobFinished
+from fthsdp.runtime.errors import FinishedWhileJoining, JobFinished
 from fthsdp.runtime.result import StepResult
 from fthsdp.runtime.standing import Standing
 from fthsdp.runtime.startup import Role as Given
@@ -105,7 +107,10 @@ class Joining(Role):
         return True if warm else None
 
     def turn(self, core: StepCore, closure: Closure | None) -> Turn:
-        result, zeros = catching_up.catch_up(core, closure)
+        try:
+            result, zeros = catching_up.catch_up(core, closure)
+        except FinishedWhileJoining as e:
+            return Turn(None, finished_meanwhile(core, e.step))
         return Turn(result, CaughtUp(zeros))
 
 
@@ -145,6 +150,20 @@ class Spare(Role):
     def turn(self, core: StepCore, closure: Closure | None) -> Turn:
         result = spares.spare_step(core, closure, self.shadow, warm_first=self.warm_up)
         return Turn(result, Active() if core.slot != NO_SLOT else self)
+
+
+def finished_meanwhile(core: StepCore, step: int) -> Role:
+    """The job finished at ``step`` while this replica asked to enter the data plane: as a registration answered
+    finished, it takes the final checkpoint (``JobFinished`` if there is none) and trains nothing; the trainer's
+    loop then ends as the others' did, with no restart to learn that."""
+    cfg = core.config
+    core.resume = startup.start_from(Given.FINISHED, step, cfg.job_id, cfg.checkpoint_dir)
+    core.client.close()  # its incarnation is over: nothing to heartbeat
+    core.standing = Standing.FINISHED
+    core.take_place()
+    core.log(logging.WARNING, "the job finished at step %d while this replica was joining: took its final "
+             "checkpoint, training nothing", step)
+    return Finished()
 
 
 def given(role: Given, slot: int) -> Role:

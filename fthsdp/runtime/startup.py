@@ -118,6 +118,13 @@ def register(epochs: GroupEpochs, rank: int, wait_s: float, device: torch.device
     return Role(int(flag[0].item())), int(flag[1].item())
 
 
+def from_rank0(values: list[int], device: torch.device) -> list[int]:
+    """Rank 0's ``values`` on every rank (the others pass placeholders of the same length)."""
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.broadcast(t, 0)
+    return [int(v) for v in t.tolist()]
+
+
 def all_ranks(flag: bool, device: torch.device) -> bool:
     """True on every rank if ``flag`` is true on every rank."""
     t = torch.tensor([int(flag)], dtype=torch.int64, device=device)

@@ -11,32 +11,56 @@ import pytest
 import torch
 
 from fthsdp.runtime.config import RuntimeConfig
-from fthsdp.runtime.errors import RejoinRequired
+from fthsdp.runtime.errors import FinishedWhileJoining, RejoinRequired
 from fthsdp.runtime.faults import FaultInjector
 from fthsdp.runtime.join import Joiner
-from lighthouse.errors import FencedOut, HeldOut
+from lighthouse.errors import FencedOut, HeldOut, JobOver
+from lighthouse.incarnations import departed_message, finished_message, finished_step_of
 
 
-class FinishedLighthouse:
-    """A lighthouse that finished the job while this replica was fetching: its Ready is refused."""
+class RefusingLighthouse:
+    """A lighthouse that refuses this incarnation's Ready with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
     def ready(self, role: str, probe_s: float = 0.0) -> int:
-        raise FencedOut("FAILED_PRECONDITION: incarnation 'i' of replica 'r1' is over: the job finished at step 120")
+        raise self.error
 
 
-def test_a_ready_refused_because_the_job_finished_sends_the_replica_back_not_a_crash() -> None:
-    """Seen in a CI run: the refusal escaped as a traceback (exit 1); it must be RejoinRequired (exit 75), after
-    which the next incarnation is told the job finished and takes the final checkpoint."""
+def _refused_joiner(client: Any) -> Joiner:
     def log(level: int, msg: str, *args: object) -> None:
         logging.getLogger("test").log(level, msg, *args)
 
-    client: Any = FinishedLighthouse()
     config = RuntimeConfig(lighthouse="127.0.0.1:1", replica_index=1, num_replicas=3, replica_id="r1", rank=0,
                            world_size=1)
-    joiner = Joiner(config, 0, lambda: 1, client, None, torch.device("cpu"), log,  # type: ignore[arg-type]
-                    epoch=lambda: None)
-    with pytest.raises(RejoinRequired, match="job finished"):
+    return Joiner(config, 0, lambda: 1, client, FaultInjector(), torch.device("cpu"), log, epoch=lambda: None)
+
+
+def test_a_ready_refused_because_the_incarnation_was_dropped_sends_the_replica_back_not_a_crash() -> None:
+    """Seen in a CI run: a refusal escaped as a traceback (exit 1); it must be RejoinRequired (exit 75), after
+    which the next incarnation registers."""
+    joiner = _refused_joiner(RefusingLighthouse(FencedOut(f"FAILED_PRECONDITION: {departed_message('r1', 'i')}")))
+    assert finished_step_of(departed_message("r1", "i")) is None  # not the job's end: no JobOver
+    with pytest.raises(RejoinRequired, match="declared dead or left"):
         joiner._announce(0.0, time.monotonic() + 5)
+
+
+def test_a_ready_refused_because_the_job_finished_tells_every_rank_the_final_step(monkeypatch: Any) -> None:
+    """Seen in a CI run: a replica whose Ready came after the job's end exited to rejoin, and only its next
+    incarnation learned the job was over (an extra restart). Now every rank learns the final step at once
+    (``FinishedWhileJoining``), and the role takes the final checkpoint in place (``roles.finished_meanwhile``)."""
+    import fthsdp.runtime.join as join
+
+    told: list[list[int]] = []
+    monkeypatch.setattr(join, "from_rank0", lambda values, device: told.append(values) or values)
+    refusal = finished_message("r1", "i", 120)
+    assert finished_step_of(refusal) == 120
+    joiner = _refused_joiner(RefusingLighthouse(JobOver(f"FAILED_PRECONDITION: {refusal}", 120)))
+    with pytest.raises(FinishedWhileJoining) as e:
+        joiner._enter_data_plane(None, None)  # type: ignore[arg-type]
+    assert e.value.step == 120 and told == [[0, 120]]
+    assert not joiner.announced
 
 
 class HoldingLighthouse:
@@ -56,7 +80,7 @@ def test_a_held_out_joiner_probes_every_rank_together_and_asks_again_until_let_i
     import fthsdp.runtime.join as join
 
     probes: list[int] = []
-    monkeypatch.setattr(join, "any_rank", lambda flag, device: flag)  # one rank: its own flag
+    monkeypatch.setattr(join, "from_rank0", lambda values, device: values)  # one rank: its own values
     monkeypatch.setattr(join, "probe", lambda opt, closure: probes.append(1) or 0.25)
     monkeypatch.setattr(join.time, "sleep", lambda s: None)  # probe pacing, not under test
     client: Any = HoldingLighthouse()

@@ -17,7 +17,7 @@ from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
 from lighthouse.client_rpc import Registration, parse_addresses
 from lighthouse.client_session import AsyncLighthouseClient
-from lighthouse.errors import FencedOut, InvalidRequest, LighthouseUnavailable, StoreUnavailable, UnknownTarget
+from lighthouse.errors import FencedOut, InvalidRequest, JobOver, LighthouseUnavailable, StoreUnavailable, UnknownTarget
 from lighthouse.stores.memory import InMemoryStore
 from lighthouse.v1 import lighthouse_pb2 as pb
 from lighthouse.v1 import lighthouse_pb2_grpc as pb_grpc
@@ -330,8 +330,9 @@ def test_after_the_job_finished_a_registration_is_told_so_with_the_final_step(
     try:
         reg = c.start(deadline_s=10)
         assert reg is not None and reg.role == m.ACTIVE and not reg.finished and reg.finished_step == 0
-        j = register(slow_stub, "j")  # a joiner in flight
-        assert j.role == pb.ROLE_JOINING and not j.finished
+        joiner = LighthouseClient(slow_server.addr, JOB, "j")  # a joiner in flight
+        j = joiner.start(deadline_s=10)
+        assert j.role == m.JOINING and not j.finished
         c.set_step(42)
     finally:
         c.close(leave="finished")  # sends the last step
@@ -341,6 +342,12 @@ def test_after_the_job_finished_a_registration_is_told_so_with_the_final_step(
         heartbeat(slow_stub, "j", j.incarnation)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
     assert "finished at step 42" in info.value.details()  # type: ignore[attr-defined]
+    # Its Ready (it asks to enter the data plane after the end) is refused with the step, typed: it takes the final
+    # checkpoint in place (``fthsdp.runtime.roles.finished_meanwhile``).
+    with pytest.raises(JobOver, match="finished at step 42") as over:
+        joiner.ready(m.JOINING)
+    assert over.value.step == 42
+    joiner.close()
 
     async def come_back() -> Registration:  # a restarted a, as a new incarnation
         client = AsyncLighthouseClient(slow_server.addr, JOB, "a")
