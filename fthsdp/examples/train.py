@@ -231,8 +231,12 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
     except Terminated as e:
         progress.write(event="terminated", step=e.step, checkpoint=e.path)
         raise
-    except JobFinished as e:  # a warm standby released after the job finished
-        progress.write(event="job_finished", step=e.step, error=str(e))
+    except JobFinished as e:  # a warm standby released after the job finished, or a joiner told in train_step
+        if ft.finished:  # it holds the final checkpoint: the job's final state
+            progress.write(event="final", step=ft.step, param_hash=ft.state_hash(), cursors=ft.cursors.tolist(),
+                           late=True)
+        else:
+            progress.write(event="job_finished", step=e.step, error=str(e))
         ft.close(leave=False)
         return
     except SlotConflict as e:

@@ -5,7 +5,9 @@ hand, so that a training script handles no fthsdp exception itself.
 - ``RejoinRequired`` (this replica's state can no longer be trusted, ``Diverged`` included): the process exits
   at once with ``EXIT_REJOIN`` (closing would wait for abandoned collectives to time out; its connections close
   with it, which the lighthouse takes as its death); the launcher restarts the group, which catches up.
-- ``JobFinished`` (it came back after the job ended, with no final checkpoint to take): logged, exit status 0.
+- ``JobFinished`` (it came back after the job ended, with no final checkpoint to take): logged, exit status 0. One
+  that holds the final checkpoint (the job ended while it asked to join, inside ``train_step``) first writes its
+  ``final`` line, as the loop's end does.
 - ``Unhealthy`` (the start-up self-check failed, ``fthsdp.runtime.selfcheck``): the host goes to
   ``FTHSDP_BLOCKLIST``, an ``unhealthy`` line to the launcher, exit status ``EXIT_UNHEALTHY``.
 - ``Terminated`` (SIGTERM, stopped at a commit boundary) is already a ``SystemExit``; anything else propagates.
@@ -120,7 +122,10 @@ def _exit_for(ft: Replica, e: BaseException) -> int | None:
     """The exit status an error ends this process with (None: it propagates), after what it needs done."""
     if isinstance(e, JobFinished):
         log.warning("fthsdp replica=%s rank=%d: %s", ft.config.replica_id, ft.rank, e)
-        ft.close(leave=False)
+        if ft.finished:  # it holds the job's final state (the job ended while it joined, in train_step): say so
+            _end(ft)
+        else:
+            ft.close(leave=False)
         return 0
     if isinstance(e, RejoinRequired):
         log.error("fthsdp replica=%s rank=%d step=%d: %s; exiting to rejoin (status %d)", ft.config.replica_id,

@@ -21,7 +21,11 @@ STEPS = 60
 KILLED_AT = 5
 
 
-def test_a_joiner_refused_because_the_job_ended_takes_the_final_checkpoint_in_place(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("api", ["loop", "closure"])
+def test_a_joiner_refused_because_the_job_ended_takes_the_final_checkpoint_in_place(tmp_path: pathlib.Path,
+                                                                                    api: str) -> None:
+    """The trainer's own loop ends as the others' did; ``train_step``'s next turn raises ``JobFinished``, which
+    still reports the final state the replica holds (a ``final`` line, exit 0)."""
     hold = tmp_path / "hold" / "ready"
     hold.parent.mkdir()
 
@@ -31,7 +35,9 @@ def test_a_joiner_refused_because_the_job_ended_takes_the_final_checkpoint_in_pl
 
     config = ClusterConfig(replicas=3, ranks=2, steps=STEPS, model="tiny", kills=(Kill(1, KILLED_AT, "forward"),),
                            timeout_s=240, restart_delay_s=0.5, warm_restarts=True, min_step_s=0.1,
-                           env={1: {"FTHSDP_FAULT_HOLD_READY": str(hold)}})
+                           env={1: {"FTHSDP_FAULT_HOLD_READY": str(hold)}},
+                           command=("-m", "fthsdp.examples.train", "--steps", str(STEPS), "--model", "tiny",
+                                    "--min-step-s", "0.1", "--api", api))
     report = Cluster(config, tmp_path, on_tick=release_once_the_others_ended).run()
 
     check_converged(report, STEPS)  # every replica's final state at the last step, the same bits

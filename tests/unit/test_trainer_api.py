@@ -114,6 +114,23 @@ def test_a_finished_job_exits_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
     assert code == 0
 
 
+def test_a_replica_told_in_train_step_that_the_job_ended_reports_the_final_state_it_took(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    """Seen in CI: a joiner refused because the job ended took the final checkpoint inside ``train_step``, whose next
+    turn raised ``JobFinished``, and the launcher found no final line ("replica 1 wrote no final state")."""
+    path = tmp_path / "progress.jsonl"
+    monkeypatch.setenv("FTHSDP_PROGRESS", str(path))
+    monkeypatch.setenv("RANK", "0")
+
+    def finished_in_place(ft: Any) -> None:
+        ft.finished, ft.step = True, 60  # as ``roles.finished_meanwhile`` leaves it
+
+    ft, code = run(monkeypatch, rank=0, body=finished_in_place, body_error=JobFinished("finished at step 60", 60))
+    assert code == 0 and ft.closed == [True]  # closed as at the loop's end (a finished replica leaves nothing)
+    rows = [x for x in read_progress(path) if x.event == "final"]
+    assert len(rows) == 1 and rows[0].step == 60 and rows[0].extra.get("late") is True, rows
+
+
 def test_other_errors_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="bad batch"):
         run(monkeypatch, body_error=ValueError("bad batch"))
