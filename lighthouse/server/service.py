@@ -400,7 +400,7 @@ class LighthouseService:
         await self.auth.check(context, "Status", req.job_id)
         job = await self._job(req.job_id, context, "Status")
         view = status.build(job.job_id, job.state, last_seen=job.last_seen, steps=job.steps, digests=job.digests,
-                            paces=job.paces,
+                            paces=job.paces, orphan_steps=job.orphan_steps.counts(job.step),
                             rendezvous=job.epoch_pb.rendezvous, policy=self.policy,
                             leader=self.leadership.view(), now=clock())
         return status.to_pb(view, job.epoch_pb)

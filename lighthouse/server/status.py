@@ -244,4 +244,6 @@ def to_pb(view: StatusView, epoch: pb.Epoch) -> pb.StatusResponse:
                                 others_wait_s=x.others_wait_s, since_step=x.since_step, reports=x.reports)
                     for x in view.slow_links],
         waiting_slots=list(view.waiting_slots),
+        orphan_steps=dict(view.orphan_steps),
+        orphans_carried=view.orphans_carried,
     )

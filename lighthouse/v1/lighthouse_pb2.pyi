@@ -363,7 +363,14 @@ class HistoryEntry(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., events: _Optional[_Iterable[_Union[ReplicaEvent, _Mapping]]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("epoch", "members", "history", "leader", "finished", "finished_step", "agreement", "stragglers", "slow_links", "waiting_slots")
+    __slots__ = ("epoch", "members", "history", "leader", "finished", "finished_step", "agreement", "stragglers", "slow_links", "waiting_slots", "orphan_steps", "orphans_carried")
+    class OrphanStepsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +381,8 @@ class StatusResponse(_message.Message):
     STRAGGLERS_FIELD_NUMBER: _ClassVar[int]
     SLOW_LINKS_FIELD_NUMBER: _ClassVar[int]
     WAITING_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ORPHAN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ORPHANS_CARRIED_FIELD_NUMBER: _ClassVar[int]
     epoch: Epoch
     members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
     history: _containers.RepeatedCompositeFieldContainer[HistoryEntry]
@@ -384,7 +393,9 @@ class StatusResponse(_message.Message):
     stragglers: _containers.RepeatedCompositeFieldContainer[Straggler]
     slow_links: _containers.RepeatedCompositeFieldContainer[SlowLink]
     waiting_slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., agreement: _Optional[str] = ..., stragglers: _Optional[_Iterable[_Union[Straggler, _Mapping]]] = ..., slow_links: _Optional[_Iterable[_Union[SlowLink, _Mapping]]] = ..., waiting_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    orphan_steps: _containers.ScalarMap[int, int]
+    orphans_carried: bool
+    def __init__(self, epoch: _Optional[_Union[Epoch, _Mapping]] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., history: _Optional[_Iterable[_Union[HistoryEntry, _Mapping]]] = ..., leader: _Optional[bool] = ..., finished: _Optional[bool] = ..., finished_step: _Optional[int] = ..., agreement: _Optional[str] = ..., stragglers: _Optional[_Iterable[_Union[Straggler, _Mapping]]] = ..., slow_links: _Optional[_Iterable[_Union[SlowLink, _Mapping]]] = ..., waiting_slots: _Optional[_Iterable[int]] = ..., orphan_steps: _Optional[_Mapping[int, int]] = ..., orphans_carried: _Optional[bool] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("job_id", "namespace", "keys", "value", "expected", "amount", "timeout_s")

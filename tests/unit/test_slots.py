@@ -223,3 +223,8 @@ def test_a_lighthouse_job_counts_its_orphan_steps_at_each_epoch_and_status_says_
                       heartbeat_timeout_s=3.0, members=(), history=(), waiting_slots=(1,),
                       orphan_steps=tuple(job.orphan_steps.counts(job.step).items()), orphans_carried=True)
     assert to_json(view)["orphan_steps"] == {"1": 7} and to_json(view)["orphans_carried"] is True
+    from lighthouse.server.status import to_pb
+    from lighthouse.v1 import lighthouse_pb2 as pb
+
+    reply = to_pb(view, pb.Epoch())  # gRPC's Status says the same
+    assert dict(reply.orphan_steps) == {1: 7} and reply.orphans_carried
