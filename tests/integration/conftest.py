@@ -27,6 +27,7 @@ PACED_ONE_RANK = frozenset({
     "test_user_script.py::test_fthsdp_run_one_group_per_host_against_a_shared_lighthouse",
     "test_catchup_e2e.py::test_every_replica_dies_job_resumes_from_checkpoint",
     "test_selfcheck.py::test_a_group_that_fails_its_self_check_at_the_start_does_not_hold_the_first_epoch",
+    "test_late_joiner.py::test_under_train_step_it_still_reports_the_final_state_it_took",
 })
 """Files (or single tests) that train one rank per replica group with paced steps, or wait out a restart delay:
 light beside a training. Where such a test needs a replica to restart and rejoin before the end, its paced steps
