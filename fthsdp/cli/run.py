@@ -213,7 +213,8 @@ def register(sub: Subparsers) -> None:
                    "without a data slot and takes over a dead group's slot in the next epoch; read ft.slot inside "
                    "the closure (next_batch does)")
     add_carrying_args(r, "; the script's loop iterates the step's batches: `for batch in loader:` over "
-                      "ft.dataloader(...), or ft.dealt()", ": a run with failures ends bitwise equal to a "
+                      "ft.dataloader(...), or ft.dealt(); train_step calls its closure once per slot dealt "
+                      "(read ft.slot inside it, as next_batch does)", ": a run with failures ends bitwise equal to a "
                       "failure-free run of the same seed")
     r.add_argument("--collective-timeout", type=float, default=None, metavar="S",
                    help="deadline of one cross-replica collective, seconds: FTHSDP_TIMEOUT of every group "

@@ -4,13 +4,16 @@ the way documented first)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 
 import torch
 
-from fthsdp.runtime.config import ConfigError
+from fthsdp.runtime.config import ConfigError, RuntimeConfig
 from fthsdp.runtime.faults import Phase
 from fthsdp.runtime.iteration import Steps
 from fthsdp.runtime.result import StepResult
@@ -19,14 +22,19 @@ from fthsdp.runtime.result import StepResult
 class ClosureSteps(Steps):
     """The replica's steps with ``train_step`` (a base of ``Replica``)."""
 
+    def __init__(self, config: RuntimeConfig, layout: str = "") -> None:
+        super().__init__(config, layout)
+        self._queued: deque[StepResult] = deque()
+        """With orphan slots carried: steps committed inside ``begin`` (a catch-up, zero steps) not yet returned."""
+
     def train_step(self, closure: Callable[[], torch.Tensor]) -> StepResult:
         """Run one step: ``closure()`` returns the loss (the runtime calls ``backward``). Returns once the step is
         committed. A joining replica calls ``closure`` once to warm up (the result is thrown away: see
         ``fthsdp.runtime.join.warm_up``), then catches up (it exchanges zeros while fetching the state) and
-        returns once it holds the same state as the others, with ``joined=True``."""
+        returns once it holds the same state as the others, with ``joined=True``. With orphan slots carried
+        (``FTHSDP_ORPHANS=carry``) the step is the trainer's-loop one (``_carrying_step``)."""
         if self.config.carry_orphans:
-            raise ConfigError("FTHSDP_ORPHANS=carry needs the trainer's own loop (zero_grad, backward, step) iterating "
-                              "the step's batches: train_step(closure) trains one batch per step")
+            return self._carrying_step(closure)
         shards, buckets = self.parts()
         while not self.role.trains:  # a standby's release, a catch-up, a zero step, a spare's step
             if (result := self.turn(closure)) is not None:
@@ -64,3 +72,50 @@ class ClosureSteps(Steps):
             self.log(logging.INFO, "step %d committed: loss %.4f, %d contributor(s), %d attempt(s), exchange "
                       "%.3fs", commit.step, loss_value, contributors, commit.attempts, exchange_s)
         return result
+
+    def _carrying_step(self, closure: Callable[[], torch.Tensor]) -> StepResult:
+        """``train_step`` with orphan slots carried: the trainer's-loop iteration (``begin``, a forward and backward
+        per batch dealt, ``finish``), the closure called once per dealt slot with ``ft.slot`` and ``ft.cursor``
+        reading that slot's batch (``next_batch`` does), a warm-up iteration's included; a redealt step is trained
+        again. One committed step per call, as without carrying: those committed inside ``begin`` (a catch-up, a
+        zero step) first, in order. The result's loss: this rank's mean over the batches it trained."""
+        if self.config.micro_batches != 1:
+            raise ConfigError(f"FTHSDP_MICRO_BATCHES={self.config.micro_batches} with train_step(closure) and "
+                              "FTHSDP_ORPHANS=carry: the closure computes a whole slot's batch; accumulate "
+                              "micro-batches in the trainer's own loop (zero_grad, backward per micro-batch, step)")
+        while True:
+            if self._queued:
+                return self._queued.popleft()
+            if self._iter is None:
+                last = self._results[-1] if self._results else None
+                self.begin()
+                self._queued.extend(_after(self._results, last))  # committed inside begin: returned first
+                continue
+            losses = []
+            for slot, _cursor, _micro in self.dealt():
+                with self._reading(slot):
+                    loss = closure()
+                loss.backward()  # type: ignore[no-untyped-call]
+                losses.append(loss.detach())
+            result = self.finish()  # None: a warm-up, or a step dealt anew (trained again)
+            if result is not None:
+                return dataclasses.replace(result, loss=float(torch.stack(losses).mean()))
+
+    @contextlib.contextmanager
+    def _reading(self, slot: int) -> Iterator[None]:
+        """While the closure computes a batch dealt to this replica: ``slot`` is the one ``ft.slot`` names."""
+        own, self.slot = self.slot, slot
+        try:
+            yield
+        finally:
+            self.slot = own
+
+
+def _after(results: deque[StepResult], last: StepResult | None) -> list[StepResult]:
+    """The results appended to ``results`` after ``last`` (all of them when ``last`` is None), oldest first."""
+    out: list[StepResult] = []
+    for r in reversed(results):
+        if r is last:
+            break
+        out.append(r)
+    return out[::-1]

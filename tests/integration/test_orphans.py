@@ -59,3 +59,26 @@ def test_a_replica_back_mid_job_takes_its_slot_back_at_the_carried_cursor(tmp_pa
     carried = report["carried"].get("1", 0)
     back = report["trained_by"]["1"].get("1", 0)
     assert carried > 0 and back > 10 and back + carried == steps, (carried, report["trained_by"])
+
+
+def test_train_step_carries_too(tmp_path: pathlib.Path) -> None:
+    """The same with ``train_step(closure)`` (the example's ``--api closure``): the closure is called once per slot
+    dealt, reading it through ``ft.slot`` and ``ft.cursor``; replica 1, killed in the backward of step 10 and back
+    from a warm standby, catches up inside ``train_step`` (each committed step returned in order) and takes its slot
+    back. Every batch of every slot trained once, every slot's cursor at the last step, one final state."""
+    steps = 100
+    report = _run(tmp_path, steps, (Kill(1, 10, "backward"),), restart_delay_s=0.5, min_step_s=0.1,
+                  warm_restarts=True,
+                  command=("-m", "fthsdp.examples.train", "--steps", str(steps), "--model", "tiny", "--min-step-s",
+                           "0.1", "--api", "closure"))
+    check_converged(report, steps)
+    check_survivor(tmp_path, 0, steps)
+    check_survivor(tmp_path, 2, steps)
+    assert check_exactly_once(tmp_path, 3, steps) == {0: steps, 1: steps, 2: steps}
+    assert [report["final"][str(r)]["cursors"] for r in range(3)] == [[steps] * 3] * 3, report["final"]
+    assert [(e["replica"], e["killed"]) for e in report["events"] if e["event"] == "exit"] == [(1, True)]
+    carried = report["carried"].get("1", 0)
+    back = report["trained_by"]["1"].get("1", 0)
+    assert carried > 0 and back > 10 and back + carried == steps, (carried, report["trained_by"])
+    joined = [x for x in progress(tmp_path, 1) if x.event == "step" and x.joined]
+    assert len(joined) == 1, joined  # its catch-up's step, returned by train_step as without carrying
