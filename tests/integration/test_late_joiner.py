@@ -1,10 +1,10 @@
 """A replica that registered while the job ran and asks to enter the data plane after it ended (docs/design.md §3,
-the end of the job): its Ready is refused with the job's final step (``lighthouse.errors.JobOver``), and it takes the final
-checkpoint in place, as a registration answered finished does, with no exit and no restart to learn that. Seen in
-CI as an extra exit of a restarted group whose Ready lost that race, and as a group that then wrote no final state
-under ``train_step``. The killed group's warm standby registers at once and is held before its Ready
-(``FTHSDP_FAULT_HOLD_READY``) until the others have ended the job; replica groups under torchrun (Gloo, CPU, the
-tiny model)."""
+the end of the job): its Ready is refused with the job's final step (``lighthouse.errors.JobOver``), and it takes
+the final checkpoint in place, as a registration answered finished does, with no exit and no restart to learn
+that. Seen in CI as an extra exit of a restarted group whose Ready lost that race, and as a group that then wrote
+no final state under ``train_step``. The killed group's warm standby registers at once and is held before its
+Ready (``FTHSDP_FAULT_HOLD_READY``) until the others have ended the job; replica groups under torchrun (Gloo, CPU,
+the tiny model)."""
 
 from __future__ import annotations
 
