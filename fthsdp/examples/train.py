@@ -191,6 +191,12 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         done = {"samples": [[s, c, m, float(x.item())] for s, c, m, x in samples]} if samples is not None else {}
         progress.write(**{**step_row(r), "loss": loss, "step_s": step_s, **done})
 
+    def write_final() -> None:
+        """The launcher's final line: this replica's state hash and cursors (``late``: back too late, it holds the
+        job's final checkpoint)."""
+        progress.write(event="final", step=ft.step, param_hash=ft.state_hash(), cursors=ft.cursors.tolist(),
+                       **({"late": True} if ft.finished else {}))
+
     try:
         if a.api == "closure":  # train_step: the runtime runs forward and backward
             while ft.step < a.steps:
@@ -216,8 +222,7 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
             if trained is not None:
                 write(trained, float(loss.item()), time.perf_counter() - t0, samples)
                 _pace(a.min_step_s, t0)  # the pause stands in for compute: a zero step (no batch) would have none
-        progress.write(event="final", step=ft.step, param_hash=ft.state_hash(), cursors=ft.cursors.tolist(),
-                       **({"late": True} if ft.finished else {}))  # back too late: the job's final checkpoint
+        write_final()
     except DigestMismatch as e:  # loud, whether this replica rejoins (in the minority) or the job must stop
         progress.write(event="digest_mismatch", step=e.step, replicas=list(e.replicas), error=str(e))
         if isinstance(e, RejoinRequired):
@@ -233,8 +238,7 @@ def run_fthsdp(a: argparse.Namespace, cfg: GPTConfig, settings: TrainerSettings)
         raise
     except JobFinished as e:  # a warm standby released after the job finished, or a joiner told in train_step
         if ft.finished:  # it holds the final checkpoint: the job's final state
-            progress.write(event="final", step=ft.step, param_hash=ft.state_hash(), cursors=ft.cursors.tolist(),
-                           late=True)
+            write_final()
         else:
             progress.write(event="job_finished", step=e.step, error=str(e))
         ft.close(leave=False)

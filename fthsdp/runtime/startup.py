@@ -113,9 +113,8 @@ def register(epochs: GroupEpochs, rank: int, wait_s: float, device: torch.device
             role = Role.RESUME
         if reg.finished:
             role, finished_step = Role.FINISHED, reg.finished_step
-    flag = torch.tensor([int(role), finished_step], dtype=torch.int64, device=device)
-    dist.broadcast(flag, 0)
-    return Role(int(flag[0].item())), int(flag[1].item())
+    agreed, step = from_rank0([int(role), finished_step], device)
+    return Role(agreed), step
 
 
 def from_rank0(values: list[int], device: torch.device) -> list[int]:
