@@ -22,14 +22,18 @@ How an epoch's lanes rendezvous is the lighthouse's choice (``mode``), from the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Iterable, Sequence
+import heapq
+from collections.abc import Callable, Iterable, Sequence
 
 from lighthouse.model import JOINING, Epoch, EpochMember
 
 CANDIDATES = 4
 """The members of a lane's ranking whose addresses every member keeps: up to ``CANDIDATES - 1`` hosts may die at
 once (or be joining) and the members still know the next one."""
+WEIGHTS_KEPT = 1 << 16
+"""(lane, replica) weights a process keeps computed (a rank ranks its own lanes' members: one lane each)."""
 MEMBERS = "members"
 ANNOUNCED = "announced"
 LIGHTHOUSE = ""
@@ -38,26 +42,31 @@ before member hosting."""
 MODES = (MEMBERS, ANNOUNCED, LIGHTHOUSE)
 
 
+@functools.lru_cache(maxsize=WEIGHTS_KEPT)
 def weight(lane: int, replica_id: str) -> int:
-    """The rendezvous hash of ``replica_id`` for ``lane`` (64 bits of BLAKE2b: the same on every host and run)."""
+    """The rendezvous hash of ``replica_id`` for ``lane`` (64 bits of BLAKE2b: the same on every host and run).
+    Kept once computed: every rendezvous of a lane ranks all its members again."""
     return int.from_bytes(hashlib.blake2b(f"{lane}\0{replica_id}".encode(), digest_size=8).digest(), "big")
+
+
+def _order(lane: int) -> Callable[[str], tuple[int, str]]:
+    return lambda rid: (-weight(lane, rid), rid)
 
 
 def ranking(replica_ids: Iterable[str], lane: int) -> list[str]:
     """``replica_ids`` in the order they host ``lane``: highest weight first (ties, never seen: by id)."""
-    return sorted(replica_ids, key=lambda rid: (-weight(lane, rid), rid))
+    return sorted(replica_ids, key=_order(lane))
 
 
 def host(members: Sequence[EpochMember], lane: int) -> str | None:
     """The member that hosts ``lane``'s rendezvous: the first of the ranking that is not joining (a joiner's address
-    is known to nobody yet); ``None`` when every member is joining (no epoch forms so)."""
-    joining = {m.replica_id for m in members if m.role == JOINING}
-    return next((rid for rid in ranking((m.replica_id for m in members), lane) if rid not in joining), None)
+    is known to nobody yet); ``None`` when every member is joining (no epoch forms so). One pass, no sort."""
+    return min((m.replica_id for m in members if m.role != JOINING), key=_order(lane), default=None)
 
 
 def candidates(replica_ids: Iterable[str], lane: int, k: int = CANDIDATES) -> list[str]:
-    """The first ``k`` of ``lane``'s ranking: the members whose addresses the lane's members keep."""
-    return ranking(replica_ids, lane)[:k]
+    """The first ``k`` of ``lane``'s ranking: the members whose addresses the lane's members keep (no full sort)."""
+    return heapq.nsmallest(k, replica_ids, key=_order(lane))
 
 
 def mode(before: Epoch | None, wanted: Sequence[EpochMember], force: bool) -> str:

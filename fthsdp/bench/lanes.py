@@ -8,21 +8,25 @@ arrives, then makes the store calls of the backend's own connect, which are the 
 lane's (every pair connects as the group is built: a member sets its address and waits for and reads every
 member's); ``nccl`` (rank 0 sets the unique id and the others read it); ``lazy`` (Gloo's pairs connecting on first
 use: each member reads its two ring neighbours'; the lanes do not do it, ``docs/design.md`` §5). Then it learns its
-lane's candidates (``LaneHosting.learn``; the runtime does after the group's first collective, the emulator once the
-candidates announced themselves). The stores are the real ones (the lighthouse's service, each replica's
-``LaneStoreServer``), with the real keys and authentication (the job token on the lighthouse, request MACs under the
-catch-up key on the lane stores).
+lane's candidates (``LaneHosting.learn``; after the group's first collective, see below). The stores are the real
+ones (the lighthouse's service, each replica's ``LaneStoreServer``), with the real keys and authentication (the job
+token on the lighthouse, request MACs under the catch-up key on the lane stores).
 
 Each emulated replica is one ``LaneHosting`` (one lane store for all its emulated lanes: a real replica has one per
-rank, so this is the harder case for the host), in one of a few worker processes (``processes``: the stores and
-their clients do not all share one interpreter). Every emulated rank is a thread: the store clients are the
-runtime's own, which block.
+rank, so this is the harder case for the host), in one of a few worker processes (``processes``). Every emulated
+rank is a thread: the store clients are the runtime's own, which block. The lane stores themselves (the real
+``LaneStoreServer``) run in a store process beside each worker (``fthsdp.bench.lane_stores``): in a deployment a
+lane's host is a process on its own host, not one that shares an interpreter with hundreds of its members'
+clients. A member learns the lane's candidates' addresses once every member of its lane in every worker connected
+(``LaneEmulator.finished``), as a real member does after the group's first collective, which no member completes
+before all connected.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import queue
 import threading
 import time
 from datetime import timedelta
@@ -31,8 +35,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ftar.group import meet
-from ftar.lane_hosting import HOST_KEY, LaneHosting
+from ftar.lane_hosting import LaneHosting
 from ftar.store import StoreTarget
+from fthsdp.bench.lane_stores import RemoteHosting, serve_stores
 from lighthouse.epoch_view import EpochView
 from lighthouse.proto_codec import epoch_from_pb, view_to_pb
 from lighthouse.security import ClientSecurity
@@ -40,6 +45,8 @@ from lighthouse.v1 import lighthouse_pb2 as pb
 
 BACKENDS = ("mesh", "nccl", "lazy")
 """How the backend's own connect uses the lane's store (see the module)."""
+KEEP_DECODED = 16
+"""Epochs (by number) below the newest that a worker keeps decoded."""
 REPLY_GRACE_S = 30.0
 """How long past its deadline a worker process may take to report an epoch's rendezvous."""
 
@@ -71,8 +78,8 @@ class _Lanes:
     rendezvous as soon as it holds a new epoch (``on_epoch``, from the replica's session), as a real replica's lanes
     do."""
 
-    def __init__(self, lanes: list[int], job_id: str, key: str, lighthouse: StoreTarget, backend: str = "mesh",
-                 timeout_s: float = 60.0, workers: int = 256) -> None:
+    def __init__(self, lanes: list[int], job_id: str, key: str, lighthouse: StoreTarget, stores: Any,
+                 backend: str = "mesh", timeout_s: float = 60.0, workers: int = 256) -> None:
         self.lanes = lanes
         self.job_id = job_id
         self.key = key
@@ -80,18 +87,22 @@ class _Lanes:
         self.lighthouse = lighthouse
         self.timeout = timedelta(seconds=timeout_s)
         self.errors: list[str] = []
-        self._hosting: dict[str, tuple[LaneHosting, list[EpochView | None]]] = {}
+        self._hosting: dict[str, tuple[RemoteHosting, list[EpochView | None]]] = {}
         self._runs: dict[int, list[tuple[int, concurrent.futures.Future[float]]]] = {}
+        self._met: dict[int, list[tuple[LaneHosting, EpochView, int, Any, Any]]] = {}
+        """epoch -> (hosting, epoch, lane, the lane's store, its base) of each member that connected, until it
+        learned its lane's candidates."""
+        self._stores, self._stores_lock = stores, threading.Lock()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lane-emu")
 
-    def _replica(self, rid: str) -> tuple[LaneHosting, list[EpochView | None]]:
+    def _replica(self, rid: str) -> tuple[RemoteHosting, list[EpochView | None]]:
         with self._lock:
             entry = self._hosting.get(rid)
             if entry is None:
                 held: list[EpochView | None] = [None]
-                entry = self._hosting[rid] = (LaneHosting(rid, self.job_id, self.key, "127.0.0.1",
-                                                          lambda: held[0]), held)
+                entry = self._hosting[rid] = (RemoteHosting(rid, self.job_id, self.key, lambda: held[0],
+                                                             self._stores, self._stores_lock), held)
             return entry
 
     def on_epoch(self, rid: str, epoch: EpochView) -> None:
@@ -99,6 +110,7 @@ class _Lanes:
         that keeps its data plane, or one without the replica)."""
         hosting, held = self._replica(rid)
         held[0] = epoch
+        hosting.held(epoch)
         if epoch.data_plane != epoch.number or epoch.member(rid) is None:
             return
         runs = [(lane, self._pool.submit(self._member, hosting, epoch, rid, lane)) for lane in self.lanes]
@@ -115,21 +127,35 @@ class _Lanes:
     def _member(self, hosting: LaneHosting, epoch: EpochView, rid: str, lane: int) -> float:
         """One rank's rendezvous of ``epoch``; when it finished (``time.time()``), or NaN if it failed."""
         try:
-            # ``base`` held to the end: the prefix stores hold the C++ side, not the Python object.
+            # ``base`` kept with the store until the member learned: the prefix stores hold the C++ side only.
             base, store, _ = meet(epoch, rid, lane, self.timeout, lambda: False, self.lighthouse, hosting)
             backend_calls(store, epoch.replica_ids.index(rid), len(epoch.replica_ids), self.backend)
-            # Learned after the first collective, when every candidate is sure to have announced itself: here, once
-            # they did (every member of the epoch is alive in the emulator).
-            others = [f"{HOST_KEY}/{c}" for c in hosting.unknown(epoch, lane)]
-            if others:
-                store.wait(others)
-            hosting.learn(epoch, lane, store)
-            del base
-            return time.time()
-        except Exception as e:  # counted and reported: a bench run with errors is not a result
+            done = time.time()
             with self._lock:
-                self.errors.append(f"{rid} lane {lane} epoch {epoch.number}: {type(e).__name__}: {e}"[:300])
+                self._met.setdefault(epoch.number, []).append((hosting, epoch, lane, store, base))
+            return done
+        except Exception as e:  # counted and reported: a bench run with errors is not a result
+            self._error(f"{rid} lane {lane} epoch {epoch.number}", e)
             return float("nan")
+
+    def _error(self, where: str, e: Exception) -> None:
+        with self._lock:
+            self.errors.append(f"{where}: {type(e).__name__}: {e}"[:300])
+
+    def learn(self, number: int) -> None:
+        """Every member that connected in epoch ``number`` learns its lane's candidates, as a real one does after
+        the group's first collective (the caller knows every member of the lane connected)."""
+        with self._lock:
+            met = self._met.pop(number, [])
+
+        def one(hosting: LaneHosting, epoch: EpochView, lane: int, store: Any, base: Any) -> None:
+            try:
+                hosting.learn(epoch, lane, store)
+            except Exception as e:  # counted and reported, as a rendezvous's
+                self._error(f"{hosting.replica_id} lane {lane} epoch {epoch.number} learning", e)
+            del base
+
+        concurrent.futures.wait([self._pool.submit(one, *m) for m in met])
 
     def finished(self, number: int, members: int, timeout_s: float) -> dict[int, float]:
         """Wait until every lane of epoch ``number`` has ``members`` ranks (of this process's replicas) done; lane ->
@@ -158,12 +184,13 @@ class _Lanes:
             hosting.close()
 
 
-def _worker(conn: Any, lanes: list[int], job_id: str, key: str, address: str, token: str, backend: str,
-            timeout_s: float, workers: int) -> None:
-    """A worker process: its replicas' emulated ranks (``_Lanes``), driven by the parent's commands over ``conn``."""
+def _worker(conn: Any, stores: Any, lanes: list[int], job_id: str, key: str, address: str, token: str,
+            backend: str, timeout_s: float, workers: int) -> None:
+    """A worker process: its replicas' emulated ranks (``_Lanes``), driven by the parent's commands over ``conn``,
+    their lane stores in its store process (over ``stores``)."""
     lock = threading.Lock()
-    emu = _Lanes(lanes, job_id, key, StoreTarget(address, ClientSecurity(token=token), job_id), backend, timeout_s,
-                 workers)
+    emu = _Lanes(lanes, job_id, key, StoreTarget(address, ClientSecurity(token=token), job_id), stores, backend,
+                 timeout_s, workers)
 
     def reply(msg: tuple[Any, ...]) -> None:
         with lock:
@@ -172,25 +199,41 @@ def _worker(conn: Any, lanes: list[int], job_id: str, key: str, address: str, to
     def finished(number: int, members: int, wait_s: float) -> None:
         reply(("finished", number, emu.finished(number, members, wait_s), list(emu.errors)))
 
+    def learn(number: int) -> None:
+        emu.learn(number)
+        reply(("learned", number, list(emu.errors)))
+
+    epochs: dict[int, EpochView] = {}
     while True:
         msg = conn.recv()
-        if msg[0] == "epoch":
-            emu.on_epoch(msg[1], epoch_from_pb(pb.Epoch.FromString(msg[2])))
+        if msg[0] == "epochs":
+            for rid, number, encoded in msg[1]:
+                # An epoch is the job's, the same for every replica that holds it: decoded once per process.
+                if encoded is not None:
+                    epochs[number] = epoch_from_pb(pb.Epoch.FromString(encoded))
+                    for old in [n for n in epochs if n < number - KEEP_DECODED]:
+                        del epochs[old]
+                emu.on_epoch(rid, epochs[number])
         elif msg[0] == "kill":
             emu.kill(msg[1])
         elif msg[0] == "finished":
             threading.Thread(target=finished, args=msg[1:], daemon=True).start()
+        elif msg[0] == "learn":
+            threading.Thread(target=learn, args=msg[1:], daemon=True).start()
         else:
             emu.close()
+            with emu._stores_lock:
+                stores.send(("close",))
             reply(("closed",))
             return
 
 
 class LaneEmulator:
     """The emulated ranks of ``lanes`` in every replica of a job, spread over ``processes`` worker processes by
-    replica (so that the lane stores and their clients do not share one interpreter: in a deployment every rank is
-    a process of its own). Each replica's ranks start their rendezvous as soon as its session holds a new epoch
-    (``on_epoch``)."""
+    replica, and their lane stores in a process of their own (so that the stores and their clients do not share one
+    interpreter: in a deployment every rank is a process of its own), each worker's replicas' stores in a store
+    process beside it. Each replica's ranks start their rendezvous
+    as soon as its session holds a new epoch (``on_epoch``)."""
 
     def __init__(self, lanes: list[int], job_id: str, key: str, lighthouse: StoreTarget, backend: str = "mesh",
                  timeout_s: float = 60.0, workers: int = 256, processes: int = 2) -> None:
@@ -204,14 +247,58 @@ class LaneEmulator:
         ctx = multiprocessing.get_context("spawn")
         self._conns = []
         self._procs = []
+        self._send_lock = threading.Lock()
+        self._outbox: queue.Queue[tuple[int, tuple[Any, ...]] | None] = queue.Queue()
+        """What goes to the workers, written by one thread (``_sender``): the epochs of many replicas that come at
+        once go to a worker in one message, which its one reading thread (beside hundreds of emulated ranks wanting
+        the interpreter) takes in once, not once per replica."""
+        self._encoded: dict[int, bytes] = {}
+        self._sent: set[tuple[int, int]] = set()
+        """(worker, epoch number) sent whole: each worker decodes an epoch once (a real replica decodes its own, as
+        every other does, at the same time: not N times one after another)."""
+        self._store_procs = []
         for _ in range(processes):
+            served, stores = ctx.Pipe()
+            store_proc = ctx.Process(target=serve_stores, args=(served, job_id, key), daemon=True)
+            store_proc.start()
+            self._store_procs.append(store_proc)
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child, lanes, job_id, key, lighthouse.address,
+            proc = ctx.Process(target=_worker, args=(child, stores, lanes, job_id, key, lighthouse.address,
                                                      lighthouse.security.token or "", backend, timeout_s, workers),
                                daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
+        self._sender_thread = threading.Thread(target=self._sender, name="lane-emu-sender", daemon=True)
+        self._sender_thread.start()
+
+    def _send(self, w: int, msg: tuple[Any, ...]) -> None:
+        self._outbox.put((w, msg))
+
+    def _sender(self) -> None:
+        """Send the outbox's messages in order, consecutive epochs for one worker as one ``epochs`` message."""
+        while True:
+            first = self._outbox.get()
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            out: list[list[tuple[Any, ...]]] = [[] for _ in self._conns]
+            for item in batch:
+                if item is None:
+                    continue
+                w, msg = item
+                if msg[0] == "epoch" and out[w] and out[w][-1][0] == "epochs":
+                    out[w][-1][1].append(msg[1:])
+                else:
+                    out[w].append(("epochs", [msg[1:]]) if msg[0] == "epoch" else msg)
+            for w, msgs in enumerate(out):
+                for msg in msgs:
+                    self._conns[w].send(msg)
+            if None in batch:
+                return
 
     def _of(self, rid: str) -> int:
         return self._owner.setdefault(rid, len(self._owner) % len(self._conns))
@@ -221,15 +308,24 @@ class LaneEmulator:
         w = self._of(rid)
         if epoch.data_plane == epoch.number and epoch.member(rid) is not None:
             self._members.setdefault((epoch.number, w), set()).add(rid)
-        self._conns[w].send(("epoch", rid, view_to_pb(epoch).SerializeToString()))
+        with self._send_lock:
+            encoded = self._encoded.get(epoch.number)
+            if encoded is None:
+                encoded = self._encoded[epoch.number] = view_to_pb(epoch).SerializeToString()
+                for old in [n for n in self._encoded if n < epoch.number - KEEP_DECODED]:
+                    del self._encoded[old]
+            first = (w, epoch.number) not in self._sent
+            self._sent.add((w, epoch.number))
+        self._send(w, ("epoch", rid, epoch.number, encoded if first else None))
 
     def kill(self, rid: str) -> None:
         """The replica died: its lane stores go with it."""
-        self._conns[self._of(rid)].send(("kill", rid))
+        self._send(self._of(rid), ("kill", rid))
 
     def finished(self, number: int, members: int, timeout_s: float) -> dict[int, float]:
         """lane -> when the last of epoch ``number``'s ``members`` ranks finished its rendezvous (NaN: one failed or
-        never started within ``timeout_s``)."""
+        never started within ``timeout_s``). Then, every member having connected, they learn their lanes'
+        candidates (as after a first collective), before this returns."""
         deadline = time.monotonic() + timeout_s
         while sum(len(self._members.get((number, w), ())) for w in range(len(self._conns))) < members:
             if time.monotonic() > deadline:
@@ -237,26 +333,38 @@ class LaneEmulator:
             time.sleep(0.01)  # the last replicas' epochs are on their way (polling with a deadline)
         asked = [w for w in range(len(self._conns)) if self._members.get((number, w))]
         for w in asked:
-            self._conns[w].send(("finished", number, len(self._members[(number, w)]),
+            self._send(w, ("finished", number, len(self._members[(number, w)]),
                                  max(0.0, deadline - time.monotonic())))
         done = {lane: 0.0 for lane in self.lanes}
         for w in asked:
-            while True:
-                # The worker answers by the deadline it was given; a worker that does not is stuck or dead.
-                if not self._conns[w].poll(max(0.0, deadline - time.monotonic()) + REPLY_GRACE_S):
-                    raise TimeoutError(f"lane worker {w} did not report epoch {number}")
-                msg = self._conns[w].recv()
-                if msg[0] == "finished" and msg[1] == number:
-                    break
+            msg = self._reply(w, "finished", number, deadline)
             self.errors = sorted(set(self.errors) | set(msg[3]))
             for lane, t in msg[2].items():
                 done[lane] = latest(done[lane], t)
+        for w in asked:
+            self._send(w, ("learn", number))
+        for w in asked:
+            self.errors = sorted(set(self.errors) | set(self._reply(w, "learned", number, time.monotonic())[2]))
         return done
 
+    def _reply(self, w: int, kind: str, number: int, deadline: float) -> tuple[Any, ...]:
+        """Worker ``w``'s ``kind`` reply for epoch ``number``; it answers by ``deadline`` (and a grace), or it is stuck
+        or dead."""
+        while True:
+            if not self._conns[w].poll(max(0.0, deadline - time.monotonic()) + REPLY_GRACE_S):
+                raise TimeoutError(f"lane worker {w} did not report epoch {number} ({kind})")
+            msg: tuple[Any, ...] = self._conns[w].recv()
+            if msg[0] == kind and msg[1] == number:
+                return msg
+
     def close(self) -> None:
-        for conn in self._conns:
-            conn.send(("close",))
+        for w in range(len(self._conns)):
+            self._send(w, ("close",))
+        self._outbox.put(None)
+        self._sender_thread.join(30)
         for conn, proc in zip(self._conns, self._procs, strict=True):
             if conn.poll(30):
                 conn.recv()
             proc.join(10)
+        for store_proc in self._store_procs:
+            store_proc.join(10)

@@ -51,6 +51,23 @@ def test_the_hosts_death_moves_only_its_lanes_to_the_next_of_the_ranking() -> No
             assert after[lane] == before[lane]
 
 
+def test_the_host_and_candidates_without_a_sort_are_the_rankings() -> None:
+    """``host`` (one pass) and ``candidates`` (top k) answer what the full ranking does, for any membership, joiners
+    included: every member of a 1,000-member lane computes them at each rendezvous."""
+    import random
+
+    rng = random.Random(39)
+    for _ in range(200):
+        ids = rng.sample([f"r{i}" for i in range(50)], rng.randint(1, 30))
+        members = [_member(r, JOINING if rng.random() < 0.3 else ACTIVE) for r in ids]
+        lane = rng.randrange(10_000)
+        joining = {m.replica_id for m in members if m.role == JOINING}
+        ranked = lane_hosts.ranking(ids, lane)
+        assert lane_hosts.host(members, lane) == next((r for r in ranked if r not in joining), None)
+        for k in (1, CANDIDATES, 40):
+            assert lane_hosts.candidates(ids, lane, k) == ranked[:k]
+
+
 def test_a_joiner_never_hosts() -> None:
     for lane in range(256):
         top = lane_hosts.ranking(IDS[:3], lane)[0]
