@@ -66,7 +66,9 @@ def backend_calls(store: Any, rank: int, world: int, backend: str) -> None:
             pg.get("nccl_unique_id")
         return
     pg.set(f"0/{rank}", "a" * 64)  # the member's address (Gloo: its pair listener)
-    peers = range(world) if backend == "mesh" else sorted({(rank - 1) % world, (rank + 1) % world} - {rank})
+    # Gloo's full mesh (``connectFullMesh``) reads every other member's address: its own it never waits for.
+    peers = [r for r in range(world) if r != rank] if backend == "mesh" else sorted(
+        {(rank - 1) % world, (rank + 1) % world} - {rank})
     # (``lazy``: Gloo's pairs connecting on first use, which the lanes do not do: ``ftar.group.configure_with_store``)
     for r in peers:
         pg.wait([f"0/{r}"])
