@@ -44,16 +44,16 @@ class ClosureSteps(Steps):
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)
-        t_compute, cpu0 = time.perf_counter(), time.process_time()
+        t_compute, cpu0 = self.timeline.tick(), time.process_time()
         with buckets.armed(self.step):  # buckets go to FTAR as FSDP2 produces their gradient shards
             loss = closure()
             slowed = self.faults.slow_down(self.step, self.own_compute_s)  # FTHSDP_FAULT_SLOW
             self.faults.at(self.step, Phase.BACKWARD)
-            t0 = time.perf_counter()
+            t0 = self.timeline.tick()
             loss.backward()  # type: ignore[no-untyped-call]
         loss_value = float(loss.detach().item())
         handles = buckets.launch_rest(self.step)  # parameters that got no gradient
-        t_computed = time.perf_counter()
+        t_computed = self.timeline.tick()
         self.busy_ms = round((time.process_time() - cpu0) * 1e3)
         commit, results = self.settle(handles, contribute=True)
         exchange_s = time.perf_counter() - t0

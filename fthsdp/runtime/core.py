@@ -31,6 +31,7 @@ from fthsdp.runtime.buckets import BucketExchange, failure_of
 from fthsdp.runtime.checkpoint_writer import CheckpointWriter
 from fthsdp.runtime.commit import Commit, CommitProtocol, Rejoin, Tally, advance_cursors, contributing_slots
 from fthsdp.runtime.config import RuntimeConfig
+from fthsdp.runtime.device_clock import DeviceClock
 from fthsdp.runtime.epoch_relay import GroupEpochs
 from fthsdp.runtime.errors import JobFinished, NoStateToResume, RejoinRequired, Terminated
 from fthsdp.runtime.faults import FaultInjector, Phase
@@ -85,8 +86,11 @@ class StepCore:
         self.state = TrainerState()  # param groups and registered objects: they travel with the tensors
         self.terminated = False  # stopped by SIGTERM
         self.feed = EpochFeed()
-        self.timeline = Timeline(max(1, cfg.timeline_events), enabled=cfg.timeline_events > 0,
-                                 epoch=lambda: e.number if (e := self.feed.current()) is not None else 0)
+        timed = cfg.timeline_events > 0
+        self.timeline = Timeline(max(1, cfg.timeline_events), enabled=timed,
+                                 epoch=lambda: e.number if (e := self.feed.current()) is not None else 0,
+                                 clock=DeviceClock.for_device(self.device) if timed and self.device.type == "cuda"
+                                 else None)
         self.server = CatchupServer(job=cfg.job_id, replica_id=cfg.replica_id, rank=self.rank,
                                     world_size=self.world_size, host=cfg.host, snapshot=self._snapshot,
                                     seal=ShardState.seal, device=self.device, epoch=self.feed.current,

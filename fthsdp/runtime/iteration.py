@@ -107,14 +107,14 @@ class Steps(StepCore):
     def _forward_begins(self, *_: object) -> None:
         """A forward of the step's model begins: the micro-batch before's backward (accumulation) ended."""
         if (it := self._iter) is not None and it.trains and not it.settled:
-            now = time.perf_counter()
+            now = self.timeline.tick()
             if it.t_forward[1]:
                 self.timeline.span("backward", "compute", it.step, it.t_forward[1], now, micro_batch=True)
             it.t_forward = (now, 0.0)
 
     def _forward_ends(self, *_: object) -> None:
         if (it := self._iter) is not None and it.trains and it.t_forward[0] and not it.t_forward[1]:
-            it.t_forward = (it.t_forward[0], time.perf_counter())
+            it.t_forward = (it.t_forward[0], self.timeline.tick())
             self.timeline.span("forward", "compute", it.step, *it.t_forward)
 
     def pace(self, attempts: int, step: int, compute_s: float, wait_s: float) -> None:
@@ -246,7 +246,7 @@ class Steps(StepCore):
         try:
             handles = buckets.launch_rest(it.step)
             buckets.disarm()
-            it.t_computed = time.perf_counter()
+            it.t_computed = self.timeline.tick()
             self.busy_ms = round((time.process_time() - it.cpu0) * 1e3)
             it.t_backward = it.t_backward or it.t_computed
             self.timeline.span("backward", "compute", it.step, it.t_forward[1] or it.t0, it.t_computed)

@@ -3,8 +3,10 @@ ranks' tracks (``fthsdp.trace.pull``) and the lighthouse's epoch history.
 
 One process per replica (``replica-1``), one thread per rank incarnation (``rank 0``; a restarted replica's ranks are
 new threads, ``rank 0, incarnation 2``), a complete event (``ph: X``) per phase of a step, an instant (``ph: i``) per
-mark; every epoch (with what happened: a death, a join, an ejection) and every launcher event (a kill) is a global
-instant, a line across every track. Times in microseconds from the earliest event.
+mark; on a GPU, a rank's phases as its device ran them (a span's ``device_t0`` and ``device_ms``,
+``fthsdp.runtime.device_clock``) on a thread of their own under it (``rank 0, device``); every epoch (with what
+happened: a death, a join, an ejection) and every launcher event (a kill) is a global instant, a line across every
+track. Times in microseconds from the earliest event.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from fthsdp.trace.pull import Track
 PHASES = ("X", "i", "M")
 LIGHTHOUSE_PID = 0
 TIDS_PER_INCARNATION = 1 << 20
-"""A rank's thread id is ``incarnation index × this + rank`` (replicas of up to a million ranks stay apart)."""
+"""A rank's thread id is ``incarnation index × this + rank`` (replicas of up to half a million ranks stay apart)."""
+DEVICE_TID = 1 << 19
+"""Added to a rank's thread id: the thread of its device's spans."""
 
 
 def _us(t: float, t0: float) -> float:
@@ -54,6 +58,7 @@ def build(tracks: Iterable[Track], history: Sequence[dict[str, Any]] = (),
         out.append({"name": "thread_sort_index", "ph": "M", "pid": pid[t.replica], "tid": tid,
                     "args": {"sort_index": tid}})
         dropped += t.dropped
+        device_named = False
         for seq in sorted(t.events):
             _, ph, name, cat, step, epoch, a, b, args = t.events[seq]
             ev = {"name": name, "cat": cat, "ph": ph, "ts": _us(a, t0), "pid": pid[t.replica], "tid": tid,
@@ -63,6 +68,16 @@ def build(tracks: Iterable[Track], history: Sequence[dict[str, Any]] = (),
             else:
                 ev["s"] = "t"
             out.append(ev)
+            if ph == "X" and args and "device_t0" in args:
+                if not device_named:
+                    device_named = True
+                    out.append({"name": "thread_name", "ph": "M", "pid": pid[t.replica], "tid": tid + DEVICE_TID,
+                                "args": {"name": f"{label}, device"}})
+                    out.append({"name": "thread_sort_index", "ph": "M", "pid": pid[t.replica],
+                                "tid": tid + DEVICE_TID, "args": {"sort_index": tid + DEVICE_TID}})
+                out.append({"name": name, "cat": cat, "ph": "X", "ts": _us(float(args["device_t0"]), t0),
+                            "dur": round(float(args["device_ms"]) * 1e3, 1), "pid": pid[t.replica],
+                            "tid": tid + DEVICE_TID, "args": {"step": step, "epoch": epoch}})
     for h in history:
         what = ", ".join(f"{e['replica_id']} {e['kind']}" for e in h.get("events", ()))
         out.append({"name": f"epoch {h['epoch']}" + (f": {what}" if what else ""), "cat": "epoch", "ph": "i",
@@ -113,9 +128,11 @@ def names(doc: dict[str, Any]) -> tuple[dict[int, str], dict[tuple[int, int], st
 
 
 def rank_tracks(doc: dict[str, Any]) -> dict[str, list[str]]:
-    """Per replica (process name), its tracks' names (thread names) that hold at least one span."""
+    """Per replica (process name), its ranks' tracks' names (thread names) that hold at least one span (not their
+    devices' tracks)."""
     procs, threads = names(doc)
-    busy = {(e["pid"], e["tid"]) for e in doc["traceEvents"] if e["ph"] == "X"}
+    busy = {(e["pid"], e["tid"]) for e in doc["traceEvents"]
+            if e["ph"] == "X" and e["tid"] % TIDS_PER_INCARNATION < DEVICE_TID}
     out: dict[str, list[str]] = {}
     for key in sorted(busy):
         out.setdefault(procs[key[0]], []).append(threads[key])
