@@ -179,11 +179,14 @@ class _Lanes:
         return {lane: (t if counts[lane] >= members else float("nan")) for lane, t in done.items()}
 
     def close(self) -> None:
+        """End the emulated ranks and their stores, and the store process."""
         self._pool.shutdown(wait=True)
         with self._lock:
             entries, self._hosting = list(self._hosting.values()), {}
         for hosting, _ in entries:
             hosting.close()
+        with self._stores_lock:
+            self._stores.send(("close",))
 
 
 def _worker(conn: Any, stores: Any, lanes: list[int], job_id: str, key: str, address: str, token: str,
@@ -224,18 +227,15 @@ def _worker(conn: Any, stores: Any, lanes: list[int], job_id: str, key: str, add
             threading.Thread(target=learn, args=msg[1:], daemon=True).start()
         else:
             emu.close()
-            with emu._stores_lock:
-                stores.send(("close",))
             reply(("closed",))
             return
 
 
 class LaneEmulator:
     """The emulated ranks of ``lanes`` in every replica of a job, spread over ``processes`` worker processes by
-    replica, and their lane stores in a process of their own (so that the stores and their clients do not share one
-    interpreter: in a deployment every rank is a process of its own), each worker's replicas' stores in a store
-    process beside it. Each replica's ranks start their rendezvous
-    as soon as its session holds a new epoch (``on_epoch``)."""
+    replica, each worker's replicas' lane stores in a store process beside it (so that the stores and their clients
+    do not share one interpreter: in a deployment every rank is a process of its own). Each replica's ranks start
+    their rendezvous as soon as its session holds a new epoch (``on_epoch``)."""
 
     def __init__(self, lanes: list[int], job_id: str, key: str, lighthouse: StoreTarget, backend: str = "mesh",
                  timeout_s: float = 60.0, workers: int = 256, processes: int = 2) -> None:
@@ -249,7 +249,7 @@ class LaneEmulator:
         ctx = multiprocessing.get_context("spawn")
         self._conns = []
         self._procs = []
-        self._send_lock = threading.Lock()
+        self._encoding = threading.Lock()
         self._outbox: queue.Queue[tuple[int, tuple[Any, ...]] | None] = queue.Queue()
         """What goes to the workers, written by one thread (``_sender``): the epochs of many replicas that come at
         once go to a worker in one message, which its one reading thread (beside hundreds of emulated ranks wanting
@@ -310,14 +310,16 @@ class LaneEmulator:
         w = self._of(rid)
         if epoch.data_plane == epoch.number and epoch.member(rid) is not None:
             self._members.setdefault((epoch.number, w), set()).add(rid)
-        with self._send_lock:
+        with self._encoding:
             encoded = self._encoded.get(epoch.number)
             if encoded is None:
                 encoded = self._encoded[epoch.number] = view_to_pb(epoch).SerializeToString()
                 for old in [n for n in self._encoded if n < epoch.number - KEEP_DECODED]:
                     del self._encoded[old]
             first = (w, epoch.number) not in self._sent
-            self._sent.add((w, epoch.number))
+            if first:  # the worker forgets the epochs this far below it as it decodes it: sent whole again if needed
+                self._sent = {(x, n) for x, n in self._sent if x != w or n >= epoch.number - KEEP_DECODED}
+                self._sent.add((w, epoch.number))
         self._send(w, ("epoch", rid, epoch.number, encoded if first else None))
 
     def kill(self, rid: str) -> None:
