@@ -44,6 +44,13 @@ def finished_step_of(message: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+def finished_step_in(text: str) -> int | None:
+    """The step a ``finished_message`` quoted anywhere in ``text`` names (a session's end, as its client words it);
+    None when there is none."""
+    at = text.find(JOB_FINISHED_AT + " ")
+    return finished_step_of(text[at:]) if at >= 0 else None
+
+
 def check_incarnation(state: State, replica_id: str, incarnation: str) -> Rejection | None:
     """Whether ``incarnation`` of ``replica_id`` may call: None when it is the registered one; otherwise the
     refusal (FAILED_PRECONDITION: it is over, for good; NOT_FOUND: unknown here, it must register again). One

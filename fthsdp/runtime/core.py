@@ -45,6 +45,7 @@ from fthsdp.runtime.timeline import Timeline
 from fthsdp.runtime.trainer_state import TrainerState
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
+from lighthouse.incarnations import finished_step_in
 from lighthouse.model import NO_SLOT
 
 log = logging.getLogger("fthsdp.runtime")
@@ -85,6 +86,7 @@ class StepCore:
         self.scales: dict[int, float] = {}  # a zero contributor's: per step, the factor the trainers scaled it by
         self.state = TrainerState()  # param groups and registered objects: they travel with the tensors
         self.terminated = False  # stopped by SIGTERM
+        self.job_over_at: int | None = None  # the step the job finished at, when the lighthouse said so (``on_lost``)
         self.feed = EpochFeed()
         timed = cfg.timeline_events > 0
         self.timeline = Timeline(max(1, cfg.timeline_events), enabled=timed,
@@ -228,8 +230,9 @@ class StepCore:
     def on_lost(self, reason: str) -> None:
         """The lighthouse dropped this incarnation (e.g. hung; rank 0 learns it, the others from rank 0's relay):
         fail the exchanges now, so that every rank restarts and rejoins (or, told the job finished, takes the final
-        checkpoint: ``roles.finished_meanwhile``)."""
+        checkpoint in place: ``job_over_at``, ``roles.finished_meanwhile``, ``session``)."""
         self.log(logging.WARNING, "the lighthouse dropped this replica (%s): its exchanges fail from now on", reason)
+        self.job_over_at = finished_step_in(reason)
         self.epochs.lost(reason)
         self.engine.exclude(f"dropped by the lighthouse: {reason}")
 

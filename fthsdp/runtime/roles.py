@@ -152,17 +152,17 @@ class Spare(Role):
         return Turn(result, Active() if core.slot != NO_SLOT else self)
 
 
-def finished_meanwhile(core: StepCore, step: int) -> Role:
-    """The job finished at ``step`` while this replica asked to enter the data plane: as a registration answered
-    finished, it takes the final checkpoint (``JobFinished`` if there is none) and trains nothing; the trainer's
-    loop then ends as the others' did, with no restart to learn that."""
+def finished_meanwhile(core: StepCore, step: int, when: str = "while this replica was joining") -> Role:
+    """The job finished at ``step`` while this replica asked to enter the data plane (or before its step committed:
+    ``when``): as a registration answered finished, it takes the final checkpoint (``JobFinished`` if there is
+    none) and trains nothing; the trainer's loop then ends as the others' did, with no restart to learn that."""
     cfg = core.config
     core.resume = startup.start_from(Given.FINISHED, step, cfg.job_id, cfg.checkpoint_dir)
     core.client.close()  # its incarnation is over: nothing to heartbeat
     core.standing = Standing.FINISHED
     core.take_place()
-    core.log(logging.WARNING, "the job finished at step %d while this replica was joining: took its final "
-             "checkpoint, training nothing", step)
+    core.log(logging.WARNING, "the job finished at step %d %s: took its final checkpoint, training nothing", step,
+             when)
     return Finished()
 
 

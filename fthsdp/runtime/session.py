@@ -4,7 +4,9 @@ hand, so that a training script handles no fthsdp exception itself.
 - The body ends: the replica closes (an active one first ends the job with the others, ``Replica.close``).
 - ``RejoinRequired`` (this replica's state can no longer be trusted, ``Diverged`` included): the process exits
   at once with ``EXIT_REJOIN`` (closing would wait for abandoned collectives to time out; its connections close
-  with it, which the lighthouse takes as its death); the launcher restarts the group, which catches up.
+  with it, which the lighthouse takes as its death); the launcher restarts the group, which catches up. Unless
+  the lighthouse dropped it because the job finished (its step was in flight as the others ended): then it takes
+  the job's final checkpoint in place (``roles.finished_meanwhile``), writes its ``final`` line and exits 0.
 - ``JobFinished`` (it came back after the job ended, with no final checkpoint to take): logged, exit status 0. One
   that holds the final checkpoint (the job ended while it asked to join, inside ``train_step``) first writes its
   ``final`` line, as the loop's end does.
@@ -32,7 +34,7 @@ from typing import Any, NoReturn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fthsdp.launch.progress import ProgressWriter
-from fthsdp.runtime import selfcheck
+from fthsdp.runtime import roles, selfcheck
 from fthsdp.runtime.config import ConfigError, RuntimeConfig
 from fthsdp.runtime.errors import (
     EXIT_REJOIN,
@@ -127,6 +129,19 @@ def _exit_for(ft: Replica, e: BaseException) -> int | None:
         else:
             ft.close(leave=False)
         return 0
+    if isinstance(e, RejoinRequired) and ft.job_over_at is not None and not ft.finished:
+        # Dropped because the job finished while its step was in flight (a joiner entering as the others ended, a
+        # replica whose last step did not commit): the final state is the job's final checkpoint, not a restart's.
+        try:
+            roles.finished_meanwhile(ft, ft.job_over_at, f"before this replica's step committed ({e})")
+        except JobFinished as over:  # no final checkpoint to take
+            return _exit_for(ft, over)
+        except Exception as failed:  # noqa: BLE001 - e.g. no model yet to load it into: a restart takes it then
+            log.error("fthsdp replica=%s rank=%d: the job finished at step %d, and its final checkpoint could not be "
+                      "taken in place (%s)", ft.config.replica_id, ft.rank, ft.job_over_at, failed)
+        else:
+            _end(ft)
+            return 0
     if isinstance(e, RejoinRequired):
         log.error("fthsdp replica=%s rank=%d step=%d: %s; exiting to rejoin (status %d)", ft.config.replica_id,
                   ft.rank, ft.step, e, EXIT_REJOIN)

@@ -41,6 +41,7 @@ class FakeReplica:
     incarnation: str = "abc"
     joining: bool = False
     finished: bool = False
+    job_over_at: int | None = None
     cursors: Any = field(default_factory=lambda: torch.tensor([7, 7, 7]))
     closed: list[bool] = field(default_factory=list)
 
@@ -129,6 +130,60 @@ def test_a_replica_told_in_train_step_that_the_job_ended_reports_the_final_state
     assert code == 0 and ft.closed == [True]  # closed as at the loop's end (a finished replica leaves nothing)
     rows = [x for x in read_progress(path) if x.event == "final"]
     assert len(rows) == 1 and rows[0].step == 60 and rows[0].extra.get("late") is True, rows
+
+
+def test_a_replica_dropped_because_the_job_finished_takes_the_final_state_in_place(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    """Seen in CI (``test_a_real_trainer_with_warm_standbys_replaced_twice``): a warm standby released late entered
+    the data plane as the others finished; the lighthouse ended its session with "the job finished at step 200",
+    its exchanges failed, and it exited to rejoin (one more exit, a cold restart) where the job's final checkpoint
+    was there to take. Dropped so, it takes it in place, writes its final line and exits 0; dropped for anything
+    else, it still exits to rejoin."""
+    from fthsdp.runtime import roles
+
+    path = tmp_path / "progress.jsonl"
+    monkeypatch.setenv("FTHSDP_PROGRESS", str(path))
+    monkeypatch.setenv("RANK", "0")
+    taken: list[tuple[int, str]] = []
+
+    def finished_meanwhile(core: Any, step: int, when: str = "") -> None:
+        taken.append((step, when))
+        core.finished, core.step = True, step  # as the real one leaves it
+
+    monkeypatch.setattr(roles, "finished_meanwhile", finished_meanwhile)
+
+    def dropped(ft: Any) -> None:
+        ft.job_over_at = 200
+
+    ft, code = run(monkeypatch, rank=0, body=dropped, body_error=RejoinRequired("this replica was declared dead"))
+    assert code == 0 and ft.closed == [True] and taken and taken[0][0] == 200, (code, ft.closed, taken)
+    rows = [x for x in read_progress(path) if x.event == "final"]
+    assert len(rows) == 1 and rows[0].step == 200 and rows[0].extra.get("late") is True, rows
+
+    def no_checkpoint(core: Any, step: int, when: str = "") -> None:
+        raise JobFinished(f"the job finished at step {step} and left no final checkpoint", step)
+
+    monkeypatch.setattr(roles, "finished_meanwhile", no_checkpoint)
+    ft, code = run(monkeypatch, rank=0, body=dropped, body_error=RejoinRequired("this replica was declared dead"))
+    assert code == 0 and ft.closed == [False]
+
+    def not_yet(core: Any, step: int, when: str = "") -> None:
+        raise RuntimeError("call optimizer(opt) first")
+
+    monkeypatch.setattr(roles, "finished_meanwhile", not_yet)
+    ft, code = run(monkeypatch, rank=0, body=dropped, body_error=RejoinRequired("this replica was declared dead"))
+    assert code == EXIT_REJOIN and ft.closed == []  # a restart takes the final checkpoint then
+    ft, code = run(monkeypatch, rank=0, body_error=RejoinRequired("this replica is behind the others"))
+    assert code == EXIT_REJOIN and ft.closed == []
+
+
+def test_the_step_a_finished_job_named_is_read_from_a_sessions_end() -> None:
+    from lighthouse.incarnations import finished_message, finished_step_in
+
+    why = f"Session for replica-1 at 127.0.0.1:1: FAILED_PRECONDITION: {finished_message('replica-1', 'i', 200)}"
+    assert finished_step_in(why) == 200
+    assert finished_step_in("Session for replica replica-1: FAILED_PRECONDITION: incarnation 'i' was declared dead") \
+        is None
 
 
 def test_other_errors_propagate(monkeypatch: pytest.MonkeyPatch) -> None:
