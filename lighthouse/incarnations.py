@@ -36,19 +36,14 @@ def finished_message(replica_id: str, incarnation: str, step: int) -> str:
             "(do not train; a registration is answered finished)")
 
 
-def finished_step_of(message: str) -> int | None:
-    """The step a ``finished_message`` names; None for any other message."""
-    if not message.startswith(JOB_FINISHED_AT + " "):
-        return None
-    head = message[len(JOB_FINISHED_AT) + 1:].split(":", 1)[0]
-    return int(head) if head.isdigit() else None
-
-
-def finished_step_in(text: str) -> int | None:
-    """The step a ``finished_message`` quoted anywhere in ``text`` names (a session's end, as its client words it);
+def finished_step_of(text: str) -> int | None:
+    """The step a ``finished_message`` in ``text`` names (the refusal itself, or a session's end that quotes it);
     None when there is none."""
     at = text.find(JOB_FINISHED_AT + " ")
-    return finished_step_of(text[at:]) if at >= 0 else None
+    if at < 0:
+        return None
+    head = text[at + len(JOB_FINISHED_AT) + 1:].split(":", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def check_incarnation(state: State, replica_id: str, incarnation: str) -> Rejection | None:

@@ -45,7 +45,7 @@ from fthsdp.runtime.timeline import Timeline
 from fthsdp.runtime.trainer_state import TrainerState
 from lighthouse import membership as m
 from lighthouse.client import LighthouseClient
-from lighthouse.incarnations import finished_step_in
+from lighthouse.incarnations import finished_step_of
 from lighthouse.model import NO_SLOT
 
 log = logging.getLogger("fthsdp.runtime")
@@ -232,7 +232,7 @@ class StepCore:
         fail the exchanges now, so that every rank restarts and rejoins (or, told the job finished, takes the final
         checkpoint in place: ``job_over_at``, ``roles.finished_meanwhile``, ``session``)."""
         self.log(logging.WARNING, "the lighthouse dropped this replica (%s): its exchanges fail from now on", reason)
-        self.job_over_at = finished_step_in(reason)
+        self.job_over_at = finished_step_of(reason)
         self.epochs.lost(reason)
         self.engine.exclude(f"dropped by the lighthouse: {reason}")
 

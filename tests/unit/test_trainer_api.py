@@ -178,11 +178,11 @@ def test_a_replica_dropped_because_the_job_finished_takes_the_final_state_in_pla
 
 
 def test_the_step_a_finished_job_named_is_read_from_a_sessions_end() -> None:
-    from lighthouse.incarnations import finished_message, finished_step_in
+    from lighthouse.incarnations import finished_message, finished_step_of
 
     why = f"Session for replica-1 at 127.0.0.1:1: FAILED_PRECONDITION: {finished_message('replica-1', 'i', 200)}"
-    assert finished_step_in(why) == 200
-    assert finished_step_in("Session for replica replica-1: FAILED_PRECONDITION: incarnation 'i' was declared dead") \
+    assert finished_step_of(why) == 200
+    assert finished_step_of("Session for replica replica-1: FAILED_PRECONDITION: incarnation 'i' was declared dead") \
         is None
 
 
