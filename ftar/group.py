@@ -34,13 +34,12 @@ from ftar.errors import Abandoned, PeerFailure
 from ftar.lane_hosting import LaneHosting, member_hosted
 from ftar.packing import Staging
 from ftar.rules import missing
+from ftar.spread_store import ARRIVED
 from ftar.store import StoreRefused, StoreTarget, open_store
 from lighthouse.epoch_view import EpochView
 
 log = logging.getLogger("fthsdp.ftar")
 
-ARRIVED = "arrived"
-"""Store key prefix a member sets (``arrived/<rank>``) when it starts the rendezvous of an epoch's group."""
 FAILED = "failed"
 """Store key prefix a member sets (``failed/<seq>/<rank>``) when exchange ``seq`` failed for it."""
 POLL_S = 0.02

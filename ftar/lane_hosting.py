@@ -8,7 +8,8 @@ reads those it lacks (at most ``CANDIDATES - 1`` reads, none blocking: every mem
 next host is one of them, so the members meet on it without asking anyone (``MEMBERS``). A member that does not
 know the host (a joiner, a new incarnation) reads its address on the lighthouse, where the host sets it
 (``ANNOUNCED``); one that should know it and does not fails its rendezvous, and the re-formed epoch that follows
-meets on the lighthouse (``LIGHTHOUSE``).
+meets on the lighthouse (``LIGHTHOUSE``). A lane of many members meeting on kept addresses meets on the first
+``SPREAD`` of them at once (``lane_hosts.stores``, ``ftar.spread_store``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from ftar.errors import Abandoned
 from ftar.lane_store import LaneStoreServer, MemberStore
+from ftar.spread_store import SpreadStore
 from ftar.store import StoreRefused, StoreTarget, StoreTimeout, open_store
 from lighthouse import lane_hosts
 from lighthouse.epoch_view import EpochView
@@ -74,27 +76,42 @@ class LaneHosting:
 
     def open(self, epoch: EpochView, lane: int, lighthouse: Target, timeout: timedelta,
              superseded: Callable[[], bool]) -> tuple[Any, str]:
-        """The store ``lane`` meets on in member-hosted ``epoch`` and the replica hosting it. Raises ``StoreRefused``
-        when this member does not know the host's address and nobody can tell it, ``Abandoned`` once
-        ``superseded()`` while it waits for the host's announcement."""
+        """The store ``lane`` meets on in member-hosted ``epoch`` and the replica hosting it: the host's store, or
+        the lane's stores as one (``SpreadStore``, ``lane_hosts.stores``). Raises ``StoreRefused`` when this member
+        does not know a store's address and nobody can tell it, ``Abandoned`` once ``superseded()`` while it waits
+        for the host's announcement."""
         hosting = hosting_of(epoch.rendezvous)
         assert hosting is not None
         mode, namespace = hosting
-        host = lane_hosts.host(epoch.members, lane)
-        member = epoch.member(host) if host is not None else None
-        if host is None or member is None:
+        on = lane_hosts.stores(epoch.members, lane, mode)
+        if not on:
             raise StoreRefused(f"epoch {epoch.number} has no member to host lane {lane}")
-        if host == self.replica_id:
+        addresses = [self._address_of(epoch, lane, rid, mode, namespace, lighthouse, timeout, superseded,
+                                      "the host" if i == 0 else "a store")
+                     for i, rid in enumerate(on)]
+        stores = [MemberStore(a, self._key, self.job_id, namespace, timeout) for a in addresses]
+        if len(stores) == 1:
+            return stores[0], on[0]
+        return SpreadStore(stores, epoch.replica_ids.index(self.replica_id) % len(stores)), on[0]
+
+    def _address_of(self, epoch: EpochView, lane: int, rid: str, mode: str, namespace: str, lighthouse: Target,
+                    timeout: timedelta, superseded: Callable[[], bool], what: str) -> str:
+        """The address of ``rid``'s store, one ``lane`` meets on: this member's own (announced on the lighthouse
+        when the mode says so), one it kept, or the one its host announced."""
+        member = epoch.member(rid)
+        if member is None:
+            raise StoreRefused(f"epoch {epoch.number}: {rid}, {what} of lane {lane}, is not a member")
+        if rid == self.replica_id:
             address = self.address()
             if mode == lane_hosts.ANNOUNCED:
                 open_store(SCHEME + namespace, lighthouse, timeout).set(f"lane{lane}/{HOST_KEY}", address)
-        else:
-            address = self.known(lane, host, member.incarnation) or ""
-            if not address and mode == lane_hosts.ANNOUNCED:
-                address = self._look_up(SCHEME + namespace, lane, lighthouse, timeout, superseded)
-            if not address:
-                raise StoreRefused(f"epoch {epoch.number}: no address known for {host}, the host of lane {lane}")
-        return MemberStore(address, self._key, self.job_id, namespace, timeout), host
+            return address
+        address = self.known(lane, rid, member.incarnation) or ""
+        if not address and mode == lane_hosts.ANNOUNCED:
+            address = self._look_up(SCHEME + namespace, lane, lighthouse, timeout, superseded)
+        if not address:
+            raise StoreRefused(f"epoch {epoch.number}: no address known for {rid}, {what} of lane {lane}")
+        return address
 
     def _look_up(self, rendezvous: str, lane: int, lighthouse: Target, timeout: timedelta,
                  superseded: Callable[[], bool]) -> str:

@@ -25,8 +25,9 @@ class EpochView:
     def data_plane(self) -> int:
         return self.plane or self.number
 
-    @property
+    @functools.cached_property
     def replica_ids(self) -> tuple[str, ...]:
+        """The members' ids in the epoch's order (kept: a lane's ranking is cached by this tuple)."""
         return tuple(x.replica_id for x in self.members)
 
     @functools.cached_property

@@ -6,12 +6,14 @@ joining. The ranking is a rendezvous (highest-random-weight) hash of the lane an
 computes it the same way from the epoch alone, the lanes' hosts spread evenly over the replicas, and a death moves
 only the lanes its replica hosted: the next epoch leaves the dead out, and the next member of the ranking hosts.
 Each member keeps the addresses of its lane's first ``CANDIDATES`` members of the ranking, learned at every
-rendezvous, so that after a death it already knows where the new host is.
+rendezvous, so that after a death it already knows where the new host is. A lane of many members (``SPREAD_FROM``)
+meeting on kept addresses spreads its keys over the first ``SPREAD`` members of the ranking (``stores``;
+``ftar.spread_store``): each member arrives on, and reads from, one of them, so no one store serves every member.
 
 How an epoch's lanes rendezvous is the lighthouse's choice (``mode``), from the epoch before it:
 
-- ``MEMBERS``: on the hosts' stores, from the addresses the members keep: an epoch that only lost members (fewer
-  than ``CANDIDATES - 1`` at once) and has no joiner. The lighthouse serves nothing for it.
+- ``MEMBERS``: on the hosts' stores, from the addresses the members keep: an epoch that only lost members (at
+  most ``LOST_AT_ONCE`` at once) and has no joiner. The lighthouse serves nothing for it.
 - ``ANNOUNCED``: on the hosts' stores; each host also sets its address on the lighthouse, one key per lane, for the
   members that do not know it (the first epoch, a joiner, a new incarnation): a set per lane and a get per newcomer
   rank instead of a full rendezvous of every rank.
@@ -29,11 +31,20 @@ from collections.abc import Callable, Iterable, Sequence
 
 from lighthouse.model import JOINING, Epoch, EpochMember
 
-CANDIDATES = 4
-"""The members of a lane's ranking whose addresses every member keeps: up to ``CANDIDATES - 1`` hosts may die at
-once (or be joining) and the members still know the next one."""
+LOST_AT_ONCE = 2
+"""Members an epoch may lose at once, with no joiner, and still meet on the addresses its members kept."""
+SPREAD = 4
+"""The stores a lane of ``SPREAD_FROM`` members or more spreads its keys over when it meets on kept addresses."""
+SPREAD_FROM = 64
+"""The members from which a lane's keys spread: below, one store serves the lane's few calls."""
+CANDIDATES = LOST_AT_ONCE + SPREAD
+"""The members of a lane's ranking whose addresses every member keeps: whichever ``LOST_AT_ONCE`` of them die, the
+first ``SPREAD`` of the next epoch's ranking are among them."""
 WEIGHTS_KEPT = 1 << 16
 """(lane, replica) weights a process keeps computed (a rank ranks its own lanes' members: one lane each)."""
+RANKINGS_KEPT = 256
+"""(members, lane, k) answers of ``candidates`` a process keeps: a rank asks for its lane's several times per
+rendezvous, and a process emulating many ranks of one lane (``fthsdp.bench.lanes``) once for all of them."""
 MEMBERS = "members"
 ANNOUNCED = "announced"
 LIGHTHOUSE = ""
@@ -65,8 +76,24 @@ def host(members: Sequence[EpochMember], lane: int) -> str | None:
 
 
 def candidates(replica_ids: Iterable[str], lane: int, k: int = CANDIDATES) -> list[str]:
-    """The first ``k`` of ``lane``'s ranking: the members whose addresses the lane's members keep (no full sort)."""
-    return heapq.nsmallest(k, replica_ids, key=_order(lane))
+    """The first ``k`` of ``lane``'s ranking: the members whose addresses the lane's members keep (no full sort;
+    kept once computed for the same members, as a tuple of ids)."""
+    return list(_first(tuple(replica_ids), lane, k))
+
+
+@functools.lru_cache(maxsize=RANKINGS_KEPT)
+def _first(replica_ids: tuple[str, ...], lane: int, k: int) -> tuple[str, ...]:
+    return tuple(heapq.nsmallest(k, replica_ids, key=_order(lane)))
+
+
+def stores(members: Sequence[EpochMember], lane: int, how: str) -> list[str]:
+    """The replicas whose stores ``lane`` meets on in an epoch of ``members`` that meets ``how`` (a mode), the host
+    first: the host alone; for a lane of at least ``SPREAD_FROM`` members meeting on kept addresses (``MEMBERS``: no
+    joiner), the first ``SPREAD`` of its ranking, every one of them known to every member (``CANDIDATES``)."""
+    if how == MEMBERS and len(members) >= SPREAD_FROM:
+        return candidates(tuple(m.replica_id for m in members if m.role != JOINING), lane, SPREAD)
+    first = host(members, lane)
+    return [] if first is None else [first]
 
 
 def mode(before: Epoch | None, wanted: Sequence[EpochMember], force: bool) -> str:
@@ -79,4 +106,4 @@ def mode(before: Epoch | None, wanted: Sequence[EpochMember], force: bool) -> st
     kept = set(before.plane_key())
     if any((m.replica_id, m.incarnation) not in kept or m.role == JOINING for m in wanted):
         return ANNOUNCED
-    return MEMBERS if len(kept) - len(wanted) < CANDIDATES - 1 else ANNOUNCED
+    return MEMBERS if len(kept) - len(wanted) <= LOST_AT_ONCE else ANNOUNCED

@@ -7,7 +7,7 @@ import collections
 import dataclasses
 
 from lighthouse import lane_hosts
-from lighthouse.lane_hosts import ANNOUNCED, CANDIDATES, LIGHTHOUSE, MEMBERS
+from lighthouse.lane_hosts import ANNOUNCED, CANDIDATES, LIGHTHOUSE, LOST_AT_ONCE, MEMBERS, SPREAD, SPREAD_FROM
 from lighthouse.model import ACTIVE, JOINING, Endpoints, Epoch, EpochMember
 
 
@@ -77,13 +77,13 @@ def test_a_joiner_never_hosts() -> None:
 
 
 def test_the_kept_candidates_cover_the_host_after_fewer_than_candidates_deaths() -> None:
-    """Whatever ``CANDIDATES - 2`` members die at once, and one member of the ranking joins, every lane's new host
+    """Whatever ``LOST_AT_ONCE`` members die at once, and one member of the ranking joins, every lane's new host
     is among the candidates its members kept from the epoch before."""
     members = [_member(r) for r in IDS]
     for lane in range(512):
         kept = lane_hosts.candidates(IDS, lane)
-        dead = set(kept[:CANDIDATES - 2])
-        joining = kept[CANDIDATES - 2]
+        dead = set(kept[:LOST_AT_ONCE])
+        joining = kept[LOST_AT_ONCE]
         now = [dataclasses.replace(x, role=JOINING) if x.replica_id == joining else x
                for x in members if x.replica_id not in dead]
         assert lane_hosts.host(now, lane) in kept
@@ -99,8 +99,40 @@ def test_an_epoch_that_only_lost_members_meets_on_the_members() -> None:
 
 def test_too_many_deaths_at_once_announce_the_hosts_on_the_lighthouse() -> None:
     before = _epoch(5, *(_member(r) for r in IDS))
-    assert lane_hosts.mode(before, before.members[CANDIDATES - 2:], force=False) == MEMBERS
-    assert lane_hosts.mode(before, before.members[CANDIDATES - 1:], force=False) == ANNOUNCED
+    assert lane_hosts.mode(before, before.members[LOST_AT_ONCE:], force=False) == MEMBERS
+    assert lane_hosts.mode(before, before.members[LOST_AT_ONCE + 1:], force=False) == ANNOUNCED
+
+
+def test_a_large_lane_spreads_over_stores_every_member_kept_whoever_died() -> None:
+    """A lane of ``SPREAD_FROM`` members or more meeting on kept addresses meets on the first ``SPREAD`` of its
+    ranking, the host first; whichever ``LOST_AT_ONCE`` members die (the stores' own replicas included), every one of
+    the next epoch's stores is a candidate the members kept. A smaller lane, or one that meets otherwise, meets on
+    its host alone."""
+    import itertools
+    import random
+
+    rng = random.Random(38)
+    ids = [f"r{i}" for i in range(SPREAD_FROM + 8)]
+    members = [_member(r) for r in ids]
+    for lane in range(64):
+        kept = lane_hosts.candidates(ids, lane)
+        assert len(kept) == CANDIDATES
+        on = lane_hosts.stores(members, lane, MEMBERS)
+        assert on == kept[:SPREAD] and on[0] == lane_hosts.host(members, lane)
+        # Deaths among the kept (the worst case) and anywhere else.
+        deaths = [set(c) for c in itertools.combinations(kept, LOST_AT_ONCE)]
+        deaths += [set(rng.sample(ids, LOST_AT_ONCE)) for _ in range(8)]
+        for dead in deaths:
+            now = [m for m in members if m.replica_id not in dead]
+            assert len(now) >= SPREAD_FROM
+            after = lane_hosts.stores(now, lane, MEMBERS)
+            assert len(after) == SPREAD and set(after) <= set(kept) and not set(after) & dead, (lane, dead)
+            assert after[0] == lane_hosts.host(now, lane)
+        for how in (ANNOUNCED, LIGHTHOUSE):
+            assert lane_hosts.stores(members, lane, how) == [lane_hosts.host(members, lane)]
+        small = members[:SPREAD_FROM - 1]
+        assert lane_hosts.stores(small, lane, MEMBERS) == [lane_hosts.host(small, lane)]
+    assert lane_hosts.stores([_member("a", JOINING)], 0, ANNOUNCED) == []
 
 
 def test_the_first_epoch_a_joiner_or_a_new_incarnation_announce_the_hosts() -> None:
