@@ -785,7 +785,7 @@ def main(argv: list[str] | None = None) -> None:
               "> out/bench/lanes-12x8192-4lanes.json",
               ".venv/bin/fthsdp bench lighthouse --replicas 12 --ranks-per-group 8192 --deaths 1 --lane-backend nccl "
               "--json > out/bench/lanes-12x8192-nccl.json",
-              ".venv/bin/fthsdp bench lighthouse --replicas 1000 --ranks-per-group 8 --deaths 1 --lane-deaths 2 "
+              ".venv/bin/fthsdp bench lighthouse --replicas 1000 --ranks-per-group 8 --deaths 1 "
               "--lane-backend nccl --json > out/bench/lanes-1000x8-nccl.json",
               ".venv/bin/fthsdp bench failover --json > out/bench/failover.json",
               ".venv/bin/fthsdp bench straggler --json > out/bench/straggler.json",
