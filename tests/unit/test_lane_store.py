@@ -20,6 +20,7 @@ from lighthouse.epoch_view import EpochView
 from lighthouse.model import ACTIVE, JOINING, Endpoints, EpochMember
 from lighthouse.v1 import lighthouse_pb2 as pb
 from tests.helpers import store_conformance
+from tests.helpers.lane_hub import rendezvous_once
 
 pytestmark = pytest.mark.timeout(60)
 JOB = "job-a"
@@ -155,15 +156,7 @@ def test_the_members_meet_on_the_host_they_learned_at_the_rendezvous_before() ->
     current = [first]
     members = {r: _hosting(r, current) for r in ids}
     try:
-        hub = LaneStoreServer(JOB, KEY, "127.0.0.1", lambda: current[0])  # stands in for the first rendezvous
-        try:
-            lane_store = MemberStore(hub.address, KEY, JOB, f"{JOB}/epoch3", timedelta(seconds=2))
-            for h in members.values():
-                h.announce(first, 0, lane_store)
-            for h in members.values():
-                h.learn(first, 0, lane_store)
-        finally:
-            hub.close()
+        rendezvous_once(members.values(), first, JOB, KEY)
         host = lane_hosts.host(first.members, 0)
         assert host is not None
         survivors = [r for r in ids if r != host]

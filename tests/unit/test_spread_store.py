@@ -18,6 +18,7 @@ from lighthouse import lane_hosts
 from lighthouse.epoch_view import EpochView
 from lighthouse.model import ACTIVE, Endpoints, EpochMember
 from tests.helpers import store_conformance
+from tests.helpers.lane_hub import rendezvous_once
 
 pytestmark = pytest.mark.timeout(90)
 JOB = "job-a"
@@ -97,15 +98,7 @@ def test_a_large_lane_meets_on_the_stores_it_kept_after_a_death() -> None:
     current = [first]
     members = {r: LaneHosting(r, JOB, KEY, "127.0.0.1", lambda: current[0]) for r in ids}
     try:
-        hub = LaneStoreServer(JOB, KEY, "127.0.0.1", lambda: current[0])  # stands in for the first rendezvous
-        try:
-            on_hub = MemberStore(hub.address, KEY, JOB, NS, timedelta(seconds=2))
-            for h in members.values():
-                h.announce(first, 0, on_hub)
-            for h in members.values():
-                h.learn(first, 0, on_hub)
-        finally:
-            hub.close()
+        rendezvous_once(members.values(), first, JOB, KEY)
         dead = lane_hosts.stores(first.members, 0, lane_hosts.MEMBERS)[1]
         members.pop(dead).close()
         survivors = [r for r in ids if r != dead]
