@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import random
 
 from lighthouse import lane_hosts
 from lighthouse.lane_hosts import ANNOUNCED, CANDIDATES, LIGHTHOUSE, LOST_AT_ONCE, MEMBERS, SPREAD, SPREAD_FROM
@@ -108,9 +110,6 @@ def test_a_large_lane_spreads_over_stores_every_member_kept_whoever_died() -> No
     ranking, the host first; whichever ``LOST_AT_ONCE`` members die (the stores' own replicas included), every one of
     the next epoch's stores is a candidate the members kept. A smaller lane, or one that meets otherwise, meets on
     its host alone."""
-    import itertools
-    import random
-
     rng = random.Random(38)
     ids = [f"r{i}" for i in range(SPREAD_FROM + 8)]
     members = [_member(r) for r in ids]
