@@ -34,7 +34,7 @@ from ftar.errors import Abandoned, PeerFailure
 from ftar.lane_hosting import LaneHosting, member_hosted
 from ftar.packing import Staging
 from ftar.rules import missing
-from ftar.spread_store import ARRIVED
+from ftar.spread_store import ARRIVED, SpreadStore
 from ftar.store import StoreRefused, StoreTarget, open_store
 from lighthouse.epoch_view import EpochView
 
@@ -112,7 +112,8 @@ class EpochGroup:
                  backend: str = "gloo", met_on: str = "the lighthouse") -> None:
         self.epoch = epoch
         self.met_on = met_on
-        """Where the members met: ``<replica>'s lane store`` or the lighthouse (for the logs)."""
+        """Where the members met: ``<replica>'s lane store`` (``and N more``: a large lane's spread, the host
+        first) or the lighthouse (for the logs)."""
         self.rank = rank
         self.world = len(epoch.replica_ids)
         self.store = store
@@ -158,8 +159,9 @@ class EpochGroup:
             absent = missing(ids, replica_id, _present(met[0], ARRIVED, rank, len(ids)) if met else None)
             on = f" on {met[1]}'s store" if met and met[1] else ""
             raise PeerFailure(f"rendezvous of epoch {epoch.number}{on} failed ({e}); not arrived: {absent}") from e
+        spread = f" and {len(base.stores) - 1} more" if isinstance(base, SpreadStore) else ""
         group = cls(epoch, rank, store, pg, Staging(device_for(backend)), backend,
-                    f"{host}'s lane store" if host else "the lighthouse")
+                    f"{host}'s lane store{spread}" if host else "the lighthouse")
         group.hosting, group.lane = hosting, lane
         return group
 

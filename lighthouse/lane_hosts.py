@@ -36,7 +36,8 @@ LOST_AT_ONCE = 2
 SPREAD = 4
 """The stores a lane of ``SPREAD_FROM`` members or more spreads its keys over when it meets on kept addresses."""
 SPREAD_FROM = 64
-"""The members from which a lane's keys spread: below, one store serves the lane's few calls."""
+"""The members from which a lane's keys spread, by default (``FTHSDP_LANE_SPREAD_FROM``): below, one store serves
+the lane's few calls."""
 CANDIDATES = LOST_AT_ONCE + SPREAD
 """The members of a lane's ranking whose addresses every member keeps: whichever ``LOST_AT_ONCE`` of them die, the
 first ``SPREAD`` of the next epoch's ranking are among them."""
@@ -86,11 +87,11 @@ def _first(replica_ids: tuple[str, ...], lane: int, k: int) -> tuple[str, ...]:
     return tuple(heapq.nsmallest(k, replica_ids, key=_order(lane)))
 
 
-def stores(members: Sequence[EpochMember], lane: int, how: str) -> list[str]:
+def stores(members: Sequence[EpochMember], lane: int, how: str, spread_from: int = SPREAD_FROM) -> list[str]:
     """The replicas whose stores ``lane`` meets on in an epoch of ``members`` that meets ``how`` (a mode), the host
-    first: the host alone; for a lane of at least ``SPREAD_FROM`` members meeting on kept addresses (``MEMBERS``: no
+    first: the host alone; for a lane of at least ``spread_from`` members meeting on kept addresses (``MEMBERS``: no
     joiner), the first ``SPREAD`` of its ranking, every one of them known to every member (``CANDIDATES``)."""
-    if how == MEMBERS and len(members) >= SPREAD_FROM:
+    if how == MEMBERS and len(members) >= spread_from:
         return candidates(tuple(m.replica_id for m in members if m.role != JOINING), lane, SPREAD)
     first = host(members, lane)
     return [] if first is None else [first]

@@ -49,6 +49,9 @@ class ChaosConfig:
     waits this long for one that has it before it exits to rejoin (the runtime's default is 60 s)."""
     log_level: str = "WARNING"
     """``FTHSDP_LOG_LEVEL`` of the replicas (``INFO``: the lanes' rebuilds, where they met, in the replicas' logs)."""
+    lane_spread_from: int = 0
+    """``FTHSDP_LANE_SPREAD_FROM`` of the replicas (0: the runtime's default): from how many members a lane meets on
+    several members' stores after a death."""
     last_fault_at: float = 1.0
     """No fault armed past this fraction of the steps (1.0: faults up to the last step; a replica back after the
     job finished takes its final checkpoint)."""
@@ -66,5 +69,7 @@ class ChaosConfig:
                              collective_timeout_s=self.collective_timeout_s, min_step_s=self.min_step_s,
                              compute_s=self.compute_s,
                              max_restarts=4 * faults + 4,
-                             env={i: {"FTHSDP_EPOCH_WAIT": str(self.epoch_wait_s), "FTHSDP_LOG_LEVEL": self.log_level}
+                             env={i: {"FTHSDP_EPOCH_WAIT": str(self.epoch_wait_s), "FTHSDP_LOG_LEVEL": self.log_level,
+                                      **({"FTHSDP_LANE_SPREAD_FROM": str(self.lane_spread_from)}
+                                         if self.lane_spread_from else {})}
                                   for i in range(self.replicas)})

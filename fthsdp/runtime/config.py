@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fthsdp.runtime.faults import FaultSettings, parse_slow
+from lighthouse import lane_hosts
 from lighthouse.config import security_from_env
 from lighthouse.security import ClientSecurity, SecurityConfigError, read_catchup_key
 
@@ -129,6 +130,11 @@ class RuntimeConfig:
     micro_batches: int = 1
     """``FTHSDP_MICRO_BATCHES``: micro-batches per data slot and step (the trainer's gradient accumulation), the unit
     an orphan's batch is dealt out in. The same on every replica."""
+    lane_spread_from: int = lane_hosts.SPREAD_FROM
+    """``FTHSDP_LANE_SPREAD_FROM``: a lane of at least this many members that meets on the addresses its members kept
+    meets on its first 4 candidates' stores at once, each member arriving on one (docs/design.md §5, "A large lane
+    meets on several stores"); below, on its host's store alone. Default 64. The same on every replica (members
+    that disagree fail that rendezvous, and the re-formed epoch meets on the lighthouse)."""
     backend: str = "gloo"
     """``FTHSDP_BACKEND``: ``gloo`` (CPU) or ``nccl`` (GPU); default by whether CUDA is available."""
     timeout_s: float = 5.0
@@ -278,6 +284,9 @@ class RuntimeConfig:
         if orphans == "carry" and spares:
             raise ConfigError(f"FTHSDP_ORPHANS=carry with FTHSDP_SPARES={spares}: a spare takes a dead replica's slot "
                               "(no orphan to carry); carrying beside spares is not built yet")
+        spread_from = _int(e, "FTHSDP_LANE_SPREAD_FROM", str(lane_hosts.SPREAD_FROM))
+        if spread_from < 2:
+            raise ConfigError(f"FTHSDP_LANE_SPREAD_FROM={spread_from} must be >= 2 (members of a lane)")
         return cls(
             lighthouse=_get(e, "FTHSDP_LIGHTHOUSE"),
             replica_index=index,
@@ -291,6 +300,7 @@ class RuntimeConfig:
             carry_orphans=orphans == "carry",
             micro_batches=micro_batches,
             deterministic=deterministic,
+            lane_spread_from=spread_from,
             backend=backend,
             timeout_s=timeout,
             rank_timeout_s=rank_timeout,

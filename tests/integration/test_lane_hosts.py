@@ -43,11 +43,16 @@ def _rebuilds(log: pathlib.Path) -> dict[tuple[int, int], str]:
     return out
 
 
-def test_killing_a_lanes_host_moves_its_lanes_to_the_next_host_and_only_it_pays(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("spread_from", [0, 2], ids=["one-store", "spread"])
+def test_killing_a_lanes_host_moves_its_lanes_to_the_next_host_and_only_it_pays(tmp_path: pathlib.Path,
+                                                                                spread_from: int) -> None:
+    """``spread``: lanes of 2 members or more meet on their kept candidates' stores at once (``SpreadStore``), so
+    after the kill each survivor's lanes meet on both survivors' stores, each arriving on its own."""
     host = _host(IDS, 0)
     victim = IDS.index(host)
     cfg = ChaosConfig(seed=0, replicas=3, steps=STEPS, ranks=2, min_step_s=0.1, heartbeat_timeout_s=3.0,
-                      collective_timeout_s=4.0, epoch_wait_s=10.0, timeout_s=360, log_level="INFO")
+                      collective_timeout_s=4.0, epoch_wait_s=10.0, timeout_s=360, log_level="INFO",
+                      lane_spread_from=spread_from)
     result = run_chaos(cfg, tmp_path, faults=[Fault("kill", 10, (victim,), ("forward",))])
     assert result["violations"] == [], result["violations"]
     finals = result["finals"]
@@ -68,4 +73,6 @@ def test_killing_a_lanes_host_moves_its_lanes_to_the_next_host_and_only_it_pays(
             # ... and after the kill, every lane of every survivor met on the store of the host the rule names for
             # the survivors, whose address it kept: the dead host's lanes moved, the others stayed.
             later = sorted((epoch, where) for (epoch, ln), where in met.items() if ln == lane and epoch > 1)
-            assert later and later[0] == (formed[0], f"{_host(survivors, lane)}'s lane store"), (rid, lane, later)
+            spread = " and 1 more" if spread_from else ""
+            assert later and later[0] == (formed[0], f"{_host(survivors, lane)}'s lane store{spread}"), \
+                (rid, lane, later)
