@@ -133,8 +133,9 @@ class RuntimeConfig:
     lane_spread_from: int = lane_hosts.SPREAD_FROM
     """``FTHSDP_LANE_SPREAD_FROM``: a lane of at least this many members that meets on the addresses its members kept
     meets on its first 4 candidates' stores at once, each member arriving on one (docs/design.md §5, "A large lane
-    meets on several stores"); below, on its host's store alone. Default 64. The same on every replica (members
-    that disagree fail that rendezvous, and the re-formed epoch meets on the lighthouse)."""
+    meets on several stores"); below, on its host's store alone. Default 64. Must be the same on every replica: a
+    member that spreads and one that does not look for each other's keys on different stores, and their lane's
+    rendezvous fails."""
     backend: str = "gloo"
     """``FTHSDP_BACKEND``: ``gloo`` (CPU) or ``nccl`` (GPU); default by whether CUDA is available."""
     timeout_s: float = 5.0
