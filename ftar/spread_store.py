@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 ARRIVED = "arrived"
 """The lane-store key prefix a member sets (``arrived/<its index in the epoch>``) as it arrives."""
 _OWNED = re.compile(rf"(?:^|/){ARRIVED}/(\d+)$")
+T = TypeVar("T")
 
 
 class SpreadStore(dist.Store):
@@ -37,55 +38,51 @@ class SpreadStore(dist.Store):
         self.own = own
         self._clones: list[SpreadStore] = []
 
-    def _of(self, key: str) -> Any:
-        """The store ``key`` is read from: its member's for an arrival, else this member's own."""
+    def _owner(self, key: str) -> int | None:
+        """The store that alone holds ``key`` (an arrival's: its member's), or None for a key every store holds."""
         m = _OWNED.search(key)
-        return self.stores[int(m[1]) % len(self.stores) if m else self.own]
+        return int(m[1]) % len(self.stores) if m else None
 
-    def _writes(self, key: str) -> list[Any]:
-        """The stores ``key`` is written to, the first one's answer the one returned."""
-        return [self._of(key)] if _OWNED.search(key) else self.stores
+    def _of(self, key: str) -> Any:
+        """The store ``key`` is read from: its owner, else this member's own."""
+        owner = self._owner(key)
+        return self.stores[self.own if owner is None else owner]
+
+    def _write(self, key: str, op: Callable[[Any], T]) -> T:
+        """``op`` on every store ``key`` is written to (its owner alone, else all in order); the first's answer."""
+        owner = self._owner(key)
+        first, *rest = self.stores if owner is None else [self.stores[owner]]
+        out = op(first)
+        for s in rest:
+            op(s)
+        return out
 
     # --- torch.distributed.Store ------------------------------------------------------------------------------
 
     def set(self, key: str, value: bytes | str) -> None:
-        for s in self._writes(key):
-            s.set(key, value)
+        self._write(key, lambda s: s.set(key, value))
 
     def get(self, key: str) -> bytes:
         return bytes(self._of(key).get(key))
 
     def add(self, key: str, amount: int) -> int:
-        first, *rest = self._writes(key)
-        out = int(first.add(key, amount))
-        for s in rest:
-            s.add(key, amount)
-        return out
+        return int(self._write(key, lambda s: s.add(key, amount)))
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        first, *rest = self._writes(key)
-        out = bytes(first.compare_set(key, expected, desired))
-        for s in rest:
-            s.compare_set(key, expected, desired)
-        return out
+        return bytes(self._write(key, lambda s: s.compare_set(key, expected, desired)))
 
     def check(self, keys: Sequence[str]) -> bool:
         return all(self._of(k).check([k]) for k in keys)
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Each key on the store it is read from, within one deadline for all (each store's own without one)."""
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         for k in keys:
-            if deadline is None:
-                self._of(k).wait([k])
-            else:
-                self._of(k).wait([k], timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            left = None if deadline is None else timedelta(seconds=max(0.0, deadline - time.monotonic()))
+            self._of(k).wait([k], left)
 
     def delete_key(self, key: str) -> bool:
-        first, *rest = self._writes(key)
-        out = bool(first.delete_key(key))
-        for s in rest:
-            s.delete_key(key)
-        return out
+        return bool(self._write(key, lambda s: s.delete_key(key)))
 
     def num_keys(self) -> int:
         """The first store's keys (every key but the other stores' members' arrivals)."""
