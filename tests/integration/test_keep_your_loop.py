@@ -63,6 +63,11 @@ def trained(out: pathlib.Path, steps: int) -> dict[tuple[int, int], list[int]]:
     return {k: sorted(v) for k, v in cursors.items()}
 
 
+def committed(log: pathlib.Path) -> list[int]:
+    """The steps one incarnation's rank committed, from its log."""
+    return [row["step"] for row in map(json.loads, log.read_text().splitlines()) if row["step"] is not None]
+
+
 def run(tmp_path: pathlib.Path, extra: list[str], steps: int, pace: float) -> tuple[dict, pathlib.Path, str]:
     work, out = tmp_path / "elsewhere", tmp_path / "elsewhere" / "out"
     out.mkdir(parents=True)
@@ -113,7 +118,12 @@ def test_a_real_trainer_through_a_kill(tmp_path: pathlib.Path) -> None:
     assert "replica replica-1 registered as joining" in lighthouse  # it came back while the others trained
     assert "replica replica-1 caught up, now active" in lighthouse
     got = check_exactly_once(out, steps, SLOTS, kills=1)
-    assert max(got[(1, 0)]) > 20, "the killed replica's slot trained nothing after its catch-up"
+    # Its second incarnation trained again: how many steps depends on how soon it was back (step 87 of 150 on an
+    # idle machine, 143 under CI's load), so the check is that it committed any, on from where the first stopped.
+    lives = [committed(path) for path in sorted(out.glob("steps-1-*-0.jsonl"))]
+    assert len(lives) == 2 and all(lives), lives  # its two incarnations each committed steps
+    first, second = sorted(lives)
+    assert max(first) < min(second), (first, second)  # the second began after the first's last commit
     assert got[(0, 0)] == list(range(steps))  # the survivors' slots trained every step
     assert "differ" not in stdout
 
