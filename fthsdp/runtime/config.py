@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from fthsdp.runtime.faults import FaultSettings, parse_slow
+from fthsdp.runtime.faults import FaultSettings, parse_hold, parse_slow
 from lighthouse import lane_hosts
 from lighthouse.config import security_from_env
 from lighthouse.security import ClientSecurity, SecurityConfigError, read_catchup_key
@@ -71,19 +71,22 @@ def _metrics_port(e: dict[str, str], local_rank: int | None) -> int | None:
 def _faults(e: dict[str, str]) -> FaultSettings:
     """The fault hooks' settings (``fthsdp.runtime.faults``: tests and demos only)."""
     slow, corrupt = "FTHSDP_FAULT_SLOW_SERVE_S", "FTHSDP_FAULT_CORRUPT_CHUNKS"
-    for name, link in (("FTHSDP_FAULT_SLOW", False), ("FTHSDP_FAULT_SLOW_LINK", True)):
-        if e.get(name):
-            try:
+    try:
+        for name, link in (("FTHSDP_FAULT_SLOW", False), ("FTHSDP_FAULT_SLOW_LINK", True)):
+            if e.get(name):
                 parse_slow(e[name], link=link)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
+        if e.get("FTHSDP_FAULT_HOLD_UNTIL"):
+            parse_hold(e["FTHSDP_FAULT_HOLD_UNTIL"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return FaultSettings(spec=e.get("FTHSDP_FAULT", ""), path=e.get("FTHSDP_FAULT_FILE", ""),
                          slow_serve_s=_float(e, slow, "0") if e.get(slow) else 0.0,
                          corrupt_chunks=_int(e, corrupt) if e.get(corrupt) else 0,
                          corrupt_step=_int(e, "FTHSDP_FAULT_CORRUPT") if e.get("FTHSDP_FAULT_CORRUPT") else -1,
                          kill_agent="TORCHELASTIC_RUN_ID" in e, slow=e.get("FTHSDP_FAULT_SLOW", ""),
                          slow_link=e.get("FTHSDP_FAULT_SLOW_LINK", ""),
-                         hold_ready=e.get("FTHSDP_FAULT_HOLD_READY", ""))
+                         hold_ready=e.get("FTHSDP_FAULT_HOLD_READY", ""),
+                         hold_until=e.get("FTHSDP_FAULT_HOLD_UNTIL", ""))
 
 
 @dataclass(frozen=True)

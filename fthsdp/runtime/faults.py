@@ -30,19 +30,33 @@ the replicas' periodic state-digest check (``FTHSDP_DIGEST_EVERY``) must find wi
 ``FTHSDP_FAULT_HOLD_READY=PATH`` (tests only) makes a joining replica's rank 0 wait until PATH exists before it
 asks to enter the data plane (``Ready(JOINING)``): a test holds a registered joiner there while the job ends.
 
+``FTHSDP_FAULT_HOLD_UNTIL=STEP:MEMBERS[:SECONDS]`` (tests only; every rank of every replica given it) makes a
+training rank wait, before step STEP's forward and each one after, while the newest epoch it knows has fewer than
+MEMBERS members (any role: a joiner is one once it entered the data plane) and none of them is joining (its
+catch-up needs the others' steps), at most SECONDS in all (default 120), then go on either way. Between steps no
+collective's deadline runs, so the wait costs nothing but time: a test holds the others there so that the replicas
+it killed are back in the job before it ends, however slow the machine, instead of counting on its pace.
+
 The runtime's settings builder (``fthsdp.runtime.config``) reads these variables into ``FaultSettings``."""
 
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fthsdp.runtime import filewait
+from lighthouse.epoch_view import EpochView
+from lighthouse.model import JOINING
+
+HOLD_S = 120.0
+"""``FTHSDP_FAULT_HOLD_UNTIL``'s wait, at most, when it names none."""
 
 
 class Phase(enum.StrEnum):
@@ -94,6 +108,8 @@ class FaultSettings:
     each collective from STEP on."""
     hold_ready: str = ""
     """``FTHSDP_FAULT_HOLD_READY``: a joiner's rank 0 waits for this file before its Ready(JOINING)."""
+    hold_until: str = ""
+    """``FTHSDP_FAULT_HOLD_UNTIL``: ``STEP:MEMBERS[:SECONDS]``, ranks wait from STEP on for an epoch of MEMBERS."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +133,15 @@ class FaultInjector:
     starts ``link_delay_s`` late."""
     hold_ready: str = ""
     """``FTHSDP_FAULT_HOLD_READY``: rank 0 waits for this file before a Ready(JOINING) ('': never)."""
+    hold_step: int = -1
+    hold_members: int = 0
+    hold_s: float = 0.0
+    """``FTHSDP_FAULT_HOLD_UNTIL``: from step ``hold_step`` on (-1: never) wait, up to ``hold_s`` in all, for an
+    epoch of ``hold_members`` members (``hold``)."""
     _file: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """What ``path`` held when last read: its inode, mtime and size, and the fault parsed from it (or None)."""
+    _held: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+    """``hold``'s seconds held so far (``s``)."""
     _seen: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     """The step the training thread last reached a phase of (``at``): the lane's thread reads it."""
 
@@ -134,17 +157,62 @@ class FaultInjector:
             else (-1, 0.0, None)
         if link_rank is not None and link_rank != rank:
             link_from = -1
+        hold_step, hold_members, hold_s = parse_hold(settings.hold_until) if settings.hold_until else (-1, 0, 0.0)
         return cls(step, phase, armed, settings.path if rank == 0 else "", kill_agent=settings.kill_agent,
                    slow_serve_s=settings.slow_serve_s, corrupt_chunks=settings.corrupt_chunks,
                    corrupt_step=settings.corrupt_step if rank == 0 else -1, slow_from=slow_from,
                    slow_factor=slow_factor, link_from=link_from, link_delay_s=link_delay_s,
-                   hold_ready=settings.hold_ready if rank == 0 else "")
+                   hold_ready=settings.hold_ready if rank == 0 else "", hold_step=hold_step,
+                   hold_members=hold_members, hold_s=hold_s)
 
     def before_ready(self) -> None:
         """``FTHSDP_FAULT_HOLD_READY``: rank 0 of a joiner, before its Ready(JOINING), waits for the file (no
         deadline: a test's process, which ends with its job)."""
         if self.hold_ready:
             filewait.wait_until_exists(self.hold_ready)
+
+    def hold(self, step: int, current: Callable[[], EpochView | None],
+             add_listener: Callable[[Callable[[EpochView], None]], Callable[[], None]],
+             log: Callable[..., None]) -> None:
+        """``FTHSDP_FAULT_HOLD_UNTIL``: before the forward of ``step``, from the hold's step on, wait (woken by every
+        epoch ``add_listener`` hands) while ``current()`` has fewer than ``hold_members`` members and none of them is
+        joining: a joiner in the data plane needs the others' steps to catch up, and the lighthouse lets one in at a
+        time, so with two groups down the others step while the first catches up and hold again until the second
+        is in. The rule reads the epoch alone, so every rank of every replica holds at the same steps (a rank that
+        went on would wait in a collective for one still held). At most ``hold_s`` in all. Said (a warning: a test
+        hook that changes the job's timing) at the hold's step and whenever it waited."""
+        if self.hold_step < 0 or step < self.hold_step or self._held.get("s", 0.0) >= self.hold_s:
+            return
+        woken = threading.Condition()
+
+        def wake(_: EpochView) -> None:
+            with woken:
+                woken.notify_all()
+
+        def members() -> tuple[int, bool]:
+            epoch = current()
+            return (0, False) if epoch is None else (len(epoch.members),
+                                                     any(m.role == JOINING for m in epoch.members))
+
+        def go() -> bool:
+            n, joining = members()
+            return n >= self.hold_members or joining
+
+        if step > self.hold_step and go():
+            return
+        t0, remove = time.monotonic(), add_listener(wake)
+        try:
+            with woken:
+                woken.wait_for(go, timeout=self.hold_s - self._held.get("s", 0.0))
+        finally:
+            remove()
+        waited = time.monotonic() - t0
+        self._held["s"] = self._held.get("s", 0.0) + waited
+        n, joining = members()
+        log(logging.WARNING, "held before step %d for %.1fs (FTHSDP_FAULT_HOLD_UNTIL, %.1fs in all): %s", step,
+            waited, self._held["s"], f"an epoch of {n} members" if n >= self.hold_members else
+            "a member is joining" if joining else
+            f"no epoch of {self.hold_members} members within {self.hold_s:g}s in all, going on")
 
     def slow_down(self, step: int, compute_s: float) -> float:
         """``FTHSDP_FAULT_SLOW``: as the backward of ``step`` begins, compute (spin) ``slow_factor - 1`` times
@@ -247,6 +315,21 @@ def parse_slow(spec: str, link: bool = False) -> tuple[int, float, int | None]:
             ("FTHSDP_FAULT_SLOW", "FACTOR", "1 <= FACTOR <= 100")
         raise ValueError(f"{name}={spec!r}: expected STEP:{unit}[:RANK], a step >= 0, {bound} and a rank >= 0")
     return step, value, rank
+
+
+def parse_hold(spec: str) -> tuple[int, int, float]:
+    """``STEP:MEMBERS[:SECONDS]`` of ``FTHSDP_FAULT_HOLD_UNTIL`` (a step >= 0, members >= 1, 0 < SECONDS <= 600,
+    by default 120). ``ValueError`` otherwise."""
+    parts = spec.split(":")
+    try:
+        step, members = int(parts[0]), int(parts[1])
+        seconds = float(parts[2]) if len(parts) == 3 else HOLD_S
+    except (ValueError, IndexError):
+        step, members, seconds = -1, 0, 0.0
+    if not 2 <= len(parts) <= 3 or step < 0 or members < 1 or not 0.0 < seconds <= 600.0:
+        raise ValueError(f"FTHSDP_FAULT_HOLD_UNTIL={spec!r}: expected STEP:MEMBERS[:SECONDS], a step >= 0, "
+                         "members >= 1 and 0 < SECONDS <= 600")
+    return step, members, seconds
 
 
 def _parse(spec: str) -> tuple[int, str]:

@@ -3,14 +3,18 @@ they configure: the fault hooks (fthsdp/runtime/faults.py) and the joiner's choi
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 import pytest
 
+from ftar.membership import EpochFeed
 from fthsdp.runtime.config import ConfigError, RuntimeConfig, TrainerSettings
 from fthsdp.runtime.faults import CATCHUP_PHASES, PHASES, STEP_PHASES, FaultInjector, FaultSettings, Phase
 from fthsdp.runtime.join import fetch_sources
 from lighthouse import membership as m
+from lighthouse.epoch_view import EpochView
 
 BASE = {"FTHSDP_LIGHTHOUSE": "127.0.0.1:1", "FTHSDP_REPLICA_INDEX": "1", "FTHSDP_NUM_REPLICAS": "3",
         "FTHSDP_BACKEND": "gloo"}
@@ -79,6 +83,56 @@ def test_the_slow_link_fault_delays_its_lanes_collectives_from_its_step_on_and_r
     for bad in ("20", "x:0.1", "20:0", "20:11", "-1:0.1", "20:0.1:-1", "20:0.1:x", "20:0.1:1:2"):
         with pytest.raises(ConfigError, match="FTHSDP_FAULT_SLOW_LINK"):
             RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_SLOW_LINK": bad})
+
+
+def test_the_hold_waits_from_its_step_while_the_job_lacks_members_but_never_on_a_joiner() -> None:
+    """``FTHSDP_FAULT_HOLD_UNTIL`` (tests): every rank holds before each step from its step on, woken by the epochs
+    it is handed, while the epoch has fewer than its members and none joining (a joiner's catch-up needs the
+    others' steps; the lighthouse lets one in at a time); at most its seconds in all; said at its step and whenever
+    it waited."""
+    cfg = RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_HOLD_UNTIL": "30:4:5"})
+    faults = FaultInjector.for_rank(cfg.faults, 1)  # every rank, not only rank 0
+    assert (faults.hold_step, faults.hold_members, faults.hold_s) == (30, 4, 5.0)
+    assert FaultInjector.for_rank(RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_HOLD_UNTIL": "30:3"}).faults,
+                                  0).hold_s == 120.0
+    feed, lines = EpochFeed(), []
+
+    def epoch(number: int, active: int, joining: int = 0) -> EpochView:
+        roles = [m.ACTIVE] * active + [m.JOINING] * joining
+        return EpochView("j", number, tuple(m.EpochMember(f"r{i}", "inc", role, 1, m.Endpoints())
+                                            for i, role in enumerate(roles)), "", 0.0, "")
+
+    def log(level: int, msg: str, *args: object) -> None:
+        assert level == logging.WARNING
+        lines.append(msg % args)
+
+    def timed(step: int, then: EpochView | None = None, hook: FaultInjector = faults) -> float:
+        later = threading.Timer(0.3, feed.publish, (then,)) if then is not None else None
+        if later is not None:
+            later.start()
+        t0 = time.monotonic()
+        hook.hold(step, feed.current, feed.add_listener, log)
+        return time.monotonic() - t0
+
+    feed.publish(epoch(1, 2))  # two of four groups killed
+    assert timed(29) < 0.2 and not lines  # before its step: no wait, no line
+    feed.publish(epoch(2, 2, joining=1))  # the first back, catching up: the others step on for it
+    assert timed(30) < 0.2 and len(lines) == 1 and "before step 30 for 0.0s" in lines[-1], lines  # said at its step
+    assert "a member is joining" in lines[-1], lines
+    feed.publish(epoch(3, 3))  # it turned active; the second is not in yet: held until it is
+    assert 0.3 <= timed(31, then=epoch(4, 3, joining=1)) < 5.0, "it went on too early, or waited out its seconds"
+    assert len(lines) == 2 and "before step 31" in lines[-1] and "an epoch of 4 members" in lines[-1], lines
+    feed.publish(epoch(5, 4))
+    assert timed(32) < 0.2 and len(lines) == 2  # all in: no wait, no line
+    feed.publish(epoch(6, 3))  # a later death: held again until the group is back in
+    assert 0.3 <= timed(33, then=epoch(7, 3, joining=1)) < 5.0 and "before step 33" in lines[-1], lines
+    short = FaultInjector.for_rank(RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_HOLD_UNTIL": "30:5:0.1"}).faults, 0)
+    feed.publish(epoch(8, 4))
+    assert timed(40, hook=short) < 1.0 and "no epoch of 5 members within 0.1s in all" in lines[-1], lines
+    assert timed(41, hook=short) < 0.05 and len(lines) == 4, lines  # its seconds spent: it never holds again
+    for bad in ("30", "x:3", "-1:3", "30:0", "30:3:0", "30:3:601", "30:3:x", "30:3:1:2"):
+        with pytest.raises(ConfigError, match="FTHSDP_FAULT_HOLD_UNTIL"):
+            RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_HOLD_UNTIL": bad})
 
 
 def test_trainer_settings() -> None:
