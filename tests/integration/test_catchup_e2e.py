@@ -71,15 +71,22 @@ def test_survivors_do_not_wait_while_a_replica_catches_up(tmp_path: pathlib.Path
 def test_source_killed_mid_transfer_joiner_switches_source(tmp_path: pathlib.Path) -> None:
     """Replica 1 dies and comes back; replica 0 dies while serving it: the joiner finishes from replica 2, then
     replica 0 comes back too. Two failures and rejoins, every batch of every slot trained exactly once."""
-    steps = 320
+    steps = 200
     # Replica 2's link is slow, so replica 0 is still serving when it dies (on this small model a fast source
-    # could otherwise send everything before the other one starts).
+    # could otherwise send everything before the other one starts). From step 20 on, the groups that train hold
+    # while a killed one restarts (none is joining) until all 3 are in the job (``FTHSDP_FAULT_HOLD_UNTIL``), so
+    # the restarts cost no steps on a busy machine; the catch-ups over the slow link take the 180 steps after.
+    hold = {"FTHSDP_FAULT_HOLD_UNTIL": "20:3"}
     report = Cluster(_config(steps=steps, kills=(Kill(1, 5, "forward"), Kill(0, 0, "serve")), min_step_s=0.15,
-                             env={2: {"FTHSDP_FAULT_SLOW_SERVE_S": "0.05"}}), tmp_path).run()
+                             env={0: hold, 1: hold, 2: {**hold, "FTHSDP_FAULT_SLOW_SERVE_S": "0.05"}}),
+                     tmp_path).run()
     check_converged(report, steps)
     check_survivor(tmp_path, 2, steps)
     check_rejoined(tmp_path, 1, report)
     check_rejoined(tmp_path, 0, report)
+    # Both of its ranks held at the hold's step (for as long as the job lacked a member, none joining), saying so.
+    held = [line for line in (tmp_path / "replica2.log").read_text().splitlines() if "held before step 20 " in line]
+    assert len(held) == 2, held
     first_join = [x for x in _steps(tmp_path, 1) if x.joined][0].catchup
     assert first_join is not None
     assert any(f.startswith("replica-0") for f in first_join["source_failures"]), first_join

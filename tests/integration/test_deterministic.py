@@ -30,10 +30,13 @@ rounding of their sums; over 60 steps of the tiny model their per-micro-batch lo
 
 def _run(tmp: pathlib.Path, kills: tuple[Kill, ...], deterministic: bool) -> dict[str, Any]:
     """A 60-step job; a killed group comes back from its warm standby while the others train, catches up and takes
-    its slot back (the epoch that lists it active deals it its slot, and the others stop carrying it)."""
+    its slot back (the epoch that lists it active deals it its slot, and the others stop carrying it): by step 42 at
+    the latest, where the groups that train hold until all 3 are in the job (``FTHSDP_FAULT_HOLD_UNTIL``), so that
+    each trains its slot again however slow the machine."""
+    env = {"FTHSDP_MICRO_BATCHES": "2", **({"FTHSDP_FAULT_HOLD_UNTIL": "42:3"} if kills else {})}
     config = ClusterConfig(replicas=3, ranks=2, steps=STEPS, model="tiny", kills=kills, timeout_s=240,
                            restart_delay_s=0.5, warm_restarts=True, min_step_s=0.1, carry_orphans=True,
-                           deterministic=deterministic, env={i: {"FTHSDP_MICRO_BATCHES": "2"} for i in range(3)})
+                           deterministic=deterministic, env={i: env for i in range(3)})
     report = Cluster(config, tmp).run()
     check_converged(report, STEPS)
     assert check_exactly_once(tmp, 3, STEPS) == {0: STEPS, 1: STEPS, 2: STEPS}

@@ -68,7 +68,11 @@ def committed(log: pathlib.Path) -> list[int]:
     return [row["step"] for row in map(json.loads, log.read_text().splitlines()) if row["step"] is not None]
 
 
-def run(tmp_path: pathlib.Path, extra: list[str], steps: int, pace: float) -> tuple[dict, pathlib.Path, str]:
+def run(tmp_path: pathlib.Path, extra: list[str], steps: int, pace: float,
+        hold: str = "") -> tuple[dict, pathlib.Path, str]:
+    """``fthsdp run`` of the real trainer; ``hold``: ``FTHSDP_FAULT_HOLD_UNTIL`` for every group (``STEP:MEMBERS``:
+    the groups that train wait before STEP until that many are in the job, so a killed one is back before the end
+    however slow the machine)."""
     work, out = tmp_path / "elsewhere", tmp_path / "elsewhere" / "out"
     out.mkdir(parents=True)
     shutil.copy(USER / "loop_fthsdp.py", work / "train.py")
@@ -81,7 +85,8 @@ def run(tmp_path: pathlib.Path, extra: list[str], steps: int, pace: float) -> tu
          "--collective-timeout", "15", "--restart-delay", "0.5", "--timeout", "300", "--workdir",
          str(tmp_path / "logs"), "--report", str(report_path),
          "train.py", "--steps", str(steps), "--out", str(out), "--pace", str(pace)],
-        cwd=work, env=child_env(), capture_output=True, text=True, timeout=340)
+        cwd=work, env=child_env(**({"FTHSDP_FAULT_HOLD_UNTIL": hold} if hold else {})), capture_output=True,
+        text=True, timeout=340)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(report_path.read_text()), out, proc.stdout
 
@@ -109,7 +114,7 @@ def check_one_state(report: dict, steps: int, groups: int) -> None:
 
 def test_a_real_trainer_through_a_kill(tmp_path: pathlib.Path) -> None:
     steps = 150
-    report, out, stdout = run(tmp_path, ["--kill", "1@10"], steps, pace=0.1)
+    report, out, stdout = run(tmp_path, ["--kill", "1@10"], steps, pace=0.1, hold=f"120:{SLOTS}")
     check_one_state(report, steps, SLOTS)
     exits = [(e["replica"], e["killed"]) for e in report["events"] if e["event"] == "exit"]
     assert exits == [(1, True)], exits  # only the killed group paid
@@ -118,12 +123,12 @@ def test_a_real_trainer_through_a_kill(tmp_path: pathlib.Path) -> None:
     assert "replica replica-1 registered as joining" in lighthouse  # it came back while the others trained
     assert "replica replica-1 caught up, now active" in lighthouse
     got = check_exactly_once(out, steps, SLOTS, kills=1)
-    # Its second incarnation trained again: how many steps depends on how soon it was back (step 87 of 150 on an
-    # idle machine, 143 under CI's load), so the check is that it committed any, on from where the first stopped.
+    # Its second incarnation trained again, on from where the first stopped: back by step 120 at the latest (the
+    # others hold there until it is in the job; it was back at step 87 on an idle machine, at 143 under CI's load).
     lives = [committed(path) for path in sorted(out.glob("steps-1-*-0.jsonl"))]
-    assert len(lives) == 2 and all(lives), lives  # its two incarnations each committed steps
+    assert len(lives) == 2, lives  # its two incarnations' logs
     first, second = sorted(lives)
-    assert max(first) < min(second), (first, second)  # the second began after the first's last commit
+    assert first and len(second) > 20 and max(first) < min(second), (first, second)
     assert got[(0, 0)] == list(range(steps))  # the survivors' slots trained every step
     assert "differ" not in stdout
 
@@ -149,11 +154,12 @@ def test_a_real_trainer_with_warm_standbys_replaced_twice(tmp_path: pathlib.Path
     time (the runtime tells the launcher when the released one trained a step: an ``active`` progress row), at a low
     CPU priority until its release."""
     steps = 200
-    # The second kill leaves 140 steps: the second standby, started at a low priority while the job trains, may be
-    # released before it is ready (its start then finishes at the training's priority), and its incarnation must
-    # train a step before the end for the third standby to be started (in CI, under a parallel test, 100 steps
-    # after a kill at 100 were not always enough).
-    report, out, stdout = run(tmp_path, ["--warm-restarts", "--kill", "1@10", "--kill", "1@60"], steps, pace=0.1)
+    # The second standby, started at a low priority while the job trains, may be released before it is ready (its
+    # start then finishes at the training's priority), and its incarnation must train a step before the end for the
+    # third standby to be started (in CI, under a parallel test, 100 steps after a kill at 100 were not always
+    # enough): the groups that train hold before step 180 until it is back in the job.
+    report, out, stdout = run(tmp_path, ["--warm-restarts", "--kill", "1@10", "--kill", "1@60"], steps, pace=0.1,
+                              hold=f"180:{SLOTS}")
     check_one_state(report, steps, SLOTS)
     exits = [(e["replica"], e["killed"]) for e in report["events"] if e["event"] == "exit"]
     assert exits == [(1, True), (1, True)], exits

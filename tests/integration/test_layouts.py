@@ -46,7 +46,9 @@ def data_ranks(layout: str) -> int:
 
 
 def fthsdp_run(tmp_path: pathlib.Path, layout: str, steps: int, extra: list[str], pace: float,
-               script: tuple[str, ...] = (), ok: bool = True) -> tuple[dict, list, str]:
+               script: tuple[str, ...] = (), ok: bool = True, hold: int = -1) -> tuple[dict, list, str]:
+    """``fthsdp run`` of ``layout``'s trainer; ``hold``: the replicas that train wait before that step until every
+    one is in the job (``FTHSDP_FAULT_HOLD_UNTIL``), so a killed one is back before the end on any machine."""
     work, out = tmp_path / "w", tmp_path / "w" / "out"
     out.mkdir(parents=True)
     shutil.copy(USER / "loop_layouts.py", work / "train.py")
@@ -57,7 +59,8 @@ def fthsdp_run(tmp_path: pathlib.Path, layout: str, steps: int, extra: list[str]
          "--collective-timeout", "15", "--restart-delay", "0.5", "--timeout", "300", "--workdir",
          str(tmp_path / "logs"), "--report", str(report_path),
          "train.py", "--layout", layout, "--steps", str(steps), "--out", str(out), "--pace", str(pace), *script],
-        cwd=work, env=child_env(), capture_output=True, text=True, timeout=340)
+        cwd=work, env=child_env(**({"FTHSDP_FAULT_HOLD_UNTIL": f"{hold}:{LAYOUTS[layout][0]}"} if hold >= 0 else {})),
+        capture_output=True, text=True, timeout=340)
     assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     return report, rows(out, "steps-*.jsonl"), proc.stdout + proc.stderr
@@ -81,7 +84,7 @@ def test_replicas_of_a_layout_through_a_kill(tmp_path: pathlib.Path, layout: str
     """Replica 1 SIGKILLed at step 10: it restarts, catches up (every rank of it from its peer rank of the source: a
     TP shard of an FSDP shard, or a stage's) and trains its slot again."""
     steps, slots = 120, LAYOUTS[layout][0]
-    report, got, _ = fthsdp_run(tmp_path, layout, steps, ["--kill", "1@10"], pace=0.1)
+    report, got, _ = fthsdp_run(tmp_path, layout, steps, ["--kill", "1@10"], pace=0.1, hold=95)
     finals = report["final"]
     assert set(finals) == {str(s) for s in range(slots)}, finals
     assert all(f and f["step"] == steps for f in finals.values()), finals

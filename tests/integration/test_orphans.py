@@ -16,6 +16,12 @@ from tests.helpers.cluster_checks import check_converged, check_exactly_once, ch
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
+def held(step: int) -> dict[int, dict[str, str]]:
+    """Every group's environment for a job whose groups that train hold before ``step`` until all 3 are in it
+    (``FTHSDP_FAULT_HOLD_UNTIL``): a killed one is back before the end however slow the machine."""
+    return {r: {"FTHSDP_FAULT_HOLD_UNTIL": f"{step}:3"} for r in range(3)}
+
+
 def _run(tmp: pathlib.Path, steps: int, kills: tuple[Kill, ...], **kw: Any) -> dict[str, Any]:
     config = ClusterConfig(replicas=3, ranks=2, steps=steps, model="tiny", kills=kills, timeout_s=240,
                            carry_orphans=True, **kw)
@@ -49,7 +55,7 @@ def test_a_replica_back_mid_job_takes_its_slot_back_at_the_carried_cursor(tmp_pa
     the killed group exited."""
     steps = 150
     report = _run(tmp_path, steps, (Kill(1, 10, "exchange"),), restart_delay_s=0.5, min_step_s=0.1,
-                  warm_restarts=True)
+                  warm_restarts=True, env=held(120))
     check_converged(report, steps)
     check_survivor(tmp_path, 0, steps)
     check_survivor(tmp_path, 2, steps)
@@ -68,7 +74,7 @@ def test_train_step_carries_too(tmp_path: pathlib.Path) -> None:
     back. Every batch of every slot trained once, every slot's cursor at the last step, one final state."""
     steps = 100
     report = _run(tmp_path, steps, (Kill(1, 10, "backward"),), restart_delay_s=0.5, min_step_s=0.1,
-                  warm_restarts=True,
+                  warm_restarts=True, env=held(75),
                   command=("-m", "fthsdp.examples.train", "--steps", str(steps), "--model", "tiny", "--min-step-s",
                            "0.1", "--api", "closure"))
     check_converged(report, steps)

@@ -44,14 +44,18 @@ def test_no_failure_all_replicas_end_identical(tmp_path: pathlib.Path) -> None:
 def test_kills_during_backward_vote_and_fetch_then_rejoin(tmp_path: pathlib.Path) -> None:
     """Two failures, then the first one's next incarnation dies mid-fetch: the survivor loses nothing, everyone
     comes back, every batch of every slot is trained exactly once."""
-    steps = 320  # paced at 0.15 s (48 s at least): time enough for both to restart and rejoin on a busy machine
+    steps = 120  # paced at 0.15 s; the groups that train hold before step 90 until both are back in the job
+    # (``FTHSDP_FAULT_HOLD_UNTIL``), so they rejoin before the end on a busy machine, not by the pace alone.
     # A group's kills arm one per incarnation in step order: the second incarnation of replica 1 dies fetching.
     report = _run(tmp_path, steps, (Kill(1, 5, "backward"), Kill(2, 6, "vote"), Kill(1, 6, "fetch")),
-                  min_step_s=0.15)
+                  min_step_s=0.15, env={r: {"FTHSDP_FAULT_HOLD_UNTIL": "90:3"} for r in range(3)})
     check_converged(report, steps)
     check_survivor(tmp_path, 0, steps)
     check_rejoined(tmp_path, 1, report)
     check_rejoined(tmp_path, 2, report)
+    # Both of its ranks held at the hold's step (for as long as the job lacked a member, none joining), saying so.
+    held = [line for line in (tmp_path / "replica0.log").read_text().splitlines() if "held before step 90 " in line]
+    assert len(held) == 2, held
     exits = [e for e in report["events"] if e["event"] == "exit" and e["replica"] == 1]
     assert len(exits) == 2 and all(e["killed"] for e in exits), exits
     trained = check_exactly_once(tmp_path, 3, steps)

@@ -52,7 +52,10 @@ def test_fthsdp_run_trains_a_user_script_through_a_kill(tmp_path: pathlib.Path, 
         [sys.executable, "-m", "fthsdp", "run", "--replicas", "2", "--spares", str(spares), "--ranks", "2",
          "--kill", "1@10", "--restart-delay", "0.5", "--timeout", "240", "--workdir", str(tmp_path / "logs"),
          "--report", str(report_path), "train.py", "--steps", str(steps), "--out", str(out), "--pace", "0.1"],
-        cwd=work, env=child_env(), capture_output=True, text=True, timeout=280)
+        # The groups that train hold before step 170 until the killed one is back in the job (a cold restart on
+        # a busy machine), so that it trains after its catch-up however slow the machine.
+        cwd=work, env=child_env(FTHSDP_FAULT_HOLD_UNTIL=f"170:{2 + spares}"), capture_output=True, text=True,
+        timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["command"] == ["train.py", "--steps", str(steps), "--out", str(out), "--pace", "0.1"]
