@@ -211,10 +211,12 @@ def test_a_job_with_credentials_trains_through_every_attack(tmp_path: pathlib.Pa
     folder = make(tmp_path / "creds", ["127.0.0.1"], days=1, job=JOB, replicas=replica_ids(2, [])).folder
     mark = str(tmp_path)
     attacker = Attacker(folder, mark)
-    steps = 160  # paced at 0.15 s: the kill at step 20 leaves time for the restart and the catch-up
+    steps = 160  # paced at 0.15 s; the kill at step 20, and from step 130 the other group holds until the killed
+    # one is back in the job (FTHSDP_FAULT_HOLD_UNTIL), so its restart and catch-up fit however slow the machine
     config = ClusterConfig(replicas=2, ranks=2, steps=steps, model="tiny", kills=(Kill(1, 20, "forward"),),
                            restart_delay_s=0.5, timeout_s=240, min_step_s=0.15, credentials=str(folder),
-                           env={i: {"FTHSDP_ATTACK_MARK": mark, "FTHSDP_JOB": JOB} for i in range(2)})
+                           env={i: {"FTHSDP_ATTACK_MARK": mark, "FTHSDP_JOB": JOB,
+                                    "FTHSDP_FAULT_HOLD_UNTIL": "130:2"} for i in range(2)})
 
     def tick(cluster: Cluster) -> None:
         attacker.addr = cluster.addr

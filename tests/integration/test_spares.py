@@ -29,9 +29,10 @@ def test_a_spare_takes_the_dead_replicas_slot_and_the_job_is_back_to_full_at_onc
     # Early: the forward is padded to 0.3 s, so the hand-over (tens to hundreds of milliseconds after the kill, while
     # the killed processes free their memory) comes well inside the step (FTHSDP_SPARE_EARLY=1: within one step).
     # Late: paced at 0.15 s a step. Both leave about 10 s after the kill for the killed group's warm standby to
-    # register, catch up and train as a spare before the end (it took 1.3 s here).
+    # register, catch up and train as a spare before the end (it took 1.3 s here); 8 steps before the end the
+    # others hold until it is back in the job (FTHSDP_FAULT_HOLD_UNTIL), for a machine slower than that.
     steps = 40 if early else 70
-    env = {"FTHSDP_SPARE_EARLY": "1" if early else "0"}
+    env = {"FTHSDP_SPARE_EARLY": "1" if early else "0", "FTHSDP_FAULT_HOLD_UNTIL": f"{steps - 8}:3"}
     config = ClusterConfig(replicas=2, spares=1, ranks=2, steps=steps, model="tiny", kills=(Kill(1, KILL),),
                            restart_delay_s=0.5, timeout_s=240, warm_restarts=True,
                            **({"compute_s": 0.3} if early else {"min_step_s": 0.15}),
