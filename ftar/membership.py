@@ -55,12 +55,14 @@ class EpochFeed:
     def __init__(self) -> None:
         self._listeners: list[Callable[[EpochView], None]] = []
         self._lock = threading.Lock()
+        self._published = threading.Condition(self._lock)
         self._latest: EpochView | None = None
 
     def publish(self, epoch: EpochView) -> None:
         with self._lock:
             if self._latest is None or epoch.number > self._latest.number:
                 self._latest = epoch
+                self._published.notify_all()
             listeners = list(self._listeners)
         for fn in listeners:
             fn(epoch)
@@ -68,6 +70,13 @@ class EpochFeed:
     def current(self) -> EpochView | None:
         """The newest epoch published, or ``None`` before the first; never blocks."""
         with self._lock:
+            return self._latest
+
+    def wait_until(self, ready: Callable[[EpochView | None], bool], timeout: float) -> EpochView | None:
+        """The newest epoch once ``ready`` holds for it, waiting up to ``timeout`` seconds for newer ones; at the
+        deadline the newest, whatever it is."""
+        with self._published:
+            self._published.wait_for(lambda: ready(self._latest), max(0.0, timeout))
             return self._latest
 
     def add_listener(self, fn: Callable[[EpochView], None]) -> Callable[[], None]:

@@ -41,7 +41,7 @@ class ClosureSteps(Steps):
                 self.deliver(result)
                 return result
         slot = self.slot
-        self.faults.hold(self.step, self.feed.current, self.feed.add_listener, self.log)  # FTHSDP_FAULT_HOLD_UNTIL
+        self.faults.hold(self.step, self.feed, self.log)  # FTHSDP_FAULT_HOLD_UNTIL
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)

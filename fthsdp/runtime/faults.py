@@ -47,15 +47,17 @@ import enum
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fthsdp.runtime import filewait
 from lighthouse.epoch_view import EpochView
 from lighthouse.model import JOINING
+
+if TYPE_CHECKING:
+    from ftar.membership import EpochFeed
 
 HOLD_S = 120.0
 """``FTHSDP_FAULT_HOLD_UNTIL``'s wait, at most, when it names none."""
@@ -173,48 +175,32 @@ class FaultInjector:
         if self.hold_ready:
             filewait.wait_until_exists(self.hold_ready)
 
-    def hold(self, step: int, current: Callable[[], EpochView | None],
-             add_listener: Callable[[Callable[[EpochView], None]], Callable[[], None]],
-             log: Callable[..., None]) -> None:
-        """``FTHSDP_FAULT_HOLD_UNTIL``: before the forward of ``step``, from the hold's step on, wait (woken by every
-        epoch ``add_listener`` hands) while ``current()`` has fewer than ``hold_members`` members and none of them is
-        joining: a joiner in the data plane needs the others' steps to catch up, and the lighthouse lets one in at a
-        time, so with two groups down the others step while the first catches up and hold again until the second
-        is in. The rule reads the epoch alone, so every rank of every replica holds at the same steps (a rank that
-        went on would wait in a collective for one still held). At most ``hold_s`` in all. Said (a warning: a test
-        hook that changes the job's timing) at the hold's step and whenever it waited."""
-        if self.hold_step < 0 or step < self.hold_step or self._held.get("s", 0.0) >= self.hold_s:
+    def hold(self, step: int, feed: EpochFeed, log: Callable[..., None]) -> None:
+        """``FTHSDP_FAULT_HOLD_UNTIL``: before the forward of ``step``, from the hold's step on, wait for ``feed``'s
+        epochs while the newest has fewer than ``hold_members`` members and none of them is joining: a joiner in
+        the data plane needs the others' steps to catch up, and the lighthouse lets one in at a time, so with two
+        groups down the others step while the first catches up and hold again until the second is in. The rule
+        reads the epoch alone, so every rank of every replica holds at the same steps (a rank that went on would
+        wait in a collective for one still held). At most ``hold_s`` in all. Said (a warning: a test hook that
+        changes the job's timing) at the hold's step and whenever it waited."""
+        held = self._held.get("s", 0.0)
+        if self.hold_step < 0 or step < self.hold_step or held >= self.hold_s:
             return
-        woken = threading.Condition()
 
-        def wake(_: EpochView) -> None:
-            with woken:
-                woken.notify_all()
+        def go(epoch: EpochView | None) -> bool:
+            return epoch is not None and (len(epoch.members) >= self.hold_members
+                                          or any(m.role == JOINING for m in epoch.members))
 
-        def members() -> tuple[int, bool]:
-            epoch = current()
-            return (0, False) if epoch is None else (len(epoch.members),
-                                                     any(m.role == JOINING for m in epoch.members))
-
-        def go() -> bool:
-            n, joining = members()
-            return n >= self.hold_members or joining
-
-        if step > self.hold_step and go():
+        if step > self.hold_step and go(feed.current()):
             return
-        t0, remove = time.monotonic(), add_listener(wake)
-        try:
-            with woken:
-                woken.wait_for(go, timeout=self.hold_s - self._held.get("s", 0.0))
-        finally:
-            remove()
+        t0 = time.monotonic()
+        epoch = feed.wait_until(go, self.hold_s - held)
         waited = time.monotonic() - t0
-        self._held["s"] = self._held.get("s", 0.0) + waited
-        n, joining = members()
+        self._held["s"] = held = held + waited
+        n = len(epoch.members) if epoch is not None else 0
         log(logging.WARNING, "held before step %d for %.1fs (FTHSDP_FAULT_HOLD_UNTIL, %.1fs in all): %s", step,
-            waited, self._held["s"], f"an epoch of {n} members" if n >= self.hold_members else
-            "a member is joining" if joining else
-            f"no epoch of {self.hold_members} members within {self.hold_s:g}s in all, going on")
+            waited, held, f"an epoch of {n} members" if n >= self.hold_members else "a member is joining"
+            if go(epoch) else f"no epoch of {self.hold_members} members within {self.hold_s:g}s in all, going on")
 
     def slow_down(self, step: int, compute_s: float) -> float:
         """``FTHSDP_FAULT_SLOW``: as the backward of ``step`` begins, compute (spin) ``slow_factor - 1`` times

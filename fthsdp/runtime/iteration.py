@@ -194,7 +194,7 @@ class Steps(StepCore):
                 with carry.redealt(self):
                     self.deliver(catching_up.zero_step(self, self.exchange_all(contribute=False),
                                                        redo=functools.partial(carry.redo, self, ())))
-        self.faults.hold(self.step, self.feed.current, self.feed.add_listener, self.log)  # FTHSDP_FAULT_HOLD_UNTIL
+        self.faults.hold(self.step, self.feed, self.log)  # FTHSDP_FAULT_HOLD_UNTIL
         buckets.digest = self.check.digest(self.step, shards, self.cursors, self.world_size, self.device)
         self.faults.at(self.step, Phase.FORWARD)
         shards.opt.zero_grad(set_to_none=True)

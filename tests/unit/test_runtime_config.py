@@ -87,9 +87,9 @@ def test_the_slow_link_fault_delays_its_lanes_collectives_from_its_step_on_and_r
 
 def test_the_hold_waits_from_its_step_while_the_job_lacks_members_but_never_on_a_joiner() -> None:
     """``FTHSDP_FAULT_HOLD_UNTIL`` (tests): every rank holds before each step from its step on, woken by the epochs
-    it is handed, while the epoch has fewer than its members and none joining (a joiner's catch-up needs the
-    others' steps; the lighthouse lets one in at a time); at most its seconds in all; said at its step and whenever
-    it waited."""
+    its feed publishes (``EpochFeed.wait_until``), while the epoch has fewer than its members and none joining (a
+    joiner's catch-up needs the others' steps; the lighthouse lets one in at a time); at most its seconds in all;
+    said at its step and whenever it waited."""
     cfg = RuntimeConfig.from_env({**BASE, "FTHSDP_FAULT_HOLD_UNTIL": "30:4:5"})
     faults = FaultInjector.for_rank(cfg.faults, 1)  # every rank, not only rank 0
     assert (faults.hold_step, faults.hold_members, faults.hold_s) == (30, 4, 5.0)
@@ -111,7 +111,7 @@ def test_the_hold_waits_from_its_step_while_the_job_lacks_members_but_never_on_a
         if later is not None:
             later.start()
         t0 = time.monotonic()
-        hook.hold(step, feed.current, feed.add_listener, log)
+        hook.hold(step, feed, log)
         return time.monotonic() - t0
 
     feed.publish(epoch(1, 2))  # two of four groups killed
