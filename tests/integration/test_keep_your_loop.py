@@ -71,8 +71,8 @@ def committed(log: pathlib.Path) -> list[int]:
 def run(tmp_path: pathlib.Path, extra: list[str], steps: int, pace: float,
         hold: str = "") -> tuple[dict, pathlib.Path, str]:
     """``fthsdp run`` of the real trainer; ``hold``: ``FTHSDP_FAULT_HOLD_UNTIL`` for every group (``STEP:MEMBERS``:
-    the groups that train wait before STEP until that many are in the job, so a killed one is back before the end
-    however slow the machine)."""
+    from STEP on, the groups that train wait while fewer are in the job and none is joining, so a killed one is back
+    before the end however slow the machine)."""
     work, out = tmp_path / "elsewhere", tmp_path / "elsewhere" / "out"
     out.mkdir(parents=True)
     shutil.copy(USER / "loop_fthsdp.py", work / "train.py")

@@ -47,8 +47,9 @@ def data_ranks(layout: str) -> int:
 
 def fthsdp_run(tmp_path: pathlib.Path, layout: str, steps: int, extra: list[str], pace: float,
                script: tuple[str, ...] = (), ok: bool = True, hold: int = -1) -> tuple[dict, list, str]:
-    """``fthsdp run`` of ``layout``'s trainer; ``hold``: the replicas that train wait before that step until every
-    one is in the job (``FTHSDP_FAULT_HOLD_UNTIL``), so a killed one is back before the end on any machine."""
+    """``fthsdp run`` of ``layout``'s trainer; ``hold``: from that step on, the replicas that train wait while one is
+    missing from the job and none is joining (``FTHSDP_FAULT_HOLD_UNTIL``), so a killed one is back before the end
+    on any machine."""
     work, out = tmp_path / "w", tmp_path / "w" / "out"
     out.mkdir(parents=True)
     shutil.copy(USER / "loop_layouts.py", work / "train.py")
