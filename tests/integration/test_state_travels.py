@@ -17,10 +17,19 @@ from tests.helpers.cluster_checks import check_converged, check_exactly_once, ch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-RESTART_WINDOW_STEPS = 320
-"""Steps paced at 0.25 s (80 s) in the tests where a replica restarts and must rejoin before the end: these tests
-run in the light lane (tests/integration/conftest.py), beside a training that fills the cores, where a cold
-restart (torchrun, imports) took 47 s once (160 steps, 40 s, were not enough)."""
+RESTART_WINDOW_STEPS = 120
+"""Steps paced at 0.25 s (30 s) in the tests where a replica restarts and must rejoin before the end. These tests run
+in the light lane (tests/integration/conftest.py), beside a training that fills the cores, where a cold restart
+(torchrun, imports) took 47 s once: from ``HOLD_FROM`` on, the replicas that train hold between steps while one is
+missing from the job and none is joining (``FTHSDP_FAULT_HOLD_UNTIL``), so the restarted one is back before the end
+however slow the machine, and 60 steps (15 s) are left for its catch-up."""
+
+HOLD_FROM = 60
+
+
+def _hold(members: int) -> dict[str, str]:
+    """The environment that holds a replica from ``HOLD_FROM`` until the job has ``members`` members again."""
+    return {"FTHSDP_FAULT_HOLD_UNTIL": f"{HOLD_FROM}:{members}"}
 
 
 def _config(**kw: Any) -> ClusterConfig:
@@ -34,7 +43,7 @@ def test_joiner_with_a_scheduler_ends_bitwise_equal(tmp_path: pathlib.Path, sche
     ``LambdaLR`` decaying every step); restarted, it catches up and every replica ends with one state hash, which
     covers the param groups' lr and the scheduler's state. The digest check (every 4 steps) agrees all along."""
     steps = RESTART_WINDOW_STEPS
-    env = {"FTHSDP_SCHEDULER": scheduler, "FTHSDP_DIGEST_EVERY": "4"}
+    env = {"FTHSDP_SCHEDULER": scheduler, "FTHSDP_DIGEST_EVERY": "4", **_hold(2)}
     report = Cluster(_config(steps=steps, kills=(Kill(1, 6, "backward"),), min_step_s=0.25,
                              env={0: env, 1: env}), tmp_path).run()
     check_converged(report, steps)
@@ -52,7 +61,7 @@ def test_corrupted_replica_is_named_within_k_steps_and_catches_up(tmp_path: path
     state before step 12: replica 1 is in the minority, says so and restarts; replicas 0 and 2 name it at step 12
     and go on. It catches up, and all three end equal."""
     steps, corrupt, every = RESTART_WINDOW_STEPS, 9, 4
-    env = {"FTHSDP_DIGEST_EVERY": str(every)}
+    env = {"FTHSDP_DIGEST_EVERY": str(every), **_hold(3)}
     report = Cluster(_config(replicas=3, steps=steps, min_step_s=0.25,
                              env={0: env, 1: {**env, "FTHSDP_FAULT_CORRUPT": str(corrupt)}, 2: env}), tmp_path).run()
     found = [x for x in progress(tmp_path, 1) if x.event == "digest_mismatch"]
@@ -88,8 +97,10 @@ def test_a_corrupted_spare_finds_itself_and_catches_up(tmp_path: pathlib.Path) -
     and restarts; the replicas see nothing wrong and go on. It catches up as a spare, and all three end equal."""
     steps, corrupt, every = RESTART_WINDOW_STEPS, 5, 4
     env = {"FTHSDP_DIGEST_EVERY": str(every)}
+    # The two that train hold for the spare (its own zero steps never hold; no other spare idles meanwhile).
     report = Cluster(_config(spares=1, steps=steps, min_step_s=0.25,
-                             env={0: env, 1: env, 2: {**env, "FTHSDP_FAULT_CORRUPT": str(corrupt)}}), tmp_path).run()
+                             env={0: {**env, **_hold(3)}, 1: {**env, **_hold(3)},
+                                  2: {**env, "FTHSDP_FAULT_CORRUPT": str(corrupt)}}), tmp_path).run()
     found = [x for x in progress(tmp_path, 2) if x.event == "digest_mismatch"]
     assert [(x.step, x.extra["replicas"]) for x in found] == [(8, [])], found
     assert "this spare's state" in (found[0].error or "")
