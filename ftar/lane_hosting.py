@@ -49,10 +49,8 @@ class LaneHosting:
     """One member's lane store (started at its first rendezvous) and what it knows of its lanes' hosts."""
 
     def __init__(self, replica_id: str, job_id: str, key: str, host: str,
-                 epoch: Callable[[], EpochView | None], spread_from: int = lane_hosts.SPREAD_FROM) -> None:
+                 epoch: Callable[[], EpochView | None]) -> None:
         self.replica_id = replica_id
-        self.spread_from = spread_from
-        """The members from which a lane meets on several stores (``lane_hosts.stores``; the same on every member)."""
         self.job_id = job_id
         self._key = key
         self._host = host
@@ -85,7 +83,7 @@ class LaneHosting:
         hosting = hosting_of(epoch.rendezvous)
         assert hosting is not None
         mode, namespace = hosting
-        on = lane_hosts.stores(epoch.members, lane, mode, self.spread_from)
+        on = lane_hosts.stores(epoch.members, lane, mode, epoch.spread_from)  # the lighthouse's: one for the job
         if not on:
             raise StoreRefused(f"epoch {epoch.number} has no member to host lane {lane}")
         addresses = [self._address_of(epoch, lane, rid, mode, namespace, lighthouse, timeout, superseded,

@@ -14,7 +14,6 @@ from typing import Protocol
 
 from ftar.lane_hosting import LaneHosting
 from ftar.store import StoreTarget
-from lighthouse import lane_hosts
 from lighthouse.client import LighthouseClient
 from lighthouse.epoch_view import EpochView
 from lighthouse.errors import LighthouseError
@@ -93,15 +92,13 @@ class EpochFeed:
 class LighthouseMembership:
     """``Membership`` backed by a ``LighthouseClient`` whose ``on_epoch`` is ``feed.publish``."""
 
-    def __init__(self, client: LighthouseClient, feed: EpochFeed, *, key: str = "", host: str = "127.0.0.1",
-                 spread_from: int = lane_hosts.SPREAD_FROM) -> None:
+    def __init__(self, client: LighthouseClient, feed: EpochFeed, *, key: str = "", host: str = "127.0.0.1") -> None:
         self.client = client
         self.feed = feed
         self.replica_id = client.replica_id
-        self.hosting = LaneHosting(client.replica_id, client.aio.job_id, key, host, feed.current, spread_from)
+        self.hosting = LaneHosting(client.replica_id, client.aio.job_id, key, host, feed.current)
         """This member's side of member-hosted lane rendezvous: its lane store on ``host`` (requests signed with
-        ``key``, the job's catch-up key; without one, loopback only), its lanes' hosts, and from how many members a
-        lane meets on several stores (``spread_from``)."""
+        ``key``, the job's catch-up key; without one, loopback only) and its lanes' hosts."""
 
     def current(self) -> EpochView | None:
         return self.client.epoch

@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from lighthouse.lane_hosts import SPREAD_FROM
 from lighthouse.model import Policy
 from lighthouse.security import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN_FILE, ClientSecurity, ServerSecurity
 from lighthouse.stores.etcd_tls import ENV_ETCD_CA, ENV_ETCD_CERT, ENV_ETCD_KEY, EtcdTLS
@@ -37,6 +38,10 @@ class LighthouseConfig:
     """Let each lane's members host their rendezvous (``lighthouse.lane_hosts``): the lighthouse sends the epoch and
     serves only what the members cannot do alone (a newcomer's lookup of its host, a re-formed epoch). Off: every
     rank of every lane rendezvous on the lighthouse, as before (``--rendezvous-on lighthouse``)."""
+    lane_spread_from: int = SPREAD_FROM
+    """A lane of at least this many members that meets on the addresses its members kept meets on ``SPREAD`` of
+    their stores at once (``lighthouse.lane_hosts.stores``), so that no one store serves every member; stamped on
+    every epoch (``Epoch.lane_spread_from``), so the whole job uses one number (``--lane-spread-from``)."""
     insecure_tcp_rendezvous: bool = False
     """Host it on a plain TCPStore instead (no token, no TLS): an explicit opt-in, refused unless ``bind`` is a
     loopback address, and logged as a warning."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from lighthouse.lane_hosts import SPREAD_FROM
 from lighthouse.model import ACTIVE, EpochMember
 
 
@@ -20,6 +21,14 @@ class EpochView:
     reason: str
     plane: int = 0
     """The epoch whose data-plane groups this one keeps (see ``Epoch.plane`` in the proto)."""
+    lane_spread_from: int = 0
+    """The lighthouse's: from how many members a lane meeting on kept addresses meets on several stores (0: it did
+    not say; ``spread_from`` reads it)."""
+
+    @property
+    def spread_from(self) -> int:
+        """``lane_spread_from``, or ``lane_hosts.SPREAD_FROM`` from a lighthouse that did not say."""
+        return self.lane_spread_from or SPREAD_FROM
 
     @property
     def data_plane(self) -> int:

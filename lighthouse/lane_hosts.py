@@ -36,8 +36,8 @@ LOST_AT_ONCE = 2
 SPREAD = 4
 """The stores a lane of ``SPREAD_FROM`` members or more spreads its keys over when it meets on kept addresses."""
 SPREAD_FROM = 64
-"""The members from which a lane's keys spread, by default (``FTHSDP_LANE_SPREAD_FROM``): below, one store serves
-the lane's few calls."""
+"""The members from which a lane's keys spread, by default (the lighthouse's ``--lane-spread-from``, stamped on every
+epoch: ``Epoch.lane_spread_from``): below, one store serves the lane's few calls."""
 CANDIDATES = LOST_AT_ONCE + SPREAD
 """The members of a lane's ranking whose addresses every member keeps: whichever ``LOST_AT_ONCE`` of them die, the
 first ``SPREAD`` of the next epoch's ranking are among them."""

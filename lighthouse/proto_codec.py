@@ -66,11 +66,11 @@ def _rendezvous_of(job_id: str, epoch: Epoch, rendezvous: str) -> str:
     return SCHEME + ns if rendezvous == SCHEME else f"{rendezvous}/{ns}"
 
 
-def epoch_to_pb(job_id: str, epoch: Epoch | None, rendezvous: str) -> pb.Epoch:
+def epoch_to_pb(job_id: str, epoch: Epoch | None, rendezvous: str, spread_from: int = 0) -> pb.Epoch:
     """The pushed epoch (number 0 before the first one); ``rendezvous`` is where the lighthouse hosts the data
     plane's rendezvous: ``SCHEME`` (its gRPC Rendezvous service), ``MEMBERS_SCHEME`` (the lanes' members host it,
     as the epoch's ``hosting`` says, with the lighthouse's service behind them), a TCPStore's ``host:port``, or ''
-    (none)."""
+    (none); ``spread_from``: the lighthouse's ``lane_spread_from`` (0: not said)."""
     if epoch is None:
         return pb.Epoch(job_id=job_id, number=0)
     return pb.Epoch(
@@ -81,6 +81,7 @@ def epoch_to_pb(job_id: str, epoch: Epoch | None, rendezvous: str) -> pb.Epoch:
         created_unix=epoch.created_at,
         reason=epoch.reason,
         plane=epoch.data_plane,
+        lane_spread_from=spread_from,
     )
 
 
@@ -94,6 +95,7 @@ def epoch_from_pb(e: pb.Epoch) -> EpochView:
         created_unix=e.created_unix,
         reason=e.reason,
         plane=e.plane,
+        lane_spread_from=e.lane_spread_from,
     )
 
 
@@ -101,7 +103,8 @@ def view_to_pb(v: EpochView) -> pb.Epoch:
     """An epoch as a client holds it, back on the wire (``epoch_from_pb`` inverted): how a replica group's rank 0
     hands it to the group's other ranks."""
     return pb.Epoch(job_id=v.job_id, number=v.number, members=[member_to_pb(x) for x in v.members],
-                    rendezvous=v.rendezvous, created_unix=v.created_unix, reason=v.reason, plane=v.plane)
+                    rendezvous=v.rendezvous, created_unix=v.created_unix, reason=v.reason, plane=v.plane,
+                    lane_spread_from=v.lane_spread_from)
 
 
 @functools.lru_cache(maxsize=8)
@@ -111,12 +114,12 @@ def epoch_from_bytes(raw: bytes) -> EpochView:
     return epoch_from_pb(pb.Epoch.FromString(raw))
 
 
-def delta_to_pb(job_id: str, epoch: Epoch, rendezvous: str, d: deltas.Delta) -> pb.EpochDelta:
+def delta_to_pb(job_id: str, epoch: Epoch, rendezvous: str, d: deltas.Delta, spread_from: int = 0) -> pb.EpochDelta:
     """The delta ``d`` that leads to ``epoch``, with the rest of ``epoch``'s fields (as ``epoch_to_pb`` has them)."""
     return pb.EpochDelta(job_id=job_id, number=d.number, base=d.base,
                          upserted=[member_to_pb(x) for x in d.upserted], removed=list(d.removed),
                          rendezvous=_rendezvous_of(job_id, epoch, rendezvous), created_unix=epoch.created_at,
-                         reason=epoch.reason, plane=epoch.data_plane)
+                         reason=epoch.reason, plane=epoch.data_plane, lane_spread_from=spread_from)
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,7 @@ class DeltaView:
     created_unix: float
     reason: str
     plane: int
+    lane_spread_from: int = 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -149,7 +153,7 @@ def update_from_bytes(raw: bytes) -> EpochView | DeltaView:
     if kind == "delta":
         d = u.delta
         return DeltaView(d.job_id, d.number, d.base, tuple(member_from_pb(x) for x in d.upserted),
-                         tuple(d.removed), d.rendezvous, d.created_unix, d.reason, d.plane)
+                         tuple(d.removed), d.rendezvous, d.created_unix, d.reason, d.plane, d.lane_spread_from)
     return epoch_from_pb(u.epoch)
 
 
@@ -171,7 +175,8 @@ def apply_delta(base: EpochView, d: DeltaView) -> EpochView:
             _APPLIED.move_to_end(key)
             return hit[2]
     view = EpochView(job_id=d.job_id, number=d.number, members=deltas.apply(base.members, d.upserted, d.removed),
-                     rendezvous=d.rendezvous, created_unix=d.created_unix, reason=d.reason, plane=d.plane)
+                     rendezvous=d.rendezvous, created_unix=d.created_unix, reason=d.reason, plane=d.plane,
+                     lane_spread_from=d.lane_spread_from)
     with _APPLIED_LOCK:
         _APPLIED[key] = (base, d, view)
         if len(_APPLIED) > _APPLIED_LIMIT:

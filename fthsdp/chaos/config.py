@@ -50,8 +50,8 @@ class ChaosConfig:
     log_level: str = "WARNING"
     """``FTHSDP_LOG_LEVEL`` of the replicas (``INFO``: the lanes' rebuilds, where they met, in the replicas' logs)."""
     lane_spread_from: int = 0
-    """``FTHSDP_LANE_SPREAD_FROM`` of the replicas (0: the runtime's default): from how many members a lane meets on
-    several members' stores after a death."""
+    """The lighthouse's ``--lane-spread-from`` (0: its default): from how many members a lane meets on several
+    members' stores after a death."""
     last_fault_at: float = 1.0
     """No fault armed past this fraction of the steps (1.0: faults up to the last step; a replica back after the
     job finished takes its final checkpoint)."""
@@ -67,9 +67,7 @@ class ChaosConfig:
                              seed=self.seed, restart_delay_s=self.restart_delay_s, timeout_s=self.timeout_s,
                              heartbeat_timeout_s=self.heartbeat_timeout_s,
                              collective_timeout_s=self.collective_timeout_s, min_step_s=self.min_step_s,
-                             compute_s=self.compute_s,
+                             compute_s=self.compute_s, lane_spread_from=self.lane_spread_from,
                              max_restarts=4 * faults + 4,
-                             env={i: {"FTHSDP_EPOCH_WAIT": str(self.epoch_wait_s), "FTHSDP_LOG_LEVEL": self.log_level,
-                                      **({"FTHSDP_LANE_SPREAD_FROM": str(self.lane_spread_from)}
-                                         if self.lane_spread_from else {})}
+                             env={i: {"FTHSDP_EPOCH_WAIT": str(self.epoch_wait_s), "FTHSDP_LOG_LEVEL": self.log_level}
                                   for i in range(self.replicas)})

@@ -84,10 +84,13 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
         logging.getLogger("fthsdp.lighthouse").warning("store not answering at start: %s", e)
     config = LighthouseConfig(bind=a.bind, http=a.http or None, jobs=tuple(a.job or ["default"]), policy=policy,
                               rendezvous=not a.no_rendezvous, insecure_tcp_rendezvous=a.insecure_tcp_rendezvous,
-                              member_rendezvous=a.rendezvous_on == "members",
+                              member_rendezvous=a.rendezvous_on == "members", lane_spread_from=a.lane_spread_from,
                               security=security, advertise=a.advertise, election_ttl_s=a.election_ttl,
                               election_probe_s=a.election_probe,
                               probe_timeout_s=a.probe_timeout)
+    if config.lane_spread_from < 2:
+        sys.exit(f"fthsdp lighthouse: --lane-spread-from must be >= 2 (members of a lane), not "
+                 f"{config.lane_spread_from}")
     if config.probe_timeout_s < 0:
         sys.exit(f"fthsdp lighthouse: --probe-timeout must be >= 0, not {config.probe_timeout_s:g}")
     if config.election_probe_s < 0:
@@ -163,6 +166,8 @@ def cmd_status(a: argparse.Namespace) -> None:
 
 
 def register(sub: Subparsers) -> None:
+    from lighthouse import lane_hosts
+
     lh = sub.add_parser("lighthouse", help="run the membership coordinator")
     lh.add_argument("--bind", default="127.0.0.1:29510", help="gRPC HOST:PORT (port 0: any free port)")
     lh.add_argument("--http", default="127.0.0.1:29511", help="HTTP HOST:PORT for /status, /metrics, / ('' = off)")
@@ -214,6 +219,10 @@ def register(sub: Subparsers) -> None:
                     help="where each lane's ranks meet after a membership change: on a store one of the lane's "
                          "members hosts, chosen by a rule every member computes (the lighthouse only sends the "
                          "epoch), or every rank on the lighthouse's own service (default: members)")
+    lh.add_argument("--lane-spread-from", type=int, default=lane_hosts.SPREAD_FROM,
+                    help="a lane of at least this many members that meets on the addresses its members kept meets "
+                         f"on {lane_hosts.SPREAD} of their stores at once; stamped on every epoch, so the whole job "
+                         f"uses one number (default: {lane_hosts.SPREAD_FROM}; at least 2)")
     lh.add_argument("--port-file", default="", help="write 'grpc=P http=P rendezvous=R' here once serving (R: "
                     "'members:' or 'lighthouse:' for the gRPC service, H:P for the opt-in TCPStore, empty when "
                     "off)")

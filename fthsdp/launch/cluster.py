@@ -234,7 +234,8 @@ class Cluster:
         return [*secret, "--heartbeat-interval", str(c.heartbeat_interval_s),
                 "--heartbeat-timeout", str(c.heartbeat_timeout_s), "--confirm-age", str(c.confirm_age_s),
                 "--join-window", str(self.join_window_s), "--expected-replicas", str(c.replicas + c.spares),
-                "--straggler-policy", c.straggler_policy, *(["--orphan-planes"] if c.carries else [])]
+                "--straggler-policy", c.straggler_policy, *(["--orphan-planes"] if c.carries else []),
+                *(["--lane-spread-from", str(c.lane_spread_from)] if c.lane_spread_from else [])]
 
     def start_lighthouse(self) -> None:
         """Start the lighthouse; set ``addr`` (what replicas get as ``FTHSDP_LIGHTHOUSE``) and ``http``. A subclass

@@ -113,6 +113,9 @@ class ClusterConfig:
     """Restarts of one replica group before the job is given up."""
     straggler_policy: str = "report"
     """The lighthouse's ``--straggler-policy`` (fail-slow: ``report`` or ``eject``)."""
+    lane_spread_from: int = 0
+    """The lighthouse's ``--lane-spread-from`` (0: its default): from how many members a lane meets on several of
+    its members' stores after a death."""
     min_step_s: float = 0.0
     """Pace the trainer's steps that train a batch to at least this long (tests: keeps runs long enough for a
     rejoin; it stands in for compute, so a joiner's zero steps are not paced)."""

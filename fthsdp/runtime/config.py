@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fthsdp.runtime.faults import FaultSettings, parse_hold, parse_slow
-from lighthouse import lane_hosts
 from lighthouse.config import security_from_env
 from lighthouse.security import ClientSecurity, SecurityConfigError, read_catchup_key
 
@@ -133,12 +132,6 @@ class RuntimeConfig:
     micro_batches: int = 1
     """``FTHSDP_MICRO_BATCHES``: micro-batches per data slot and step (the trainer's gradient accumulation), the unit
     an orphan's batch is dealt out in. The same on every replica."""
-    lane_spread_from: int = lane_hosts.SPREAD_FROM
-    """``FTHSDP_LANE_SPREAD_FROM``: a lane of at least this many members that meets on the addresses its members kept
-    meets on its first 4 candidates' stores at once, each member arriving on one (docs/design.md §5, "A large lane
-    meets on several stores"); below, on its host's store alone. Default 64. Must be the same on every replica: a
-    member that spreads and one that does not look for each other's keys on different stores, and their lane's
-    rendezvous fails."""
     backend: str = "gloo"
     """``FTHSDP_BACKEND``: ``gloo`` (CPU) or ``nccl`` (GPU); default by whether CUDA is available."""
     timeout_s: float = 5.0
@@ -288,9 +281,6 @@ class RuntimeConfig:
         if orphans == "carry" and spares:
             raise ConfigError(f"FTHSDP_ORPHANS=carry with FTHSDP_SPARES={spares}: a spare takes a dead replica's slot "
                               "(no orphan to carry); carrying beside spares is not built yet")
-        spread_from = _int(e, "FTHSDP_LANE_SPREAD_FROM", str(lane_hosts.SPREAD_FROM))
-        if spread_from < 2:
-            raise ConfigError(f"FTHSDP_LANE_SPREAD_FROM={spread_from} must be >= 2 (members of a lane)")
         return cls(
             lighthouse=_get(e, "FTHSDP_LIGHTHOUSE"),
             replica_index=index,
@@ -304,7 +294,6 @@ class RuntimeConfig:
             carry_orphans=orphans == "carry",
             micro_batches=micro_batches,
             deterministic=deterministic,
-            lane_spread_from=spread_from,
             backend=backend,
             timeout_s=timeout,
             rank_timeout_s=rank_timeout,

@@ -106,8 +106,7 @@ class StepCore:
                                        on_epoch=self.feed.publish, incarnation=self.incarnation, layout=layout,
                                        endpoints=m.Endpoints(catchup=self.server.address),
                                        security=cfg.security, on_lost=self.on_lost, slot=self.slot, slots=self.slots)
-        self.membership = LighthouseMembership(self.client, self.feed, key=cfg.token, host=cfg.host,  # + lane store
-                                               spread_from=cfg.lane_spread_from)
+        self.membership = LighthouseMembership(self.client, self.feed, key=cfg.token, host=cfg.host)  # + lane store
         self.engine = LaneEngine(self.membership, lane=self.rank, config=FTARConfig(
             backend=cfg.backend, timeout_s=cfg.timeout_s, epoch_wait_s=cfg.epoch_wait_s, hold=True, device=self.device,
             before_collective=self.faults.link_hook))

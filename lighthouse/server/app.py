@@ -136,7 +136,8 @@ class Lighthouse:
                         job_id, e)
             doc = None
         now = clock()
-        return Job(job_id, state_from_doc(doc, now), self.rendezvous_addr, now, self.policy.heartbeat_timeout_s)
+        return Job(job_id, state_from_doc(doc, now), self.rendezvous_addr, now, self.policy.heartbeat_timeout_s,
+                   self.config.lane_spread_from)
 
     async def _start_grpc(self) -> None:
         sec = self.config.security

@@ -65,9 +65,12 @@ class Job:
     """One job's state on the server: the membership state, liveness (volatile: never stored) and the current
     epoch as pushed to watchers."""
 
-    def __init__(self, job_id: str, state: State, rendezvous: str, seen_at: float, timeout_s: float = 3.0) -> None:
+    def __init__(self, job_id: str, state: State, rendezvous: str, seen_at: float, timeout_s: float = 3.0,
+                 spread_from: int = 0) -> None:
         self.job_id = job_id
         self.rendezvous = rendezvous
+        self.spread_from = spread_from
+        """Stamped on every epoch pushed (``Epoch.lane_spread_from``; 0: not said)."""
         self.write_lock = asyncio.Lock()
         self.changed = asyncio.Event()
         """Set (and replaced by a fresh one) whenever a new epoch is published or the server stops. An Event wakes
@@ -135,7 +138,7 @@ class Job:
     def epoch_pb(self) -> pb.Epoch:
         """The current epoch as the wire has it (number 0 before the first)."""
         if self._epoch_pb is None:
-            self._epoch_pb = epoch_to_pb(self.job_id, self._epoch, self.rendezvous)
+            self._epoch_pb = epoch_to_pb(self.job_id, self._epoch, self.rendezvous, self.spread_from)
         return self._epoch_pb
 
     @property
@@ -156,7 +159,8 @@ class Job:
         if start is None:
             return self._full_update()
         assert self._epoch is not None
-        delta = delta_to_pb(self.job_id, self._epoch, self.rendezvous, deltas.compose(chain[start:]))
+        delta = delta_to_pb(self.job_id, self._epoch, self.rendezvous, deltas.compose(chain[start:]),
+                            self.spread_from)
         raw = self._updates[held] = pb.SessionUpdate(delta=delta).SerializeToString()
         return raw
 

@@ -43,7 +43,7 @@ class Member(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., shard_count: _Optional[int] = ..., endpoints: _Optional[_Union[Endpoints, _Mapping]] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class Epoch(_message.Message):
-    __slots__ = ("job_id", "number", "members", "rendezvous", "created_unix", "reason", "plane")
+    __slots__ = ("job_id", "number", "members", "rendezvous", "created_unix", "reason", "plane", "lane_spread_from")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class Epoch(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PLANE_FIELD_NUMBER: _ClassVar[int]
+    LANE_SPREAD_FROM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     number: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
@@ -58,7 +59,8 @@ class Epoch(_message.Message):
     created_unix: float
     reason: str
     plane: int
-    def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., plane: _Optional[int] = ...) -> None: ...
+    lane_spread_from: int
+    def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., plane: _Optional[int] = ..., lane_spread_from: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("job_id", "replica_id", "shard_count", "endpoints", "incarnation", "role", "last_epoch", "slot", "slots", "layout")
@@ -235,7 +237,7 @@ class SessionRequest(_message.Message):
     def __init__(self, heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., after_epoch: _Optional[int] = ..., resync: _Optional[bool] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class EpochDelta(_message.Message):
-    __slots__ = ("job_id", "number", "base", "upserted", "removed", "rendezvous", "created_unix", "reason", "plane")
+    __slots__ = ("job_id", "number", "base", "upserted", "removed", "rendezvous", "created_unix", "reason", "plane", "lane_spread_from")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class EpochDelta(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PLANE_FIELD_NUMBER: _ClassVar[int]
+    LANE_SPREAD_FROM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     number: int
     base: int
@@ -254,7 +257,8 @@ class EpochDelta(_message.Message):
     created_unix: float
     reason: str
     plane: int
-    def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., base: _Optional[int] = ..., upserted: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., removed: _Optional[_Iterable[str]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., plane: _Optional[int] = ...) -> None: ...
+    lane_spread_from: int
+    def __init__(self, job_id: _Optional[str] = ..., number: _Optional[int] = ..., base: _Optional[int] = ..., upserted: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., removed: _Optional[_Iterable[str]] = ..., rendezvous: _Optional[str] = ..., created_unix: _Optional[float] = ..., reason: _Optional[str] = ..., plane: _Optional[int] = ..., lane_spread_from: _Optional[int] = ...) -> None: ...
 
 class SessionUpdate(_message.Message):
     __slots__ = ("epoch", "delta", "epoch_zlib")

@@ -199,6 +199,24 @@ def test_run_refuses_a_missing_script_and_judges_final_states(tmp_path: pathlib.
     assert "differ" in problems({"0": same, "1": {"step": 5, "param_hash": "cd"}})[0]
 
 
+def test_the_lane_spread_is_the_lighthouses_and_a_lane_of_fewer_than_two_is_refused(tmp_path: pathlib.Path) -> None:
+    """One number for the whole job (stamped on every epoch): a local cluster passes it to its lighthouse only when
+    asked to, and the lighthouse refuses what no lane could spread over."""
+    from fthsdp.launch.cluster import Cluster
+    from fthsdp.launch.config import ClusterConfig
+
+    assert "--lane-spread-from" not in Cluster(ClusterConfig(replicas=3), tmp_path).lighthouse_args()
+    spread = Cluster(ClusterConfig(replicas=3, lane_spread_from=2), tmp_path).lighthouse_args()
+    assert spread[spread.index("--lane-spread-from") + 1] == "2"
+    for bad in ("1", "0", "-3"):
+        refused = build_parser().parse_args(["lighthouse", "--bind", "127.0.0.1:0", "--http", "",
+                                             "--lane-spread-from", bad])
+        with pytest.raises(SystemExit, match=f"--lane-spread-from must be >= 2 \\(members of a lane\\), not {bad}"):
+            refused.fn(refused)  # returns only by refusing: it never serves
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["lighthouse", "--lane-spread-from", "many"])
+
+
 def test_run_one_hosts_groups_needs_the_jobs_lighthouse_and_valid_groups(tmp_path: pathlib.Path) -> None:
     from fthsdp.launch.cluster import Cluster
     from fthsdp.launch.config import ClusterConfig, Kill

@@ -9,10 +9,11 @@ import random
 
 import pytest
 
-from lighthouse import deltas
+from lighthouse import deltas, lane_hosts
 from lighthouse import membership as m
+from lighthouse.epoch_view import EpochView
 from lighthouse.model import Endpoints, Epoch, EpochMember
-from lighthouse.proto_codec import DeltaView, apply_delta, epoch_from_pb, update_from_bytes
+from lighthouse.proto_codec import DeltaView, apply_delta, epoch_from_pb, epoch_to_pb, update_from_bytes, view_to_pb
 from lighthouse.server.jobs import DELTA_HISTORY, Job, Waker
 from lighthouse.v1 import lighthouse_pb2 as pb
 
@@ -113,6 +114,28 @@ def test_the_chain_is_bounded_and_a_restore_starts_it_over() -> None:
     assert _full(job.update_for(last - DELTA_HISTORY - 1))
     job.restore(m.State(epoch=epochs[-1], last_number=last), 0.0)  # another lighthouse's state: no deltas
     assert _full(job.update_for(last - 1))
+
+
+def test_the_lighthouses_lane_spread_reaches_every_member_in_full_epochs_and_deltas_alike() -> None:
+    """``--lane-spread-from`` is one number for the whole job (a member that spread and one that did not would look
+    for each other's keys on different stores): the lighthouse stamps it on every epoch it pushes, whole or as a
+    delta, and on the view a group's rank 0 relays to its other ranks; 0, an older lighthouse's, reads as the
+    default."""
+    epochs = _epochs(5, 6, 10)
+    job = Job("default", m.State(), "", 0.0, spread_from=2)
+    for e in epochs:
+        job.set_epoch(e)
+    job.state = m.State(epoch=epochs[-1], last_number=epochs[-1].number)
+    full = update_from_bytes(job.update_for(0))
+    assert isinstance(full, EpochView) and (full.lane_spread_from, full.spread_from) == (2, 2)
+    delta = update_from_bytes(job.update_for(4))
+    assert isinstance(delta, DeltaView) and delta.lane_spread_from == 2
+    base = epoch_from_pb(epoch_to_pb("default", epochs[3], "", 2))
+    after = apply_delta(base, delta)
+    assert after.members == epochs[-1].members and after.spread_from == 2
+    assert epoch_from_pb(view_to_pb(after)) == after  # rank 0 to its group's ranks: the same view
+    unsaid = epoch_from_pb(epoch_to_pb("default", epochs[-1], ""))
+    assert (unsaid.lane_spread_from, unsaid.spread_from) == (0, lane_hosts.SPREAD_FROM)
 
 
 def test_a_delta_against_another_epoch_is_refused() -> None:

@@ -240,14 +240,6 @@ def test_spares_ask_for_no_slot_and_indexes_past_them_are_refused() -> None:
         RuntimeConfig.from_env({**BASE, "FTHSDP_SPARES": "-1"})
 
 
-def test_the_lane_spread_is_read_and_a_lane_of_fewer_than_two_is_refused() -> None:
-    assert RuntimeConfig.from_env(BASE).lane_spread_from == 64
-    assert RuntimeConfig.from_env({**BASE, "FTHSDP_LANE_SPREAD_FROM": "2"}).lane_spread_from == 2
-    for bad in ("1", "0", "-3", "many"):
-        with pytest.raises(ConfigError, match="FTHSDP_LANE_SPREAD_FROM"):
-            RuntimeConfig.from_env({**BASE, "FTHSDP_LANE_SPREAD_FROM": bad})
-
-
 def test_how_early_a_spare_trains_a_slot_it_is_handed() -> None:
     assert RuntimeConfig.from_env(BASE).spare_early == 0.5
     assert RuntimeConfig.from_env({**BASE, "FTHSDP_SPARE_EARLY": "0"}).spare_early == 0.0
