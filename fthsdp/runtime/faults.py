@@ -35,9 +35,9 @@ training rank wait, before step STEP's forward and each one after, while the new
 MEMBERS members (any role: a joiner is one once it entered the data plane) and none of them is joining (its
 catch-up needs the others' steps), at most SECONDS in all (default 120), then go on either way. Between steps no
 collective's deadline runs, so the wait costs nothing but time: a test holds the others there so that the replicas
-it killed are back in the job before it ends, however slow the machine, instead of counting on its pace. Only a
-replica that trains a slot holds: a spare's zero steps do not (it would wait for the held ones inside its next
-exchange), so a job that keeps a spare idle while a killed one is away must not use it.
+it killed are back in the job before it ends, however slow the machine, instead of counting on its pace. A spare's
+zero steps hold at the same place (else it would wait for the held ones inside its next exchange); a joiner's
+catch-up never holds (while one is joining nobody does).
 
 The runtime's settings builder (``fthsdp.runtime.config``) reads these variables into ``FaultSettings``."""
 

@@ -99,6 +99,7 @@ def spare_step(rep: StepCore, closure: Callable[[], torch.Tensor] | None, shadow
     redo). ``shadow``: the spare's step clock; ``warm_first``: warm up before the first step (``roles.Spare``)."""
     if closure is not None and warm_first:
         warm(rep, closure)
+    rep.faults.hold(rep.step, rep.feed, rep.log)  # FTHSDP_FAULT_HOLD_UNTIL: where the trainers hold, between steps
     shards, _ = rep.parts()
     own = rep.step, rep.check.digest(rep.step, shards, rep.cursors, rep.world_size, rep.device)  # sends none
     losses: list[float] = []

@@ -96,11 +96,9 @@ def test_a_corrupted_spare_finds_itself_and_catches_up(tmp_path: pathlib.Path) -
     digest (it has no slot), so it holds its own against the slots' at the next check (step 8): it differs, says so
     and restarts; the replicas see nothing wrong and go on. It catches up as a spare, and all three end equal."""
     steps, corrupt, every = RESTART_WINDOW_STEPS, 5, 4
-    env = {"FTHSDP_DIGEST_EVERY": str(every)}
-    # The two that train hold for the spare (its own zero steps never hold; no other spare idles meanwhile).
+    env = {"FTHSDP_DIGEST_EVERY": str(every), **_hold(3)}  # the two that train hold for the spare
     report = Cluster(_config(spares=1, steps=steps, min_step_s=0.25,
-                             env={0: {**env, **_hold(3)}, 1: {**env, **_hold(3)},
-                                  2: {**env, "FTHSDP_FAULT_CORRUPT": str(corrupt)}}), tmp_path).run()
+                             env={0: env, 1: env, 2: {**env, "FTHSDP_FAULT_CORRUPT": str(corrupt)}}), tmp_path).run()
     found = [x for x in progress(tmp_path, 2) if x.event == "digest_mismatch"]
     assert [(x.step, x.extra["replicas"]) for x in found] == [(8, [])], found
     assert "this spare's state" in (found[0].error or "")

@@ -5,6 +5,7 @@ is who comes next, and that the role that trains none never runs as if it did.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -118,6 +119,27 @@ def test_a_spare_stays_one_until_handed_a_slot_and_keeps_its_clock(monkeypatch: 
     turn = spare.turn(core, None)  # type: ignore[arg-type]
     assert turn.result is None and isinstance(turn.next, roles.Active)
     assert clocks[0] is clocks[1] is clocks[2] is spare.shadow
+
+
+def test_a_spares_step_holds_where_a_trainers_does() -> None:
+    """``FTHSDP_FAULT_HOLD_UNTIL``: a spare's zero step waits before its digest and exchange, as a trainer's step
+    does before its forward, so that a spare never waits inside an exchange for trainers held between steps."""
+    seen: list[tuple[Any, ...]] = []
+
+    class Reached(Exception):
+        pass
+
+    def digest(*_: object) -> None:
+        seen.append(("digest",))
+        raise Reached
+
+    feed = EpochFeed()
+    rep = SimpleNamespace(step=7, feed=feed, log=lambda *_: None, parts=lambda: (None, None),
+                          faults=SimpleNamespace(hold=lambda step, f, log: seen.append(("hold", step, f))),
+                          check=SimpleNamespace(digest=digest), cursors=(), world_size=1, device="cpu")
+    with pytest.raises(Reached):
+        spares.spare_step(rep, None, spares.Shadow(), warm_first=False)  # type: ignore[arg-type]
+    assert seen == [("hold", 7, feed), ("digest",)]
 
 
 def test_warm_ups_in_the_trainers_loop() -> None:
