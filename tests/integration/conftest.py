@@ -30,8 +30,9 @@ PACED_ONE_RANK = frozenset({
     "test_late_joiner.py::test_under_train_step_it_still_reports_the_final_state_it_took",
 })
 """Files (or single tests) that train one rank per replica group with paced steps, or wait out a restart delay:
-light beside a training. Where such a test needs a replica to restart and rejoin before the end, its paced steps
-must leave room for a cold restart beside the training lane's (47 s once: ``test_state_travels.py``)."""
+light beside a training. Where such a test needs a replica to restart and rejoin before the end, a cold restart
+beside the training lane's can take 47 s (``test_state_travels.py``, once): the others hold for it
+(``FTHSDP_FAULT_HOLD_UNTIL``) instead of counting on their pace."""
 
 ALONE_AT_THE_END = (
     "test_chaos.py::test_seeded_chaos_run_keeps_every_invariant",
