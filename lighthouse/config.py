@@ -65,6 +65,10 @@ class LighthouseConfig:
     """A lighthouse that takes over gives restored members this long on top of the heartbeat timeout to find
     it (clients back off and rotate addresses); None: one heartbeat timeout."""
 
+    def __post_init__(self) -> None:
+        if self.lane_spread_from < 2:
+            raise ValueError(f"lane_spread_from={self.lane_spread_from} must be >= 2 (members of a lane)")
+
     @property
     def host(self) -> str:
         """The host part of ``bind``."""

@@ -54,6 +54,8 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
         sys.exit(f"fthsdp lighthouse: {e}")
     if risk := confirm_age_risk(policy.confirm_age_s, policy.heartbeat_interval_s):
         print(f"fthsdp lighthouse: warning: {risk}", file=sys.stderr)
+    if a.lane_spread_from < 2:
+        sys.exit(f"fthsdp lighthouse: --lane-spread-from must be >= 2 (members of a lane), not {a.lane_spread_from}")
     try:
         security = ServerSecurity.from_files(a.tls_cert, a.tls_key, a.tls_client_ca, a.token_file)
         security.ssl_context()  # fail now, with a clear message, on unreadable TLS files
@@ -88,9 +90,6 @@ def cmd_lighthouse(a: argparse.Namespace) -> None:
                               security=security, advertise=a.advertise, election_ttl_s=a.election_ttl,
                               election_probe_s=a.election_probe,
                               probe_timeout_s=a.probe_timeout)
-    if config.lane_spread_from < 2:
-        sys.exit(f"fthsdp lighthouse: --lane-spread-from must be >= 2 (members of a lane), not "
-                 f"{config.lane_spread_from}")
     if config.probe_timeout_s < 0:
         sys.exit(f"fthsdp lighthouse: --probe-timeout must be >= 0, not {config.probe_timeout_s:g}")
     if config.election_probe_s < 0:

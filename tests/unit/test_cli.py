@@ -204,6 +204,7 @@ def test_the_lane_spread_is_the_lighthouses_and_a_lane_of_fewer_than_two_is_refu
     asked to, and the lighthouse refuses what no lane could spread over."""
     from fthsdp.launch.cluster import Cluster
     from fthsdp.launch.config import ClusterConfig
+    from lighthouse.config import LighthouseConfig
 
     assert "--lane-spread-from" not in Cluster(ClusterConfig(replicas=3), tmp_path).lighthouse_args()
     spread = Cluster(ClusterConfig(replicas=3, lane_spread_from=2), tmp_path).lighthouse_args()
@@ -215,6 +216,8 @@ def test_the_lane_spread_is_the_lighthouses_and_a_lane_of_fewer_than_two_is_refu
             refused.fn(refused)  # returns only by refusing: it never serves
     with pytest.raises(SystemExit):
         build_parser().parse_args(["lighthouse", "--lane-spread-from", "many"])
+    with pytest.raises(ValueError, match=r"lane_spread_from=1 must be >= 2"):  # embedded, without the CLI
+        LighthouseConfig(lane_spread_from=1)
 
 
 def test_run_one_hosts_groups_needs_the_jobs_lighthouse_and_valid_groups(tmp_path: pathlib.Path) -> None:
